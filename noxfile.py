@@ -1,0 +1,90 @@
+"""Miles test sessions. `uv run nox` runs them all (gpu skips itself, with the reason, where there is no GPU).
+
+Every session installs from uv.lock (`uv sync --frozen`: never a fresh resolve) into its own venv, reused
+across runs. A per-package session installs only that package and its declared dependencies, so it also
+proves that the package installs alone.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+PACKAGES = [
+    "miles-contracts",
+    "miles-memory",
+    "miles-kernels",
+    "miles-rollout",
+    "miles-trainer",
+    "miles-spec",
+    "miles-orchestrator",
+]
+PYTHON = "3.11"
+# Two threads match this project's reference machine; determinism tests set their own counts.
+TEST_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install from uv.lock into this session's venv."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--frozen",
+        "--no-default-groups",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )
+
+
+def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
+    session.run("pytest", *paths, *session.posargs, env={**TEST_ENV, **(env or {})})
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """Unit tests of one package, installed alone with only its declared dependencies."""
+    _sync(session, "--package", package, "--group", "test")
+    session.run("python", "tests/check_isolation.py", package)
+    _pytest(session, f"packages/{package}/tests", "-m", "not gpu")
+
+
+@nox.session(python=PYTHON)
+def integration(session: nox.Session) -> None:
+    """Cross-package tests under tests/integration (real servers, a real Ray cluster on this machine)."""
+    _sync(session, "--all-packages", "--group", "test")
+    _pytest(session, "tests/integration", "-m", "not gpu")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff (lint + format check) and import-linter (the package table of DESIGN.md)."""
+    _sync(session, "--all-packages", "--group", "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy (strict) over every package's source."""
+    _sync(session, "--all-packages", "--group", "typecheck")
+    sources = [f"packages/{p}/src" for p in PACKAGES]
+    session.run("mypy", *sources)
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """`gpu`-marked tests on whatever CUDA GPU is present; skips, saying why, where there is none."""
+    _sync(session, "--all-packages", "--group", "test")
+    probe = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+    name = session.run("python", "-c", probe, silent=True, env=TEST_ENV)
+    name = (name or "").strip().splitlines()[-1] if name and name.strip() else ""
+    if not name:
+        session.skip("no CUDA GPU visible to torch (torch.cuda.is_available() is False): gpu tests not run")
+    session.log(f"GPU: {name}")
+    paths = [f"packages/{p}/tests" for p in PACKAGES] + ["tests/integration"]
+    session.run("pytest", *paths, "-m", "gpu", *session.posargs, env=TEST_ENV)

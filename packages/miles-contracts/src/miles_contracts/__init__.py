@@ -1,0 +1,49 @@
+"""miles-contracts: the data that crosses Miles packages (pure Python + pydantic, no torch).
+
+- `Sample`: one prompt/response through the RL data path.
+- `GenerateRequest` / `SamplingParams` / `GenerateResponse` / `MetaInfo`: SGLang's `/generate` schema.
+- Plug-in Protocols (`RewardFn`, `GroupRewardFn`, `DataSource`, `RolloutFn`, `SampleFilter`) and `load_plugin`.
+"""
+
+from miles_contracts.generate import (
+    MAX_NEW_TOKENS_LIMIT,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    LogprobEntry,
+    MetaInfo,
+    SamplingParams,
+)
+from miles_contracts.plugins import (
+    DataSource,
+    GenerateClient,
+    GroupRewardFn,
+    RewardFn,
+    RolloutFn,
+    SampleFilter,
+    load_plugin,
+)
+from miles_contracts.sample import ChatMessage, FinishReasonType, Sample, SampleStatus
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_NEW_TOKENS_LIMIT",
+    "ChatMessage",
+    "DataSource",
+    "FinishReason",
+    "FinishReasonType",
+    "GenerateClient",
+    "GenerateRequest",
+    "GenerateResponse",
+    "GroupRewardFn",
+    "LogprobEntry",
+    "MetaInfo",
+    "RewardFn",
+    "RolloutFn",
+    "Sample",
+    "SampleFilter",
+    "SampleStatus",
+    "SamplingParams",
+    "load_plugin",
+]

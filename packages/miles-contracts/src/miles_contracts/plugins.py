@@ -1,0 +1,120 @@
+"""User plug-in Protocols and the loader that checks a `module:function` path against them.
+
+Plug-ins are named in the run config as `package.module:attribute`. The orchestrator loads each one at
+start-up with `load_plugin`, so a typo or a wrong signature fails before any rollout, with a message that
+names the path and the expected call shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from miles_contracts.generate import GenerateRequest, GenerateResponse, SamplingParams
+from miles_contracts.sample import Sample
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores one sample: `reward(sample) -> float` (sync or async)."""
+
+    def __call__(self, sample: Sample, /) -> float | Awaitable[float]: ...
+
+
+@runtime_checkable
+class GroupRewardFn(Protocol):
+    """Scores a prompt group together: `reward(samples) -> list[float]`, one per sample (sync or async)."""
+
+    def __call__(self, samples: Sequence[Sample], /) -> list[float] | Awaitable[list[float]]: ...
+
+
+@runtime_checkable
+class SampleFilter(Protocol):
+    """Keeps (True) or drops (False) a prompt group, e.g. dynamic sampling's non-zero reward std."""
+
+    def __call__(self, samples: Sequence[Sample], /) -> bool: ...
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """Yields prompt samples and can resume where it stopped."""
+
+    def get_samples(self, num_prompts: int) -> list[Sample]:
+        """The next `num_prompts` prompts as pending samples (one per prompt; the rollout expands groups)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable position (epoch, offset, shuffle seed) for checkpoints."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a position returned by `state_dict`."""
+        ...
+
+
+@runtime_checkable
+class GenerateClient(Protocol):
+    """What a rollout function may call: an engine's `/generate` (HTTP or in-process)."""
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateResponse]: ...
+
+
+@runtime_checkable
+class RolloutFn(Protocol):
+    """Turns one prompt group into finished samples: `await rollout(client, group, sampling_params)`.
+
+    `group` holds the `n` pending samples of one prompt (same prompt, consecutive indices); the function
+    returns them (or replacements) with tokens, log-probs, loss masks, status and weight versions filled.
+    """
+
+    def __call__(
+        self, client: GenerateClient, group: list[Sample], sampling_params: SamplingParams, /
+    ) -> Awaitable[list[Sample]]: ...
+
+
+P = TypeVar("P")
+
+_NUM_POSITIONAL = {RewardFn: 1, GroupRewardFn: 1, SampleFilter: 1, RolloutFn: 3}
+
+
+def load_plugin(path: str, protocol: type[P]) -> P:
+    """Import `module:attribute` and check it fits `protocol`; raise ValueError/TypeError naming the fix."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"plug-in path {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"plug-in {path!r}: cannot import module {module_name!r} ({error})") from error
+    obj: Any = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"plug-in {path!r}: module {module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    if protocol is DataSource:
+        missing = [m for m in ("get_samples", "state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+        if missing:
+            raise TypeError(f"plug-in {path!r} is not a DataSource: it lacks {', '.join(missing)}")
+        return obj  # type: ignore[no-any-return]
+    if not callable(obj):
+        raise TypeError(f"plug-in {path!r} is not callable; a {protocol.__name__} is a function")
+    num_positional = _NUM_POSITIONAL.get(protocol)
+    if num_positional is not None:
+        _check_arity(path, obj, protocol.__name__, num_positional)
+    return obj  # type: ignore[no-any-return]
+
+
+def _check_arity(path: str, fn: Any, kind: str, num_positional: int) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: trust the call
+    try:
+        signature.bind(*([None] * num_positional))
+    except TypeError as error:
+        raise TypeError(
+            f"plug-in {path!r} cannot be called as a {kind} with {num_positional} positional argument(s) "
+            f"(its signature is {signature}): {error}"
+        ) from error

@@ -1,0 +1,119 @@
+"""Pure-logic tests (no torch): SGLang `/generate` schemas parse SGLang-shaped JSON and name bad fields."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
+
+# A request as slime sends it to SGLang, and a response as SGLang returns it (field names from SGLang's API).
+SGLANG_REQUEST = {
+    "input_ids": [151644, 872, 198],
+    "sampling_params": {
+        "max_new_tokens": 64,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop": ["</answer>"],
+        "stop_token_ids": [151645],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "sampling_seed": 1234,
+    },
+    "return_logprob": True,
+    "return_routed_experts": True,
+}
+SGLANG_RESPONSE = {
+    "text": " 42",
+    "output_ids": [220, 19, 17],
+    "meta_info": {
+        "id": "a1b2",
+        "finish_reason": {"type": "stop", "matched": 151645},
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "cached_tokens": 0,
+        "weight_version": "default",
+        "e2e_latency": 0.12,
+        "output_token_logprobs": [[-0.5, 220, None], [-0.125, 19, None], [-1.0, 17, None]],
+    },
+}
+
+
+def test_sglang_request_parses() -> None:
+    request = GenerateRequest.model_validate(SGLANG_REQUEST)
+    assert not request.is_batch and request.batch_size == 1
+    params = request.params_for(0)
+    assert params.stop_strings() == ["</answer>"] and params.sampling_seed == 1234
+    assert GenerateRequest.model_validate_json(request.model_dump_json()) == request
+
+
+def test_batch_request_shapes_are_checked() -> None:
+    batch = GenerateRequest(text=["a", "b"], sampling_params=[SamplingParams(), SamplingParams(n=4)])
+    assert batch.is_batch and batch.batch_size == 2 and batch.params_for(1).n == 4
+    with pytest.raises(ValidationError, match="sampling_params has 1 entries for 2 prompts"):
+        GenerateRequest(text=["a", "b"], sampling_params=[SamplingParams()])
+    with pytest.raises(ValidationError, match="exactly one of `text` or `input_ids`"):
+        GenerateRequest(text="a", input_ids=[1])
+    with pytest.raises(ValidationError, match="exactly one of `text` or `input_ids`"):
+        GenerateRequest()
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": 10**9}, "max_new_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"temprature": 0.5}, "temprature"),
+        ({"max_new_tokens": "many"}, "max_new_tokens"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(params: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        GenerateRequest.model_validate({"text": "hi", "sampling_params": params})
+    assert field in str(info.value)
+
+
+def test_bad_prompts_name_the_field() -> None:
+    for body, field in [
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [[1, 2], []]}, "input_ids"),
+        ({"input_ids": [1, -2]}, "input_ids"),
+        ({"text": ""}, "text"),
+        ({"text": "hi", "logprob_start_len": -5}, "logprob_start_len"),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            GenerateRequest.model_validate(body)
+        assert field in str(info.value), body
+
+
+def test_top_k_error_says_allowed_values() -> None:
+    with pytest.raises(ValidationError, match=r"-1 \(disabled\) or a positive integer"):
+        SamplingParams(top_k=-7)
+
+
+def test_sglang_response_parses_and_round_trips() -> None:
+    response = GenerateResponse.model_validate(SGLANG_RESPONSE)
+    meta = response.meta_info
+    assert meta.finish_reason is not None and meta.finish_reason.type == "stop"
+    assert meta.finish_reason.matched == 151645
+    assert meta.weight_version is None  # SGLang's "default" means no numbered version yet
+    assert meta.output_token_logprobs == [(-0.5, 220, None), (-0.125, 19, None), (-1.0, 17, None)]
+    assert json.loads(response.model_dump_json())["meta_info"]["e2e_latency"] == 0.12  # extra fields kept
+    numbered = GenerateResponse.model_validate(
+        {**SGLANG_RESPONSE, "meta_info": {**meta.model_dump(), "weight_version": "7"}}
+    )
+    assert numbered.meta_info.weight_version == 7
+
+
+def test_finish_reason_type_is_checked() -> None:
+    bad = {**SGLANG_RESPONSE, "meta_info": {**SGLANG_RESPONSE["meta_info"], "finish_reason": {"type": "done"}}}
+    with pytest.raises(ValidationError) as info:
+        GenerateResponse.model_validate(bad)
+    assert "finish_reason" in str(info.value) and "'stop', 'length' or 'abort'" in str(info.value)

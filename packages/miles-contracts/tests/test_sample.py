@@ -1,0 +1,69 @@
+"""Pure-logic tests (no torch): `Sample` round-trips and rejects inconsistent data with a named field."""
+
+import pytest
+from pydantic import ValidationError
+
+from miles_contracts import ChatMessage, Sample, SampleStatus
+
+
+def finished_sample() -> Sample:
+    return Sample(
+        index=7,
+        group_index=1,
+        prompt=[ChatMessage(role="user", content="2+3=?")],
+        label="5",
+        prompt_tokens=[1, 2, 3],
+        response_tokens=[4, 5, 6],
+        response="5</s>",
+        rollout_logprobs=[-0.25, -1.5, -3.0517578125e-05],
+        loss_mask=[1, 1, 1],
+        reward=1.0,
+        status=SampleStatus.COMPLETED,
+        finish_reason="stop",
+        weight_version=3,
+        weight_versions=[3, 3, 3],
+        routed_experts=[[[0, 1]], [[2, 3]], [[1, 0]], [[3, 2]], [[0, 2]]],
+        metadata={"source": "unit", "difficulty": [1, 2]},
+    )
+
+
+def test_json_round_trip_is_exact() -> None:
+    sample = finished_sample()
+    again = Sample.model_validate_json(sample.model_dump_json())
+    assert again == sample
+    assert again.rollout_logprobs == [-0.25, -1.5, -3.0517578125e-05]  # floats survive JSON exactly
+    assert again.num_tokens == 6
+
+
+def test_per_token_lengths_must_match() -> None:
+    with pytest.raises(ValidationError, match="rollout_logprobs has 2 entries but response_tokens has 3"):
+        Sample(index=0, group_index=0, prompt="p", response_tokens=[1, 2, 3], rollout_logprobs=[0.0, 0.0])
+    with pytest.raises(ValidationError, match="loss_mask"):
+        Sample(index=0, group_index=0, prompt="p", response_tokens=[1], loss_mask=[2])
+
+
+def test_assignment_is_validated() -> None:
+    sample = finished_sample()
+    with pytest.raises(ValidationError, match="entries but response_tokens has 1"):
+        sample.response_tokens = [1]
+
+
+def test_status_values_and_failed_needs_error() -> None:
+    assert {s.value for s in SampleStatus} == {"pending", "completed", "truncated", "aborted", "failed"}
+    with pytest.raises(ValidationError) as info:
+        Sample(index=0, group_index=0, prompt="p", status="finished")
+    assert "status" in str(info.value) and "completed" in str(info.value)
+    with pytest.raises(ValidationError, match="needs an `error`"):
+        Sample(index=0, group_index=0, prompt="p", status="failed")
+    assert Sample(index=0, group_index=0, prompt="p", status="failed", error="reward timed out").error
+
+
+def test_negative_index_and_unknown_field_are_named() -> None:
+    with pytest.raises(ValidationError, match="index"):
+        Sample(index=-1, group_index=0, prompt="p")
+    with pytest.raises(ValidationError, match="rewrd"):
+        Sample(index=0, group_index=0, prompt="p", rewrd=1.0)
+
+
+def test_effective_loss_mask_defaults_to_all_tokens() -> None:
+    assert Sample(index=0, group_index=0, prompt="p", response_tokens=[5, 6]).effective_loss_mask() == [1, 1]
