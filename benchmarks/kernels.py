@@ -1,0 +1,159 @@
+"""Benchmark: miles-kernels deterministic vs fast mode vs Hugging Face `transformers`, side by side in one run.
+
+Model (fixed by the kernels issue): Qwen3, hidden 512, intermediate 1536, 8 layers, 8 heads / 4 KV heads
+(head dim 64), vocab 8192, float32, random weights. Measured on the CPU with the threads torch has:
+- prefill: one forward over a 512-token prompt (miles: packed trainer path = engine prefill path);
+- decode: one forward step of 1 token for each of B sequences with 128 cached tokens, B in 1/8/32/64
+  (miles: paged KV via `PagedRunner`; HF: `past_key_values` cache).
+Each number is the median of `--repeats` timed runs after warm-up. Ratios: deterministic / fast (the cost of
+batch invariance) and fast / HF and deterministic / HF.
+
+    uv run python benchmarks/kernels.py --out benchmarks/results/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles_kernels import KernelConfig, PagedRunner, load_model, packed_logits, save_random_model, tiny_config
+
+BENCH_MODEL = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "tie_word_embeddings": False,
+}
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def miles_prefill(model, prompt: torch.Tensor) -> Callable[[], object]:
+    return lambda: packed_logits(model, [prompt])
+
+
+def miles_decode(model, prompts: torch.Tensor) -> Callable[[], object]:
+    """A decode step for every sequence; each call starts from the same 128-token context."""
+    runner = PagedRunner(model, num_pages=prompts.shape[0] * (prompts.shape[1] // model.kernel.page_size + 2) + 1)
+    runner.step({i: p for i, p in enumerate(prompts)})
+    context = dict(runner.cached)
+    next_tokens = {i: prompts[i, -1:] for i in range(prompts.shape[0])}
+
+    def step() -> None:
+        runner.cached.update(context)  # rewrite the same slot each time: a steady-state decode step
+        runner.step(next_tokens)
+
+    return step
+
+
+def hf_prefill(hf, prompt: torch.Tensor) -> Callable[[], object]:
+    return lambda: hf(prompt[None], use_cache=False)
+
+
+def hf_decode(hf, prompts: torch.Tensor) -> Callable[[], object]:
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = hf(prompts, use_cache=True).past_key_values
+    length = prompts.shape[1]
+    next_tokens = prompts[:, -1:]
+
+    def step() -> None:
+        cache.crop(length)  # same 128-token context every call
+        hf(next_tokens, past_key_values=cache, use_cache=True)
+
+    assert isinstance(cache, DynamicCache)
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/kernels.json", help="JSON output path")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (median reported)")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--context", type=int, default=128, help="cached tokens per sequence before decode")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    results: dict[str, object] = {
+        "model": BENCH_MODEL,
+        "dtype": "float32",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "repeats": args.repeats,
+        "unit": "seconds (median)",
+    }
+    with tempfile.TemporaryDirectory() as model_dir, torch.no_grad():
+        save_random_model(model_dir, tiny_config("dense", **BENCH_MODEL), seed=0)
+        det = load_model(model_dir, KernelConfig(mode="deterministic"))
+        fast = load_model(model_dir, KernelConfig(mode="fast"))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, BENCH_MODEL["vocab_size"], (args.prefill_tokens,), generator=generator)
+        prefill = {
+            "deterministic": median_seconds(miles_prefill(det, prompt), args.repeats),
+            "fast": median_seconds(miles_prefill(fast, prompt), args.repeats),
+            "hf": median_seconds(hf_prefill(hf, prompt), args.repeats),
+        }
+        results["prefill"] = {"tokens": args.prefill_tokens, **prefill, **ratios(prefill)}
+        print(f"prefill {args.prefill_tokens}: {fmt(prefill)}")
+        decode = {}
+        for batch in args.batches:
+            prompts = torch.randint(0, BENCH_MODEL["vocab_size"], (batch, args.context), generator=generator)
+            times = {
+                "deterministic": median_seconds(miles_decode(det, prompts), args.repeats),
+                "fast": median_seconds(miles_decode(fast, prompts), args.repeats),
+                "hf": median_seconds(hf_decode(hf, prompts), args.repeats),
+            }
+            decode[str(batch)] = {**times, **ratios(times)}
+            print(f"decode batch {batch}: {fmt(times)}")
+        results["decode"] = {"context": args.context, "per_batch": decode}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+def ratios(times: dict[str, float]) -> dict[str, float]:
+    return {
+        "deterministic_over_fast": times["deterministic"] / times["fast"],
+        "fast_over_hf": times["fast"] / times["hf"],
+        "deterministic_over_hf": times["deterministic"] / times["hf"],
+    }
+
+
+def fmt(times: dict[str, float]) -> str:
+    r = ratios(times)
+    return (
+        f"det {times['deterministic'] * 1e3:.1f} ms, fast {times['fast'] * 1e3:.1f} ms, hf {times['hf'] * 1e3:.1f} ms"
+        f" | det/fast {r['deterministic_over_fast']:.2f}x, det/hf {r['deterministic_over_hf']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Hugging Face directory I/O: load a miles `CausalLM` from config.json + safetensors, and save one back.
+
+Loading reads `model.safetensors` or a sharded `model.safetensors.index.json`; every tensor name must match the
+model's, with the same shape, or the error names the tensor. Saving writes what `transformers` reloads
+(per-expert MoE names as Qwen3-MoE checkpoints store them; a tied `lm_head.weight` is not written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles_kernels.config import KernelConfig
+from miles_kernels.model import CausalLM
+from miles_kernels.model_config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
+    """Parse `config.json` of a Hugging Face model directory."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: pass a Hugging Face model directory (config.json + safetensors)")
+    return ModelConfig.from_hf(json.loads(path.read_text()))
+
+
+def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under their HF checkpoint names (tied embeddings once, as HF stores them)."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def iter_checkpoint(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a model directory, one file open at a time."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in _tensor_files(Path(model_dir)).items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
+def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model, bit for bit after the dtype cast; errors name bad tensors.
+
+    Missing tensors are an error only when loading a complete checkpoint (a Mapping); an iterator of
+    tensors (a bucket stream) may update any subset.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in items:
+            if name not in params:
+                raise ValueError(
+                    f"unexpected tensor {name!r}: the {model.config.architecture} model has no such weight"
+                )
+            target = params[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+            seen.add(name)
+    if isinstance(tensors, Mapping):
+        required = set(checkpoint_tensors(model))
+        missing = sorted(required - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+def load_model(
+    model_dir: str | os.PathLike[str], kernel: KernelConfig | None = None, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """Build a `CausalLM` from a Hugging Face directory, in the kernel config's dtype."""
+    kernel = kernel or KernelConfig()
+    config = read_model_config(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(config, kernel)
+    model = model.to_empty(device=device).to(kernel.torch_dtype)
+    model.tie_weights()
+    load_state(model, dict(iter_checkpoint(model_dir)))
+    model.eval()
+    return model
+
+
+def save_model(
+    model: CausalLM,
+    model_dir: str | os.PathLike[str],
+    tokenizer: Any = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write config.json and safetensors (sharded with an index above `max_shard_bytes`) that HF reloads."""
+    out = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf(dtype=model.kernel.dtype)
+    if tokenizer is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if config.get(key) is None and getattr(tokenizer, key, None) is not None:
+                config[key] = getattr(tokenizer, key)
+        tokenizer.save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    tensors = {name: t.contiguous().cpu() for name, t in checkpoint_tensors(model).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for stale in (out / SINGLE_FILE, out / INDEX_FILE):
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return out
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map |= {name: file for name in shard}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return out

@@ -1,0 +1,257 @@
+"""The Qwen3 dense / Qwen3-MoE causal LM that both the rollout engine and the trainer run.
+
+One plain, single-device definition (parallelism, checkpointing and compilation are applied from outside).
+Parameter names are the Hugging Face checkpoint names, so `state_dict()` *is* the checkpoint (minus the tied
+`lm_head.weight`). Every op goes through miles_kernels.ops with the model's `KernelConfig`.
+
+Callers:
+- engine: `forward_hidden(ids, batch, kv_store)` with a persistent paged `KVStore` (prefill, chunked prefill
+  after a cached prefix, decode), then `logits(hidden of the rows it samples from)`;
+- trainer: `forward_hidden(ids, build_packed_batch(...))` with no store (a temporary one is made, so the
+  trainer runs the engine's exact attention code), then `logits` / `token_logprobs` of every row.
+Shapes: N tokens, H hidden, V vocab, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_kernels.config import KernelConfig
+from miles_kernels.model_config import ModelConfig
+from miles_kernels.ops.attention import AttentionBatch, attention, num_pages_needed
+from miles_kernels.ops.linear import linear
+from miles_kernels.ops.moe import experts_forward, select_experts
+from miles_kernels.ops.norm import rms_norm
+from miles_kernels.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
+from miles_kernels.ops.sampling import token_logprobs
+
+
+@dataclass
+class KVStore:
+    """Paged K/V storage of every layer: `k[layer]`, `v[layer]` of shape (pages, Hkv, page_size, D).
+
+    Zero-initialized (page 0 is the null page), so masked slots always hold finite values.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> KVStore:
+        shape = (num_pages, config.num_key_value_heads, page_size, config.head_dim)
+        return cls(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.k[0].shape[0]) if self.k else 0
+
+    def release(self) -> None:
+        """Free the storage (the tensors become empty); `allocate` again to use it."""
+        for tensors in (self.k, self.v):
+            for t in tensors:
+                t.data = t.new_empty(0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """A linear layer (HF `nn.Linear` parameter names) that runs miles' kernel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernel: KernelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.kernel, self.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
+        super().__init__()
+        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = Linear(config.hidden_size, heads * dim, bias, kernel)
+        self.k_proj = Linear(config.hidden_size, kv_heads * dim, bias, kernel)
+        self.v_proj = Linear(config.hidden_size, kv_heads * dim, bias, kernel)
+        self.o_proj = Linear(heads * dim, config.hidden_size, bias, kernel)
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.shape = (heads, kv_heads, dim)
+        self.scale = dim**-0.5
+        self.kernel = kernel
+
+    def forward(
+        self,
+        x_NH: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        is_persistent: bool,
+    ) -> torch.Tensor:
+        heads, kv_heads, dim = self.shape
+        num_tokens = x_NH.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x_NH).view(num_tokens, heads, dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x_NH).view(num_tokens, kv_heads, dim)), cos, sin)
+        v = self.v_proj(x_NH).view(num_tokens, kv_heads, dim)
+        heads_index = torch.arange(kv_heads, device=x_NH.device)
+        where = (batch.write_pages_N[:, None], heads_index[None, :], batch.write_offsets_N[:, None])
+        if is_persistent:  # the engine's cache: write in place
+            k_pages.index_put_(where, k.to(k_pages.dtype))
+            v_pages.index_put_(where, v.to(v_pages.dtype))
+        else:  # a temporary store: out of place, so gradients flow to k and v
+            k_pages = k_pages.index_put(where, k)
+            v_pages = v_pages.index_put(where, v)
+        out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel)
+        return self.o_proj(out.reshape(num_tokens, heads * dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, kernel: KernelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, False, kernel)
+        self.up_proj = Linear(hidden, intermediate, False, kernel)
+        self.down_proj = Linear(intermediate, hidden, False, kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE block: `gate` is the router; `experts.{e}` are MLPs (HF checkpoint names)."""
+
+    def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
+        super().__init__()
+        self.gate = Linear(config.hidden_size, config.num_experts, False, kernel)
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size, kernel) for _ in range(config.num_experts)
+        )
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.norm_topk_prob
+        self.kernel = kernel
+        self.last_routing: torch.Tensor | None = None  # (N, K) expert ids of the last forward
+
+    def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
+        expert_ids, weights = select_experts(self.gate(x_NH), self.top_k, self.normalize, x_NH.dtype)
+        self.last_routing = expert_ids
+        experts: list[MLP] = list(self.experts)  # type: ignore[arg-type]
+        return experts_forward(
+            x_NH,
+            expert_ids,
+            weights,
+            [e.gate_proj.weight for e in experts],
+            [e.up_proj.weight for e in experts],
+            [e.down_proj.weight for e in experts],
+            self.kernel,
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, kernel)
+        self.mlp: nn.Module = (
+            SparseMoE(config, kernel)
+            if config.is_moe_layer(layer)
+            else MLP(config.hidden_size, config.intermediate_size, kernel)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    """`model.*` in the HF checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, kernel, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Qwen3 / Qwen3-MoE for causal LM, on miles kernels."""
+
+    def __init__(self, config: ModelConfig, kernel: KernelConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.kernel = kernel or KernelConfig()
+        self.model = Backbone(config, self.kernel)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.kernel)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the embeddings when the config ties them (again after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward_hidden(
+        self, input_ids_N: torch.Tensor, batch: AttentionBatch, kv_store: KVStore | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states (N, H) of the batch's tokens; writes their K/V into `kv_store` if given."""
+        if input_ids_N.shape[0] != batch.num_tokens:
+            raise ValueError(f"got {input_ids_N.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
+        x = self.model.embed_tokens(input_ids_N)
+        # Recomputed per call (head_dim / 2 values) so it is always float32, whatever the model dtype.
+        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, x.device)
+        cos, sin = rope_cos_sin(batch.positions_N, inv_freq, x.dtype)
+        if kv_store is None:
+            shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
+            empty = x.new_zeros(shape)
+        for index, layer in enumerate(self.model.layers):
+            if kv_store is None:
+                k_pages, v_pages, is_persistent = empty, empty, False
+            else:
+                k_pages, v_pages, is_persistent = kv_store.k[index], kv_store.v[index], True
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, cos, sin, batch, k_pages, v_pages, is_persistent)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        normed: torch.Tensor = self.model.norm(x)
+        return normed
+
+    def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """LM-head logits (N, V) in float32 (computed in the model dtype, then widened)."""
+        logits: torch.Tensor = self.lm_head(hidden_NH)
+        return logits.to(torch.float32)
+
+    def token_logprobs(
+        self, input_ids_N: torch.Tensor, batch: AttentionBatch, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Log-prob of each next token under the log-prob contract: row i scores token i + 1 of its sequence.
+
+        Returns (N,) with the last position of each sequence set to 0 (it has no next token in the batch).
+        """
+        logits = self.logits(self.forward_hidden(input_ids_N, batch))
+        next_ids = torch.roll(input_ids_N, -1)
+        temps = logits.new_full((logits.shape[0], 1), temperature)
+        logprobs = token_logprobs(logits, next_ids, temps)
+        ends = torch.cumsum(batch.query_lens_S, 0) - 1
+        return logprobs.index_fill(0, ends, 0.0)
+
+    def routed_experts(self) -> list[torch.Tensor]:
+        """Expert ids (N, K) chosen by each MoE layer in the last forward (empty for dense models)."""
+        return [
+            layer.mlp.last_routing
+            for layer in self.model.layers
+            if isinstance(layer.mlp, SparseMoE) and layer.mlp.last_routing is not None
+        ]

@@ -1,0 +1,275 @@
+"""Causal GQA attention over a paged KV store, for both callers of the model.
+
+- The rollout engine keeps K/V in a paged cache; each forward brings a chunk of new query tokens per sequence
+  (a whole prompt, a prefill chunk after a cached prefix, or one decode token).
+- The trainer runs packed variable-length sequences; its K/V go to a temporary paged store laid out the same
+  way, so the trainer runs *exactly* the engine's attention code.
+
+Deterministic mode (batch-invariant by construction):
+- Keys are split into blocks of `page_size` tokens aligned to absolute positions (one block = one page).
+- Queries are cut into tiles of `attention_query_tile` rows of one sequence; each KV head's tile is a fixed
+  (tile * group, head_dim) matrix. Scores and P@V are fixed-shape `bmm`s, one per (tile, head, key block).
+- Softmax is online over key blocks in ascending order. A block that lies wholly after a query's position is
+  fully masked for it and is an exact no-op (scale 1, adds exact zeros), so a query's arithmetic depends only on
+  its own position and keys, whatever the tile, chunk, batch or prefix-cache state around it.
+- Padding rows in a tile copy the tile's last real position (never a NaN row) and are dropped.
+- Tiles are ordered by descending last position, so the tiles that reach a key block are a prefix of the tile
+  list: per-block state is sliced (views), not gathered. Tile order never changes a tile's arithmetic.
+Fast mode: one `scaled_dot_product_attention` over the batch padded to its longest sequence.
+
+Shapes: N query tokens, S sequences, H query heads, Hkv KV heads, G = H / Hkv, D head dim, P page size,
+NT query tiles, Tq tile rows. K/V pages are head-major: (pages, Hkv, P, D), so gathering a block's pages
+gives GEMM-ready operands. Page 0 of every store is a zero "null" page that block tables are padded with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from miles_kernels.config import KernelConfig
+from miles_kernels.registry import get_backend, register_backend
+
+NULL_PAGE = 0
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The query tiles that see key block `block`, their pages, and which (row, key) pairs are visible."""
+
+    block: int
+    num_active: int  # tiles are sorted by descending last position, so the active ones are a prefix
+    pages_A: torch.Tensor  # page holding this block for each active tile's sequence
+    visible_A_rows_P: torch.Tensor  # key position <= row position (causal mask), rows = (t, g) pairs
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Where the query tokens of one forward call sit, and which KV pages each sequence owns.
+
+    Built once per forward and shared by every layer (the block plans are computed lazily, once).
+    """
+
+    positions_N: torch.Tensor  # absolute position of each query token (int64)
+    write_pages_N: torch.Tensor  # page where each token's K/V is stored
+    write_offsets_N: torch.Tensor  # offset of the token inside that page
+    block_tables_SB: torch.Tensor  # page ids of each sequence's key blocks, padded with NULL_PAGE
+    kv_lens_S: torch.Tensor  # keys per sequence after this call (prefix + new tokens)
+    query_lens_S: torch.Tensor  # new query tokens per sequence (packed in sequence order)
+    page_size: int
+    # Query tiles (deterministic attention): token index of each tile row, the row's position, and the
+    # tile's sequence; padding rows repeat the tile's last token.
+    tile_tokens_NT_Tq: torch.Tensor
+    tile_positions_NT_Tq: torch.Tensor
+    tile_seq_NT: torch.Tensor
+    tile_row_of_token_N: torch.Tensor  # where each token sits in the flattened tiles
+    _plans: dict[int, list[BlockPlan]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions_N.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv_lens_S.shape[0])
+
+    def block_plans(self, group: int) -> list[BlockPlan]:
+        """Per key block: active tiles, their pages and causal masks, for `group` query heads per KV head."""
+        if group not in self._plans:
+            self._plans[group] = self._make_block_plans(group)
+        return self._plans[group]
+
+    def _make_block_plans(self, group: int) -> list[BlockPlan]:
+        page = self.page_size
+        row_positions = self.tile_positions_NT_Tq.repeat_interleave(group, dim=1)  # rows are (t, g), g fastest
+        tile_max_position = self.tile_positions_NT_Tq.max(dim=1).values
+        tile_tables = self.block_tables_SB[self.tile_seq_NT]
+        key_offsets = torch.arange(page, device=row_positions.device)
+        plans = []
+        for block in range(int(tile_max_position.max().item()) // page + 1):
+            num_active = int((tile_max_position >= block * page).sum().item())
+            visible = (block * page + key_offsets)[None, None, :] <= row_positions[:num_active, :, None]
+            plans.append(BlockPlan(block, num_active, tile_tables[:num_active, block], visible))
+        return plans
+
+
+def build_attention_batch(
+    query_lens: list[int],
+    prefix_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+    query_tile: int,
+    device: torch.device | str = "cpu",
+) -> AttentionBatch:
+    """Lay out sequences that bring `query_lens[s]` new tokens after `prefix_lens[s]` cached ones.
+
+    `block_tables[s]` lists the pages holding sequence s's keys in order; it must cover prefix + new tokens.
+    """
+    if not (len(query_lens) == len(prefix_lens) == len(block_tables)):
+        raise ValueError("query_lens, prefix_lens and block_tables need one entry per sequence")
+    positions: list[int] = []
+    pages_of_token: list[int] = []
+    tile_tokens: list[list[int]] = []
+    tile_positions: list[list[int]] = []
+    tile_seq: list[int] = []
+    row_of_token: list[int] = []
+    num_blocks = max((len(t) for t in block_tables), default=0)
+    token = 0
+    for s, (num_new, prefix, pages) in enumerate(zip(query_lens, prefix_lens, block_tables, strict=True)):
+        if num_new < 1:
+            raise ValueError(f"sequence {s} brings no query tokens; every sequence needs at least one")
+        if len(pages) * page_size < prefix + num_new:
+            raise ValueError(f"sequence {s}: {len(pages)} pages of {page_size} cannot hold {prefix + num_new} tokens")
+        seq_positions = list(range(prefix, prefix + num_new))
+        positions += seq_positions
+        pages_of_token += [pages[p // page_size] for p in seq_positions]
+        for start in range(0, num_new, query_tile):
+            rows = list(range(token + start, token + min(start + query_tile, num_new)))
+            row_of_token += [len(tile_tokens) * query_tile + r for r in range(len(rows))]
+            pad = query_tile - len(rows)
+            tile_tokens.append(rows + [rows[-1]] * pad)
+            row_positions = seq_positions[start : start + len(rows)]
+            tile_positions.append(row_positions + [row_positions[-1]] * pad)
+            tile_seq.append(s)
+        token += num_new
+    padded_tables = [list(t) + [NULL_PAGE] * (num_blocks - len(t)) for t in block_tables]
+    # Longest-reaching tiles first, so the tiles that see key block j are always a prefix (views, not gathers).
+    order = sorted(range(len(tile_tokens)), key=lambda i: -tile_positions[i][-1])
+    new_index = {old: new for new, old in enumerate(order)}
+    row_of_token = [new_index[r // query_tile] * query_tile + r % query_tile for r in row_of_token]
+    tile_tokens = [tile_tokens[i] for i in order]
+    tile_positions = [tile_positions[i] for i in order]
+    tile_seq = [tile_seq[i] for i in order]
+
+    def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return AttentionBatch(
+        positions_N=as_tensor(positions),
+        write_pages_N=as_tensor(pages_of_token),
+        write_offsets_N=as_tensor(positions) % page_size,
+        block_tables_SB=as_tensor(padded_tables).reshape(len(block_tables), num_blocks),
+        kv_lens_S=as_tensor([p + n for p, n in zip(prefix_lens, query_lens, strict=True)]),
+        query_lens_S=as_tensor(query_lens),
+        page_size=page_size,
+        tile_tokens_NT_Tq=as_tensor(tile_tokens).reshape(len(tile_tokens), query_tile),
+        tile_positions_NT_Tq=as_tensor(tile_positions).reshape(len(tile_tokens), query_tile),
+        tile_seq_NT=as_tensor(tile_seq),
+        tile_row_of_token_N=as_tensor(row_of_token),
+    )
+
+
+def build_packed_batch(
+    seq_lens: list[int], page_size: int, query_tile: int, device: torch.device | str = "cpu"
+) -> AttentionBatch:
+    """Packed sequences with no cached prefix (the trainer): pages 1, 2, ... are laid out in order."""
+    tables = []
+    next_page = NULL_PAGE + 1
+    for length in seq_lens:
+        num_pages = -(-length // page_size)
+        tables.append(list(range(next_page, next_page + num_pages)))
+        next_page += num_pages
+    return build_attention_batch(seq_lens, [0] * len(seq_lens), tables, page_size, query_tile, device)
+
+
+def num_pages_needed(batch: AttentionBatch) -> int:
+    """Pages a temporary store needs for this batch (the null page included)."""
+    return int(batch.block_tables_SB.max().item()) + 1 if batch.block_tables_SB.numel() else 1
+
+
+def attention(
+    q_NHD: torch.Tensor,
+    k_pages_PgHPD: torch.Tensor,
+    v_pages_PgHPD: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """Causal attention of the batch's query tokens over their sequences' stored keys; returns (N, H, D)."""
+    backend = get_backend(f"attention:{config.mode}", config.attention_backend)
+    out: torch.Tensor = backend.fn(q_NHD, k_pages_PgHPD, v_pages_PgHPD, batch, scale)
+    return out
+
+
+def _blocked_attention(
+    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
+    num_heads, head_dim = q_NHD.shape[1], q_NHD.shape[2]
+    num_kv_heads, page = k_pages.shape[1], k_pages.shape[2]
+    group = num_heads // num_kv_heads
+    num_tiles, tile = batch.tile_tokens_NT_Tq.shape
+    rows = tile * group
+    # (NT, Tq, Hkv, G, D) -> (NT, Hkv, Tq * G, D): each KV head sees one fixed-shape query matrix per tile.
+    q_tiles = q_NHD.to(torch.float32)[batch.tile_tokens_NT_Tq]
+    q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q_tiles = q_tiles.reshape(num_tiles, num_kv_heads, rows, head_dim).contiguous()
+
+    running_max = q_tiles.new_full((num_tiles, num_kv_heads, rows, 1), float("-inf"))
+    running_sum = q_tiles.new_zeros((num_tiles, num_kv_heads, rows, 1))
+    acc = q_tiles.new_zeros((num_tiles, num_kv_heads, rows, head_dim))
+    for plan in batch.block_plans(group):
+        # Tiles wholly before this block skip it; the rest run the same fixed-shape GEMMs. GEMM operands always
+        # have one memory layout (contiguous gathers; K transposed as a view): a strided view and a copy of the
+        # same values can take different BLAS paths.
+        active = plan.num_active
+        k_blk = k_pages[plan.pages_A].to(torch.float32).reshape(-1, page, head_dim)  # (A * Hkv, P, D)
+        v_blk = v_pages[plan.pages_A].to(torch.float32).reshape(-1, page, head_dim)
+        scores = torch.bmm(q_tiles[:active].reshape(-1, rows, head_dim), k_blk.transpose(1, 2))
+        scores = (scores * scale).reshape(active, num_kv_heads, rows, page)
+        scores = scores.masked_fill(~plan.visible_A_rows_P[:, None], float("-inf"))
+        old_max = running_max[:active]
+        block_max = torch.maximum(old_max, scores.amax(dim=-1, keepdim=True))
+        probs = torch.exp(scores - block_max)
+        correction = torch.exp(old_max - block_max)
+        pv = torch.bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
+        new_acc = acc[:active] * correction + pv
+        new_sum = running_sum[:active] * correction + probs.sum(dim=-1, keepdim=True)
+        if active == num_tiles:
+            acc, running_sum, running_max = new_acc, new_sum, block_max
+        else:  # out of place, so the trainer's backward sees every intermediate
+            acc = torch.cat((new_acc, acc[active:]))
+            running_sum = torch.cat((new_sum, running_sum[active:]))
+            running_max = torch.cat((block_max, running_max[active:]))
+    out = acc / running_sum  # (NT, Hkv, Tq * G, D)
+    out = out.reshape(num_tiles, num_kv_heads, tile, group, head_dim).permute(0, 2, 1, 3, 4)
+    out = out.reshape(num_tiles * tile, num_heads, head_dim)[batch.tile_row_of_token_N]
+    return out.to(q_NHD.dtype)
+
+
+def _sdpa_attention(
+    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
+    num_heads, head_dim = q_NHD.shape[1], q_NHD.shape[2]
+    num_kv_heads, page = k_pages.shape[1], k_pages.shape[2]
+    num_seqs = batch.num_seqs
+    max_keys = batch.block_tables_SB.shape[1] * page
+    # (S, B, Hkv, P, D) -> (S, Hkv, B * P, D)
+    k_SHLD = k_pages[batch.block_tables_SB].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_keys, head_dim)
+    v_SHLD = v_pages[batch.block_tables_SB].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_keys, head_dim)
+    max_q = int(batch.query_lens_S.max().item())
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q_NHD.device), batch.query_lens_S)
+    starts = torch.cumsum(batch.query_lens_S, 0) - batch.query_lens_S
+    slot_in_seq = torch.arange(batch.num_tokens, device=q_NHD.device) - starts[seq_of_token]
+    q_SQHD = q_NHD.new_zeros(num_seqs, max_q, num_heads, head_dim)
+    q_SQHD[seq_of_token, slot_in_seq] = q_NHD
+    q_pos = torch.full((num_seqs, max_q), -1, dtype=torch.int64, device=q_NHD.device)
+    q_pos[seq_of_token, slot_in_seq] = batch.positions_N
+    key_pos = torch.arange(max_keys, device=q_NHD.device)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) | (q_pos[:, :, None] < 0)  # pad rows see all: no NaN
+    out = F.scaled_dot_product_attention(
+        q_SQHD.transpose(1, 2),
+        k_SHLD,
+        v_SHLD,
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    ).transpose(1, 2)
+    return out[seq_of_token, slot_in_seq]
+
+
+# Deterministic mode needs a batch-invariant backend; fast mode takes the fastest usable one. GPU kernels
+# (FA3 and friends) register here with an `is_available` check in a later issue.
+register_backend("attention:deterministic", "torch-blocked", _blocked_attention)
+register_backend("attention:fast", "torch-sdpa", _sdpa_attention)

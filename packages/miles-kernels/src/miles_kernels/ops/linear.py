@@ -1,0 +1,65 @@
+"""Linear layers whose per-row result does not depend on the number of rows (M) in the call.
+
+Why: BLAS picks kernels and blockings by matrix shape (M = 1..3 take a GEMV-like path on this CPU), so row i
+of `x @ W.T` changes with the batch size. Fix by construction: rows are cut into fixed tiles of `T` rows
+(the last tile zero-padded) and `torch.bmm` runs the same (T, K) @ (K, N) GEMM on every tile, so a row's
+arithmetic is identical whatever M is or where the row sits. Operands always have the same memory layout
+(a strided view and a contiguous copy of the same values can take different BLAS paths).
+Shapes: x_MK, weight_NK, out_MN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from miles_kernels.config import KernelConfig
+from miles_kernels.registry import get_backend, register_backend
+
+
+def tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:
+    """`x @ weight.T`, computed as fixed-shape (tile, K) @ (K, N) GEMMs (batch-invariant)."""
+    x_MK = x_MK.contiguous()  # one memory layout for every call: BLAS picks paths by strides too
+    num_rows, k = x_MK.shape
+    n = weight_NK.shape[0]
+    weight_KN = weight_NK.t()
+    num_full = num_rows // tile * tile
+    parts = []
+    if num_full:
+        x_BTK = x_MK[:num_full].reshape(num_full // tile, tile, k)
+        parts.append(torch.bmm(x_BTK, weight_KN.expand(num_full // tile, k, n)).reshape(num_full, n))
+    if num_rows > num_full:
+        # Zero-pad only the last, partial tile (padding rows never touch real rows' arithmetic).
+        tail_TK = F.pad(x_MK[num_full:], (0, 0, 0, tile - (num_rows - num_full)))
+        parts.append(torch.bmm(tail_TK.unsqueeze(0), weight_KN.unsqueeze(0))[0, : num_rows - num_full])
+    if not parts:
+        return x_MK.new_zeros(0, n)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
+) -> torch.Tensor:
+    out = tiled_matmul(x.reshape(-1, x.shape[-1]), weight, config.linear_tile)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _plain_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+register_backend("linear:deterministic", "torch-tiled", _tiled_linear)
+register_backend("linear:fast", "torch", _plain_linear)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, config: KernelConfig, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear` over the last dim of `x` (any leading shape); batch-invariant in deterministic mode."""
+    backend = get_backend(f"linear:{config.mode}", config.linear_backend)
+    out: torch.Tensor = backend.fn(x, weight, bias, config)
+    return out

@@ -1,0 +1,78 @@
+"""Small random models for tests, examples and benchmarks (nothing is downloaded).
+
+`tiny_config("dense" | "moe", ...)` gives a small Qwen3 / Qwen3-MoE architecture; `random_model` initializes
+one reproducibly from a seed (normal weights; norm weights near 1 so they matter); `save_random_model` writes
+it as a Hugging Face directory, with a tokenizer if one is given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from miles_kernels.config import KernelConfig
+from miles_kernels.hf_io import save_model
+from miles_kernels.model import CausalLM
+from miles_kernels.model_config import ModelConfig
+
+
+def tiny_config(kind: Literal["dense", "moe"] = "dense", **overrides: Any) -> ModelConfig:
+    """A small Qwen3 (dense) or Qwen3-MoE config; keyword overrides use HF field names."""
+    values: dict[str, Any] = {
+        "model_type": "qwen3",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rope_theta": 10_000.0,
+        "tie_word_embeddings": True,
+    }
+    if kind == "moe":
+        values |= {
+            "model_type": "qwen3_moe",
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        }
+    values |= overrides
+    if "mlp_only_layers" in values:
+        values["mlp_only_layers"] = tuple(values["mlp_only_layers"])
+    return ModelConfig(**values)
+
+
+def random_model(
+    config: ModelConfig, kernel: KernelConfig | None = None, seed: int = 0, std: float = 0.05
+) -> CausalLM:
+    """A `CausalLM` with reproducible random weights (same seed -> same bits on any machine's CPU)."""
+    kernel = kernel or KernelConfig()
+    model = CausalLM(config, kernel)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(std * torch.randn(param.shape, generator=generator))
+    return model.to(kernel.torch_dtype).eval()
+
+
+def save_random_model(
+    model_dir: str | os.PathLike[str],
+    config: ModelConfig,
+    seed: int = 0,
+    tokenizer: Any = None,
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write a random model as a Hugging Face directory; returns the directory."""
+    model = random_model(config, KernelConfig(dtype=dtype), seed)
+    return save_model(model, model_dir, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,142 @@
+"""CPU numerics: the miles model equals Hugging Face `transformers` on the same weights (logits within 1e-4 in
+fp32) for Qwen3 dense and Qwen3-MoE, tied and untied embeddings, GQA ratios 1, 2 and 4, in both kernel modes;
+and HF directories round-trip through `load_model` / `save_model` in both directions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from miles_kernels import (
+    KernelConfig,
+    checkpoint_tensors,
+    load_model,
+    packed_logits,
+    read_model_config,
+    save_model,
+    save_random_model,
+    tiny_config,
+)
+
+KERNELS = {
+    "deterministic": KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4),
+    "fast": KernelConfig(mode="fast", page_size=8),
+}
+
+
+def hf_logits(model_dir, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(s[None]).logits[0] for s in seqs]
+
+
+def random_seqs(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])  # GQA ratios 1, 2, 4 with 4 query heads
+def test_logits_match_transformers(tmp_path, kind: str, tied: bool, num_kv_heads: int) -> None:
+    config = tiny_config(kind, tie_word_embeddings=tied, num_key_value_heads=num_kv_heads)
+    save_random_model(tmp_path, config, seed=num_kv_heads)
+    seqs = random_seqs(config.vocab_size, [1, 6, 19, 40], seed=num_kv_heads)
+    reference = hf_logits(tmp_path, seqs)
+    for mode, kernel in KERNELS.items():
+        ours = packed_logits(load_model(tmp_path, kernel), seqs)
+        for got, want in zip(ours, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda m, mode=mode: f"{mode}: {m}")
+
+
+def test_moe_with_dense_layers_and_unnormalized_topk(tmp_path) -> None:
+    config = tiny_config("moe", num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=False, num_experts_per_tok=3)
+    save_random_model(tmp_path, config, seed=11)
+    seqs = random_seqs(config.vocab_size, [13, 27], seed=11)
+    for got, want in zip(packed_logits(load_model(tmp_path), seqs), hf_logits(tmp_path, seqs), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_loads_a_directory_written_by_transformers(tmp_path) -> None:
+    hf_config = Qwen3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, rope_theta=500.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(hf_config).eval()
+    hf.save_pretrained(tmp_path)
+    seqs = random_seqs(128, [9, 20], seed=0)
+    with torch.no_grad():
+        reference = [hf(s[None]).logits[0] for s in seqs]
+    assert read_model_config(tmp_path).rope_theta == 500.0
+    for got, want in zip(packed_logits(load_model(tmp_path), seqs), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_save_is_bit_exact_and_shards(tmp_path, kind: str) -> None:
+    config = tiny_config(kind)
+    source = save_random_model(tmp_path / "src", config, seed=3)
+    model = load_model(source)
+    sharded = save_model(model, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as HF does
+    again = load_model(sharded)
+    for name, tensor in checkpoint_tensors(model).items():
+        assert torch.equal(tensor, checkpoint_tensors(again)[name]), name
+    seqs = random_seqs(config.vocab_size, [17], seed=3)
+    assert torch.equal(packed_logits(again, seqs)[0], packed_logits(model, seqs)[0])
+    torch.testing.assert_close(packed_logits(again, seqs)[0], hf_logits(sharded, seqs)[0], rtol=0, atol=1e-4)
+
+
+def test_bfloat16_save_and_load(tmp_path) -> None:
+    save_random_model(tmp_path, tiny_config("dense"), seed=4, dtype="bfloat16")
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    model = load_model(tmp_path, KernelConfig(dtype="bfloat16"))
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_unsupported_architecture_is_named(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"unsupported architecture: model_type='llama'.*LlamaForCausalLM"):
+        load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"config.json not found"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_missing_mismatched_and_unexpected_tensors_are_named(tmp_path) -> None:
+    source = save_random_model(tmp_path, tiny_config("dense"), seed=5)
+    tensors = load_file(source / "model.safetensors")
+    weight = "model.layers.1.self_attn.q_proj.weight"
+
+    def write(changed: dict[str, torch.Tensor]) -> None:
+        save_file(changed, str(source / "model.safetensors"))
+
+    write({k: v for k, v in tensors.items() if k != weight})
+    with pytest.raises(ValueError, match=rf"missing 1 tensor\(s\): {weight}"):
+        load_model(source)
+    write({**tensors, weight: tensors[weight][:, :10].contiguous()})
+    with pytest.raises(ValueError, match=rf"{weight}' has shape \(64, 10\), the model expects \(64, 64\)"):
+        load_model(source)
+    write({**tensors, "model.layers.9.mlp.gate_proj.weight": tensors[weight].clone()})
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.9\.mlp\.gate_proj\.weight'"):
+        load_model(source)
+
+
+def test_unsupported_options_are_named(tmp_path) -> None:
+    source = save_random_model(tmp_path, tiny_config("dense"), seed=6)
+    config = json.loads((source / "config.json").read_text())
+    for change, message in (
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "unsupported RoPE scaling 'yarn'"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads=3"),
+    ):
+        (source / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            load_model(source)

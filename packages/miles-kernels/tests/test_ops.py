@@ -1,0 +1,165 @@
+"""CPU numerics: op-level references and invariance (linear, RoPE, attention, MoE routing and experts).
+
+References are independent: `F.linear`, `F.scaled_dot_product_attention`, and the Hugging Face Qwen3-MoE
+router/expert formulas written out here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_kernels import (
+    KernelConfig,
+    apply_rope,
+    attention,
+    build_attention_batch,
+    build_packed_batch,
+    experts_forward,
+    inv_frequencies,
+    linear,
+    rope_cos_sin,
+    select_experts,
+)
+from miles_kernels.ops.attention import num_pages_needed
+
+DET = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
+FAST = DET.model_copy(update={"mode": "fast"})
+
+
+def test_linear_matches_f_linear_in_both_modes() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 32, generator=generator)
+    weight, bias = torch.randn(48, 32, generator=generator), torch.randn(48, generator=generator)
+    for config in (DET, FAST):
+        torch.testing.assert_close(linear(x, weight, config, bias), F.linear(x, weight, bias), rtol=0, atol=1e-5)
+    assert linear(x[:0], weight, DET).shape == (0, 7, 48)
+
+
+def test_linear_gradients_match_f_linear() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 32, generator=generator, requires_grad=True)
+    weight = torch.randn(48, 32, generator=generator, requires_grad=True)
+    linear(x, weight, DET).square().sum().backward()
+    gx, gw = x.grad, weight.grad
+    x.grad = weight.grad = None
+    F.linear(x, weight).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gw, weight.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_rope_matches_reference_rotation() -> None:
+    x = torch.randn(5, 2, 8)
+    positions = torch.tensor([0, 1, 7, 100, 4095])
+    cos, sin = rope_cos_sin(positions, inv_frequencies(8, 10_000.0), torch.float32)
+    got = apply_rope(x, cos, sin)
+    # Reference: rotate each (i, i + d/2) pair by angle position * theta^(-2i/d).
+    for n, pos in enumerate(positions.tolist()):
+        for i in range(4):
+            angle = torch.tensor(pos * 10_000.0 ** (-2 * i / 8), dtype=torch.float64)
+            a, b = x[n, :, i].double(), x[n, :, i + 4].double()
+            torch.testing.assert_close(got[n, :, i].double(), a * angle.cos() - b * angle.sin(), atol=1e-4, rtol=0)
+            torch.testing.assert_close(got[n, :, i + 4].double(), b * angle.cos() + a * angle.sin(), atol=1e-4, rtol=0)
+
+
+def packed_attention(config: KernelConfig, q, k, v, lens: list[int]) -> torch.Tensor:
+    batch = build_packed_batch(lens, config.page_size, config.attention_query_tile)
+    shape = (num_pages_needed(batch), k.shape[1], config.page_size, k.shape[2])  # head-major pages
+    where = (batch.write_pages_N[:, None], torch.arange(k.shape[1])[None, :], batch.write_offsets_N[:, None])
+    k_pages = torch.zeros(shape).index_put(where, k)
+    v_pages = torch.zeros(shape).index_put(where, v)
+    return attention(q, k_pages, v_pages, batch, q.shape[-1] ** -0.5, config)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_attention_matches_sdpa(group: int) -> None:
+    generator = torch.Generator().manual_seed(group)
+    lens = [1, 9, 30, 8]
+    num_kv, dim = 2, 16
+    q = torch.randn(sum(lens), num_kv * group, dim, generator=generator)
+    k = torch.randn(sum(lens), num_kv, dim, generator=generator)
+    v = torch.randn(sum(lens), num_kv, dim, generator=generator)
+    reference = []
+    for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens), strict=True):
+        out = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None],
+            ks.transpose(0, 1)[None],
+            vs.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
+        )
+        reference.append(out[0].transpose(0, 1))
+    for config in (DET, FAST):
+        torch.testing.assert_close(packed_attention(config, q, k, v, lens), torch.cat(reference), rtol=0, atol=1e-5)
+
+
+def test_attention_batch_validates_its_layout() -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_batch([9], [0], [[1]], page_size=8, query_tile=4)
+    with pytest.raises(ValueError, match="no query tokens"):
+        build_attention_batch([0], [0], [[1]], page_size=8, query_tile=4)
+
+
+def hf_router_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's router as Hugging Face writes it: softmax in fp32, torch.topk, optional renormalization."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_select_experts_matches_hf_router(normalize: bool) -> None:
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(5))
+    ids, weights = select_experts(logits, 2, normalize, torch.float32)
+    ref_ids, ref_weights = hf_router_reference(logits, 2, normalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=0, atol=1e-7)
+
+
+def test_select_experts_breaks_ties_by_lower_id() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    ids, _ = select_experts(logits, 2, True, torch.float32)
+    assert ids.tolist() == [[1, 2], [0, 1]]
+
+
+def make_experts(num_experts: int, hidden: int, inter: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(shape, generator=generator) * 0.2 for _ in range(num_experts)]
+        for shape in ((inter, hidden), (inter, hidden), (hidden, inter))
+    ]
+
+
+def test_experts_match_reference_formula() -> None:
+    gate, up, down = make_experts(6, 16, 24, seed=6)
+    x = torch.randn(20, 16, generator=torch.Generator().manual_seed(7))
+    ids, weights = select_experts(torch.randn(20, 6), 2, True, torch.float32)
+    reference = torch.zeros_like(x)
+    for n in range(20):
+        for slot in range(2):
+            e = int(ids[n, slot])
+            reference[n] += weights[n, slot] * (down[e] @ (F.silu(gate[e] @ x[n]) * (up[e] @ x[n])))
+    for config in (DET, FAST):
+        got = experts_forward(x, ids, weights, gate, up, down, config)
+        torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
+
+
+def test_expert_output_does_not_depend_on_tokens_per_expert() -> None:
+    """A token's MoE output is bitwise the same whether 0 or 200 other tokens chose its experts."""
+    gate, up, down = make_experts(4, 32, 48, seed=8)
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(201, 32, generator=generator)
+    ids = torch.randint(0, 4, (201, 2), generator=generator)
+    ids[:, 1] = (ids[:, 0] + 1) % 4
+    weights = torch.rand(201, 2, generator=generator)
+    everything = experts_forward(x, ids, weights, gate, up, down, DET)
+    for n in (0, 5, 77, 200):
+        alone = experts_forward(x[n : n + 1], ids[n : n + 1], weights[n : n + 1], gate, up, down, DET)
+        assert torch.equal(alone[0], everything[n])
+    crowd = ids.clone()
+    crowd[:, 0], crowd[:, 1] = ids[0, 0], ids[0, 1]  # every token picks token 0's experts
+    crowded = experts_forward(x, crowd, weights, gate, up, down, DET)
+    assert torch.equal(crowded[0], everything[0])

@@ -1,0 +1,82 @@
+"""CPU numerics: sampling is reproducible per (seed, position), respects its filters, follows the softmax
+distribution, and log-probs follow the DESIGN.md log-prob contract."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles_kernels import RowSampling, logprob_temperatures, sample, token_logprobs, uniform
+
+
+def test_uniform_is_a_pure_function_in_unit_interval() -> None:
+    values = [uniform(seed, pos) for seed in range(50) for pos in range(50)]
+    assert all(0.0 <= u < 1.0 for u in values)
+    assert uniform(7, 3) == uniform(7, 3) and uniform(7, 3) != uniform(7, 4) and uniform(7, 3) != uniform(8, 3)
+    assert abs(sum(values) / len(values) - 0.5) < 0.02
+
+
+def test_greedy_takes_first_maximum() -> None:
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 1.0, 5.0, 5.0]])
+    assert sample(logits, [RowSampling(temperature=0.0)] * 2).tolist() == [1, 0]
+
+
+def test_same_seed_and_position_same_token_whatever_the_batch() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 100, generator=generator)
+    rows = [RowSampling(temperature=1.0, top_p=0.9, seed=1000 + i, position=17 + i) for i in range(32)]
+    together = sample(logits, rows)
+    for i in range(32):
+        assert sample(logits[i : i + 1], [rows[i]]).item() == together[i].item()
+    shuffled = list(reversed(range(32)))
+    assert sample(logits[shuffled], [rows[i] for i in shuffled]).tolist() == together[shuffled].tolist()
+
+
+def test_sampling_follows_softmax_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    temperature = 0.7
+    probs = torch.softmax(logits[0] / temperature, dim=-1)
+    num = 4000
+    counts = torch.zeros(4)
+    for seed in range(num):
+        counts[sample(logits, [RowSampling(temperature=temperature, seed=seed, position=3)])[0]] += 1
+    expected = probs * num
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (counts, expected)  # p = 0.001 for 3 degrees of freedom
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (RowSampling(top_k=2), {0, 1}),
+        (RowSampling(top_p=0.5), {0}),  # p(0) = 0.64 already reaches 0.5
+        (RowSampling(top_p=0.7), {0, 1}),
+        (RowSampling(min_p=0.3), {0, 1}),  # p(1) / p(0) = 0.37, p(2) / p(0) = 0.14
+    ],
+)
+def test_filters_restrict_support(params: RowSampling, allowed: set[int]) -> None:
+    logits = torch.log(torch.tensor([[0.64, 0.236, 0.087, 0.037]]))
+    seen = set()
+    for seed in range(300):
+        row = RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=seed, position=0)
+        seen.add(int(sample(logits, [row])[0]))
+    assert seen == allowed
+
+
+def test_logprob_contract_uses_temperature_and_full_vocabulary() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.5, 3.0, 0.0]])
+    rows = [RowSampling(temperature=0.5, top_k=1), RowSampling(temperature=0.0)]
+    temps = logprob_temperatures(rows, logits.device)
+    assert temps.flatten().tolist() == [0.5, 1.0]  # greedy scores at T = 1
+    got = token_logprobs(logits, torch.tensor([1, 2]), temps)
+    expected0 = 1.0 / 0.5 - math.log(sum(math.exp(v / 0.5) for v in (2.0, 1.0, 0.0, -1.0)))
+    expected1 = 3.0 - math.log(2 * math.exp(0.5) + math.exp(3.0) + 1.0)
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx([expected0, expected1], abs=1e-6)  # no top-k truncation applied
+
+
+def test_row_count_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="2 sampling rows for 1 logit rows"):
+        sample(torch.zeros(1, 4), [RowSampling(), RowSampling()])
