@@ -77,11 +77,10 @@ def hf_decode(hf, prompts: torch.Tensor) -> Callable[[], object]:
 
     with torch.no_grad():
         cache = hf(prompts, use_cache=True).past_key_values
-    length = prompts.shape[1]
     next_tokens = prompts[:, -1:]
 
     def step() -> None:
-        cache.crop(length)  # same 128-token context every call
+        cache.crop(-1)  # drop the token the previous call appended: the same context every call
         hf(next_tokens, past_key_values=cache, use_cache=True)
 
     assert isinstance(cache, DynamicCache)
@@ -95,7 +94,11 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--context", type=int, default=128, help="cached tokens per sequence before decode")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    defaults = KernelConfig()
+    for name in ("page_size", "attention_query_tile", "linear_tile"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     args = parser.parse_args()
+    tiles = {name: getattr(args, name) for name in ("page_size", "attention_query_tile", "linear_tile")}
 
     torch.manual_seed(0)
     results: dict[str, object] = {
@@ -106,12 +109,13 @@ def main() -> None:
         "machine": platform.machine(),
         "processor": platform.processor(),
         "repeats": args.repeats,
+        "kernel_config": tiles,
         "unit": "seconds (median)",
     }
     with tempfile.TemporaryDirectory() as model_dir, torch.no_grad():
         save_random_model(model_dir, tiny_config("dense", **BENCH_MODEL), seed=0)
-        det = load_model(model_dir, KernelConfig(mode="deterministic"))
-        fast = load_model(model_dir, KernelConfig(mode="fast"))
+        det = load_model(model_dir, KernelConfig(mode="deterministic", **tiles))
+        fast = load_model(model_dir, KernelConfig(mode="fast", **tiles))
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, BENCH_MODEL["vocab_size"], (args.prefill_tokens,), generator=generator)

@@ -14,8 +14,8 @@ from miles_kernels.ops.attention import _sdpa_attention
 def test_fingerprint_tracks_every_field() -> None:
     base = KernelConfig()
     assert base.fingerprint() == KernelConfig().fingerprint()
-    for change in ({"dtype": "bfloat16"}, {"mode": "fast"}, {"linear_tile": 32}, {"page_size": 64},
-                   {"attention_query_tile": 8}, {"moe_tile": 8}):  # fmt: skip
+    for change in ({"dtype": "bfloat16"}, {"mode": "fast"}, {"linear_tile": 32}, {"page_size": 128},
+                   {"attention_query_tile": 16}, {"moe_tile": 8}):  # fmt: skip
         assert KernelConfig(**change).fingerprint() != base.fingerprint(), change
     described = base.describe()
     assert described["fingerprint"] == base.fingerprint() and described["torch"] == torch.__version__

@@ -141,7 +141,7 @@ def save_model(
     if len(shards) == 1:
         save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
         return out
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / file), metadata={"format": "pt"})

@@ -15,6 +15,7 @@ Shapes: N tokens, H hidden, V vocab, Hq/Hkv heads, D head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +124,8 @@ class Attention(nn.Module):
             k_pages = k_pages.index_put(where, k)
             v_pages = v_pages.index_put(where, v)
         out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel)
-        return self.o_proj(out.reshape(num_tokens, heads * dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
+        return projected
 
 
 class MLP(nn.Module):
@@ -134,7 +136,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, False, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class SparseMoE(nn.Module):
@@ -203,7 +206,7 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the LM head with the embeddings when the config ties them (again after `to_empty`)."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
 
     def forward_hidden(
         self, input_ids_N: torch.Tensor, batch: AttentionBatch, kv_store: KVStore | None = None
@@ -218,7 +221,7 @@ class CausalLM(nn.Module):
         if kv_store is None:
             shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
             empty = x.new_zeros(shape)
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(cast(list[DecoderLayer], self.model.layers)):
             if kv_store is None:
                 k_pages, v_pages, is_persistent = empty, empty, False
             else:
