@@ -52,6 +52,7 @@ from miles_kernels.paged_runner import PagedRunner, packed_logits
 from miles_kernels.random_model import random_model, save_random_model, tiny_config
 from miles_kernels.registry import Backend, available_backends, get_backend, register_backend, registered_ops
 from miles_kernels.tokenizer import DEFAULT_CORPUS, build_tokenizer
+from miles_kernels.weight_group import broadcast_tensors, dtype_name, init_weight_update_group, parse_dtype
 
 __version__ = "0.1.0"
 
@@ -72,15 +73,18 @@ __all__ = [
     "apply_rope",
     "attention",
     "available_backends",
+    "broadcast_tensors",
     "build_attention_batch",
     "build_packed_batch",
     "build_tokenizer",
     "checkpoint_tensors",
     "decode_bucket",
+    "dtype_name",
     "encode_bucket",
     "experts_forward",
     "full_logprobs",
     "get_backend",
+    "init_weight_update_group",
     "inv_frequencies",
     "iter_buckets",
     "iter_checkpoint",
@@ -89,6 +93,7 @@ __all__ = [
     "load_state",
     "logprob_temperatures",
     "packed_logits",
+    "parse_dtype",
     "plan_buckets",
     "random_model",
     "read_model_config",

@@ -1,0 +1,63 @@
+"""A standalone `torch.distributed` group for weight sync between a trainer (rank 0) and rollout engines.
+
+The trainer and each engine join a group of their own, outside any default process group, rendezvousing on a
+TCPStore at (master_address, master_port). Rank 0 broadcasts tensors under their Hugging Face names; engines
+receive into fresh buffers. gloo on CPU, NCCL on GPU. Used by miles-rollout's `/init_weights_update_group` /
+`/update_weights_from_distributed` and by the trainer's sender, so both sides share one implementation.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a dtype (`torch.float32` -> "float32")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """A dtype from its wire name; ValueError naming the allowed ones."""
+    key = name.removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> dist.ProcessGroup:
+    """Join (rank > 0) or host (rank 0) a weight-update group; blocks until every rank has joined."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    group: dist.ProcessGroup
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    else:
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    group._miles_store = store  # type: ignore[attr-defined]  # keep the store alive with the group
+    return group
+
+
+def broadcast_tensors(group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Broadcast each tensor from `src` in order (in place on receivers)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = src
+    for tensor in tensors:
+        group.broadcast([tensor], options).wait()

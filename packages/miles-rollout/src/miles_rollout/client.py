@@ -1,0 +1,436 @@
+"""Async HTTP client for a rollout server that speaks SGLang's native API.
+
+Every engine in the RL data path is reached through this one client: the rollout function asks it for responses
+(step 2, `/generate`), and the orchestrator uses it to push weights after an optimizer step (step 7, the
+`update_weights_*` endpoints), to release and resume engine memory around training (step 8) and to check health.
+The embedded `miles-rollout serve` server and an SGLang server (or sglang-router in front of several) answer the
+same requests, so the orchestrator never needs to know which engine it drives.
+
+Failure policy, so that a caller can reason about what happened on the server:
+
+- Only connection failures are retried (the request never reached the server, so it never ran), and only for
+  calls that are safe to repeat: GET endpoints, `/generate` and `/flush_cache`. A weight update is never retried:
+  the caller owns the weight version and decides whether to resend the whole sync.
+- A request that got an HTTP response is never retried; a 4xx/5xx, or a 200 whose JSON says `"success": false`
+  (SGLang reports some failures that way), raises `RolloutClientError` with the server's own message.
+- A timeout raises `RolloutClientError` naming the endpoint; the server may still be working on the request.
+
+Weights travel as safetensors bucket bytes (`miles_kernels.encode_bucket`), never pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+from pydantic import ValidationError
+
+from miles_contracts import GenerateRequest, GenerateResponse
+
+logger = logging.getLogger(__name__)
+
+# Failures that happen before the server has seen the request, so repeating a safe call cannot run it twice.
+# RemoteProtocolError without a response is mostly a kept-alive connection the server closed just as it was reused.
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+# Error pages (an HTML 502 from a proxy) can be large; the message only needs their start.
+_MAX_MESSAGE_CHARS = 2000
+
+
+class RolloutClientError(RuntimeError):
+    """A rollout-server call failed: an HTTP error, a `"success": false` reply, a timeout or no connection.
+
+    `status_code` is None when no HTTP response arrived. `message` is the server's own message when it sent one.
+    """
+
+    def __init__(self, message: str, *, endpoint: str, status_code: int | None = None) -> None:
+        self.message = message
+        self.endpoint = endpoint
+        self.status_code = status_code
+        status = f" (HTTP {status_code})" if status_code is not None else ""
+        super().__init__(f"{endpoint} failed{status}: {message}")
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # The default reduce re-calls __init__ with the formatted text only; keep the fields when the error is
+        # pickled (e.g. raised inside a Ray actor that calls an engine).
+        rebuild = functools.partial(type(self), endpoint=self.endpoint, status_code=self.status_code)
+        return rebuild, (self.message,)
+
+
+def _format_detail(detail: Any) -> str:
+    # FastAPI's 422 puts a list of {"loc": [...], "msg": ...} under "detail"; name each field it complains about.
+    if isinstance(detail, list):
+        parts = []
+        for item in detail:
+            if isinstance(item, dict) and "msg" in item:
+                loc = ".".join(str(part) for part in item.get("loc", ()))
+                parts.append(f"{loc}: {item['msg']}" if loc else str(item["msg"]))
+            else:
+                parts.append(str(item))
+        return "; ".join(parts)
+    return str(detail)
+
+
+def _server_message(response: httpx.Response) -> str:
+    """The server's own error text: `detail` (FastAPI), `message`, `error.message` (SGLang), else the raw body."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    message: str | None = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if body.get("detail") is not None:
+            message = _format_detail(body["detail"])
+        elif isinstance(body.get("message"), str):
+            message = body["message"]
+        elif isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+        elif isinstance(error, str):
+            message = error
+    if message is None:
+        message = response.text.strip() or response.reason_phrase or "(empty response)"
+    return message[:_MAX_MESSAGE_CHARS]
+
+
+def _parse_version(value: Any) -> int | None:
+    # SGLang keeps versions as strings and reports "default" before the first named update; that is "unknown".
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
+class Client:
+    """Async client for one rollout server (embedded miles engine, SGLang, or a router in front of several).
+
+    Use it as `async with Client(url) as client: ...`, or call `aclose()` when done. `api_key` is sent with
+    every request; admin endpoints (weights, memory, cache, abort) send `admin_key` instead when one is given.
+    `timeout` is the whole-request deadline in seconds. `max_connections` caps concurrent connections; the default
+    (None) leaves the cap to the caller's own concurrency limit, so that requests never wait in a hidden pool
+    queue and time out there.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout: float = 600.0,
+        connect_retries: int = 3,
+        retry_backoff: float = 0.5,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int | None = None,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if connect_retries < 0:
+            raise ValueError(f"connect_retries must be >= 0, got {connect_retries!r}")
+        if retry_backoff < 0:
+            raise ValueError(f"retry_backoff must be >= 0 seconds, got {retry_backoff!r}")
+        self._base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self._admin_key = admin_key
+        self._timeout = timeout
+        self._connect_retries = connect_retries
+        self._retry_backoff = retry_backoff
+        self._http = httpx.AsyncClient(
+            base_url=self._base_url,
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+            transport=transport,
+        )
+
+    @property
+    def base_url(self) -> str:
+        """The server's URL, without a trailing slash."""
+        return self._base_url
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    # -- transport -------------------------------------------------------------------------------------------
+
+    def _auth_headers(self, admin: bool) -> dict[str, str]:
+        key = (self._admin_key or self._api_key) if admin else self._api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        admin: bool = False,
+        retry: bool = False,
+    ) -> httpx.Response:
+        """Send one request; return a successful response or raise RolloutClientError."""
+        request_headers = self._auth_headers(admin) | (headers or {})
+        num_attempts = 1 + (self._connect_retries if retry else 0)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                # httpx's timeout bounds each connect/read/write, not the whole exchange: a server that trickles
+                # bytes, or an in-process ASGI app, would never trip it. This deadline does.
+                async with asyncio.timeout(self._timeout):
+                    response = await self._http.request(
+                        method, endpoint, json=json, content=content, headers=request_headers
+                    )
+            except _CONNECT_ERRORS as exc:
+                if attempt < num_attempts:
+                    delay = self._retry_backoff * 2 ** (attempt - 1)
+                    logger.warning(
+                        "%s %s%s: %s; retry %d/%d in %.2f s",
+                        method,
+                        self._base_url,
+                        endpoint,
+                        type(exc).__name__,
+                        attempt,
+                        num_attempts - 1,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
+                    continue
+                raise RolloutClientError(
+                    f"could not reach {self._base_url} after {attempt} attempt(s): {type(exc).__name__}: {exc}",
+                    endpoint=endpoint,
+                ) from exc
+            except (TimeoutError, httpx.TimeoutException) as exc:
+                raise RolloutClientError(
+                    f"{method} {endpoint} timed out after {self._timeout:g} s (the client's timeout); "
+                    "the server may still be working on it",
+                    endpoint=endpoint,
+                ) from exc
+            except httpx.HTTPError as exc:
+                # The connection broke mid-exchange: the server may have run the request, so never retry.
+                raise RolloutClientError(
+                    f"{method} {endpoint} failed in transit: {type(exc).__name__}: {exc}", endpoint=endpoint
+                ) from exc
+            if response.is_error:
+                raise RolloutClientError(
+                    _server_message(response), endpoint=endpoint, status_code=response.status_code
+                )
+            return response
+
+    async def _call(self, method: str, endpoint: str, **kwargs: Any) -> dict[str, Any]:
+        """`_request`, then the reply as a dict; a `"success": false` reply raises.
+
+        SGLang answers some control endpoints with plain text or an empty body; those become `{"message": text}`
+        and `{}`. Generate replies skip this path so their (large) JSON is parsed once.
+        """
+        response = await self._request(method, endpoint, **kwargs)
+        if not response.content:
+            return {}
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return {"message": response.text.strip()}
+        # SGLang answers some failed control calls with HTTP 200 and {"success": false, "message": ...}.
+        if body.get("success") is False:
+            message = body.get("message") or 'the server replied "success": false without a message'
+            raise RolloutClientError(str(message), endpoint=endpoint, status_code=response.status_code)
+        return body
+
+    async def _check(self, endpoint: str, *, retry: bool) -> str | None:
+        """None when `endpoint` answers 200, else why not. Never raises a client error."""
+        try:
+            response = await self._request("GET", endpoint, retry=retry)
+        except RolloutClientError as exc:
+            return str(exc)
+        # Redirects are not followed, so a 3xx lands here: it is not a healthy engine.
+        return None if response.status_code == 200 else f"{endpoint} answered HTTP {response.status_code}"
+
+    # -- generation ------------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:
+        """POST /generate; one response per generated sequence (a batch or `n > 1` gives several)."""
+        if request.stream:
+            raise ValueError("Client.generate does not read streamed responses; send the request with stream=False")
+        # Safe to retry: a request that never connected never ran, and the sampling seed makes a rerun identical.
+        response = await self._request(
+            "POST", "/generate", json=request.model_dump(mode="json", exclude_none=True), retry=True
+        )
+        try:
+            body = response.json()
+        except ValueError:
+            raise RolloutClientError(
+                f"response is not JSON: {response.text[:_MAX_MESSAGE_CHARS]!r}", endpoint="/generate"
+            ) from None
+        items = body if isinstance(body, list) else [body]
+        try:
+            return [GenerateResponse.model_validate(item) for item in items]
+        except ValidationError as exc:
+            raise RolloutClientError(
+                f"response does not match the SGLang generate schema: {exc}", endpoint="/generate"
+            ) from exc
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
+        """POST /abort_request: stop request `rid`, or every request with `abort_all=True`."""
+        return await self._call("POST", "/abort_request", json={"rid": rid or "", "abort_all": abort_all}, admin=True)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+        """POST /update_weights_from_disk: load a Hugging Face checkpoint directory as weight `weight_version`."""
+        body = {"model_path": model_path, "weight_version": _version_field(weight_version)}
+        return await self._call("POST", "/update_weights_from_disk", json=body, admin=True)
+
+    async def update_weights_from_tensor(self, bucket: bytes) -> dict[str, Any]:
+        """POST /update_weights_from_tensor with one safetensors weight bucket as the raw body (miles engine only).
+
+        The version and bucket index/count travel inside the bucket's metadata. SGLang's endpoint of this name
+        unpickles its payload, so SGLang engines get weights from disk or by broadcast instead.
+        """
+        if not isinstance(bucket, bytes | bytearray | memoryview):
+            raise TypeError(f"a weight bucket is bytes (miles_kernels.encode_bucket), got {type(bucket).__name__}")
+        return await self._call(
+            "POST",
+            "/update_weights_from_tensor",
+            content=bytes(bucket),
+            headers={"Content-Type": "application/octet-stream"},
+            admin=True,
+        )
+
+    async def update_weights_from_buckets(self, buckets: Iterable[bytes]) -> dict[str, Any]:
+        """Send each bucket in order (consuming a lazy iterator one bucket at a time); return the last reply."""
+        last: dict[str, Any] | None = None
+        for bucket in buckets:
+            last = await self.update_weights_from_tensor(bucket)
+        if last is None:
+            raise ValueError("update_weights_from_buckets got no buckets; a weight sync sends at least one")
+        return last
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> dict[str, Any]:
+        """POST /init_weights_update_group: join the trainer's process group for broadcast weight updates."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._call("POST", "/init_weights_update_group", json=body, admin=True)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_distributed: receive the named tensors by broadcast over `group_name`."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names, dtypes and shapes describe the same tensors; got {len(names)}, {len(dtypes)} and "
+                f"{len(shapes)} entries"
+            )
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "weight_version": _version_field(weight_version),
+            "flush_cache": flush_cache,
+        }
+        return await self._call("POST", "/update_weights_from_distributed", json=body, admin=True)
+
+    async def get_weight_version(self) -> int | None:
+        """GET /get_weight_version; None while the server has no numbered version (SGLang's "default")."""
+        body = await self._call("GET", "/get_weight_version", retry=True)
+        return _parse_version(body.get("weight_version"))
+
+    # -- memory and cache ------------------------------------------------------------------------------------
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """POST /release_memory_occupation: free the engine's `tags` (e.g. "kv_cache", "weights"); None: all."""
+        return await self._call("POST", "/release_memory_occupation", json={"tags": tags}, admin=True)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """POST /resume_memory_occupation: take back what `release_memory_occupation` freed."""
+        return await self._call("POST", "/resume_memory_occupation", json={"tags": tags}, admin=True)
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """POST /flush_cache: drop the prefix cache (stale after a weight update)."""
+        return await self._call("POST", "/flush_cache", admin=True, retry=True)
+
+    # -- info and health -------------------------------------------------------------------------------------
+
+    async def get_model_info(self) -> dict[str, Any]:
+        """GET /get_model_info."""
+        return await self._call("GET", "/get_model_info", retry=True)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """GET /get_server_info (the miles engine reports its kernel config and fingerprint here)."""
+        return await self._call("GET", "/get_server_info", retry=True)
+
+    async def health(self) -> bool:
+        """GET /health: True on 200; False on any other status or when the server cannot be reached."""
+        return await self._check("/health", retry=True) is None
+
+    async def health_generate(self) -> bool:
+        """GET /health_generate (the server runs a one-token generation): True on 200, else False."""
+        return await self._check("/health_generate", retry=True) is None
+
+    async def wait_until_healthy(self, timeout: float = 60.0, interval: float = 0.2) -> None:
+        """Poll /health every `interval` seconds until it answers 200; RolloutClientError after `timeout`."""
+        if not timeout > 0 or interval < 0:
+            raise ValueError(
+                f"need timeout > 0 and interval >= 0 seconds, got timeout={timeout!r}, interval={interval!r}"
+            )
+        reason = "no answer yet"
+        try:
+            async with asyncio.timeout(timeout):
+                # No per-probe retries: this loop is the retry, and its deadline must hold.
+                while (reason_or_none := await self._check("/health", retry=False)) is not None:
+                    reason = reason_or_none
+                    await asyncio.sleep(interval)
+        except TimeoutError:
+            raise RolloutClientError(
+                f"server at {self._base_url} not healthy after {timeout:g} s; last probe: {reason}",
+                endpoint="/health",
+            ) from None
+
+
+def _version_field(version: int | None) -> str | None:
+    # SGLang declares weight_version as Optional[str] and its request parsing does not turn numbers into strings;
+    # a decimal string is accepted by SGLang and by a server that parses the field as an int.
+    if version is None:
+        return None
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"weight_version must be an int >= 0 (the trainer's policy step), got {version!r}")
+    return str(version)

@@ -1,0 +1,141 @@
+"""`InProcessClient`: `miles_rollout.Client`'s interface over an `Engine` in the same process.
+
+The orchestrator and tests use it when the engine runs inside the caller (no HTTP hop); the rollout function
+cannot tell the difference. Engine errors surface as `RolloutClientError` with the HTTP status the server
+would have answered, as over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from miles_contracts import GenerateRequest, GenerateResponse
+from miles_rollout.client import RolloutClientError
+from miles_rollout.engine import Engine, EngineError
+from miles_rollout.weight_sync import DistributedReceiver
+
+T = TypeVar("T")
+
+
+class InProcessClient:
+    """Drives an in-process `Engine` with the same async methods as the HTTP `Client`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._receiver = DistributedReceiver(engine)
+
+    async def __aenter__(self) -> InProcessClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Nothing to close: the engine's owner shuts it down."""
+
+    async def _call(self, endpoint: str, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await fn()
+        except EngineError as error:
+            raise RolloutClientError(error.message, endpoint=endpoint, status_code=error.status_code) from error
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:
+        return await self._call("/generate", lambda: self.engine.generate(request))
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> dict[str, Any]:
+        await self.engine.abort(None if abort_all else rid)
+        return {"success": True, "message": "abort requested"}
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+        version = await self._call(
+            "/update_weights_from_disk",
+            lambda: self.engine.control(
+                lambda: self.engine.update_weights_from_disk(model_path, weight_version), needs_idle=True
+            ),
+        )
+        return {"success": True, "message": f"loaded {model_path}", "weight_version": version}
+
+    async def update_weights_from_tensor(self, bucket: bytes) -> dict[str, Any]:
+        result = await self._call(
+            "/update_weights_from_tensor",
+            lambda: self.engine.control(lambda: self.engine.receive_bucket(bucket), needs_idle=True),
+        )
+        return {"success": True, "message": "bucket received", **result}
+
+    async def update_weights_from_buckets(self, buckets: Iterable[bytes]) -> dict[str, Any]:
+        last: dict[str, Any] | None = None
+        for bucket in buckets:
+            last = await self.update_weights_from_tensor(bucket)
+        if last is None:
+            raise ValueError("update_weights_from_buckets got no buckets")
+        return last
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "gloo",
+    ) -> dict[str, Any]:  # fmt: skip
+        await self._call(
+            "/init_weights_update_group",
+            lambda: self._receiver.init_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend
+            ),
+        )
+        return {"success": True, "message": f"joined group {group_name!r}"}
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", weight_version: int | None = None, flush_cache: bool = True,
+    ) -> dict[str, Any]:  # fmt: skip
+        version = await self._call(
+            "/update_weights_from_distributed",
+            lambda: self._receiver.receive(group_name, names, dtypes, shapes, weight_version),
+        )
+        return {"success": True, "message": f"received {len(names)} tensors", "weight_version": version}
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        released = await self._call(
+            "/release_memory_occupation",
+            lambda: self.engine.control(lambda: self.engine.release_memory(tags), needs_idle=True),
+        )
+        return {"success": True, "message": "released", "released": released}
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        released = await self._call(
+            "/resume_memory_occupation",
+            lambda: self.engine.control(lambda: self.engine.resume_memory(tags), needs_idle=True),
+        )
+        return {"success": True, "message": "resumed", "released": released}
+
+    async def flush_cache(self) -> dict[str, Any]:
+        await self.engine.control(self.engine.flush_cache, needs_idle=False)
+        return {"success": True, "message": "cache flushed"}
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return self.engine.model_info()
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return self.engine.server_info()
+
+    async def get_weight_version(self) -> int | None:
+        return self.engine.weight_version
+
+    async def health(self) -> bool:
+        return self.engine.is_alive()
+
+    async def health_generate(self) -> bool:
+        probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        try:
+            await self.engine.generate(probe)
+        except EngineError:
+            return False
+        return True
+
+    async def wait_until_healthy(self, timeout: float = 60.0, interval: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise RolloutClientError(f"engine not healthy after {timeout}s", endpoint="/health")
+            await asyncio.sleep(interval)

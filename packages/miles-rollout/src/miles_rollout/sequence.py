@@ -1,0 +1,119 @@
+"""Per-request state inside the engine: a `Group` is one prompt of a `/generate` call; its `n` samples are
+`Sequence`s that share the prompt's KV pages.
+
+Life of a group: waiting → prefill (the prompt is computed once, in chunks under the step's token budget) → fork
+into `n` sequences that decode one token per step → each finishes on EOS / stop token / stop string /
+max_new_tokens / context length / abort, and the group answers when all of them have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_contracts import FinishReason, GenerateResponse, MetaInfo, SamplingParams
+from miles_kernels import RowSampling
+
+
+@dataclass
+class Sequence:
+    """One sample being generated."""
+
+    group: Group
+    sample_index: int
+    seed: int
+    pages: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in `pages` (prompt + output)
+    text: str = ""
+    finish: FinishReason | None = None
+    reserved_pages: int = 0  # admission reservation not yet allocated
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.group.prompt_ids + self.output_ids
+
+    @property
+    def rid(self) -> str:
+        return self.group.rid if self.group.params.n == 1 else f"{self.group.rid}-{self.sample_index}"
+
+    def row_sampling(self) -> RowSampling:
+        params = self.group.params
+        return RowSampling(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=self.seed,
+            position=len(self.tokens),
+        )
+
+
+@dataclass
+class Group:
+    """One prompt of a generate call and its `n` samples."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    weight_version: int
+    future: asyncio.Future[list[GenerateResponse]] | None
+    loop: asyncio.AbstractEventLoop | None
+    prefill_pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # prompt tokens whose K/V are computed
+    cached_tokens: int = 0  # prompt tokens reused from the radix cache
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    sequences: list[Sequence] = field(default_factory=list)
+    reserved_pages: int = 0
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.num_computed == len(self.prompt_ids)
+
+    @property
+    def needs_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    def logprob_temperature(self) -> float:
+        return 1.0 if self.params.temperature == 0.0 else self.params.temperature
+
+
+def finish_reason(
+    kind: str, matched: int | str | None = None, message: str | None = None, length: int | None = None
+) -> FinishReason:
+    return FinishReason(type=kind, matched=matched, message=message, length=length)  # type: ignore[arg-type]
+
+
+def build_response(seq: Sequence) -> GenerateResponse:
+    """The SGLang-shaped response of one finished sequence."""
+    group = seq.group
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": seq.finish,
+        "prompt_tokens": len(group.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": group.cached_tokens,
+        "weight_version": group.weight_version,
+    }
+    if group.return_logprob:
+        meta["output_token_logprobs"] = [
+            (lp, tok, None) for lp, tok in zip(seq.output_logprobs, seq.output_ids, strict=True)
+        ]
+        if group.logprob_start_len >= 0:
+            ids = group.prompt_ids[group.logprob_start_len :]
+            meta["input_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(group.input_logprobs, ids, strict=True)]
+        if group.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [[(lp, tok, None) for lp, tok in top] for top in seq.output_top_logprobs]
+            if group.logprob_start_len >= 0:
+                meta["input_top_logprobs"] = [
+                    None if top is None else [(lp, tok, None) for lp, tok in top] for top in group.input_top_logprobs
+                ]
+    return GenerateResponse(text=seq.text, output_ids=list(seq.output_ids), meta_info=MetaInfo(**meta))

@@ -1,0 +1,229 @@
+"""The SGLang-compatible HTTP server of the embedded engine (FastAPI).
+
+Endpoints use SGLang's names and JSON fields, so SGLang clients (and `miles_rollout.Client`) drive it unchanged.
+Security: with `api_key` set every endpoint needs `Authorization: Bearer <key>`; weight, memory and control
+endpoints need the admin key when one is set, and without one they answer only when the server is bound to a
+loopback address (the CLI refuses a non-loopback bind without an admin key). Bad input is a 400 that names the
+field; an engine failure answers that request with an error and leaves the server running. Nothing received
+over HTTP is unpickled: weight buckets are safetensors bytes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+import torch
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from miles_contracts import GenerateRequest
+from miles_rollout.engine import Engine, EngineError
+from miles_rollout.weight_sync import DistributedReceiver
+
+ADMIN_PATHS = {
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/flush_cache",
+    "/abort_request",
+}
+
+
+class UpdateFromDisk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str = Field(min_length=1)
+    weight_version: int | None = Field(default=None, ge=0)
+    abort_all_requests: bool = False
+
+
+class InitGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+class UpdateFromDistributed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: int | None = Field(default=None, ge=0)
+    flush_cache: bool = True
+
+
+class MemoryTags(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tags: list[str] | None = None
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rid: str = ""
+    abort_all: bool = False
+
+
+def _describe(error: ValidationError | RequestValidationError) -> str:
+    """Pydantic errors as `field.path: message`, without union-branch noise (`list[SamplingParams]` etc.)."""
+    items = list(error.errors())
+    specific = [
+        i
+        for i in items
+        if not str(i.get("msg", "")).startswith(("Input should be a valid list", "Input should be a valid dictionary"))
+    ]
+    parts = []
+    for item in specific or items:
+        location = [str(p) for p in item.get("loc", ()) if p != "body" and not (str(p)[:1].isupper() or "[" in str(p))]
+        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(location) or 'body'}: {message}")
+    return "; ".join(dict.fromkeys(parts))
+
+
+async def _parse(request: Request, model: type[BaseModel], allow_empty: bool = False) -> Any:
+    raw = await request.body()
+    if not raw.strip() and allow_empty:
+        return model()
+    try:
+        payload = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise HTTPException(400, f"request body is not valid JSON: {error}") from error
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        raise HTTPException(400, _describe(error)) from error
+
+
+def create_app(
+    engine: Engine, *, api_key: str | None = None, admin_key: str | None = None, host: str = "127.0.0.1"
+) -> FastAPI:
+    """The FastAPI app serving `engine`."""
+    app = FastAPI(title="miles-rollout", description="SGLang-compatible rollout server of the Miles engine")
+    is_loopback = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+    receiver = DistributedReceiver(engine)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Any) -> Response:
+        token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        is_admin_path = request.url.path in ADMIN_PATHS
+        if is_admin_path and admin_key is not None:
+            if not hmac.compare_digest(token, admin_key):
+                return JSONResponse({"detail": "this endpoint needs the admin key (Authorization: Bearer ...)"}, 401)
+        elif is_admin_path and not is_loopback:
+            return JSONResponse({"detail": "admin endpoints are disabled: no admin key and not a loopback bind"}, 403)
+        elif api_key is not None and not (
+            hmac.compare_digest(token, api_key) or (admin_key is not None and hmac.compare_digest(token, admin_key))
+        ):
+            return JSONResponse({"detail": "missing or wrong API key (Authorization: Bearer <api key>)"}, 401)
+        return await call_next(request)  # type: ignore[no-any-return]
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, error: EngineError) -> JSONResponse:
+        return JSONResponse({"detail": error.message}, error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _describe(error)}, 400)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body: GenerateRequest = await _parse(request, GenerateRequest)
+        responses = await engine.generate(body)
+        payload = [r.model_dump(mode="json") for r in responses]
+        return payload if body.is_batch or body.params_for(0).n > 1 else payload[0]
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(request: Request) -> dict[str, Any]:
+        body: UpdateFromDisk = await _parse(request, UpdateFromDisk)
+        if body.abort_all_requests:
+            await engine.abort(None)
+        version = await engine.control(
+            lambda: engine.update_weights_from_disk(body.model_path, body.weight_version), needs_idle=True
+        )
+        return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(request: Request) -> dict[str, Any]:
+        data = await request.body()
+        if not data:
+            raise HTTPException(400, "empty body: send one weight bucket (safetensors bytes)")
+        result = await engine.control(lambda: engine.receive_bucket(data), needs_idle=True)
+        return {"success": True, "message": "bucket received", **result}
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request) -> dict[str, Any]:
+        body: InitGroup = await _parse(request, InitGroup)
+        await receiver.init_group(body.master_address, body.master_port, body.rank_offset, body.world_size,
+                                  body.group_name, body.backend)  # fmt: skip
+        return {"success": True, "message": f"joined group {body.group_name!r} as rank {body.rank_offset}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(request: Request) -> dict[str, Any]:
+        body: UpdateFromDistributed = await _parse(request, UpdateFromDistributed)
+        if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
+            raise HTTPException(400, "names, dtypes and shapes need one entry per tensor")
+        version = await receiver.receive(body.group_name, body.names, body.dtypes, body.shapes, body.weight_version)
+        return {"success": True, "message": f"received {len(body.names)} tensors", "weight_version": version}
+
+    @app.post("/release_memory_occupation")
+    async def release(request: Request) -> dict[str, Any]:
+        body: MemoryTags = await _parse(request, MemoryTags, allow_empty=True)
+        released = await engine.control(lambda: engine.release_memory(body.tags), needs_idle=True)
+        return {"success": True, "message": "released", "released": released}
+
+    @app.post("/resume_memory_occupation")
+    async def resume(request: Request) -> dict[str, Any]:
+        body: MemoryTags = await _parse(request, MemoryTags, allow_empty=True)
+        released = await engine.control(lambda: engine.resume_memory(body.tags), needs_idle=True)
+        return {"success": True, "message": "resumed", "released": released}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> dict[str, Any]:
+        await engine.control(engine.flush_cache, needs_idle=False)
+        return {"success": True, "message": "cache flushed"}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        body: AbortRequest = await _parse(request, AbortRequest, allow_empty=True)
+        if not body.abort_all and not body.rid:
+            raise HTTPException(400, "give `rid` or set `abort_all: true`")
+        await engine.abort(None if body.abort_all else body.rid)
+        return {"success": True, "message": "abort requested"}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return engine.model_info()
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return engine.server_info()
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict[str, Any]:
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        await engine.generate(probe)
+        return Response(status_code=200)
+
+    @app.get("/")
+    async def root() -> dict[str, Any]:
+        return {"name": "miles-rollout", "torch": torch.__version__, "weight_version": engine.weight_version}
+
+    return app
