@@ -8,7 +8,8 @@
 """
 
 from miles_rollout.client import Client, RolloutClientError
-from miles_rollout.engine import Engine, EngineConfig, EngineError
+from miles_rollout.engine import Engine
+from miles_rollout.engine_config import EngineConfig, EngineError
 from miles_rollout.in_process import InProcessClient
 from miles_rollout.server import create_app
 

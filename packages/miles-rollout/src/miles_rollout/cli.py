@@ -62,7 +62,8 @@ def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from miles_kernels import KernelConfig
-    from miles_rollout.engine import Engine, EngineConfig
+    from miles_rollout.engine import Engine
+    from miles_rollout.engine_config import EngineConfig
     from miles_rollout.server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

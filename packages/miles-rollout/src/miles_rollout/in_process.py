@@ -12,9 +12,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from miles_contracts import GenerateRequest, GenerateResponse
+from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.client import RolloutClientError
-from miles_rollout.engine import Engine, EngineError
+from miles_rollout.engine import Engine
+from miles_rollout.engine_config import EngineError
 from miles_rollout.weight_sync import DistributedReceiver
 
 T = TypeVar("T")
@@ -126,7 +127,7 @@ class InProcessClient:
         return self.engine.is_alive()
 
     async def health_generate(self) -> bool:
-        probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        probe = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
             await self.engine.generate(probe)
         except EngineError:

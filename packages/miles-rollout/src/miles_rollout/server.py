@@ -20,8 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from miles_contracts import GenerateRequest
-from miles_rollout.engine import Engine, EngineError
+from miles_contracts import GenerateRequest, SamplingParams
+from miles_rollout.engine import Engine
+from miles_rollout.engine_config import EngineError
 from miles_rollout.weight_sync import DistributedReceiver
 
 ADMIN_PATHS = {
@@ -218,7 +219,7 @@ def create_app(
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        probe = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        probe = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
         await engine.generate(probe)
         return Response(status_code=200)
 

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from miles_kernels import broadcast_tensors, init_weight_update_group, parse_dtype
-from miles_rollout.engine import Engine, EngineError
+from miles_rollout.engine import Engine
+from miles_rollout.engine_config import EngineError
 
 
 class DistributedReceiver:

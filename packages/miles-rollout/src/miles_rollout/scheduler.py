@@ -1,0 +1,369 @@
+"""The engine's scheduler: continuous batching with chunked prefill over a paged KV cache and a radix prefix
+cache, then sampling, log-probs and stop handling. It runs on the engine thread only (no locking here).
+
+Each `step`:
+1. admits waiting prompts while sequences and KV pages allow (pages are reserved for the whole generation at
+   admission, so a running request never runs out; a request that waits is never over-allocated);
+2. builds one mixed batch: one token for every decoding sequence, then prompt chunks under the step's token
+   budget (chunked prefill), and runs one forward over it;
+3. samples the next token of every sequence whose input ended this step, records its log-prob (the log-prob
+   contract), and finishes sequences on EOS / stop token / stop string / max_new_tokens / context length.
+A prompt with `n` samples is prefilled once, then forked: full pages are shared, the partial page is copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import torch
+
+from miles_kernels import CausalLM, KVStore, build_attention_batch, full_logprobs, sample, token_logprobs
+from miles_rollout.engine_config import EngineConfig, EngineError
+from miles_rollout.kv_cache import PageAllocator
+from miles_rollout.radix_cache import RadixCache
+from miles_rollout.sequence import Group, Sequence, build_response, finish_reason
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Waiting, prefilling and running requests, and the KV pages they hold."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any, context_length: int) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.page_size = config.kernel.page_size
+        self.eos_ids = set(model.config.eos_token_ids())
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(tokenizer.eos_token_id))
+        self.store = self._allocate_store()
+        self.allocator = PageAllocator(config.num_kv_pages)
+        self.radix = RadixCache(self.allocator, self.page_size)
+        self._waiting: deque[Group] = deque()
+        self._prefilling: list[Group] = []
+        self._running: list[Sequence] = []
+        self._reserved = 0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    def _allocate_store(self) -> KVStore:
+        return KVStore.allocate(
+            self.model.config, self.config.num_kv_pages, self.page_size, self.config.kernel.torch_dtype,
+            self.config.device,
+        )  # fmt: skip
+
+    @property
+    def is_busy(self) -> bool:
+        """Requests hold KV pages (prefilling or decoding)."""
+        return bool(self._prefilling or self._running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._running)
+
+    def submit(self, groups: list[Group]) -> None:
+        self._waiting.extend(groups)
+
+    def release_kv(self) -> None:
+        """Free the KV store's memory (no request may be running)."""
+        assert not self.is_busy
+        self.radix.reset()
+        self.allocator.reset()
+        self.store.release()
+
+    def resume_kv(self) -> None:
+        self.store = self._allocate_store()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self._running),
+            "num_prefilling": len(self._prefilling),
+            "num_waiting": len(self._waiting),
+            "num_used_pages": self.allocator.num_used,
+            "num_cached_pages": self.radix.num_cached_pages,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+        }
+
+    def process_aborts(self, aborts: list[str | None]) -> None:
+        """Finish aborted requests (None: all) with `abort`, wherever they are."""
+        for rid in aborts:
+            for group in [g for g in self._waiting if rid is None or g.rid == rid]:
+                self._waiting.remove(group)
+                group.sequences = [Sequence(group, i, group.seed + i) for i in range(group.params.n)]
+                for seq in group.sequences:
+                    seq.finish = finish_reason("abort", message="aborted before it started")
+                self._complete_group(group)
+            for group in [g for g in self._prefilling if rid is None or g.rid == rid]:
+                self._prefilling.remove(group)
+                self.allocator.release(group.prefill_pages)
+                self._reserved -= group.reserved_pages
+                group.sequences = [Sequence(group, i, group.seed + i) for i in range(group.params.n)]
+                for seq in group.sequences:
+                    seq.finish = finish_reason("abort", message="aborted during prefill")
+                self._complete_group(group)
+            for seq in [s for s in self._running if rid is None or s.group.rid == rid or s.rid == rid]:
+                self._finish(seq, finish_reason("abort", message="aborted"))
+
+    def fail_all(self, message: str) -> None:
+        groups = {id(g): g for g in [*self._waiting, *self._prefilling, *(s.group for s in self._running)]}
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._running.clear()
+        self.radix.reset()
+        self.allocator.reset()
+        self._reserved = 0
+        for group in groups.values():
+            if group.future is not None and group.loop is not None:
+                group.loop.call_soon_threadsafe(set_exception, group.future, EngineError(message, 500))
+
+    def _admit(self) -> None:
+        while self._waiting:
+            group = self._waiting[0]
+            if len(self._running) + len(self._prefilling) + group.params.n > self.config.max_running_requests:
+                return
+            limit = len(group.prompt_ids) - 1
+            if group.needs_input_logprobs:
+                limit = min(limit, max(group.logprob_start_len - 1, 0))
+            matched = self.radix.match(group.prompt_ids[:limit])
+            available = self.allocator.num_free + self.radix.num_evictable() - self._reserved
+            needed = group.reserved_pages - len(matched)
+            if needed > available:
+                self.allocator.release(matched)
+                return  # admission waits for pages
+            self._waiting.popleft()
+            group.reserved_pages = needed
+            self._reserved += needed
+            group.prefill_pages = matched
+            group.num_computed = group.cached_tokens = len(matched) * self.page_size
+            self._prefilling.append(group)
+
+    def _take_pages(self, count: int) -> list[int]:
+        if count > self.allocator.num_free:
+            self.radix.evict(count - self.allocator.num_free)
+        self._reserved -= count
+        return self.allocator.allocate(count)
+
+    def step(self, may_admit: bool) -> None:
+        """Admit (unless draining), then run one forward over decode tokens and prompt chunks, and sample."""
+        if may_admit:
+            self._admit()
+        if not (self._prefilling or self._running):
+            return
+        ids: list[int] = []
+        query_lens: list[int] = []
+        prefix_lens: list[int] = []
+        tables: list[list[int]] = []
+        owners: list[tuple[str, Any, int]] = []  # ("decode", seq, start) | ("prefill", group, start)
+        for seq in self._running:
+            total = seq.num_computed + 1
+            extra = ceil_div(total, self.page_size) - len(seq.pages)
+            if extra > 0:
+                seq.pages += self._take_pages(extra)
+                seq.reserved_pages -= extra
+            owners.append(("decode", seq, len(ids)))
+            ids.append(seq.tokens[-1])
+            query_lens.append(1)
+            prefix_lens.append(seq.num_computed)
+            tables.append(seq.pages)
+        budget = max(self.config.max_prefill_tokens - len(ids), 1)
+        for group in self._prefilling:
+            if budget <= 0:
+                break
+            chunk = group.prompt_ids[group.num_computed : group.num_computed + budget]
+            budget -= len(chunk)
+            extra = ceil_div(group.num_computed + len(chunk), self.page_size) - len(group.prefill_pages)
+            if extra > 0:
+                group.prefill_pages += self._take_pages(extra)
+                group.reserved_pages -= extra
+            owners.append(("prefill", group, len(ids)))
+            ids += chunk
+            query_lens.append(len(chunk))
+            prefix_lens.append(group.num_computed)
+            tables.append(group.prefill_pages)
+        device = self.config.device
+        batch = build_attention_batch(
+            query_lens, prefix_lens, tables, self.page_size, self.config.kernel.attention_query_tile, device
+        )
+        with torch.no_grad():
+            hidden = self.model.forward_hidden(torch.tensor(ids, device=device), batch, self.store)
+            self._after_forward(hidden, owners, query_lens)
+        self.num_steps += 1
+
+    def _after_forward(self, hidden: torch.Tensor, owners: list[tuple[str, Any, int]], query_lens: list[int]) -> None:
+        # Rows whose logits are needed: every decode row, the last row of a finished prompt, input-logprob rows.
+        sample_rows: list[tuple[Sequence | Group, int]] = []
+        for (kind, owner, start), length in zip(owners, query_lens, strict=True):
+            if kind == "decode":
+                owner.num_computed += 1
+                sample_rows.append((owner, start))
+                continue
+            group: Group = owner
+            first_position = group.num_computed
+            group.num_computed += length
+            if group.needs_input_logprobs:
+                self._record_input_logprobs(group, hidden, start, first_position, length)
+            if group.is_prefilled:
+                sample_rows.append((group, start + length - 1))
+        if not sample_rows:
+            return
+        logits = self.model.logits(hidden[torch.tensor([row for _, row in sample_rows], device=hidden.device)])
+        sequences: list[Sequence] = []
+        row_index: list[int] = []
+        for i, (owner, _) in enumerate(sample_rows):
+            if isinstance(owner, Group):
+                children = self._fork(owner)
+                sequences += children
+                row_index += [i] * len(children)
+            else:
+                sequences.append(owner)
+                row_index.append(i)
+        sequences_to_sample = [s for s in sequences if s.group.params.max_new_tokens > 0]
+        rows = [row_index[sequences.index(s)] for s in sequences_to_sample]
+        for seq in sequences:
+            if seq.group.params.max_new_tokens == 0:
+                self._finish(seq, finish_reason("length", length=0))
+        if not sequences_to_sample:
+            return
+        row_logits = logits[torch.tensor(rows, device=logits.device)]
+        settings = [s.row_sampling() for s in sequences_to_sample]
+        tokens = sample(row_logits, settings)
+        temps = torch.tensor([[s.group.logprob_temperature()] for s in sequences_to_sample], device=logits.device)
+        logprobs = token_logprobs(row_logits, tokens, temps)
+        top = self._top_logprobs(row_logits, temps, sequences_to_sample)
+        for j, seq in enumerate(sequences_to_sample):
+            self._append_token(seq, int(tokens[j]), float(logprobs[j]), top[j])
+
+    def _top_logprobs(
+        self, row_logits: torch.Tensor, temps: torch.Tensor, seqs: list[Sequence]
+    ) -> list[list[tuple[float, int]]]:
+        wanted = max(s.group.top_logprobs_num if s.group.return_logprob else 0 for s in seqs)
+        if wanted == 0:
+            return [[] for _ in seqs]
+        values, indices = full_logprobs(row_logits, temps).topk(wanted, dim=-1)
+        return [
+            list(
+                zip(
+                    values[j, : s.group.top_logprobs_num].tolist(),
+                    indices[j, : s.group.top_logprobs_num].tolist(),
+                    strict=True,
+                )
+            )
+            for j, s in enumerate(seqs)
+        ]
+
+    def _record_input_logprobs(self, group: Group, hidden: torch.Tensor, start: int, first: int, length: int) -> None:
+        # Row at position p scores prompt token p + 1; entries cover tokens logprob_start_len .. L - 1.
+        begin = max(group.logprob_start_len - 1, first)
+        end = min(first + length, len(group.prompt_ids) - 1)
+        if group.logprob_start_len == 0 and first == 0:
+            group.input_logprobs.append(None)
+            group.input_top_logprobs.append(None)
+        if begin >= end:
+            return
+        rows = hidden[start + begin - first : start + end - first]
+        logits = self.model.logits(rows)
+        next_ids = torch.tensor(group.prompt_ids[begin + 1 : end + 1], device=logits.device)
+        temps = logits.new_full((logits.shape[0], 1), group.logprob_temperature())
+        group.input_logprobs += token_logprobs(logits, next_ids, temps).tolist()
+        if group.top_logprobs_num > 0:
+            values, indices = full_logprobs(logits, temps).topk(group.top_logprobs_num, dim=-1)
+            group.input_top_logprobs += [
+                list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)
+            ]
+
+    def _fork(self, group: Group) -> list[Sequence]:
+        """The prompt is computed: start its n samples on its pages (full pages shared, the partial one copied)."""
+        self._prefilling.remove(group)
+        length = len(group.prompt_ids)
+        num_full = length // self.page_size
+        self.radix.insert(group.prompt_ids, group.prefill_pages[:num_full])
+        partial = group.prefill_pages[num_full:]
+        children = []
+        for i in range(group.params.n):
+            seq = Sequence(group=group, sample_index=i, seed=group.seed + i, num_computed=length)
+            shared = group.prefill_pages[:num_full]
+            self.allocator.retain(shared)
+            if partial and i == 0:
+                own = list(partial)
+                self.allocator.retain(own)
+            elif partial:
+                own = self._take_pages(1)
+                group.reserved_pages -= 1
+                for k_pages, v_pages in zip(self.store.k, self.store.v, strict=True):
+                    k_pages[own[0]] = k_pages[partial[0]]
+                    v_pages[own[0]] = v_pages[partial[0]]
+            else:
+                own = []
+            seq.pages = shared + own
+            share = group.reserved_pages // (group.params.n - i)
+            seq.reserved_pages, group.reserved_pages = share, group.reserved_pages - share
+            children.append(seq)
+        self.allocator.release(group.prefill_pages)
+        group.prefill_pages = []
+        group.sequences = children
+        self._running += children
+        return children
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: list[tuple[float, int]]) -> None:
+        params = seq.group.params
+        seq.output_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        if seq.group.top_logprobs_num > 0 and seq.group.return_logprob:
+            seq.output_top_logprobs.append(top)
+        self.num_generated_tokens += 1
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+        is_eos = token in self.eos_ids and not params.ignore_eos
+        if is_eos or (params.stop_token_ids and token in params.stop_token_ids):
+            self._finish(seq, finish_reason("stop", matched=token))
+        elif (matched := _first_stop(seq.text, params.stop_strings())) is not None:
+            if not params.no_stop_trim:
+                seq.text = seq.text[: seq.text.index(matched)]
+            self._finish(seq, finish_reason("stop", matched=matched))
+        elif len(seq.output_ids) >= params.max_new_tokens:
+            self._finish(seq, finish_reason("length", length=len(seq.output_ids)))
+        elif len(seq.tokens) >= self.context_length:
+            self._finish(seq, finish_reason("length", length=len(seq.output_ids), message="context length reached"))
+
+    def _finish(self, seq: Sequence, reason: Any) -> None:
+        seq.finish = reason
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq.pages:
+            self.radix.insert(seq.tokens[: seq.num_computed], seq.pages)
+            self.allocator.release(seq.pages)
+            seq.pages = []
+        self._reserved -= seq.reserved_pages
+        seq.reserved_pages = 0
+        group = seq.group
+        if all(s.finish is not None for s in group.sequences):
+            self._reserved -= group.reserved_pages
+            group.reserved_pages = 0
+            self._complete_group(group)
+
+    def _complete_group(self, group: Group) -> None:
+        responses = [build_response(s) for s in group.sequences]
+        if group.future is not None and group.loop is not None:
+            group.loop.call_soon_threadsafe(set_result, group.future, responses)
+
+
+def _first_stop(text: str, stops: list[str]) -> str | None:
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    return min(hits)[1] if hits else None
+
+
+def set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
