@@ -130,6 +130,7 @@ async def send_all(url: str, prompts: list[list[int]], new_tokens: int) -> tuple
 def bench_server(
     model_dir: Path, log: Path, prompts: list[list[int]], new_tokens: int, is_deterministic: bool
 ) -> tuple[dict[str, object], list[list[int]]]:
+    load_before = os.getloadavg()[0]
     num_kv_pages = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // PAGE_SIZE) + 1) + 16
     started = time.perf_counter()
     with running_server(model_dir, log, num_kv_pages, is_deterministic) as url:
@@ -155,12 +156,15 @@ def bench_server(
         "num_requests_not_exactly_new_tokens": sum(c != new_tokens for c in completion),
         "engine_steps_with_warmup": info.get("num_steps"),
         "kernel_config": info.get("kernel_config"),
+        "load_average_1min_before": load_before,  # the cores may be shared: a high load skews the timing
+        "load_average_1min_after": os.getloadavg()[0],
         "server_log_error_lines": sum(("Traceback" in line or " ERROR " in line) for line in log_text.splitlines()),
     }
     return result, [r["output_ids"] for r in responses]
 
 
 def bench_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, batch_size: int) -> dict[str, object]:
+    load_before = os.getloadavg()[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     padded = []
@@ -187,6 +191,8 @@ def bench_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, batch_s
         "output_tokens": output_tokens,
         "output_tokens_per_second": output_tokens / wall,
         "new_tokens_per_batch": num_new,
+        "load_average_1min_before": load_before,
+        "load_average_1min_after": os.getloadavg()[0],
     }
 
 
