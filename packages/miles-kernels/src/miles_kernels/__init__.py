@@ -52,7 +52,13 @@ from miles_kernels.paged_runner import PagedRunner, packed_logits
 from miles_kernels.random_model import random_model, save_random_model, tiny_config
 from miles_kernels.registry import Backend, available_backends, get_backend, register_backend, registered_ops
 from miles_kernels.tokenizer import DEFAULT_CORPUS, build_tokenizer
-from miles_kernels.weight_group import broadcast_tensors, dtype_name, init_weight_update_group, parse_dtype
+from miles_kernels.weight_group import (
+    WeightUpdateGroup,
+    broadcast_tensors,
+    dtype_name,
+    init_weight_update_group,
+    parse_dtype,
+)
 
 __version__ = "0.1.0"
 
@@ -70,6 +76,7 @@ __all__ = [
     "ModelConfig",
     "PagedRunner",
     "RowSampling",
+    "WeightUpdateGroup",
     "apply_rope",
     "attention",
     "available_backends",

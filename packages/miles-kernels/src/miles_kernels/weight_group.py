@@ -8,6 +8,7 @@ receive into fresh buffers. gloo on CPU, NCCL on GPU. Used by miles-rollout's `/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -29,6 +30,16 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[key]
 
 
+@dataclass(frozen=True)
+class WeightUpdateGroup:
+    """A process group and the TCPStore it rendezvoused on (kept alive with it)."""
+
+    group: dist.ProcessGroup
+    store: dist.TCPStore
+    rank: int
+    world_size: int
+
+
 def init_weight_update_group(
     master_address: str,
     master_port: int,
@@ -37,7 +48,7 @@ def init_weight_update_group(
     group_name: str = "weight_update_group",
     backend: str = "gloo",
     timeout_s: float = 120.0,
-) -> dist.ProcessGroup:
+) -> WeightUpdateGroup:
     """Join (rank > 0) or host (rank 0) a weight-update group; blocks until every rank has joined."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
@@ -51,13 +62,12 @@ def init_weight_update_group(
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
-    group._miles_store = store  # type: ignore[attr-defined]  # keep the store alive with the group
-    return group
+    return WeightUpdateGroup(group, store, rank, world_size)
 
 
-def broadcast_tensors(group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int = 0) -> None:
+def broadcast_tensors(group: WeightUpdateGroup, tensors: list[torch.Tensor], src: int = 0) -> None:
     """Broadcast each tensor from `src` in order (in place on receivers)."""
     options = dist.BroadcastOptions()
     options.rootRank = src
     for tensor in tensors:
-        group.broadcast([tensor], options).wait()
+        group.group.broadcast([tensor], options).wait()

@@ -10,6 +10,7 @@ step boundary. A failing step fails the requests in it and the engine keeps serv
 from __future__ import annotations
 
 import asyncio
+import os
 import itertools
 import logging
 import threading
@@ -328,6 +329,7 @@ class Engine:
             "weight_version": self.weight_version,
             "released_memory": sorted(self.released),
             **self.scheduler.stats(),
+            "pid": os.getpid(),
             "time": time.time(),
         }
 

@@ -1,0 +1,204 @@
+"""Multi-process tier: weight updates over real HTTP (from disk, from safetensors buckets, by torch.distributed
+broadcast over gloo), versions, memory release / resume, and failure handling, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from miles_contracts import GenerateRequest, SamplingParams
+from miles_kernels import (
+    KernelConfig,
+    broadcast_tensors,
+    checkpoint_tensors,
+    dtype_name,
+    encode_bucket,
+    init_weight_update_group,
+    iter_buckets,
+    load_model,
+)
+from miles_rollout import Client, Engine, EngineConfig, InProcessClient, RolloutClientError
+
+PROBE = GenerateRequest(
+    input_ids=[[7, 8, 9, 10], [3] * 20],
+    sampling_params=SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=3),
+    return_logprob=True,
+)
+
+
+def outputs(responses) -> list[tuple]:
+    return [(tuple(r.output_ids), tuple(e[0] for e in r.meta_info.output_token_logprobs)) for r in responses]
+
+
+@pytest.fixture(scope="module")
+def second_model(tmp_path_factory):
+    from miles_kernels import build_tokenizer, save_random_model, tiny_config
+
+    directory = tmp_path_factory.mktemp("dense-b")
+    save_random_model(directory, tiny_config("dense", vocab_size=512, max_position_embeddings=512), seed=1,
+                      tokenizer=build_tokenizer(save_dir=directory))  # fmt: skip
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(dense_dir, start_server):
+    with start_server(dense_dir, "--deterministic") as url:
+        yield url
+
+
+def fresh_engine_outputs(model_dir) -> list[tuple]:
+    """What a freshly started deterministic engine with these weights answers (the reference)."""
+    engine = Engine(EngineConfig(model_path=str(model_dir), kernel=KernelConfig(page_size=16), num_kv_pages=512))
+    try:
+        return outputs(asyncio.run(InProcessClient(engine).generate(PROBE)))
+    finally:
+        engine.shutdown()
+
+
+def test_weight_updates_release_and_resume(server, dense_dir, second_model) -> None:
+    reference_a = fresh_engine_outputs(dense_dir)
+    reference_b = fresh_engine_outputs(second_model)
+    assert reference_a != reference_b
+
+    async def scenario() -> None:
+        async with Client(server) as client:
+            first = await client.generate(PROBE)
+            assert outputs(first) == reference_a and first[0].meta_info.weight_version == 0
+
+            # From disk, no version given: previous + 1.
+            reply = await client.update_weights_from_disk(str(second_model))
+            assert reply["weight_version"] == 1 and await client.get_weight_version() == 1
+            after_disk = await client.generate(PROBE)
+            assert outputs(after_disk) == reference_b and after_disk[0].meta_info.weight_version == 1
+
+            # From buckets (HF names, tied embeddings once), applied when the last bucket arrives.
+            tensors = list(checkpoint_tensors(load_model(dense_dir)).items())
+            buckets = list(iter_buckets(tensors, version=5, bucket_bytes=40_000))
+            assert len(buckets) > 2
+            partial = await client.update_weights_from_tensor(buckets[0])
+            assert partial["complete"] is False and await client.get_weight_version() == 1
+            done = await client.update_weights_from_buckets(buckets[1:])
+            assert done["complete"] is True and done["weight_version"] == 5
+            assert outputs(await client.generate(PROBE)) == reference_a
+
+            # Release both tags: generation is refused with a clear error until resume + a weight update.
+            await client.release_memory_occupation(["weights", "kv_cache"])
+            with pytest.raises(RolloutClientError, match="memory is released"):
+                await client.generate(PROBE)
+            await client.resume_memory_occupation()
+            with pytest.raises(RolloutClientError, match="update weights before generating"):
+                await client.generate(PROBE)
+            await client.update_weights_from_disk(str(second_model), weight_version=9)
+            resumed = await client.generate(PROBE)
+            assert outputs(resumed) == reference_b and resumed[0].meta_info.weight_version == 9
+
+    asyncio.run(scenario())
+
+
+def test_release_frees_storage_in_process(dense_dir) -> None:
+    engine = Engine(EngineConfig(model_path=str(dense_dir), kernel=KernelConfig(page_size=16), num_kv_pages=64))
+    client = InProcessClient(engine)
+    try:
+        kv_bytes = sum(t.untyped_storage().nbytes() for t in engine.scheduler.store.k + engine.scheduler.store.v)
+        weight_bytes = sum(p.untyped_storage().nbytes() for p in engine.model.parameters())
+        assert kv_bytes > 0 and weight_bytes > 0
+        asyncio.run(client.release_memory_occupation())
+        assert sum(t.untyped_storage().nbytes() for t in engine.scheduler.store.k + engine.scheduler.store.v) == 0
+        assert sum(p.untyped_storage().nbytes() for p in engine.model.parameters()) == 0
+        with pytest.raises(RolloutClientError, match="unknown memory tag 'gpu'"):
+            asyncio.run(client.release_memory_occupation(["gpu"]))
+    finally:
+        engine.shutdown()
+
+
+def test_distributed_update_over_gloo(server, second_model, dense_dir) -> None:
+    reference_b = fresh_engine_outputs(second_model)
+    tensors = checkpoint_tensors(load_model(second_model))
+    names = list(tensors)
+    port = __import__("socket").socket()
+    port.bind(("127.0.0.1", 0))
+    master_port = port.getsockname()[1]
+    port.close()
+
+    async def scenario() -> None:
+        async with Client(server) as client:
+            holder: dict[str, object] = {}
+            host = threading.Thread(
+                target=lambda: holder.setdefault("group", init_weight_update_group("127.0.0.1", master_port, 0, 2)),
+            )
+            host.start()
+            await client.init_weights_update_group("127.0.0.1", master_port, rank_offset=1, world_size=2)
+            host.join(timeout=60)
+            sender = threading.Thread(
+                target=lambda: broadcast_tensors(holder["group"], [tensors[n] for n in names], src=0)  # type: ignore[arg-type]
+            )
+            sender.start()
+            reply = await client.update_weights_from_distributed(
+                names, [dtype_name(tensors[n].dtype) for n in names], [list(tensors[n].shape) for n in names],
+                weight_version=7,
+            )  # fmt: skip
+            sender.join(timeout=60)
+            assert reply["weight_version"] == 7
+            assert outputs(await client.generate(PROBE)) == reference_b
+            with pytest.raises(RolloutClientError, match="no weight update group 'nope'"):
+                await client.update_weights_from_distributed(names[:1], ["float32"], [[1]], group_name="nope")
+
+    asyncio.run(scenario())
+
+
+def test_bad_weight_updates_are_rejected_and_the_server_keeps_serving(server, dense_dir) -> None:
+    async def scenario() -> None:
+        async with Client(server) as client:
+            before = outputs(await client.generate(PROBE))
+            version = await client.get_weight_version()
+            with pytest.raises(RolloutClientError, match="invalid weight bucket"):
+                await client.update_weights_from_tensor(b"not a safetensors file")
+            bad = encode_bucket({"model.layers.99.mlp.up_proj.weight": __import__("torch").zeros(2)},
+                                version=50, index=0, count=1)  # fmt: skip
+            with pytest.raises(RolloutClientError, match="unexpected tensor 'model.layers.99.mlp.up_proj.weight'"):
+                await client.update_weights_from_tensor(bad)
+            with pytest.raises(RolloutClientError, match="config.json not found"):
+                await client.update_weights_from_disk("/nonexistent/dir")
+            assert await client.get_weight_version() == version
+            assert outputs(await client.generate(PROBE)) == before
+
+    asyncio.run(scenario())
+
+
+def test_update_waits_for_running_requests(server, dense_dir) -> None:
+    """A request that started on version v finishes on v: the update is applied after it, between steps."""
+
+    async def scenario() -> None:
+        async with Client(server) as client:
+            version = await client.get_weight_version() or 0
+            long = asyncio.create_task(client.generate(GenerateRequest(
+                input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=150, ignore_eos=True))))  # fmt: skip
+            await asyncio.sleep(0.5)
+            update = await client.update_weights_from_disk(str(dense_dir), weight_version=version + 1)
+            finished = (await long)[0]
+            assert long.done() and update["weight_version"] == version + 1
+            assert finished.meta_info.weight_version == version and len(finished.output_ids) == 150
+
+    asyncio.run(scenario())
+
+
+def test_admin_endpoints_need_admin_key_on_non_loopback(dense_dir) -> None:
+    from miles_rollout import create_app
+
+    engine = Engine(EngineConfig(model_path=str(dense_dir), kernel=KernelConfig(page_size=16), num_kv_pages=64))
+    try:
+        app = create_app(engine, host="0.0.0.0")
+
+        async def scenario() -> tuple[int, int]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                flush = await client.post("/flush_cache")
+                health = await client.get("/health")
+                return flush.status_code, health.status_code
+
+        assert asyncio.run(scenario()) == (403, 200)
+    finally:
+        engine.shutdown()
