@@ -17,8 +17,17 @@ def post(url: str, path: str, body: object, **kwargs: object) -> httpx.Response:
 
 
 def test_generate_text_and_ids(dense_server: str) -> None:
-    text = post(dense_server, "/generate", {"text": "12 + 7 =", "sampling_params": {"max_new_tokens": 6,
-                "temperature": 0}, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3})  # fmt: skip
+    text = post(
+        dense_server,
+        "/generate",
+        {
+            "text": "12 + 7 =",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 3,
+        },
+    )
     assert text.status_code == 200, text.text
     body = text.json()
     meta = body["meta_info"]
@@ -35,11 +44,19 @@ def test_generate_text_and_ids(dense_server: str) -> None:
 
 
 def test_batch_and_n_samples_return_lists(dense_server: str) -> None:
-    batch = post(dense_server, "/generate", {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 3, "n": 2, "sampling_seed": 9}})  # fmt: skip
+    batch = post(
+        dense_server,
+        "/generate",
+        {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 3, "n": 2, "sampling_seed": 9}},
+    )
     outputs = batch.json()
     assert len(outputs) == 4 and all(len(o["output_ids"]) == 3 for o in outputs)
     # n samples of one prompt: the prompt is prefilled once, each sample draws with seed + i.
-    alone = post(dense_server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "sampling_seed": 10}})  # fmt: skip
+    alone = post(
+        dense_server,
+        "/generate",
+        {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "sampling_seed": 10}},
+    )
     assert alone.json()["output_ids"] == outputs[1]["output_ids"]
 
 
@@ -50,13 +67,19 @@ def test_stop_handling(dense_server: str, dense_dir) -> None:
     output = free_run["output_ids"]
     at = max(i for i, t in enumerate(output) if t not in output[:i])  # the last token that is new when it appears
     stop_token = output[at]
-    stopped = post(dense_server, "/generate", {**base, "sampling_params": {**base["sampling_params"], "stop_token_ids": [stop_token]}}).json()  # fmt: skip
+    stopped = post(
+        dense_server,
+        "/generate",
+        {**base, "sampling_params": {**base["sampling_params"], "stop_token_ids": [stop_token]}},
+    ).json()
     assert stopped["output_ids"] == output[: at + 1]  # the stop token is part of the output
     expected = {"type": "stop", "matched": stop_token, "message": None, "length": None}
     assert stopped["meta_info"]["finish_reason"] == expected
     stop_text = tokenizer.decode(free_run["output_ids"][2:4])
     if stop_text.strip():
-        by_string = post(dense_server, "/generate", {**base, "sampling_params": {**base["sampling_params"], "stop": [stop_text]}}).json()  # fmt: skip
+        by_string = post(
+            dense_server, "/generate", {**base, "sampling_params": {**base["sampling_params"], "stop": [stop_text]}}
+        ).json()
         assert by_string["meta_info"]["finish_reason"]["matched"] == stop_text
         assert stop_text not in by_string["text"]  # trimmed as SGLang does
     zero = post(dense_server, "/generate", {**base, "sampling_params": {"max_new_tokens": 0}}).json()
@@ -66,7 +89,11 @@ def test_stop_handling(dense_server: str, dense_dir) -> None:
 def test_context_limits(dense_server: str) -> None:
     too_long = post(dense_server, "/generate", {"input_ids": [1] * 512})
     assert too_long.status_code == 400 and "context length is 512" in too_long.json()["detail"]
-    near = post(dense_server, "/generate", {"input_ids": [1] * 508, "sampling_params": {"max_new_tokens": 50, "temperature": 0}})  # fmt: skip
+    near = post(
+        dense_server,
+        "/generate",
+        {"input_ids": [1] * 508, "sampling_params": {"max_new_tokens": 50, "temperature": 0}},
+    )
     assert near.status_code == 200
     assert len(near.json()["output_ids"]) == 4 and near.json()["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -114,20 +141,34 @@ def test_info_endpoints(dense_server: str) -> None:
 def test_prefix_cache_reuse_and_flush(dense_server: str) -> None:
     assert post(dense_server, "/flush_cache", {}).status_code == 200
     prompt = list(range(100, 150))
-    first = post(dense_server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()  # fmt: skip
-    second = post(dense_server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()  # fmt: skip
+    first = post(
+        dense_server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    ).json()
+    second = post(
+        dense_server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    ).json()
     assert first["meta_info"]["cached_tokens"] == 0 and second["meta_info"]["cached_tokens"] == 48  # 3 pages of 16
     assert second["output_ids"] == first["output_ids"]
     post(dense_server, "/flush_cache", {})
-    third = post(dense_server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()  # fmt: skip
+    third = post(
+        dense_server, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    ).json()
     assert third["meta_info"]["cached_tokens"] == 0 and third["output_ids"] == first["output_ids"]
 
 
 def test_abort_mid_generation(dense_server: str) -> None:
     async def scenario() -> tuple[dict, httpx.Response]:
         async with httpx.AsyncClient(base_url=dense_server, timeout=120) as client:
-            long = asyncio.create_task(client.post("/generate", json={"input_ids": [1, 2], "rid": "long-one",
-                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))  # fmt: skip
+            long = asyncio.create_task(
+                client.post(
+                    "/generate",
+                    json={
+                        "input_ids": [1, 2],
+                        "rid": "long-one",
+                        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+                    },
+                )
+            )
             await asyncio.sleep(1.0)
             aborted = await client.post("/abort_request", json={"rid": "long-one"})
             return (await long).json(), aborted
@@ -156,8 +197,10 @@ def test_non_loopback_bind_without_admin_key_is_refused(dense_dir) -> None:
 
     result = subprocess.run(
         [sys.executable, "-m", "miles_rollout.cli", "serve", "--model", str(dense_dir), "--host", "0.0.0.0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "without --admin-key" in result.stderr
 
 

@@ -38,8 +38,12 @@ def second_model(tmp_path_factory):
     from miles_kernels import build_tokenizer, save_random_model, tiny_config
 
     directory = tmp_path_factory.mktemp("dense-b")
-    save_random_model(directory, tiny_config("dense", vocab_size=512, max_position_embeddings=512), seed=1,
-                      tokenizer=build_tokenizer(save_dir=directory))  # fmt: skip
+    save_random_model(
+        directory,
+        tiny_config("dense", vocab_size=512, max_position_embeddings=512),
+        seed=1,
+        tokenizer=build_tokenizer(save_dir=directory),
+    )
     return directory
 
 
@@ -137,9 +141,11 @@ def test_distributed_update_over_gloo(server, second_model, dense_dir) -> None:
             )
             sender.start()
             reply = await client.update_weights_from_distributed(
-                names, [dtype_name(tensors[n].dtype) for n in names], [list(tensors[n].shape) for n in names],
+                names,
+                [dtype_name(tensors[n].dtype) for n in names],
+                [list(tensors[n].shape) for n in names],
                 weight_version=7,
-            )  # fmt: skip
+            )
             sender.join(timeout=60)
             assert reply["weight_version"] == 7
             assert outputs(await client.generate(PROBE)) == reference_b
@@ -156,11 +162,14 @@ def test_bad_weight_updates_are_rejected_and_the_server_keeps_serving(server, de
             version = await client.get_weight_version()
             with pytest.raises(RolloutClientError, match="invalid weight bucket"):
                 await client.update_weights_from_tensor(b"not a safetensors file")
-            bad = encode_bucket({"model.layers.99.mlp.up_proj.weight": __import__("torch").zeros(2)},
-                                version=50, index=0, count=1)  # fmt: skip
-            with pytest.raises(RolloutClientError, match="unexpected tensor 'model.layers.99.mlp.up_proj.weight'"):
+            bad = encode_bucket(
+                {"model.layers.99.mlp.up_proj.weight": __import__("torch").zeros(2)}, version=50, index=0, count=1
+            )
+            with pytest.raises(
+                RolloutClientError, match=r"unexpected tensor 'model\.layers\.99\.mlp\.up_proj\.weight'"
+            ):
                 await client.update_weights_from_tensor(bad)
-            with pytest.raises(RolloutClientError, match="config.json not found"):
+            with pytest.raises(RolloutClientError, match=r"config\.json not found"):
                 await client.update_weights_from_disk("/nonexistent/dir")
             assert await client.get_weight_version() == version
             assert outputs(await client.generate(PROBE)) == before
@@ -174,8 +183,13 @@ def test_update_waits_for_running_requests(server, dense_dir) -> None:
     async def scenario() -> None:
         async with Client(server) as client:
             version = await client.get_weight_version() or 0
-            long = asyncio.create_task(client.generate(GenerateRequest(
-                input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=150, ignore_eos=True))))  # fmt: skip
+            long = asyncio.create_task(
+                client.generate(
+                    GenerateRequest(
+                        input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=150, ignore_eos=True)
+                    )
+                )
+            )
             await asyncio.sleep(0.5)
             update = await client.update_weights_from_disk(str(dense_dir), weight_version=version + 1)
             finished = (await long)[0]

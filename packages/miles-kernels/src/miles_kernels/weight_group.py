@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,8 @@ def parse_dtype(name: str) -> torch.dtype:
 class WeightUpdateGroup:
     """A process group and the TCPStore it rendezvoused on (kept alive with it)."""
 
-    group: dist.ProcessGroup
-    store: dist.TCPStore
+    group: Any  # dist.ProcessGroupGloo | dist.ProcessGroupNCCL
+    store: Any  # dist.TCPStore
     rank: int
     world_size: int
 
@@ -55,13 +56,13 @@ def init_weight_update_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
-    group: dist.ProcessGroup
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+    prefixed = dist.PrefixStore(group_name, store)  # type: ignore[attr-defined]
+    group: Any
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
     return WeightUpdateGroup(group, store, rank, world_size)
 
 

@@ -35,7 +35,9 @@ async def run_harness(
     alone); 1 everywhere = deterministic."""
     rng = random.Random(seed)
     target = [rng.randrange(vocab_size) for _ in range(37)]
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, sampling_seed=seed, ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, sampling_seed=seed, ignore_eos=True
+    )
 
     def request(prompt: list[int] | list[list[int]]) -> GenerateRequest:
         return GenerateRequest(input_ids=prompt, sampling_params=params, return_logprob=True)

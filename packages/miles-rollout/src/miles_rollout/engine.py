@@ -10,9 +10,9 @@ step boundary. A failing step fails the requests in it and the engine keeps serv
 from __future__ import annotations
 
 import asyncio
-import os
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
