@@ -51,6 +51,7 @@ class Scheduler:
         self._reserved = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0
 
     def _allocate_store(self) -> KVStore:
         return KVStore.allocate(
@@ -89,6 +90,7 @@ class Scheduler:
             "num_cached_pages": self.radix.num_cached_pages,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "num_prefill_tokens": self.num_prefill_tokens,
         }
 
     def process_aborts(self, aborts: list[str | None]) -> None:
@@ -184,6 +186,7 @@ class Scheduler:
                 group.reserved_pages -= extra
             owners.append(("prefill", group, len(ids)))
             ids += chunk
+            self.num_prefill_tokens += len(chunk)
             query_lens.append(len(chunk))
             prefix_lens.append(group.num_computed)
             tables.append(group.prefill_pages)
