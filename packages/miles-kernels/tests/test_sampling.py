@@ -23,10 +23,11 @@ def test_greedy_takes_first_maximum() -> None:
     assert sample(logits, [RowSampling(temperature=0.0)] * 2).tolist() == [1, 0]
 
 
-def test_same_seed_and_position_same_token_whatever_the_batch() -> None:
+@pytest.mark.parametrize("top_p", [1.0, 0.9])  # the unsorted (no filter) and the sorted (filtered) paths
+def test_same_seed_and_position_same_token_whatever_the_batch(top_p: float) -> None:
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(32, 100, generator=generator)
-    rows = [RowSampling(temperature=1.0, top_p=0.9, seed=1000 + i, position=17 + i) for i in range(32)]
+    rows = [RowSampling(temperature=1.0, top_p=top_p, seed=1000 + i, position=17 + i) for i in range(32)]
     together = sample(logits, rows)
     for i in range(32):
         assert sample(logits[i : i + 1], [rows[i]]).item() == together[i].item()

@@ -2,9 +2,9 @@
 
 - Log-prob contract (DESIGN.md): a token's log-prob is `log_softmax(logits / T)` over the full vocabulary, in
   float32, without top-k/top-p/min-p truncation; T is the request's temperature, T = 1 for greedy.
-- Greedy (T = 0) takes the first maximum. Otherwise the logits are scaled by 1/T, filtered (top-k, then top-p,
-  then min-p, on the descending stable sort so ties keep the lower token id), renormalized, and one uniform
-  number per row picks a token by inverse CDF.
+- Greedy (T = 0) takes the first maximum. Otherwise the logits are scaled by 1/T and one uniform number per
+  row picks a token by inverse CDF: over the token-id order when no filter is set, else over the descending
+  stable sort (ties keep the lower token id) after top-k, then top-p, then min-p, renormalized.
 - The uniform number comes from a counter-based generator: splitmix64 of (seed, position). It is a pure function
   of its two integers, so the same sample at the same position draws the same number on any batch, thread count
   or device, and a resumed run redraws it exactly.
@@ -85,17 +85,30 @@ def _filtered_probs(row_logits_V: torch.Tensor, params: RowSampling) -> tuple[to
 
 
 def sample(logits_MV: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
-    """One token id per row, reproducible per (seed, position); greedy rows take the first argmax."""
+    """One token id per row, reproducible per (seed, position); greedy rows take the first argmax.
+
+    Rows without top-k / top-p / min-p draw from the unsorted distribution (inverse CDF in token-id order: no sort
+    needed), all at once; filtered rows sort their distribution one by one. Both are per-row computations.
+    """
     if len(rows) != logits_MV.shape[0]:
         raise ValueError(f"got {len(rows)} sampling rows for {logits_MV.shape[0]} logit rows")
     tokens = torch.argmax(logits_MV, dim=-1)
+    plain = [i for i, r in enumerate(rows) if not r.is_greedy and r.top_k <= 0 and r.top_p >= 1.0 and r.min_p <= 0.0]
+    if plain:
+        index = torch.tensor(plain, device=logits_MV.device)
+        temps = torch.tensor([[rows[i].temperature] for i in plain], dtype=torch.float32, device=logits_MV.device)
+        cdf = torch.cumsum(torch.softmax(logits_MV[index].to(torch.float32) / temps, dim=-1).to(torch.float64), dim=-1)
+        draws = torch.tensor([[uniform(rows[i].seed, rows[i].position)] for i in plain], dtype=torch.float64)
+        choice = torch.searchsorted(cdf, draws.to(cdf.device) * cdf[:, -1:], right=True).squeeze(1)
+        tokens[index] = choice.clamp(max=logits_MV.shape[1] - 1)
+    is_plain = set(plain)
     for i, params in enumerate(rows):
-        if params.is_greedy:
+        if params.is_greedy or i in is_plain:
             continue
         sorted_ids, kept = _filtered_probs(logits_MV[i], params)
-        cdf = torch.cumsum(kept.to(torch.float64), dim=-1)
-        threshold = uniform(params.seed, params.position) * float(cdf[-1])
+        cdf_row = torch.cumsum(kept.to(torch.float64), dim=-1)
+        threshold = uniform(params.seed, params.position) * float(cdf_row[-1])
         # First index whose cumulative mass exceeds the threshold; kept[0] > 0 so it always exists.
-        choice = int(torch.searchsorted(cdf, torch.tensor([threshold], dtype=torch.float64), right=True).item())
-        tokens[i] = sorted_ids[min(choice, sorted_ids.shape[0] - 1)]
+        pick = int(torch.searchsorted(cdf_row, torch.tensor([threshold], dtype=torch.float64), right=True).item())
+        tokens[i] = sorted_ids[min(pick, sorted_ids.shape[0] - 1)]
     return tokens
