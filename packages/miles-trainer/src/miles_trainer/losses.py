@@ -1,0 +1,391 @@
+"""RL and SFT loss terms: step 6 of the RL step (DESIGN.md), run on every micro-batch of the train step.
+
+Inputs per micro-batch: the trainer's log-probs of the response tokens under the weights being trained
+(`logprobs_BT`, with grad), the old log-probs (`old_logprobs_BT`: the rollout's own log-probs under true on-policy,
+else the trainer's recomputed ones under the rollout weights), the advantages from `advantages.py`, and the loss
+mask. Out: one scalar to backpropagate plus detached metrics.
+
+- `aggregate_loss` turns a per-token loss into a scalar. With the global token / sequence counts of the whole
+  batch it normalizes globally, so the micro-batch losses SUM to the full-batch loss and the gradient does not
+  depend on how the batch is split. Data parallelism: FSDP2 / DDP average gradients over ranks, so multiply each
+  rank's loss by the data-parallel size (verl's `dp_size`) or reduce with a sum.
+- `policy_loss`: PPO clip (clip-higher, dual-clip), token or sequence (GSPO) ratio, optional IS weights.
+- `importance_weights`: TIS / MIS weights for a non-zero train/rollout mismatch, fed to `policy_loss`.
+- `kl_estimate`, `entropy_from_logits`, `entropy_bonus_loss`, `sft_loss`.
+- `train_rollout_logprob_abs_diff`: DESIGN.md's mismatch metric (exactly 0 under true on-policy).
+
+Masks are bool or 0/1 (1 = the token carries loss). Metrics are detached 0-dim tensors (no host sync here),
+computed over this micro-batch's valid tokens.
+Shapes: B sequences in the micro-batch, T response tokens (padded), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "aggregate_loss",
+    "entropy_bonus_loss",
+    "entropy_from_logits",
+    "importance_weights",
+    "kl_estimate",
+    "policy_loss",
+    "sft_loss",
+    "train_rollout_logprob_abs_diff",
+]
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+RATIO_TYPES = ("token", "sequence")
+KL_KINDS = ("k1", "k2", "k3")
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask")
+
+# Log-ratio clamps, as verl: exp() of a PPO log-ratio is kept within e^±20, a GSPO sequence log-ratio below 10.
+_MAX_LOG_RATIO = 20.0
+_MAX_SEQ_LOG_RATIO = 10.0
+
+Count = int | float | torch.Tensor
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> torch.Size:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    first = next(iter(tensors.values())).shape
+    if len(first) != 2 or any(t.shape != first for t in tensors.values()):
+        raise ValueError(f"expected tensors of one (B, T) shape, got {shapes}")
+    return first
+
+
+def _check_count(name: str, value: Count | None) -> None:
+    if isinstance(value, int | float) and value <= 0:
+        raise ValueError(f"{name} must be > 0 (a count over the whole global batch), got {value}")
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate_loss(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    *,
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_len: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar (verl's `agg_loss` modes). With l = loss, m = mask, n_i = sum_t m[i, t]:
+
+        token-mean:               sum_{i,t} l m / N_tok
+        seq-mean-token-mean:      sum_i (sum_t l m / n_i) / N_seq
+        seq-mean-token-sum:       sum_i (sum_t l m) / N_seq
+        seq-mean-token-sum-norm:  sum_i (sum_t l m) / (N_seq * L)      (Dr.GRPO: a constant L, no length bias)
+
+    N_tok = global_num_tokens and N_seq = global_num_seqs when given (counts over the whole batch: then summing the
+    micro-batch results gives the full-batch loss exactly), else the local counts: valid tokens, and sequences with
+    at least one valid token (an all-masked row adds nothing and is not counted, as in recent verl; TRL's "grpo"
+    counts every row: pass global_num_seqs=B to match). L = max_response_len, else this micro-batch's T (verl's
+    default, `loss_mask.shape[-1]`); pass the configured maximum response length so L stays constant.
+    verl before its global-batch rework divided seq-mean-token-sum-norm by L only (no N_seq), so its loss was
+    N_seq times larger; this module follows the name (a mean over sequences), recent verl and TRL's "dr_grpo".
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {list(AGGREGATION_MODES)}")
+    _check_same_shape(loss_BT=loss_BT, mask_BT=mask_BT)
+    _check_count("global_num_tokens", global_num_tokens)
+    _check_count("global_num_seqs", global_num_seqs)
+    if max_response_len is not None and max_response_len <= 0:
+        raise ValueError(f"max_response_len must be > 0, got {max_response_len}")
+    if mode == "seq-mean-token-sum-norm" and global_num_seqs is not None and max_response_len is None:
+        raise ValueError(
+            "seq-mean-token-sum-norm with global_num_seqs also needs max_response_len (the configured maximum "
+            "response length); the micro-batch's padded length changes from one micro-batch to the next"
+        )
+    is_valid = mask_BT.bool()
+    # where, not a multiply: padding may hold inf / nan (e.g. -log 0), and 0 * inf would poison the sum
+    token_sums_B = torch.where(is_valid, loss_BT, torch.zeros_like(loss_BT)).sum(dim=-1)
+    num_valid_B = is_valid.sum(dim=-1).to(loss_BT.dtype)
+    if mode == "token-mean":
+        num_tokens = num_valid_B.sum().clamp(min=1) if global_num_tokens is None else global_num_tokens
+        return token_sums_B.sum() / num_tokens
+    num_seqs = (num_valid_B > 0).sum().clamp(min=1) if global_num_seqs is None else global_num_seqs
+    if mode == "seq-mean-token-mean":
+        return (token_sums_B / num_valid_B.clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum":
+        return token_sums_B.sum() / num_seqs
+    length = loss_BT.shape[-1] if max_response_len is None else max_response_len
+    return token_sums_B.sum() / (num_seqs * length)
+
+
+def policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_type: str = "token",
+    agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_len: int | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss (PPO; DAPO clip-higher; dual-clip; GSPO), aggregated by `aggregate_loss`.
+
+    Per valid token, with A the advantage and r the ratio:
+
+        token ratio (PPO):     r_t = exp(logp_t - old_t)                   (log-ratio clamped to [-20, 20])
+        sequence ratio (GSPO): s_i = exp(sum_t m (logp_t - old_t) / n_i),  r_t = sg[s_i] * exp(logp_t - sg[logp_t])
+        loss_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))
+        dual-clip (c > 1), only where A < 0:  loss_t = min(loss_t, -A c)
+        with IS weights w (see `importance_weights`): loss_t = w_t * loss_t
+
+    GSPO's r_t has the value s_i on every token of sequence i (so the clip is decided per sequence) and the
+    gradient s_i * grad logp_t (the GSPO-token straight-through form of the GSPO paper and verl's "gspo" loss;
+    its log is clamped below 10 as verl does). With seq-mean-token-mean this is GSPO's sequence objective.
+    clip_high > clip_low is DAPO's clip-higher. Tokens whose loss is the clipped branch get no gradient.
+
+    Metrics (over this micro-batch's valid tokens): clip_fraction (share of tokens on the clipped branch), its
+    split clip_fraction_high (r > 1 + clip_high, A > 0) and clip_fraction_low (r < 1 - clip_low, A < 0),
+    dual_clip_fraction (A < 0 tokens capped by -A c; verl calls this pg_clipfrac_lower), ppo_kl (mean of
+    old - logp), ratio_mean, ratio_max.
+    """
+    shape = _check_same_shape(
+        logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT, mask_BT=mask_BT
+    )
+    if is_weights_BT is not None and is_weights_BT.shape != shape:
+        raise ValueError(f"is_weights_BT must have shape {tuple(shape)}, got {tuple(is_weights_BT.shape)}")
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (the cap on the ratio for negative advantages), got {dual_clip}")
+    if ratio_type not in RATIO_TYPES:
+        raise ValueError(f"unknown ratio_type {ratio_type!r}; choose one of {list(RATIO_TYPES)}")
+
+    is_valid = mask_BT.bool()
+    old = old_logprobs_BT.detach()
+    # Padding may hold anything (even inf / nan): zero it before exp so it cannot poison the loss or its gradient.
+    log_ratio_BT = torch.where(is_valid, logprobs_BT - old, torch.zeros_like(logprobs_BT))
+    advantages = torch.where(is_valid, advantages_BT.detach(), torch.zeros_like(advantages_BT))
+    if ratio_type == "token":
+        ratio_BT = torch.exp(log_ratio_BT.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    else:
+        num_valid_B = is_valid.sum(dim=-1).clamp(min=1)
+        seq_log_ratio_B = log_ratio_BT.sum(dim=-1) / num_valid_B
+        logprobs = torch.where(is_valid, logprobs_BT, torch.zeros_like(logprobs_BT))
+        log_seq_ratio_BT = logprobs - logprobs.detach() + seq_log_ratio_B.detach().unsqueeze(-1)
+        ratio_BT = torch.exp(log_seq_ratio_BT.clamp(max=_MAX_SEQ_LOG_RATIO))
+
+    unclipped_BT = -advantages * ratio_BT
+    clipped_BT = -advantages * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    is_dual_clipped = torch.zeros_like(is_valid)
+    if dual_clip is not None:
+        cap_BT = -advantages * dual_clip
+        is_dual_clipped = (advantages < 0) & (loss_BT > cap_BT)
+        loss_BT = torch.where(advantages < 0, torch.minimum(loss_BT, cap_BT), loss_BT)
+    if is_weights_BT is not None:
+        loss_BT = loss_BT * is_weights_BT.detach()
+    loss = aggregate_loss(
+        loss_BT,
+        mask_BT,
+        agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        max_response_len=max_response_len,
+    )
+
+    with torch.no_grad():
+        is_clipped = clipped_BT > unclipped_BT
+        ratio = ratio_BT.detach()
+        metrics = {
+            "clip_fraction": _masked_mean(is_clipped.float(), is_valid),
+            "clip_fraction_high": _masked_mean((is_clipped & (ratio > 1.0 + clip_high)).float(), is_valid),
+            "clip_fraction_low": _masked_mean((is_clipped & (ratio < 1.0 - clip_low)).float(), is_valid),
+            "dual_clip_fraction": _masked_mean(is_dual_clipped.float(), is_valid),
+            "ppo_kl": _masked_mean(-log_ratio_BT.detach().float(), is_valid),
+            "ratio_mean": _masked_mean(ratio.float(), is_valid),
+            # ratios are > 0, so the clamp turns "no valid token" (-inf) into 0 without a host sync
+            "ratio_max": torch.where(is_valid, ratio.float(), float("-inf")).amax().clamp(min=0.0)
+            if ratio.numel()
+            else ratio.new_zeros((), dtype=torch.float32),
+        }
+    return loss, metrics
+
+
+def importance_weights(
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    threshold: float = 2.0,
+    threshold_low: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights pi_train / pi_rollout that correct a non-zero train/rollout mismatch (detached).
+
+    old_logprobs are the trainer's log-probs under the weights that generated the samples; rollout_logprobs are
+    the engine's. Raw weights (log-ratios clamped to [-20, 20] before exp):
+
+        level "token":    w_t = exp(old_t - rollout_t)
+        level "sequence": w_t = exp(sum_{t valid} (old_t - rollout_t))     (the same value on every token)
+        mode "truncate" (TIS):  w = min(w, C)                    C = threshold
+        mode "mask" (MIS):      w = w if low <= w <= C else 0    low = threshold_low, default 1 / C
+
+    Masked tokens get weight 0. Under true on-policy old == rollout and every weight is exactly 1. Pass the
+    result as `policy_loss(..., is_weights_BT=w)`, which multiplies it into the per-token loss after clipping.
+    An MIS-rejected token still counts in the aggregation denominator; to drop it from the counts as well, use
+    `mask & (w > 0)` as the loss mask (and in the global counts).
+
+    Metrics (over valid tokens; a sequence weight counts once per token): mean (of the returned weights),
+    raw_max, raw_min, fraction_high (raw w > C), fraction_low (raw w < low), fraction_modified (weights changed
+    by truncation or masking).
+    """
+    _check_same_shape(old_logprobs_BT=old_logprobs_BT, rollout_logprobs_BT=rollout_logprobs_BT, mask_BT=mask_BT)
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance-weight level {level!r}; choose one of {list(IS_LEVELS)}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-weight mode {mode!r}; choose one of {list(IS_MODES)}")
+    if threshold <= 0:
+        raise ValueError(f"threshold (the upper bound C on the weights) must be > 0, got {threshold}")
+    if threshold_low is not None:
+        if mode == "truncate":
+            raise ValueError("threshold_low is only used by mode='mask' (TIS truncates from above only); drop it")
+        if not 0 <= threshold_low <= threshold:
+            raise ValueError(f"need 0 <= threshold_low <= threshold, got {threshold_low} and {threshold}")
+    low = 1.0 / threshold if threshold_low is None else threshold_low
+
+    with torch.no_grad():
+        is_valid = mask_BT.bool()
+        diff_BT = (old_logprobs_BT.float() - rollout_logprobs_BT.float()).masked_fill(~is_valid, 0.0)
+        log_w_BT = diff_BT if level == "token" else diff_BT.sum(dim=-1, keepdim=True).expand_as(diff_BT)
+        raw_BT = torch.exp(log_w_BT.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).masked_fill(~is_valid, 0.0)
+        if mode == "truncate":
+            weights_BT = raw_BT.clamp(max=threshold)
+        else:
+            is_kept = (raw_BT >= low) & (raw_BT <= threshold)
+            weights_BT = torch.where(is_kept, raw_BT, torch.zeros_like(raw_BT))
+        weights_BT = weights_BT.masked_fill(~is_valid, 0.0)
+        has_valid = bool(is_valid.any())
+        metrics = {
+            "mean": _masked_mean(weights_BT, is_valid),
+            "raw_max": raw_BT.masked_fill(~is_valid, float("-inf")).amax() if has_valid else raw_BT.new_ones(()),
+            "raw_min": raw_BT.masked_fill(~is_valid, float("inf")).amin() if has_valid else raw_BT.new_ones(()),
+            "fraction_high": _masked_mean((raw_BT > threshold).float(), is_valid),
+            "fraction_low": _masked_mean((raw_BT < low).float(), is_valid),
+            "fraction_modified": _masked_mean((weights_BT != raw_BT).float(), is_valid),
+        }
+    return weights_BT, metrics
+
+
+def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, in float32: H = -sum_v p_v log p_v, shape logits.shape[:-1].
+
+    Computed from log_softmax (stable for large logits); a -inf logit (a banned token) adds 0 and keeps the
+    gradient finite.
+    """
+    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
+    p = logp.exp()
+    safe_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+    return -(p * safe_logp).sum(dim=-1)
+
+
+def entropy_bonus_loss(
+    entropy_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    coef: float,
+    mode: str = "token-mean",
+    *,
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_len: int | None = None,
+) -> torch.Tensor:
+    """Entropy bonus as a loss term to add: -coef * aggregate_loss(H, mask, mode) (minimizing it raises entropy)."""
+    return -coef * aggregate_loss(
+        entropy_BT,
+        mask_BT,
+        mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        max_response_len=max_response_len,
+    )
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence", 2020).
+
+    With x = log pi(y) - log pi_ref(y) = logprobs - ref_logprobs:
+
+        k1 = x                          unbiased, can be negative        (verl "kl")
+        k2 = x^2 / 2                    biased, >= 0                     (verl "mse")
+        k3 = exp(-x) - (-x) - 1         unbiased, >= 0, low variance     (verl "low_var_kl", TRL's GRPO KL)
+             i.e. exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to [-20, 20] and k3 to [-10, 10]
+             as verl does.
+
+    As a loss term: aggregate_loss(beta * kl, mask, mode) (gradient flows through `logprobs`). As a reward
+    penalty: token_rewards - beta * kl_estimate(...).detach(). Same shape as the inputs.
+    """
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"logprobs and ref_logprobs must have one shape, got {tuple(logprobs.shape)} and "
+            f"{tuple(ref_logprobs.shape)}"
+        )
+    if kind == "k1":
+        return logprobs - ref_logprobs
+    if kind == "k2":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if kind == "k3":
+        ref_minus_logp = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(
+        f"unknown KL estimator {kind!r}; choose one of {list(KL_KINDS)} (verl's 'kl' / 'mse' / 'low_var_kl' are "
+        "k1 / k2 / k3)"
+    )
+
+
+def sft_loss(
+    logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_len: int | None = None,
+) -> torch.Tensor:
+    """Negative log-likelihood of the target tokens: aggregate_loss(-logprobs, mask, mode)."""
+    return aggregate_loss(
+        -logprobs_BT,
+        mask_BT,
+        mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        max_response_len=max_response_len,
+    )
+
+
+def train_rollout_logprob_abs_diff(
+    train_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """DESIGN.md's mismatch metric: |train - rollout| over response tokens -> {"mean", "max", "num_tokens"}.
+
+    train_logprobs are the trainer's log-probs under the weights that generated the samples (before the first
+    optimizer step of the rollout), rollout_logprobs the engine's. Differences are taken and summed in float64
+    (exact for float32 inputs), so identical log-probs give exactly 0.0. An empty mask gives 0.0 for both.
+    num_tokens lets a caller combine micro-batches or ranks: mean_all = sum(mean * num_tokens) / sum(num_tokens).
+    """
+    _check_same_shape(train_logprobs_BT=train_logprobs_BT, rollout_logprobs_BT=rollout_logprobs_BT, mask_BT=mask_BT)
+    with torch.no_grad():
+        is_valid = mask_BT.bool()
+        diff_BT = (train_logprobs_BT.double() - rollout_logprobs_BT.double()).abs()
+        diff_BT = torch.where(is_valid, diff_BT, torch.zeros_like(diff_BT))
+        num_tokens = is_valid.sum()
+        return {
+            "mean": diff_BT.sum() / num_tokens.clamp(min=1).double(),
+            "max": diff_BT.amax() if diff_BT.numel() else diff_BT.new_zeros(()),
+            "num_tokens": num_tokens,
+        }
