@@ -241,32 +241,54 @@ def _blocked_attention(
 def _sdpa_attention(
     q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
 ) -> torch.Tensor:
+    """Fast mode: decode sequences (one query each) in one padded SDPA call, each prefill chunk in its own, so a
+    long prompt in the batch never pads every decode row to its length."""
+    out = torch.empty_like(q_NHD)
+    starts = (torch.cumsum(batch.query_lens_S, 0) - batch.query_lens_S).tolist()
+    lengths = batch.query_lens_S.tolist()
+    decode = [s for s, n in enumerate(lengths) if n == 1]
+    groups = ([decode] if decode else []) + [[s] for s, n in enumerate(lengths) if n > 1]
+    for seqs in groups:
+        tokens = torch.cat([torch.arange(starts[s], starts[s] + lengths[s]) for s in seqs]).to(q_NHD.device)
+        out[tokens] = _sdpa_group(q_NHD, k_pages, v_pages, batch, scale, seqs, [lengths[s] for s in seqs], tokens)
+    return out
+
+
+def _sdpa_group(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    seqs: list[int],
+    lengths: list[int],
+    tokens: torch.Tensor,
+) -> torch.Tensor:
     num_heads, head_dim = q_NHD.shape[1], q_NHD.shape[2]
     num_kv_heads, page = k_pages.shape[1], k_pages.shape[2]
-    num_seqs = batch.num_seqs
-    max_keys = batch.block_tables_SB.shape[1] * page
+    device = q_NHD.device
+    seq_index = torch.tensor(seqs, device=device)
+    num_blocks = int((batch.kv_lens_S[seq_index].max().item() + page - 1) // page)
+    tables = batch.block_tables_SB[seq_index, :num_blocks]
+    num_seqs, max_keys = len(seqs), num_blocks * page
     # (S, B, Hkv, P, D) -> (S, Hkv, B * P, D)
-    k_SHLD = k_pages[batch.block_tables_SB].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_keys, head_dim)
-    v_SHLD = v_pages[batch.block_tables_SB].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_keys, head_dim)
-    max_q = int(batch.query_lens_S.max().item())
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q_NHD.device), batch.query_lens_S)
-    starts = torch.cumsum(batch.query_lens_S, 0) - batch.query_lens_S
-    slot_in_seq = torch.arange(batch.num_tokens, device=q_NHD.device) - starts[seq_of_token]
+    k_SHLD = k_pages[tables].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_keys, head_dim)
+    v_SHLD = v_pages[tables].transpose(1, 2).reshape(num_seqs, num_kv_heads, max_keys, head_dim)
+    max_q = max(lengths)
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=device), torch.tensor(lengths, device=device))
+    row_starts = torch.tensor([sum(lengths[:i]) for i in range(num_seqs)], device=device)
+    slot = torch.arange(len(tokens), device=device) - row_starts[seq_of_row]
     q_SQHD = q_NHD.new_zeros(num_seqs, max_q, num_heads, head_dim)
-    q_SQHD[seq_of_token, slot_in_seq] = q_NHD
-    q_pos = torch.full((num_seqs, max_q), -1, dtype=torch.int64, device=q_NHD.device)
-    q_pos[seq_of_token, slot_in_seq] = batch.positions_N
-    key_pos = torch.arange(max_keys, device=q_NHD.device)
+    q_SQHD[seq_of_row, slot] = q_NHD[tokens]
+    q_pos = torch.full((num_seqs, max_q), -1, dtype=torch.int64, device=device)
+    q_pos[seq_of_row, slot] = batch.positions_N[tokens]
+    key_pos = torch.arange(max_keys, device=device)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) | (q_pos[:, :, None] < 0)  # pad rows see all: no NaN
     out = F.scaled_dot_product_attention(
-        q_SQHD.transpose(1, 2),
-        k_SHLD,
-        v_SHLD,
-        attn_mask=mask[:, None],
-        scale=scale,
+        q_SQHD.transpose(1, 2), k_SHLD, v_SHLD, attn_mask=mask[:, None], scale=scale,
         enable_gqa=num_heads != num_kv_heads,
-    ).transpose(1, 2)
-    return out[seq_of_token, slot_in_seq]
+    ).transpose(1, 2)  # fmt: skip
+    return out[seq_of_row, slot]
 
 
 # Deterministic mode needs a batch-invariant backend; fast mode takes the fastest usable one. GPU kernels
