@@ -25,18 +25,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_kernels import KernelConfig, PagedRunner, load_model, packed_logits, save_random_model, tiny_config
-
-BENCH_MODEL = {
-    "vocab_size": 8192,
-    "hidden_size": 512,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "tie_word_embeddings": False,
-}
+from miles_kernels import (
+    BENCHMARK_MODEL,
+    KernelConfig,
+    PagedRunner,
+    load_model,
+    packed_logits,
+    save_random_model,
+    tiny_config,
+)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -102,7 +99,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     results: dict[str, object] = {
-        "model": BENCH_MODEL,
+        "model": BENCHMARK_MODEL,
         "dtype": "float32",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -113,12 +110,12 @@ def main() -> None:
         "unit": "seconds (median)",
     }
     with tempfile.TemporaryDirectory() as model_dir, torch.no_grad():
-        save_random_model(model_dir, tiny_config("dense", **BENCH_MODEL), seed=0)
+        save_random_model(model_dir, tiny_config("dense", **BENCHMARK_MODEL), seed=0)
         det = load_model(model_dir, KernelConfig(mode="deterministic", **tiles))
         fast = load_model(model_dir, KernelConfig(mode="fast", **tiles))
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, BENCH_MODEL["vocab_size"], (args.prefill_tokens,), generator=generator)
+        prompt = torch.randint(0, BENCHMARK_MODEL["vocab_size"], (args.prefill_tokens,), generator=generator)
         prefill = {
             "deterministic": median_seconds(miles_prefill(det, prompt), args.repeats),
             "fast": median_seconds(miles_prefill(fast, prompt), args.repeats),
@@ -128,7 +125,7 @@ def main() -> None:
         print(f"prefill {args.prefill_tokens}: {fmt(prefill)}")
         decode = {}
         for batch in args.batches:
-            prompts = torch.randint(0, BENCH_MODEL["vocab_size"], (batch, args.context), generator=generator)
+            prompts = torch.randint(0, BENCHMARK_MODEL["vocab_size"], (batch, args.context), generator=generator)
             times = {
                 "deterministic": median_seconds(miles_decode(det, prompts), args.repeats),
                 "fast": median_seconds(miles_decode(fast, prompts), args.repeats),

@@ -1,7 +1,7 @@
 """Benchmark: end-to-end rollout throughput of the miles server (fast and deterministic mode) vs Hugging Face
 `transformers` `model.generate`, side by side in one run.
 
-Model: the miles-kernels benchmark model (`BENCH_MODEL` of benchmarks/kernels.py: Qwen3, hidden 512, 8 layers,
+Model: the miles-kernels benchmark model (`miles_kernels.BENCHMARK_MODEL`: Qwen3, hidden 512, 8 layers,
 vocab 8192, float32, random weights, seed 0) saved with a tokenizer. Workload: `--num-prompts` prompts of random
 token ids, lengths spread evenly over `--min-prompt`..`--max-prompt` (fixed seed), `--new-tokens` new tokens each
 with `ignore_eos` (so every request generates exactly that many), temperature 1.0, one fixed seed per prompt.
@@ -39,19 +39,8 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_kernels import build_tokenizer, save_random_model, tiny_config
+from miles_kernels import BENCHMARK_MODEL, build_tokenizer, save_random_model, tiny_config
 
-# The model of benchmarks/kernels.py (kept in step by hand: a `kernels` import could pick up the HF package).
-BENCH_MODEL = {
-    "vocab_size": 8192,
-    "hidden_size": 512,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "tie_word_embeddings": False,
-}
 
 PAGE_SIZE = 64  # the server's default --page-size
 PAD_ID = 0  # <|endoftext|> of the miles tokenizer
@@ -62,7 +51,7 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, seed: int = 0) ->
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.linspace(min_len, max_len, num_prompts).round().long()
     lengths = lengths[torch.randperm(num_prompts, generator=generator)]
-    vocab = BENCH_MODEL["vocab_size"]
+    vocab = BENCHMARK_MODEL["vocab_size"]
     return [torch.randint(0, vocab, (int(n),), generator=generator).tolist() for n in lengths]
 
 
@@ -211,7 +200,7 @@ def main() -> None:
 
     prompts = make_prompts(args.num_prompts, args.min_prompt, args.max_prompt)
     results: dict[str, object] = {
-        "model": BENCH_MODEL,
+        "model": BENCHMARK_MODEL,
         "dtype": "float32",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -234,7 +223,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         tokenizer = build_tokenizer(save_dir=model_dir)
-        save_random_model(model_dir, tiny_config("dense", **BENCH_MODEL), seed=0, tokenizer=tokenizer)
+        save_random_model(model_dir, tiny_config("dense", **BENCHMARK_MODEL), seed=0, tokenizer=tokenizer)
         fast, fast_ids = bench_server(model_dir, Path(tmp) / "fast.log", prompts, args.new_tokens, False)
         print(f"miles fast: {fmt(fast)}", flush=True)
         det, det_ids = bench_server(model_dir, Path(tmp) / "det.log", prompts, args.new_tokens, True)

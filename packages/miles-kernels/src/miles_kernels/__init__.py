@@ -49,7 +49,7 @@ from miles_kernels.ops.sampling import (
     uniform,
 )
 from miles_kernels.paged_runner import PagedRunner, packed_logits
-from miles_kernels.random_model import random_model, save_random_model, tiny_config
+from miles_kernels.random_model import BENCHMARK_MODEL, random_model, save_random_model, tiny_config
 from miles_kernels.registry import Backend, available_backends, get_backend, register_backend, registered_ops
 from miles_kernels.tokenizer import DEFAULT_CORPUS, build_tokenizer
 from miles_kernels.weight_group import (
@@ -63,6 +63,7 @@ from miles_kernels.weight_group import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BENCHMARK_MODEL",
     "BUCKET_FORMAT",
     "DEFAULT_CORPUS",
     "NULL_PAGE",

@@ -18,6 +18,19 @@ from miles_kernels.hf_io import save_model
 from miles_kernels.model import CausalLM
 from miles_kernels.model_config import ModelConfig
 
+# The fixed benchmark model of the kernels issue: Qwen3, hidden 512, intermediate 1536, 8 layers, 8 heads / 4 KV
+# heads (head dim 64), vocab 8192, untied embeddings. Shared by benchmarks/kernels.py and benchmarks/rollout.py.
+BENCHMARK_MODEL: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "tie_word_embeddings": False,
+}
+
 
 def tiny_config(kind: Literal["dense", "moe"] = "dense", **overrides: Any) -> ModelConfig:
     """A small Qwen3 (dense) or Qwen3-MoE config; keyword overrides use HF field names."""
