@@ -41,7 +41,6 @@ from transformers import AutoModelForCausalLM
 
 from miles_kernels import BENCHMARK_MODEL, build_tokenizer, save_random_model, tiny_config
 
-
 PAGE_SIZE = 64  # the server's default --page-size
 PAD_ID = 0  # <|endoftext|> of the miles tokenizer
 
