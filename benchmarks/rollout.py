@@ -23,16 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import os
 import platform
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -40,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles_kernels import BENCHMARK_MODEL, build_tokenizer, save_random_model, tiny_config
+from miles_rollout import launch_server
 
 PAGE_SIZE = 64  # the server's default --page-size
 PAD_ID = 0  # <|endoftext|> of the miles tokenizer
@@ -52,44 +48,6 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, seed: int = 0) ->
     lengths = lengths[torch.randperm(num_prompts, generator=generator)]
     vocab = BENCHMARK_MODEL["vocab_size"]
     return [torch.randint(0, vocab, (int(n),), generator=generator).tolist() for n in lengths]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def running_server(model_dir: Path, log: Path, num_kv_pages: int, is_deterministic: bool) -> Iterator[str]:
-    """`miles-rollout serve` in a subprocess with this environment's thread count; yields its URL once healthy."""
-    port = free_port()
-    command = [sys.executable, "-m", "miles_rollout.cli", "serve", "--model", str(model_dir), "--port", str(port),
-               "--page-size", str(PAGE_SIZE), "--kv-pages", str(num_kv_pages)]  # fmt: skip
-    if is_deterministic:
-        command.append("--deterministic")
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not become healthy in 300 s:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def generate_payload(prompt: list[int], new_tokens: int, seed: int) -> dict[str, object]:
@@ -121,7 +79,9 @@ def bench_server(
     load_before = os.getloadavg()[0]
     num_kv_pages = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // PAGE_SIZE) + 1) + 16
     started = time.perf_counter()
-    with running_server(model_dir, log, num_kv_pages, is_deterministic) as url:
+    flags = ["--page-size", str(PAGE_SIZE), "--kv-pages", str(num_kv_pages)]
+    flags += ["--deterministic"] if is_deterministic else []
+    with launch_server(model_dir, *flags, log_path=log, startup_timeout=300) as url:
         startup = time.perf_counter() - started
         wall, latencies, responses = asyncio.run(send_all(url, prompts, new_tokens))
         info = httpx.get(f"{url}/get_server_info", timeout=10.0).json()

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from miles_kernels import build_tokenizer, save_random_model, tiny_config
+from miles_rollout.launch import launch_server
 
 TEST_PAGE_SIZE = "16"
 
@@ -36,41 +31,12 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("moe"), "moe")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
-def running_server(model_dir: Path, *extra: str, startup_timeout: float = 180.0) -> Iterator[str]:
-    """Start `miles-rollout serve` in a subprocess; yield its base URL; stop it (and show its log on failure)."""
-    port = free_port()
-    log = model_dir.parent / f"server-{port}.log"
-    command = [sys.executable, "-m", "miles_rollout.cli", "serve", "--model", str(model_dir), "--port", str(port),
-               "--page-size", TEST_PAGE_SIZE, "--kv-pages", "512", *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_timeout
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code in (200, 401):  # 401: up, needs a key
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not become healthy in {startup_timeout}s:\n{log.read_text()}")
-            time.sleep(0.3)
+def running_server(model_dir: Path, *extra: str) -> Iterator[str]:
+    """A test server: small pages and a bounded KV store, one thread so concurrent tests share the cores."""
+    flags = ("--page-size", TEST_PAGE_SIZE, "--kv-pages", "512", *extra)
+    with launch_server(model_dir, *flags, env={"OMP_NUM_THREADS": "1"}) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from miles_kernels import (
     iter_buckets,
     load_model,
 )
-from miles_rollout import Client, Engine, EngineConfig, InProcessClient, RolloutClientError
+from miles_rollout import Client, Engine, EngineConfig, InProcessClient, RolloutClientError, free_port
 
 PROBE = GenerateRequest(
     input_ids=[[7, 8, 9, 10], [3] * 20],
@@ -122,10 +122,7 @@ def test_distributed_update_over_gloo(server, second_model, dense_dir) -> None:
     reference_b = fresh_engine_outputs(second_model)
     tensors = checkpoint_tensors(load_model(second_model))
     names = list(tensors)
-    port = __import__("socket").socket()
-    port.bind(("127.0.0.1", 0))
-    master_port = port.getsockname()[1]
-    port.close()
+    master_port = free_port()
 
     async def scenario() -> None:
         async with Client(server) as client:

@@ -11,8 +11,19 @@ from miles_rollout.client import Client, RolloutClientError
 from miles_rollout.engine import Engine
 from miles_rollout.engine_config import EngineConfig, EngineError
 from miles_rollout.in_process import InProcessClient
+from miles_rollout.launch import free_port, launch_server
 from miles_rollout.server import create_app
 
 __version__ = "0.1.0"
 
-__all__ = ["Client", "Engine", "EngineConfig", "EngineError", "InProcessClient", "RolloutClientError", "create_app"]
+__all__ = [
+    "Client",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "InProcessClient",
+    "RolloutClientError",
+    "create_app",
+    "free_port",
+    "launch_server",
+]
