@@ -181,6 +181,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def forward(
+        self,
+        x_NH: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        is_persistent: bool,
+    ) -> torch.Tensor:
+        x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos, sin, batch, k_pages, v_pages, is_persistent)
+        out: torch.Tensor = x_NH + self.mlp(self.post_attention_layernorm(x_NH))
+        return out
+
 
 class Backbone(nn.Module):
     """`model.*` in the HF checkpoint: embeddings, decoder layers, final norm."""
@@ -226,9 +240,7 @@ class CausalLM(nn.Module):
                 k_pages, v_pages, is_persistent = empty, empty, False
             else:
                 k_pages, v_pages, is_persistent = kv_store.k[index], kv_store.v[index], True
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, cos, sin, batch, k_pages, v_pages, is_persistent)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, cos, sin, batch, k_pages, v_pages, is_persistent)
         normed: torch.Tensor = self.model.norm(x)
         return normed
 

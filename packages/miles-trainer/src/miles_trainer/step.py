@@ -43,6 +43,11 @@ def rows_to_padded(values_N: torch.Tensor, micro: MicroBatch) -> tuple[torch.Ten
     return padded, mask
 
 
+def count_trained(samples: Sequence[Sample]) -> tuple[int, int]:
+    """(trained tokens, sequences with at least one trained token): the normalizers of the losses."""
+    return sum(sum(s.effective_loss_mask()) for s in samples), sum(1 for s in samples if any(s.effective_loss_mask()))
+
+
 def accumulate_policy_gradients(
     model: CausalLM,
     samples: Sequence[Sample],
@@ -50,19 +55,35 @@ def accumulate_policy_gradients(
     kernel: KernelConfig,
     config: PolicyLossConfig,
     max_tokens_per_micro_batch: int,
+    global_num_tokens: int | None = None,
+    global_num_seqs: int | None = None,
+    loss_scale: float = 1.0,
+    num_micro_batches: int | None = None,
 ) -> dict[str, float]:
-    """Forward + backward over all micro-batches (gradients accumulate in `model`); returns summed loss metrics."""
+    """Forward + backward over all micro-batches (gradients accumulate in `model`); returns summed loss metrics.
+
+        With data parallelism, pass the token / sequence counts of the whole global batch (all ranks) and reduce
+        gradients with a sum (or scale the loss by the number of ranks with `loss_scale` when the reduction is an
+        average); by default the counts are those of `samples`. Reported losses are unscaled. With sharded models every
+    rank must run as many forward/backward passes as the others: `num_micro_batches` pads this rank's passes with
+    zero-weight repeats of its last micro-batch (their gradient is exactly zero).
+    """
     if len(advantages) != len(samples):
         raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples; give one per sample")
     missing = [s.index for s in samples if s.rollout_logprobs is None]
     if missing:
         raise ValueError(f"samples {missing[:5]} have no rollout_logprobs; request return_logprob=True")
-    global_tokens = sum(sum(s.effective_loss_mask()) for s in samples)
-    global_seqs = sum(1 for s in samples if any(s.effective_loss_mask()))
+    global_tokens, global_seqs = count_trained(samples)
+    global_tokens = global_num_tokens if global_num_tokens is not None else global_tokens
+    global_seqs = global_num_seqs if global_num_seqs is not None else global_seqs
     totals = {"loss": 0.0, "num_micro_batches": 0.0}
-    if global_tokens == 0:
+    if global_tokens == 0 or not samples:
         return totals  # no token trains (every loss mask is zero): no gradient
-    for micro in pack_samples(samples, kernel, max_tokens_per_micro_batch):
+    micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
+    num_passes = max(len(micro_batches), num_micro_batches or 0)
+    for step in range(num_passes):
+        micro = micro_batches[min(step, len(micro_batches) - 1)]
+        weight = 1.0 if step < len(micro_batches) else 0.0
         logprobs_BT, mask_BT = rows_to_padded(micro_batch_logprobs(model, micro, config.temperature), micro)
         old = [torch.tensor(samples[i].rollout_logprobs or [], dtype=torch.float32) for i in micro.sample_indices]
         old_BT = torch.nn.utils.rnn.pad_sequence(old, batch_first=True).to(logprobs_BT.device)
@@ -74,7 +95,7 @@ def accumulate_policy_gradients(
             ratio_type=config.ratio_type, agg_mode=config.agg_mode,
             global_num_tokens=global_tokens, global_num_seqs=global_seqs,
         )  # fmt: skip
-        loss.backward()  # type: ignore[no-untyped-call]
-        totals["loss"] += float(loss.detach())
+        (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
+        totals["loss"] += float(loss.detach()) * weight
         totals["num_micro_batches"] += 1
     return totals
