@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig
-from miles_trainer.fsdp import FSDP2Backend, OptimizerConfig
+from miles_trainer.fsdp import FSDP2Backend, OptimizerConfig, export_hf, load_checkpoint, save_checkpoint
 from miles_trainer.step import PolicyLossConfig
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
@@ -37,16 +37,27 @@ def batch() -> tuple[list[Sample], list[float]]:
     return samples, advantages
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, mode: str = "step") -> None:
+    """mode: `step` (one step), `two-steps` (step, checkpoint, step), `resume` (load checkpoint, step)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = FSDP2Backend(
-        model_dir, KERNEL, OptimizerConfig(lr=1e-3, max_grad_norm=1e9),
+        model_dir, KERNEL, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
         PolicyLossConfig(agg_mode="seq-mean-token-mean"), max_tokens_per_micro_batch=24,
     )  # fmt: skip
     samples, advantages = batch()
-    metrics = backend.train_step(samples[rank::world], advantages[rank::world])
+    checkpoint = os.path.join(os.path.dirname(out_dir), "checkpoint")
+    if mode == "resume":
+        load_checkpoint(backend, checkpoint)
+    else:
+        metrics = backend.train_step(samples[rank::world], advantages[rank::world])
+    if mode == "two-steps":
+        save_checkpoint(backend, checkpoint)
+    if mode in ("two-steps", "resume"):
+        advantages = [-a for a in advantages]  # a different second step
+        metrics = backend.train_step(samples[rank::world], advantages[rank::world])
+        export_hf(backend, os.path.join(out_dir, "hf"))
     state = backend.full_state_dict()
     if rank == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "params.safetensors"))
@@ -56,4 +67,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

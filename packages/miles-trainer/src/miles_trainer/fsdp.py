@@ -10,18 +10,28 @@ log-probs it computes before its first optimizer step equal the engine's under t
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig, load_model
+from miles_kernels import CausalLM, KernelConfig, load_model, load_state, save_model
 from miles_trainer.packing import plan_micro_batches
 from miles_trainer.step import PolicyLossConfig, accumulate_policy_gradients, count_trained
 
@@ -126,3 +136,66 @@ class FSDP2Backend:
 
 def _full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def save_checkpoint(
+    backend: FSDP2Backend, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None
+) -> Path:
+    """Sharded checkpoint (torch.distributed.checkpoint: model + optimizer) plus the step and scheduler state.
+
+    Atomic: everything is written to `<dir>.tmp` and renamed into place by rank 0 after every rank finished, so
+    a crash mid-save leaves the previous checkpoint intact. Every rank calls it.
+    """
+    final = Path(directory)
+    staging = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0 and staging.exists():
+        shutil.rmtree(staging)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))  # type: ignore[attr-defined]
+    if dist.get_rank() == 0:
+        state = {"step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {}}
+        (staging / TRAINER_STATE).write_text(json.dumps(state))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and step from `save_checkpoint`; returns the saved `extra` dict."""
+    path = Path(directory)
+    if not (path / TRAINER_STATE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete miles-trainer checkpoint (no {TRAINER_STATE})")
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+    state_dict: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    dcp.load(state_dict, checkpoint_id=str(path))  # type: ignore[attr-defined]
+    set_state_dict(
+        backend.model, backend.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+    )
+    state = json.loads((path / TRAINER_STATE).read_text())
+    backend.scheduler.load_state_dict(state["scheduler"])
+    backend.step_count = int(state["step"])
+    extra: dict[str, Any] = state["extra"]
+    return extra
+
+
+def export_hf(backend: FSDP2Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:
+    """Gather the full weights and write a Hugging Face directory (rank 0 writes; every rank calls it)."""
+    state = backend.full_state_dict()
+    out = None
+    if dist.get_rank() == 0:
+        with torch.device("meta"):
+            model = CausalLM(backend.model.config, backend.kernel)
+        model = model.to_empty(device="cpu").to(backend.kernel.torch_dtype)
+        model.tie_weights()
+        load_state(model, state)  # HF names; a missing or mismatched tensor is an error
+        out = save_model(model, directory, tokenizer=tokenizer)
+    dist.barrier()
+    return out
