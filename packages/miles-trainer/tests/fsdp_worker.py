@@ -63,6 +63,8 @@ def main(model_dir: str, out_dir: str, mode: str = "step") -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "params.safetensors"))
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
+    # Leave together: a rank that exits while another still holds gloo connections to it can abort that rank.
+    dist.barrier()
     dist.destroy_process_group()
 
 
