@@ -217,23 +217,18 @@ class Scheduler:
         if not sample_rows:
             return
         logits = self.model.logits(hidden[torch.tensor([row for _, row in sample_rows], device=hidden.device)])
-        sequences: list[Sequence] = []
-        row_index: list[int] = []
+        pairs: list[tuple[Sequence, int]] = []  # (sequence, its row in `logits`)
         for i, (owner, _) in enumerate(sample_rows):
-            if isinstance(owner, Group):
-                children = self._fork(owner)
-                sequences += children
-                row_index += [i] * len(children)
-            else:
-                sequences.append(owner)
-                row_index.append(i)
-        sequences_to_sample = [s for s in sequences if s.group.params.max_new_tokens > 0]
-        rows = [row_index[sequences.index(s)] for s in sequences_to_sample]
-        for seq in sequences:
+            children = self._fork(owner) if isinstance(owner, Group) else [owner]
+            pairs += [(seq, i) for seq in children]
+        for seq, _ in pairs:
             if seq.group.params.max_new_tokens == 0:
                 self._finish(seq, finish_reason("length", length=0))
-        if not sequences_to_sample:
+        pairs = [(seq, i) for seq, i in pairs if seq.group.params.max_new_tokens > 0]
+        if not pairs:
             return
+        sequences_to_sample = [seq for seq, _ in pairs]
+        rows = [i for _, i in pairs]
         row_logits = logits[torch.tensor(rows, device=logits.device)]
         settings = [s.row_sampling() for s in sequences_to_sample]
         tokens = sample(row_logits, settings)
