@@ -1,23 +1,41 @@
-"""One rank of the FSDP2 test (run as its own process by test_fsdp.py; RANK / WORLD_SIZE / MASTER_* set).
+"""One rank of the FSDP2 tests (run as its own process by test_fsdp.py; RANK / WORLD_SIZE / MASTER_* set).
 
-Takes every WORLD_SIZE-th sample of a fixed batch, runs one FSDP2 optimizer step, and (rank 0) writes the
-full parameters and the step metrics to OUT_DIR.
+Takes every WORLD_SIZE-th sample of a fixed batch and runs FSDP2 optimizer steps; rank 0 writes the full
+parameters and the last step's metrics to OUT_DIR. Modes:
+- `step`: one step.
+- `two-steps`: step, checkpoint, step.
+- `kill`: step, checkpoint, step, then a second checkpoint that is SIGKILLed half-way through the save.
+- `resume`: load the checkpoint, step (the second step of `two-steps`).
+- `offload`: step, offload, onload, step (must equal `two-steps`); writes the bytes freed and RSS change.
+- `buckets`: peak RSS growth while iterating the weight buckets, and the decoded buckets vs the full weights.
+- `bf16-logprobs`: bf16 kernel: the sharded trainer's log-probs vs an unsharded bf16 model's (bitwise).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+import miles_trainer.checkpoint
 from miles_contracts import Sample
-from miles_kernels import KernelConfig
-from miles_trainer.fsdp import FSDP2Backend, OptimizerConfig, export_hf, load_checkpoint, save_checkpoint
-from miles_trainer.step import PolicyLossConfig
+from miles_kernels import BucketAssembler, KernelConfig, load_model
+from miles_trainer import (
+    FSDP2Backend,
+    OptimizerConfig,
+    PolicyLossConfig,
+    export_hf,
+    load_checkpoint,
+    pack_samples,
+    response_logprobs,
+    save_checkpoint,
+)
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 
@@ -30,34 +48,81 @@ def batch() -> tuple[list[Sample], list[float]]:
         tokens = torch.randint(0, 256, (num_prompt + num_response,), generator=generator).tolist()
         samples.append(Sample(
             index=i, group_index=i // 4, prompt="", prompt_tokens=tokens[:num_prompt],
-            response_tokens=tokens[num_prompt:],
+            response_tokens=tokens[num_prompt:], reward=float(i % 2),
             rollout_logprobs=(-torch.rand(num_response, generator=generator) - 4.0).tolist(),
         ))  # fmt: skip
         advantages.append(float(torch.randn(1, generator=generator)))
     return samples, advantages
 
 
-def main(model_dir: str, out_dir: str, mode: str = "step") -> None:
-    """mode: `step` (one step), `two-steps` (step, checkpoint, step), `resume` (load checkpoint, step)."""
+def rss_bytes(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def kill_after_dcp_save() -> None:
+    """Make the next checkpoint die half-way: the sharded files are written, the rest of the save never runs."""
+    real_save = miles_trainer.checkpoint.dcp.save
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        dist.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    miles_trainer.checkpoint.dcp.save = save_then_die
+
+
+def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    kernel = KernelConfig(**{**KERNEL.model_dump(), "dtype": "bfloat16"}) if mode == "bf16-logprobs" else KERNEL
     backend = FSDP2Backend(
-        model_dir, KERNEL, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
+        model_dir, kernel, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
         PolicyLossConfig(agg_mode="seq-mean-token-mean"), max_tokens_per_micro_batch=24,
+        offload_dir=out_dir,
     )  # fmt: skip
     samples, advantages = batch()
-    checkpoint = os.path.join(os.path.dirname(out_dir), "checkpoint")
+    mine, my_advantages = samples[rank::world], advantages[rank::world]
+    metrics: dict[str, float] = {}
+    torch.manual_seed(1000 + rank)
     if mode == "resume":
+        torch.manual_seed(7)  # overwritten by the checkpoint's RNG state
         load_checkpoint(backend, checkpoint)
-    else:
-        metrics = backend.train_step(samples[rank::world], advantages[rank::world])
-    if mode == "two-steps":
-        save_checkpoint(backend, checkpoint)
-    if mode in ("two-steps", "resume"):
+    elif mode in ("step", "two-steps", "kill", "offload"):
+        metrics = backend.train_step(mine, my_advantages, measure_mismatch=True)
+        torch.rand(3)  # the run draws random numbers between steps: the checkpoint must capture the RNG
+    if mode in ("two-steps", "kill"):
+        save_checkpoint(backend, checkpoint, extra={"data_position": 8})
+    offload_metrics = {}
+    if mode == "offload":
+        rss_before = rss_bytes()
+        offload_metrics["offloaded_bytes"] = float(backend.offload())
+        offload_metrics["rss_drop_bytes"] = float(rss_before - rss_bytes())
+        offload_metrics["empty_storages"] = float(all(p.to_local().untyped_storage().nbytes() == 0
+                                                      for p in backend.model.parameters()))  # fmt: skip
+        backend.onload()
+    if mode in ("two-steps", "kill", "resume", "offload"):
         advantages = [-a for a in advantages]  # a different second step
-        metrics = backend.train_step(samples[rank::world], advantages[rank::world])
+        metrics = backend.train_step(mine, advantages[rank::world])
+        metrics["rng_draw"] = float(torch.rand(1))
+        metrics.update(offload_metrics)
+    if mode == "kill":
+        kill_after_dcp_save()
+        save_checkpoint(backend, checkpoint, extra={"data_position": 16})
+    if mode in ("two-steps", "resume"):
         export_hf(backend, os.path.join(out_dir, "hf"))
+    if mode == "buckets":
+        metrics = measure_buckets(backend)
+    if mode == "bf16-logprobs":
+        sharded = backend.compute_logprobs(mine)
+        plain = load_model(model_dir, kernel)  # the engine's load: checkpoint cast to bf16
+        expected = [
+            row.tolist() for micro in pack_samples(mine, kernel, 24) for row in response_logprobs(plain, micro)
+        ]
+        metrics = {"equal": float(sharded == expected), "num_tokens": float(sum(len(r) for r in sharded))}
     state = backend.full_state_dict()
     if rank == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "params.safetensors"))
@@ -66,6 +131,30 @@ def main(model_dir: str, out_dir: str, mode: str = "step") -> None:
     # Leave together: a rank that exits while another still holds gloo connections to it can abort that rank.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def measure_buckets(backend: FSDP2Backend) -> dict[str, float]:
+    bucket_bytes = 1 << 19
+    model_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    baseline = rss_bytes()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
+    sizes = []
+
+    for data in backend.iter_weight_buckets(version=3, bucket_bytes=bucket_bytes):
+        sizes.append(len(data))
+    peak_growth = rss_bytes("VmHWM") - baseline
+    # Correctness, after the measurement: the decoded buckets hold exactly the full weights.
+    assembler = BucketAssembler()
+    for data in backend.iter_weight_buckets(version=3, bucket_bytes=bucket_bytes):
+        assembler.add(data)
+    full = backend.full_state_dict()
+    received = assembler.tensors
+    equal = received.keys() == full.keys() and all(torch.equal(received[k], full[k]) for k in full)
+    return {
+        "bucket_bytes": float(bucket_bytes), "model_bytes": float(model_bytes),
+        "peak_growth_bytes": float(peak_growth), "num_buckets": float(len(sizes)),
+        "max_bucket_len": float(max(sizes)), "equal": float(equal),
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ def make_samples(seed: int) -> tuple[list[Sample], list[float]]:
 def gradients(model, samples, advantages, config, budget) -> tuple[dict[str, torch.Tensor], float]:
     model.zero_grad(set_to_none=True)
     metrics = accumulate_policy_gradients(model, samples, advantages, KERNEL, config, budget)
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, metrics["loss"]
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, metrics.summary().get(
+        "loss", 0.0
+    )
 
 
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

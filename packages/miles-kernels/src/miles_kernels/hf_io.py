@@ -96,14 +96,20 @@ def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[t
 
 
 def load_model(
-    model_dir: str | os.PathLike[str], kernel: KernelConfig | None = None, device: torch.device | str = "cpu"
+    model_dir: str | os.PathLike[str],
+    kernel: KernelConfig | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> CausalLM:
-    """Build a `CausalLM` from a Hugging Face directory, in the kernel config's dtype."""
+    """Build a `CausalLM` from a Hugging Face directory, parameters in `dtype` (default: the kernel config's).
+
+    A trainer keeps float32 master weights (`dtype=torch.float32`) and computes in the kernel dtype.
+    """
     kernel = kernel or KernelConfig()
     config = read_model_config(model_dir)
     with torch.device("meta"):
         model = CausalLM(config, kernel)
-    model = model.to_empty(device=device).to(kernel.torch_dtype)
+    model = model.to_empty(device=device).to(dtype or kernel.torch_dtype)
     model.tie_weights()
     load_state(model, dict(iter_checkpoint(model_dir)))
     model.eval()

@@ -4,36 +4,35 @@
 Each rank trains on its share of the global batch. Losses are normalized by the global batch's token / sequence
 counts (an all-reduce of the local counts) and each rank's loss is scaled by the world size, so FSDP2's
 gradient average over ranks is the sum the global normalization needs: a step is the same whatever the
-data-parallel size. The model keeps the engine's kernels (`KernelConfig`), so the
-log-probs it computes before its first optimizer step equal the engine's under true on-policy.
+data-parallel size. Parameters are float32 masters; with a bf16/fp16 `KernelConfig` FSDP2's mixed precision casts
+them to the kernel dtype for compute (round-to-nearest, the same cast the engine applies when it loads the
+weights), so the log-probs before the first optimizer step equal the engine's under true on-policy.
+Optional: activation checkpointing per decoder layer, a frozen reference copy for the KL term, offload/onload.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 import os
-import shutil
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, load_model, load_state, save_model
-from miles_trainer.packing import plan_micro_batches
-from miles_trainer.step import PolicyLossConfig, accumulate_policy_gradients, count_trained
+from miles_kernels import CausalLM, KernelConfig, load_model
+from miles_trainer.logprobs import response_logprobs
+from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
+from miles_trainer.packing import pack_samples, plan_micro_batches
+from miles_trainer.step import PerSample, PolicyLossConfig, StepStats, accumulate_policy_gradients, count_trained
+from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,14 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
 
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of `lr` at optimizer step `step` (0-based)."""
+    def __post_init__(self) -> None:
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"schedule {self.schedule!r}: use 'constant' or 'cosine'")
+        if self.lr <= 0 or self.max_grad_norm <= 0:
+            raise ValueError(f"lr ({self.lr}) and max_grad_norm ({self.max_grad_norm}) must be > 0")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of `lr` at optimizer step `step` (0-based)."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.schedule == "constant":
@@ -62,32 +65,56 @@ class OptimizerConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def apply_activation_checkpointing(model: CausalLM) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them (applied before sharding;
+    the recompute runs the same deterministic ops, so gradients are unchanged)."""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def _shard(model: CausalLM, kernel: KernelConfig) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=kernel.torch_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if model.config.is_moe:  # experts that no token of this rank chose still join the gradient reduction
+        model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+    register_fsdp_forward_method(model, "forward_hidden")
+    register_fsdp_forward_method(model, "logits")
+
+
 class FSDP2Backend:
-    """A `CausalLM` sharded over the default process group, with its optimizer."""
+    """A `CausalLM` sharded over the default process group, with its optimizer (and optionally a frozen
+    reference copy). Every rank makes the same calls in the same order (they are collectives)."""
 
     def __init__(
         self,
-        model_dir: str,
+        model_dir: str | os.PathLike[str],
         kernel: KernelConfig,
         optimizer: OptimizerConfig | None = None,
         loss: PolicyLossConfig | None = None,
         max_tokens_per_micro_batch: int = 4096,
         device: str = "cpu",
+        activation_checkpointing: bool = False,
+        keep_reference: bool | None = None,
+        offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
+        `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir)."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
         self.optimizer_config = optimizer or OptimizerConfig()
         self.loss_config = loss or PolicyLossConfig()
         self.max_tokens = max_tokens_per_micro_batch
-        self.model = load_model(model_dir, kernel, device).train()
-        for layer in self.model.model.layers:
-            fully_shard(layer)
-        fully_shard(self.model)
-        if self.model.config.is_moe:  # experts that no token of this rank chose still join the gradient reduction
-            self.model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-        register_fsdp_forward_method(self.model, "forward_hidden")
-        register_fsdp_forward_method(self.model, "logits")
+        self.model = load_model(model_dir, kernel, device, dtype=torch.float32).train()
+        if activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        _shard(self.model, kernel)
+        self.reference: CausalLM | None = None
+        if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
+            self.reference = load_model(model_dir, kernel, device, dtype=torch.float32).eval().requires_grad_(False)
+            _shard(self.reference, kernel)
         config = self.optimizer_config
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
@@ -95,107 +122,145 @@ class FSDP2Backend:
         )  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_factor)
         self.step_count = 0
+        store: OffloadStore = FileStore(offload_dir) if device == "cpu" else HostStore()
+        self._offloader = Offloader(store)
 
-    def train_step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> dict[str, float]:
-        """One optimizer step on this rank's samples (every rank calls it with its share of the batch)."""
+    def _num_passes(self, samples: Sequence[Sample]) -> int:
+        """Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank."""
+        passes = torch.tensor([len(plan_micro_batches([s.num_tokens for s in samples], self.max_tokens))])
+        dist.all_reduce(passes, op=dist.ReduceOp.MAX)
+        return int(passes.item())
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[Sample], reference: bool = False) -> list[list[float]]:
+        """Log-probs of each sample's response tokens under the current (or the reference) weights: the old
+        log-probs of fast mode, or the reference's for the KL term / a KL reward penalty."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
+        self._check_onloaded()
+        micro_batches = pack_samples(samples, self.kernel, self.max_tokens)
+        out: list[list[float]] = [[] for _ in samples]
+        for step in range(max(len(micro_batches), self._num_passes(samples))):
+            micro = micro_batches[min(step, len(micro_batches) - 1)]
+            values = response_logprobs(model, micro, self.loss_config.temperature)
+            if step < len(micro_batches):
+                for i, row in zip(micro.sample_indices, values, strict=True):
+                    out[i] = row.tolist()
+        return out
+
+    def train_step(
+        self,
+        samples: Sequence[Sample],
+        advantages: PerSample,
+        *,
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        ref_logprobs: Sequence[Sequence[float]] | None = None,
+        measure_mismatch: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's samples (every rank calls it with its share of the batch).
+
+        See `accumulate_policy_gradients` for the arguments; with `kl_coef > 0` and no `ref_logprobs`, the
+        reference model computes them. Returns global metrics (identical on every rank).
+        """
         if not samples:
             raise ValueError("every rank needs at least one sample per step")
+        self._check_onloaded()
+        start = time.perf_counter()
+        if self.loss_config.kl_coef > 0 and ref_logprobs is None:
+            ref_logprobs = self.compute_logprobs(samples, reference=True)
         local = torch.tensor(count_trained(samples), dtype=torch.int64)
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
-        # Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank.
-        passes = torch.tensor([len(plan_micro_batches([s.num_tokens for s in samples], self.max_tokens))])
-        dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = accumulate_policy_gradients(
+        stats = accumulate_policy_gradients(
             self.model, samples, advantages, self.kernel, self.loss_config, self.max_tokens,
             global_num_tokens=global_tokens, global_num_seqs=global_seqs,
             loss_scale=dist.get_world_size(),  # FSDP2 averages gradients over ranks; the global loss wants a sum
-            num_micro_batches=int(passes.item()),
+            num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            measure_mismatch=measure_mismatch,
         )  # fmt: skip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer_config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
-        loss = torch.tensor([metrics["loss"]], dtype=torch.float64)
-        dist.all_reduce(loss)  # each rank's loss is its share of the global loss
-        return {
-            "loss": float(loss),
-            "grad_norm": float(_full(grad_norm)),
-            "lr": float(self.scheduler.get_last_lr()[0]),
-        }
+        _add_batch_stats(stats, samples, advantages)
+        stats.all_reduce()
+        metrics = stats.summary()
+        metrics.update(_batch_summary(metrics))
+        elapsed = time.perf_counter() - start
+        metrics.update({
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "lr": float(self.scheduler.get_last_lr()[0]), "step_time_s": elapsed,
+            "tokens_per_s": metrics.get("num_tokens", 0.0) / elapsed,
+        })  # fmt: skip
+        return metrics
+
+    def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
+        """The full weights as DESIGN.md buckets, about one bucket of extra host memory at a time (every rank
+        iterates to the end)."""
+        self._check_onloaded()
+        return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU under HF checkpoint names (tied embeddings once), identical on every rank."""
+        self._check_onloaded()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
         state: dict[str, Any] = get_model_state_dict(self.model, options=options)
         if self.model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         return state
 
+    def _offload_targets(self) -> Iterator[torch.Tensor]:
+        for model in (self.model, self.reference):
+            if model is not None:
+                for param in model.parameters():
+                    yield param
+                    if param.grad is not None:
+                        yield param.grad
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
+    def offload(self) -> int:
+        """Free parameters, gradients and optimizer state (to host memory on GPU, to a file on CPU) while the
+        engine works; returns the bytes freed on this rank. `onload()` brings them back bit for bit."""
+        return self._offloader.offload(self._offload_targets())
 
+    def onload(self) -> int:
+        """Bring back what `offload()` freed; returns the bytes restored on this rank."""
+        return self._offloader.onload()
 
-TRAINER_STATE = "trainer_state.json"
+    @property
+    def is_offloaded(self) -> bool:
+        return self._offloader.is_offloaded
 
-
-def save_checkpoint(
-    backend: FSDP2Backend, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None
-) -> Path:
-    """Sharded checkpoint (torch.distributed.checkpoint: model + optimizer) plus the step and scheduler state.
-
-    Atomic: everything is written to `<dir>.tmp` and renamed into place by rank 0 after every rank finished, so
-    a crash mid-save leaves the previous checkpoint intact. Every rank calls it.
-    """
-    final = Path(directory)
-    staging = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0 and staging.exists():
-        shutil.rmtree(staging)
-    dist.barrier()
-    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))  # type: ignore[attr-defined]
-    if dist.get_rank() == 0:
-        state = {"step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {}}
-        (staging / TRAINER_STATE).write_text(json.dumps(state))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-    dist.barrier()
-    return final
+    def _check_onloaded(self) -> None:
+        if self._offloader.is_offloaded:
+            raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
 
 
-def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and step from `save_checkpoint`; returns the saved `extra` dict."""
-    path = Path(directory)
-    if not (path / TRAINER_STATE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete miles-trainer checkpoint (no {TRAINER_STATE})")
-    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    state_dict: dict[str, Any] = {"model": model_state, "optim": optim_state}
-    dcp.load(state_dict, checkpoint_id=str(path))  # type: ignore[attr-defined]
-    set_state_dict(
-        backend.model, backend.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
-    )
-    state = json.loads((path / TRAINER_STATE).read_text())
-    backend.scheduler.load_state_dict(state["scheduler"])
-    backend.step_count = int(state["step"])
-    extra: dict[str, Any] = state["extra"]
-    return extra
+def _add_batch_stats(stats: StepStats, samples: Sequence[Sample], advantages: PerSample) -> None:
+    """Sums from which `_batch_summary` derives reward and advantage statistics over the global batch."""
+    rewards = [s.reward for s in samples if s.reward is not None]
+    per_sample = [a if isinstance(a, (int, float)) else (sum(a) / max(len(a), 1)) for a in advantages]
+    for prefix, values in (("reward", rewards), ("advantage", per_sample)):
+        stats.add(f"{prefix}_count", float(len(values)))
+        stats.add(f"{prefix}_sum", float(sum(values)))
+        stats.add(f"{prefix}_sq_sum", float(sum(v * v for v in values)))
+        # every rank adds every key (the all-reduce pairs keys by name), with -inf where it has no value
+        stats.add_max(f"{prefix}_max", float(max(values, default=float("-inf"))))
+        stats.add_max(f"{prefix}_neg_min", -float(min(values, default=float("inf"))))
 
 
-def export_hf(backend: FSDP2Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:
-    """Gather the full weights and write a Hugging Face directory (rank 0 writes; every rank calls it)."""
-    state = backend.full_state_dict()
-    out = None
-    if dist.get_rank() == 0:
-        with torch.device("meta"):
-            model = CausalLM(backend.model.config, backend.kernel)
-        model = model.to_empty(device="cpu").to(backend.kernel.torch_dtype)
-        model.tie_weights()
-        load_state(model, state)  # HF names; a missing or mismatched tensor is an error
-        out = save_model(model, directory, tokenizer=tokenizer)
-    dist.barrier()
+def _batch_summary(metrics: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for prefix in ("reward", "advantage"):
+        count = metrics.pop(f"{prefix}_count", 0.0)
+        total, squares = metrics.pop(f"{prefix}_sum", 0.0), metrics.pop(f"{prefix}_sq_sum", 0.0)
+        neg_min, maximum = metrics.pop(f"{prefix}_neg_min"), metrics.pop(f"{prefix}_max")
+        if count:
+            mean = total / count
+            out[f"{prefix}_mean"] = mean
+            out[f"{prefix}_std"] = math.sqrt(max(squares / count - mean * mean, 0.0))
+            out[f"{prefix}_min"], out[f"{prefix}_max"] = -neg_min, maximum
     return out

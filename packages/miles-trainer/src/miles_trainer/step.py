@@ -1,37 +1,160 @@
 """One policy-gradient pass over a rollout batch, on a single model replica: pack → per micro-batch forward →
-policy loss normalized over the *global* batch → backward (gradients accumulate across micro-batches).
+policy loss (+ entropy bonus, + KL to the reference) normalized over the *global* batch → backward (gradients
+accumulate across micro-batches).
 
 Because every micro-batch's loss is divided by global counts (tokens / sequences of the whole batch), the
 accumulated gradient does not depend on how the batch is split into micro-batches (or, with a sum all-reduce,
 across data-parallel ranks). Under true on-policy the samples' rollout log-probs are the old log-probs (no
-recompute pass). The FSDP2 backend wraps this with sharding, the optimizer and checkpoints.
+recompute pass); otherwise the caller passes recomputed `old_logprobs` and, if configured, TIS / MIS weights
+correct the difference. The FSDP2 backend wraps this with sharding, the optimizer and checkpoints.
 Shapes: N packed rows, B samples of a micro-batch, T the longest response in it.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 
-from miles_contracts import Sample
+from miles_contracts import Sample, load_plugin
 from miles_kernels import CausalLM, KernelConfig
-from miles_trainer.logprobs import micro_batch_logprobs
-from miles_trainer.losses import policy_loss
+from miles_trainer.logprobs import micro_batch_forward
+from miles_trainer.losses import (
+    AGGREGATION_MODES,
+    IS_LEVELS,
+    IS_MODES,
+    KL_KINDS,
+    RATIO_TYPES,
+    aggregate_loss,
+    entropy_bonus_loss,
+    importance_weights,
+    kl_estimate,
+    policy_loss,
+    train_rollout_logprob_abs_diff,
+)
 from miles_trainer.packing import MicroBatch, pack_samples
+
+PerSample = Sequence[float | Sequence[float]]
+
+
+class PolicyLossFn(Protocol):
+    """A policy-loss plug-in, called like `miles_trainer.losses.policy_loss` (which is the default):
+
+    `loss_fn(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, clip_low, clip_high, dual_clip, ratio_type,
+    agg_mode, global_num_tokens, global_num_seqs, is_weights_BT) -> (scalar loss, {name: 0-dim tensor})`.
+    Normalize with `aggregate_loss(..., global_num_tokens=..., global_num_seqs=...)` so gradients stay
+    invariant to the micro-batch split; metrics are averaged over tokens (a key ending in `_max`: maximum).
+    """
+
+    def __call__(
+        self,
+        logprobs_BT: torch.Tensor,
+        old_logprobs_BT: torch.Tensor,
+        advantages_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        /,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Policy-loss settings (see `miles_trainer.losses.policy_loss`)."""
+    """Policy-loss settings (see `miles_trainer.losses`). Invalid values raise at construction."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
-    ratio_type: str = "token"
+    ratio_type: str = "token"  # "token" (PPO) or "sequence" (GSPO)
     agg_mode: str = "token-mean"
-    temperature: float = 1.0
+    temperature: float = 1.0  # the rollout temperature (log-prob contract)
+    entropy_coef: float = 0.0  # entropy bonus weight (0: entropy is only reported)
+    kl_coef: float = 0.0  # KL-to-reference loss weight (0: off; the backend then keeps no reference model)
+    kl_estimator: str = "k3"
+    is_mode: str | None = None  # mismatch correction: None, "truncate" (TIS) or "mask" (MIS)
+    is_level: str = "token"
+    is_threshold: float = 2.0
+    loss_fn: str | None = None  # "module:function" PolicyLossFn replacing `policy_loss`
+
+    def __post_init__(self) -> None:
+        choices = {
+            "agg_mode": AGGREGATION_MODES, "ratio_type": RATIO_TYPES, "kl_estimator": KL_KINDS,
+            "is_level": IS_LEVELS,
+        }  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
+        if self.is_mode is not None and self.is_mode not in IS_MODES:
+            raise ValueError(f"is_mode={self.is_mode!r}: choose None or one of {list(IS_MODES)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: use the rollout's temperature (>= 0; 0 = greedy)")
+        for name in ("entropy_coef", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.loss_fn is not None:
+            resolve_loss_fn(self.loss_fn)  # a bad path fails now, not at the first step
+
+
+def resolve_loss_fn(path: str | None) -> PolicyLossFn:
+    """The default `policy_loss`, or the plug-in at `path` checked to take 4 positional tensors."""
+    if path is None:
+        return cast(PolicyLossFn, policy_loss)
+    fn = load_plugin(path, PolicyLossFn)  # type: ignore[type-abstract]
+    try:
+        inspect.signature(fn).bind(*([None] * 4))
+    except TypeError as error:
+        raise TypeError(
+            f"loss plug-in {path!r} must accept (logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, **kwargs): "
+            f"{error}"
+        ) from error
+    return fn
+
+
+class StepStats:
+    """Per-step metrics accumulated over micro-batches, then over ranks (`all_reduce`).
+
+    Three kinds: sums (loss parts, already globally normalized, and counts), token-weighted means (clip
+    fractions, entropy, KL, mismatch mean) and maxima (keys ending in `_max`).
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weighted: dict[str, float] = defaultdict(float)
+        self.maxima: dict[str, float] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self.sums[name] += value
+
+    def add_mean(self, name: str, mean: float, num_tokens: float) -> None:
+        self.weighted[name] += mean * num_tokens
+
+    def add_max(self, name: str, value: float) -> None:
+        self.maxima[name] = max(self.maxima.get(name, float("-inf")), value)
+
+    def all_reduce(self) -> None:
+        """Combine every rank's stats (all ranks must hold the same keys: they run the same config)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        for table, op in ((self.sums, dist.ReduceOp.SUM), (self.weighted, dist.ReduceOp.SUM)):
+            keys = sorted(table)
+            values = torch.tensor([table[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(values, op=op)
+            table.update(zip(keys, values.tolist(), strict=True))
+        keys = sorted(self.maxima)
+        maxima = torch.tensor([self.maxima[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        self.maxima.update(zip(keys, maxima.tolist(), strict=True))
+
+    def summary(self) -> dict[str, float]:
+        num_tokens = max(self.sums.get("num_tokens", 0.0), 1.0)
+        out = dict(self.sums)
+        out.update({name: total / num_tokens for name, total in self.weighted.items()})
+        out.update(self.maxima)
+        return out
 
 
 def rows_to_padded(values_N: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,59 +166,143 @@ def rows_to_padded(values_N: torch.Tensor, micro: MicroBatch) -> tuple[torch.Ten
     return padded, mask
 
 
+def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
+    tensors = [torch.tensor(list(r), dtype=torch.float32) for r in rows]
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True).to(device)
+
+
 def count_trained(samples: Sequence[Sample]) -> tuple[int, int]:
     """(trained tokens, sequences with at least one trained token): the normalizers of the losses."""
     return sum(sum(s.effective_loss_mask()) for s in samples), sum(1 for s in samples if any(s.effective_loss_mask()))
 
 
+def token_advantages(samples: Sequence[Sample], advantages: PerSample) -> list[list[float]]:
+    """One advantage per response token: a scalar per sample is broadcast, a list must match the response."""
+    if len(advantages) != len(samples):
+        raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples; give one per sample")
+    out = []
+    for sample, adv in zip(samples, advantages, strict=True):
+        if isinstance(adv, (int, float)):
+            out.append([float(adv)] * len(sample.response_tokens))
+        elif len(adv) != len(sample.response_tokens):
+            raise ValueError(
+                f"sample {sample.index}: {len(adv)} token advantages for {len(sample.response_tokens)} response tokens"
+            )
+        else:
+            out.append([float(a) for a in adv])
+    return out
+
+
+def _check_per_token(name: str, samples: Sequence[Sample], values: Sequence[Sequence[float]] | None) -> None:
+    if values is None:
+        return
+    if len(values) != len(samples) or any(
+        len(v) != len(s.response_tokens) for s, v in zip(samples, values, strict=False)
+    ):
+        raise ValueError(f"{name} needs one list per sample with one value per response token")
+
+
 def accumulate_policy_gradients(
     model: CausalLM,
     samples: Sequence[Sample],
-    advantages: Sequence[float],
+    advantages: PerSample,
     kernel: KernelConfig,
     config: PolicyLossConfig,
     max_tokens_per_micro_batch: int,
+    *,
     global_num_tokens: int | None = None,
     global_num_seqs: int | None = None,
     loss_scale: float = 1.0,
     num_micro_batches: int | None = None,
-) -> dict[str, float]:
-    """Forward + backward over all micro-batches (gradients accumulate in `model`); returns summed loss metrics.
+    old_logprobs: Sequence[Sequence[float]] | None = None,
+    ref_logprobs: Sequence[Sequence[float]] | None = None,
+    measure_mismatch: bool = False,
+) -> StepStats:
+    """Forward + backward over all micro-batches (gradients accumulate in `model`); returns the step's stats.
 
-        With data parallelism, pass the token / sequence counts of the whole global batch (all ranks) and reduce
-        gradients with a sum (or scale the loss by the number of ranks with `loss_scale` when the reduction is an
-        average); by default the counts are those of `samples`. Reported losses are unscaled. With sharded models every
+    `advantages`: a scalar per sample or one value per response token. `old_logprobs`: the trainer's recomputed
+    log-probs under the rollout weights (fast mode); None uses the rollout log-probs (true on-policy).
+    `ref_logprobs`: the reference policy's, needed when `config.kl_coef > 0`. `measure_mismatch`: report
+    `train_rollout_logprob_abs_diff` (the recomputed old log-probs, else this forward's, against the rollout's —
+    meaningful while the weights are still those that generated the samples).
+    With data parallelism, pass the token / sequence counts of the whole global batch (all ranks) and reduce
+    gradients with a sum (or scale the loss by the number of ranks with `loss_scale` when the reduction is an
+    average); by default the counts are those of `samples`. Reported losses are unscaled. With sharded models every
     rank must run as many forward/backward passes as the others: `num_micro_batches` pads this rank's passes with
     zero-weight repeats of its last micro-batch (their gradient is exactly zero).
     """
-    if len(advantages) != len(samples):
-        raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples; give one per sample")
+    per_token_adv = token_advantages(samples, advantages)
     missing = [s.index for s in samples if s.rollout_logprobs is None]
     if missing:
         raise ValueError(f"samples {missing[:5]} have no rollout_logprobs; request return_logprob=True")
-    global_tokens, global_seqs = count_trained(samples)
-    global_tokens = global_num_tokens if global_num_tokens is not None else global_tokens
-    global_seqs = global_num_seqs if global_num_seqs is not None else global_seqs
-    totals = {"loss": 0.0, "num_micro_batches": 0.0}
+    _check_per_token("old_logprobs", samples, old_logprobs)
+    _check_per_token("ref_logprobs", samples, ref_logprobs)
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the responses)")
+    loss_fn = resolve_loss_fn(config.loss_fn)
+    local_tokens, local_seqs = count_trained(samples)
+    global_tokens = global_num_tokens if global_num_tokens is not None else local_tokens
+    global_seqs = global_num_seqs if global_num_seqs is not None else local_seqs
+    stats = StepStats()
     if global_tokens == 0 or not samples:
-        return totals  # no token trains (every loss mask is zero): no gradient
+        return stats  # no token trains (every loss mask is zero): no gradient
+    counts = {"global_num_tokens": global_tokens, "global_num_seqs": global_seqs}
     micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
-    num_passes = max(len(micro_batches), num_micro_batches or 0)
-    for step in range(num_passes):
+    for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_BT, mask_BT = rows_to_padded(micro_batch_logprobs(model, micro, config.temperature), micro)
-        old = [torch.tensor(samples[i].rollout_logprobs or [], dtype=torch.float32) for i in micro.sample_indices]
-        old_BT = torch.nn.utils.rnn.pad_sequence(old, batch_first=True).to(logprobs_BT.device)
-        adv = torch.tensor([advantages[i] for i in micro.sample_indices], dtype=torch.float32)
-        advantages_BT = adv[:, None].expand_as(old_BT).to(logprobs_BT.device)
-        loss, _ = policy_loss(
+        logprobs_N, entropy_N = micro_batch_forward(model, micro, config.temperature, with_entropy=True)
+        assert entropy_N is not None
+        logprobs_BT, mask_BT = rows_to_padded(logprobs_N, micro)
+        device = logprobs_BT.device
+        rows = micro.sample_indices
+        rollout_BT = _padded([samples[i].rollout_logprobs or [] for i in rows], device)
+        old_BT = rollout_BT if old_logprobs is None else _padded([old_logprobs[i] for i in rows], device)
+        advantages_BT = _padded([per_token_adv[i] for i in rows], device)
+        is_weights_BT, is_metrics = None, dict[str, torch.Tensor]()
+        if config.is_mode is not None:
+            is_weights_BT, is_metrics = importance_weights(
+                old_BT, rollout_BT, mask_BT, level=config.is_level, mode=config.is_mode, threshold=config.is_threshold
+            )
+        pg_loss, pg_metrics = loss_fn(
             logprobs_BT, old_BT, advantages_BT, mask_BT,
             clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
-            ratio_type=config.ratio_type, agg_mode=config.agg_mode,
-            global_num_tokens=global_tokens, global_num_seqs=global_seqs,
+            ratio_type=config.ratio_type, agg_mode=config.agg_mode, is_weights_BT=is_weights_BT, **counts,
         )  # fmt: skip
+        entropy_BT, _ = rows_to_padded(entropy_N, micro)
+        parts = {"pg_loss": pg_loss}
+        if config.entropy_coef > 0:
+            parts["entropy_loss"] = entropy_bonus_loss(
+                entropy_BT, mask_BT, config.entropy_coef, config.agg_mode, **counts
+            )
+        kl_BT = None
+        if ref_logprobs is not None:
+            kl_BT = kl_estimate(logprobs_BT, _padded([ref_logprobs[i] for i in rows], device), config.kl_estimator)
+            if config.kl_coef > 0:
+                parts["kl_loss"] = config.kl_coef * aggregate_loss(kl_BT, mask_BT, config.agg_mode, **counts)
+        loss = torch.stack(list(parts.values())).sum()
         (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
-        totals["loss"] += float(loss.detach()) * weight
-        totals["num_micro_batches"] += 1
-    return totals
+        if weight == 0.0:
+            continue
+        num_valid = float(mask_BT.sum())
+        stats.add("num_tokens", num_valid)
+        stats.add("loss", float(loss.detach()))
+        for name, part in parts.items():
+            stats.add(name, float(part.detach()))
+        with torch.no_grad():
+            is_valid = mask_BT.bool()
+            stats.add_mean("entropy", float(entropy_BT[is_valid].mean()) if num_valid else 0.0, num_valid)
+            if kl_BT is not None:
+                stats.add_mean("kl", float(kl_BT.detach()[is_valid].mean()) if num_valid else 0.0, num_valid)
+            for name, value in {**pg_metrics, **{f"is_weight_{k}": v for k, v in is_metrics.items()}}.items():
+                if name.endswith("_max"):
+                    stats.add_max(name, float(value))
+                elif not name.startswith("is_weight_raw"):
+                    stats.add_mean(name, float(value), num_valid)
+            if measure_mismatch:
+                diff = train_rollout_logprob_abs_diff(
+                    logprobs_BT if old_logprobs is None else old_BT, rollout_BT, mask_BT
+                )
+                stats.add_mean("train_rollout_logprob_abs_diff", float(diff["mean"]), num_valid)
+                stats.add_max("train_rollout_logprob_abs_diff_max", float(diff["max"]))
+    return stats

@@ -1,0 +1,184 @@
+"""Trainer checkpoints (step 9 of the data path) and conversion to / from Hugging Face directories.
+
+A checkpoint directory holds the sharded model and optimizer (torch.distributed.checkpoint), each rank's RNG
+state (safetensors, never pickle), `config.json` of the model (so a checkpoint is self-describing for
+`miles-trainer convert`) and `trainer_state.json` (step, scheduler, the caller's `extra`, e.g. the data position).
+
+Atomicity: everything is written to `<dir>.tmp`; only when every rank has finished does rank 0 move the previous
+checkpoint aside (`<dir>.old`), rename the new one into place and delete the old one. A crash at any point leaves
+a complete checkpoint: `<dir>` itself, or `<dir>.old` during the two renames (`resolve_checkpoint` finds it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from miles_kernels import CausalLM, KernelConfig, load_model, load_state, read_model_config, save_model
+
+if TYPE_CHECKING:
+    from miles_trainer.fsdp import FSDP2Backend
+
+TRAINER_STATE = "trainer_state.json"
+MODEL_CONFIG = "config.json"
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.safetensors"
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path:
+    """The complete checkpoint at `directory` (or its `.old` twin left by a crash during the final renames)."""
+    path = Path(directory)
+    for candidate in (path, path.with_name(path.name + ".old")):
+        if (candidate / TRAINER_STATE).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{path} is not a complete miles-trainer checkpoint (no {TRAINER_STATE}); "
+        f"a '{path.name}.tmp' next to it is an interrupted save and is ignored"
+    )
+
+
+def save_checkpoint(
+    backend: FSDP2Backend, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None
+) -> Path:
+    """Save model, optimizer, scheduler, step, RNG and `extra` atomically. Every rank calls it."""
+    final = Path(directory)
+    staging, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+    rank = dist.get_rank()
+    if rank == 0 and staging.exists():
+        shutil.rmtree(staging)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))  # type: ignore[attr-defined]
+    save_file(rng_state(), str(staging / _rng_file(rank)))
+    if rank == 0:
+        state = {
+            "step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {},
+            "world_size": dist.get_world_size(), "kernel": backend.kernel.fingerprint(),
+        }  # fmt: skip
+        (staging / MODEL_CONFIG).write_text(json.dumps(backend.model.config.to_hf(dtype="float32"), indent=2))
+        (staging / TRAINER_STATE).write_text(json.dumps(state))
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+        staging.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, step and RNG from `save_checkpoint`; returns the saved `extra`."""
+    path = resolve_checkpoint(directory)
+    state = json.loads((path / TRAINER_STATE).read_text())
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+    state_dict: dict[str, Any] = {"model": model_state}
+    if state.get("has_optimizer", True):
+        state_dict["optim"] = optim_state
+    dcp.load(state_dict, checkpoint_id=str(path))  # type: ignore[attr-defined]
+    set_state_dict(
+        backend.model, backend.optimizer, model_state_dict=state_dict["model"],
+        optim_state_dict=state_dict.get("optim", {}),
+    )  # fmt: skip
+    if "scheduler" in state:
+        backend.scheduler.load_state_dict(state["scheduler"])
+    backend.step_count = int(state["step"])
+    rng = path / _rng_file(dist.get_rank())
+    if rng.is_file() and state.get("world_size") == dist.get_world_size():
+        set_rng_state(load_file(str(rng)))
+    extra: dict[str, Any] = state.get("extra", {})
+    return extra
+
+
+def export_hf(backend: FSDP2Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:
+    """Gather the full weights and write a Hugging Face directory in the kernel dtype (rank 0 writes; every
+    rank calls it)."""
+    state = backend.full_state_dict()
+    out = None
+    if dist.get_rank() == 0:
+        out = _save_hf(backend.model.config, backend.kernel, state, directory, tokenizer)
+    dist.barrier()
+    return out
+
+
+def _save_hf(
+    config: Any,
+    kernel: KernelConfig,
+    state: dict[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+    tokenizer: Any,
+) -> Path:
+    with torch.device("meta"):
+        model = CausalLM(config, kernel)
+    model = model.to_empty(device="cpu").to(kernel.torch_dtype)
+    model.tie_weights()
+    load_state(model, state)  # HF names; a missing or mismatched tensor is an error
+    return save_model(model, directory, tokenizer=tokenizer)
+
+
+def dcp_to_hf(
+    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "float32", tokenizer: Any = None
+) -> Path:
+    """Convert a trainer checkpoint to a Hugging Face directory in one process (no process group needed)."""
+    path = resolve_checkpoint(checkpoint)
+    if not (path / MODEL_CONFIG).is_file():
+        raise FileNotFoundError(f"{path} has no {MODEL_CONFIG}; it was written by an older miles-trainer")
+    config = read_model_config(path)
+    kernel = KernelConfig.model_validate({"dtype": dtype})
+    with torch.device("meta"):
+        model = CausalLM(config, kernel)
+    model = model.to_empty(device="cpu").to(torch.float32)
+    model.tie_weights()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))  # type: ignore[attr-defined]
+    model.load_state_dict(state["model"])
+    tensors = {
+        name: t
+        for name, t in model.state_dict().items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    return _save_hf(config, kernel, tensors, out, tokenizer)
+
+
+def hf_to_dcp(model_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write a Hugging Face directory as a trainer checkpoint (step 0, no optimizer state): a run can start
+    from it with `load_checkpoint` (the optimizer then starts fresh)."""
+    model = load_model(model_dir, KernelConfig(), dtype=torch.float32)
+    final = Path(out)
+    staging = final.with_name(final.name + ".tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(staging))  # type: ignore[attr-defined]
+    (staging / MODEL_CONFIG).write_text(json.dumps(model.config.to_hf(dtype="float32"), indent=2))
+    (staging / TRAINER_STATE).write_text(json.dumps({"step": 0, "has_optimizer": False, "extra": {}}))
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    return final

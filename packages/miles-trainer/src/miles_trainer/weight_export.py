@@ -1,0 +1,51 @@
+"""Weight export for sync (step 7 of the data path): the trainer's sharded parameters as a stream of buckets.
+
+Each bucket is a safetensors byte string in the DESIGN.md format (Hugging Face names, tied embeddings once,
+version and bucket index/count in the metadata), encoded by `miles_kernels.encode_bucket` so the engine decodes
+it with the same codec. The plan is made from the parameters' global shapes, then each bucket's tensors are
+gathered from the shards (`DTensor.full_tensor()`, a collective: every rank iterates), cast to the kernel dtype
+the engine computes in, encoded, and dropped before the next bucket is gathered. Peak extra host memory is
+therefore about one bucket (its gathered tensors plus its encoded bytes), whatever the model size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from miles_kernels import CausalLM, encode_bucket, plan_buckets
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
+def export_names(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
+    """(HF checkpoint name, parameter) for every weight to send: tied parameters appear once, under the
+    embedding's name, as the HF checkpoint stores them."""
+    return list(model.named_parameters())  # named_parameters drops the tied duplicate (lm_head.weight)
+
+
+def iter_weight_buckets(
+    model: CausalLM, *, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+) -> Iterator[bytes]:
+    """Yield the model's full weights as encoded buckets of about `bucket_bytes` each (a tensor larger than that
+    gets a bucket of its own). `dtype`: what the engine runs in (default: the model's kernel dtype).
+
+    Every rank of a sharded model must consume the iterator to the end (the gathers are collectives); every rank
+    gets the same bytes, so any of them can send to its engine.
+    """
+    dtype = dtype or model.kernel.torch_dtype
+    named = export_names(model)
+    sizes = [(name, param.numel() * dtype.itemsize) for name, param in named]
+    plan = plan_buckets(sizes, bucket_bytes)
+    params = dict(named)
+    for index, names in enumerate(plan):
+        tensors = {}
+        for name in names:
+            value = params[name].detach()
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            tensors[name] = full.to(device="cpu", dtype=dtype)
+            del full
+        data = encode_bucket(tensors, version=version, index=index, count=len(plan))
+        del tensors
+        yield data
