@@ -201,3 +201,21 @@ def test_bad_arguments_raise_actionable_errors() -> None:
         reinforce_plus_plus_advantages(torch.tensor([1.0]), torch.tensor([[1, 0]]))
     with pytest.raises(ValueError, match="shape"):
         gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), gamma=1.0, lam=1.0)
+
+
+def test_advantage_plugin_by_path(tmp_path, monkeypatch) -> None:
+    from miles_trainer import compute_advantages
+
+    (tmp_path / "my_advantages.py").write_text(
+        "def centered(rewards_N, group_index_N, mask_NT, **kw):\n"
+        "    return (rewards_N - rewards_N.mean())[:, None] * mask_NT\n"
+        "def wrong(rewards_N):\n"
+        "    return rewards_N\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    mask = torch.ones(4, 3)
+    got = compute_advantages("my_advantages:centered", rewards, torch.tensor([0, 0, 1, 1]), mask)
+    assert torch.equal(got, torch.tensor([[0.5] * 3, [-0.5] * 3, [-0.5] * 3, [0.5] * 3]))
+    with pytest.raises(TypeError, match="must accept"):
+        compute_advantages("my_advantages:wrong", rewards, torch.tensor([0, 0, 1, 1]), mask)

@@ -62,3 +62,114 @@ def test_masked_tokens_do_not_train_and_inputs_are_checked() -> None:
     no_logprobs = samples[0].model_copy(update={"rollout_logprobs": None})
     with pytest.raises(ValueError, match="no rollout_logprobs"):
         accumulate_policy_gradients(model, [no_logprobs], [1.0], KERNEL, PolicyLossConfig(), 100)
+
+
+def _response_logprobs(model, samples) -> list[list[float]]:
+    from miles_trainer import pack_samples, response_logprobs
+
+    with torch.no_grad():
+        rows = [r for micro in pack_samples(samples, KERNEL, 10_000) for r in response_logprobs(model, micro)]
+    return [r.tolist() for r in rows]
+
+
+def test_scalar_advantages_equal_their_per_token_broadcast() -> None:
+    model = random_model(tiny_config("dense"), KERNEL, seed=3).train()
+    samples, advantages = make_samples(3)
+    per_token = [[a] * len(s.response_tokens) for s, a in zip(samples, advantages, strict=True)]
+    scalar, _ = gradients(model, samples, advantages, PolicyLossConfig(), 10_000)
+    tokens, _ = gradients(model, samples, per_token, PolicyLossConfig(), 10_000)
+    for name in scalar:
+        assert torch.equal(scalar[name], tokens[name]), name
+    with pytest.raises(ValueError, match="token advantages"):
+        accumulate_policy_gradients(model, samples, [[1.0]] * len(samples), KERNEL, PolicyLossConfig(), 100)
+
+
+def test_activation_checkpointing_keeps_gradients_bitwise() -> None:
+    from miles_trainer import apply_activation_checkpointing
+
+    samples, advantages = make_samples(4)
+    plain = random_model(tiny_config("moe"), KERNEL, seed=4).train()
+    checkpointed = random_model(tiny_config("moe"), KERNEL, seed=4).train()
+    apply_activation_checkpointing(checkpointed)
+    expected, _ = gradients(plain, samples, advantages, PolicyLossConfig(), 30)
+    got, _ = gradients(checkpointed, samples, advantages, PolicyLossConfig(), 30)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_mismatch_is_zero_on_own_logprobs_and_measured_otherwise() -> None:
+    model = random_model(tiny_config("dense"), KERNEL, seed=5).train()
+    samples, advantages = make_samples(5)
+    samples = [s.model_copy(update={"loss_mask": None}) for s in samples]
+    own = _response_logprobs(model, samples)
+    on_policy = [s.model_copy(update={"rollout_logprobs": lp}) for s, lp in zip(samples, own, strict=True)]
+    stats = accumulate_policy_gradients(
+        model, on_policy, advantages, KERNEL, PolicyLossConfig(), 20, measure_mismatch=True
+    ).summary()
+    assert stats["train_rollout_logprob_abs_diff"] == 0.0 and stats["train_rollout_logprob_abs_diff_max"] == 0.0
+    assert stats["ppo_kl"] == 0.0 and stats["clip_fraction"] == 0.0
+    # Recomputed old log-probs (fast mode) that differ from the engine's by a known amount.
+    shifted = [[v + 0.01 * (k % 3) for k, v in enumerate(lp)] for lp in own]
+    stats = accumulate_policy_gradients(
+        model, on_policy, advantages, KERNEL, PolicyLossConfig(is_mode="truncate", is_threshold=1.005), 20,
+        old_logprobs=shifted, measure_mismatch=True,
+    ).summary()  # fmt: skip
+    diffs = [abs(a - b) for x, y in zip(shifted, own, strict=True) for a, b in zip(x, y, strict=True)]
+    assert stats["train_rollout_logprob_abs_diff"] == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
+    assert stats["train_rollout_logprob_abs_diff_max"] == pytest.approx(max(diffs), rel=1e-4)
+    assert 0.0 < stats["is_weight_fraction_modified"] < 1.0  # exp(0.02) > 1.005 is truncated, exp(0) is not
+
+
+def test_kl_and_entropy_terms_follow_their_formulas() -> None:
+    from miles_trainer import entropy_from_logits, kl_estimate, pack_samples
+
+    model = random_model(tiny_config("dense"), KERNEL, seed=6).train()
+    samples, advantages = make_samples(6)
+    samples = [s.model_copy(update={"loss_mask": None}) for s in samples]
+    own = _response_logprobs(model, samples)
+    ref = [[v - 0.05 * ((k + i) % 4) for k, v in enumerate(lp)] for i, lp in enumerate(own)]
+    config = PolicyLossConfig(kl_coef=0.3, kl_estimator="k3", entropy_coef=0.01)
+    stats = accumulate_policy_gradients(model, samples, advantages, KERNEL, config, 20, ref_logprobs=ref).summary()
+    logp = torch.tensor([v for lp in own for v in lp])
+    ref_t = torch.tensor([v for lp in ref for v in lp])
+    assert stats["kl_loss"] == pytest.approx(0.3 * float(kl_estimate(logp, ref_t, "k3").mean()), rel=1e-5)
+    with torch.no_grad():  # entropy of the full next-token distribution at each response position
+        entropies = []
+        for micro in pack_samples(samples, KERNEL, 10_000):
+            logits = model.logits(model.forward_hidden(micro.input_ids_N, micro.batch))
+            entropies.append(entropy_from_logits(logits[micro.is_response_N]))
+        entropy = float(torch.cat(entropies).mean())
+    assert stats["entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert stats["entropy_loss"] == pytest.approx(-0.01 * entropy, rel=1e-5)
+    assert stats["loss"] == pytest.approx(stats["pg_loss"] + stats["kl_loss"] + stats["entropy_loss"], rel=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        accumulate_policy_gradients(model, samples, advantages, KERNEL, config, 20)
+
+
+def test_custom_loss_plugin_is_loaded_and_checked(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_losses.py").write_text(
+        "from miles_trainer import aggregate_loss\n"
+        "def reinforce(logprobs, old, advantages, mask, **kw):\n"
+        "    loss = aggregate_loss(-advantages * logprobs, mask, kw['agg_mode'],\n"
+        "                          global_num_tokens=kw['global_num_tokens'], global_num_seqs=kw['global_num_seqs'])\n"
+        "    return loss, {}\n"
+        "def wrong(logprobs):\n"
+        "    return logprobs\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = random_model(tiny_config("dense"), KERNEL, seed=7).train()
+    samples, advantages = make_samples(7)
+    custom = PolicyLossConfig(loss_fn="my_losses:reinforce")
+    stats = accumulate_policy_gradients(model, samples, advantages, KERNEL, custom, 20).summary()
+    expected = 0.0
+    for sample, lp, adv in zip(samples, _response_logprobs(model, samples), advantages, strict=True):
+        expected += sum(-adv * v * m for v, m in zip(lp, sample.effective_loss_mask(), strict=True))
+    num_tokens = sum(sum(s.effective_loss_mask()) for s in samples)
+    assert stats["loss"] == pytest.approx(expected / num_tokens, rel=1e-5)
+    with pytest.raises(TypeError, match="must accept"):
+        PolicyLossConfig(loss_fn="my_losses:wrong")
+    with pytest.raises(ValueError, match="no attribute"):
+        PolicyLossConfig(loss_fn="my_losses:missing")
+    with pytest.raises(ValueError, match="agg_mode"):
+        PolicyLossConfig(agg_mode="mean")

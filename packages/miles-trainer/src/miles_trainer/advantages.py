@@ -23,9 +23,12 @@ Shapes: N samples (rows), T response tokens (padded length); `rewards_N`, `group
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 import torch
+
+from miles_contracts import load_plugin
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -338,12 +341,25 @@ def compute_advantages(
     """Token advantages (N, T) from the outcome estimator `name` in ADVANTAGE_ESTIMATORS; kwargs go to it.
 
     e.g. compute_advantages("grpo", rewards_N, group_index_N, mask_NT, epsilon=1e-4) or
-    compute_advantages("reinforce_plus_plus", rewards_N, group_index_N, mask_NT, gamma=0.99).
+    compute_advantages("reinforce_plus_plus", rewards_N, group_index_N, mask_NT, gamma=0.99). A
+    "module:function" name loads an `AdvantageEstimator` plug-in (see `load_advantage_estimator`).
     """
-    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    estimator = load_advantage_estimator(name) if ":" in name else ADVANTAGE_ESTIMATORS.get(name)
     if estimator is None:
         raise ValueError(
             f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)} "
             "(GAE needs a critic: call gae_advantages directly)"
         )
     return estimator(rewards_N, group_index_N, response_mask_NT, **kwargs)
+
+
+def load_advantage_estimator(path: str) -> AdvantageEstimator:
+    """Load a "module:function" `AdvantageEstimator` and check it takes (rewards_N, group_index_N, mask_NT)."""
+    estimator = load_plugin(path, AdvantageEstimator)  # type: ignore[type-abstract]
+    try:
+        inspect.signature(estimator).bind(*([None] * 3))
+    except TypeError as error:
+        raise TypeError(
+            f"advantage plug-in {path!r} must accept (rewards_N, group_index_N, response_mask_NT, **kwargs): {error}"
+        ) from error
+    return estimator

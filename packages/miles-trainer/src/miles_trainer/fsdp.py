@@ -31,7 +31,14 @@ from miles_kernels import CausalLM, KernelConfig, load_model
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
 from miles_trainer.packing import pack_samples, plan_micro_batches
-from miles_trainer.step import PerSample, PolicyLossConfig, StepStats, accumulate_policy_gradients, count_trained
+from miles_trainer.step import (
+    PerSample,
+    PolicyLossConfig,
+    StepStats,
+    accumulate_policy_gradients,
+    accumulate_sft_gradients,
+    count_trained,
+)
 from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 
@@ -180,11 +187,30 @@ class FSDP2Backend:
             num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             measure_mismatch=measure_mismatch,
         )  # fmt: skip
+        _add_batch_stats(stats, samples, advantages)
+        return self._finish_step(stats, start)
+
+    def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One optimizer step of the SFT loss (token-mean NLL of the loss-masked tokens) on this rank's samples."""
+        if not samples:
+            raise ValueError("every rank needs at least one sample per step")
+        self._check_onloaded()
+        start = time.perf_counter()
+        local = torch.tensor(count_trained(samples), dtype=torch.int64)
+        dist.all_reduce(local)
+        global_tokens, global_seqs = (int(v) for v in local.tolist())
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = accumulate_sft_gradients(
+            self.model, samples, self.kernel, self.max_tokens, global_num_tokens=global_tokens,
+            global_num_seqs=global_seqs, loss_scale=dist.get_world_size(), num_micro_batches=self._num_passes(samples),
+        )  # fmt: skip
+        return self._finish_step(stats, start)
+
+    def _finish_step(self, stats: StepStats, start: float) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer_config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
-        _add_batch_stats(stats, samples, advantages)
         stats.all_reduce()
         metrics = stats.summary()
         metrics.update(_batch_summary(metrics))
@@ -255,7 +281,9 @@ def _add_batch_stats(stats: StepStats, samples: Sequence[Sample], advantages: Pe
 def _batch_summary(metrics: dict[str, float]) -> dict[str, float]:
     out = {}
     for prefix in ("reward", "advantage"):
-        count = metrics.pop(f"{prefix}_count", 0.0)
+        if f"{prefix}_count" not in metrics:
+            continue
+        count = metrics.pop(f"{prefix}_count")
         total, squares = metrics.pop(f"{prefix}_sum", 0.0), metrics.pop(f"{prefix}_sq_sum", 0.0)
         neg_min, maximum = metrics.pop(f"{prefix}_neg_min"), metrics.pop(f"{prefix}_max")
         if count:

@@ -35,6 +35,7 @@ from miles_trainer.losses import (
     importance_weights,
     kl_estimate,
     policy_loss,
+    sft_loss,
     train_rollout_logprob_abs_diff,
 )
 from miles_trainer.packing import MicroBatch, pack_samples
@@ -305,4 +306,40 @@ def accumulate_policy_gradients(
                 )
                 stats.add_mean("train_rollout_logprob_abs_diff", float(diff["mean"]), num_valid)
                 stats.add_max("train_rollout_logprob_abs_diff_max", float(diff["max"]))
+    return stats
+
+
+def accumulate_sft_gradients(
+    model: CausalLM,
+    samples: Sequence[Sample],
+    kernel: KernelConfig,
+    max_tokens_per_micro_batch: int,
+    *,
+    agg_mode: str = "token-mean",
+    global_num_tokens: int | None = None,
+    global_num_seqs: int | None = None,
+    loss_scale: float = 1.0,
+    num_micro_batches: int | None = None,
+) -> StepStats:
+    """Forward + backward of the SFT loss (NLL of the loss-masked response tokens, temperature 1), normalized
+    over the global batch like `accumulate_policy_gradients` (same data-parallel arguments)."""
+    local_tokens, local_seqs = count_trained(samples)
+    counts = {
+        "global_num_tokens": global_num_tokens if global_num_tokens is not None else local_tokens,
+        "global_num_seqs": global_num_seqs if global_num_seqs is not None else local_seqs,
+    }
+    stats = StepStats()
+    if counts["global_num_tokens"] == 0 or not samples:
+        return stats
+    micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
+    for step in range(max(len(micro_batches), num_micro_batches or 0)):
+        micro = micro_batches[min(step, len(micro_batches) - 1)]
+        weight = 1.0 if step < len(micro_batches) else 0.0
+        logprobs_N, _ = micro_batch_forward(model, micro)
+        logprobs_BT, mask_BT = rows_to_padded(logprobs_N, micro)
+        loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
+        (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
+        if weight:
+            stats.add("loss", float(loss.detach()))
+            stats.add("num_tokens", float(mask_BT.sum()))
     return stats
