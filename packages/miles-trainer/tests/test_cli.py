@@ -119,7 +119,9 @@ def test_sft_lowers_response_loss_and_writes_a_loadable_model(model_dir, tmp_pat
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    losses = [float(line.split("loss ")[1].split(",")[0]) for line in result.stdout.splitlines() if line.startswith("epoch")]
+    losses = [
+        float(line.split("loss ")[1].split(",")[0]) for line in result.stdout.splitlines() if line.startswith("epoch")
+    ]
     assert len(losses) == 4 and losses[-1] < losses[0], result.stdout
     samples = load_sft_samples(data, AutoTokenizer.from_pretrained(out))
     before, after = response_nll(model_dir, samples), response_nll(out, samples)

@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,11 @@ def apply_activation_checkpointing(model: CausalLM) -> None:
     the recompute runs the same deterministic ops, so gradients are unchanged)."""
     for layer in model.model.layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+# FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip a hook); the model's outputs
+# are never modified in place, so the warning is noise on every step.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def _shard(model: CausalLM, kernel: KernelConfig) -> None:
