@@ -213,3 +213,26 @@ def test_admin_endpoints_need_admin_key_on_non_loopback(dense_dir) -> None:
         assert asyncio.run(scenario()) == (403, 200)
     finally:
         engine.shutdown()
+
+
+def test_weights_checksum_tracks_the_served_weights(server, dense_dir, second_model) -> None:
+    """/weights_checksum equals `weights_checksum` of the checkpoint's tensors in the engine dtype, changes with a
+    bucket update to other weights, and is admin-only (loopback bind without an admin key: allowed here)."""
+    from miles_kernels import weights_checksum
+
+    def expected(model_dir) -> str:
+        return weights_checksum(checkpoint_tensors(load_model(model_dir, KernelConfig())).items())
+
+    async def scenario() -> tuple[str, str, str]:
+        async with Client(server) as client:
+            await client.update_weights_from_disk(str(dense_dir), weight_version=40)
+            before = await client.weights_checksum()
+            tensors = list(checkpoint_tensors(load_model(second_model, KernelConfig())).items())
+            await client.update_weights_from_buckets(iter_buckets(tensors, version=41, bucket_bytes=1 << 16))
+            after = await client.weights_checksum()
+            await client.update_weights_from_disk(str(dense_dir), weight_version=42)
+            return before, after, await client.weights_checksum()
+
+    before, after, restored = asyncio.run(scenario())
+    assert before == expected(dense_dir) == restored
+    assert after == expected(second_model) != before

@@ -17,6 +17,7 @@ from miles_kernels.buckets import (
     encode_bucket,
     iter_buckets,
     plan_buckets,
+    weights_checksum,
 )
 from miles_kernels.config import KernelConfig
 from miles_kernels.hf_io import (
@@ -117,4 +118,5 @@ __all__ = [
     "tiny_config",
     "token_logprobs",
     "uniform",
+    "weights_checksum",
 ]

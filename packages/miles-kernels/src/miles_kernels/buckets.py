@@ -27,9 +27,10 @@ Receiver::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -271,3 +272,20 @@ class BucketAssembler:
         for index in range(len(self._received)):
             merged.update(self._received[index])
         return merged
+
+
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of a full set of weights: independent of order and of how they were split into buckets.
+
+    Each tensor contributes its name, dtype, shape and raw bytes (as the engine holds them); the trainer hashes
+    what it would send and the engine what it holds, so equal checksums mean bit-identical weights (the
+    orchestrator's true on-policy guard after the version-0 sync). Streams: one tensor's bytes at a time.
+    """
+    digests = {}
+    for name, tensor in named_tensors:
+        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        digests[name] = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode() + data).hexdigest()
+    total = hashlib.sha256()
+    for name in sorted(digests):
+        total.update(f"{name}={digests[name]};".encode())
+    return total.hexdigest()

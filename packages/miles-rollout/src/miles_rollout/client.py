@@ -369,6 +369,11 @@ class Client:
         }
         return await self._call("POST", "/update_weights_from_distributed", json=body, admin=True)
 
+    async def weights_checksum(self) -> str:
+        """GET /weights_checksum (admin; miles engines): `miles_kernels.weights_checksum` of the served weights."""
+        body = await self._call("GET", "/weights_checksum", admin=True, retry=True)
+        return str(body["checksum"])
+
     async def get_weight_version(self) -> int | None:
         """GET /get_weight_version; None while the server has no numbered version (SGLang's "default")."""
         body = await self._call("GET", "/get_weight_version", retry=True)

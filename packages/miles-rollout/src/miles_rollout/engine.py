@@ -24,7 +24,16 @@ from typing import Any
 import torch
 
 from miles_contracts import GenerateRequest, GenerateResponse
-from miles_kernels import BucketAssembler, decode_bucket, iter_checkpoint, load_model, load_state, read_model_config
+from miles_kernels import (
+    BucketAssembler,
+    checkpoint_tensors,
+    decode_bucket,
+    iter_checkpoint,
+    load_model,
+    load_state,
+    read_model_config,
+    weights_checksum,
+)
 from miles_rollout.engine_config import EngineConfig, EngineError
 from miles_rollout.scheduler import Scheduler, ceil_div, set_exception, set_result
 from miles_rollout.sequence import Group
@@ -151,6 +160,11 @@ class Engine:
 
     def flush_cache(self) -> None:
         self.scheduler.radix.reset()
+
+    def weights_checksum(self) -> str:
+        """`miles_kernels.weights_checksum` of the served weights (HF names, the engine's dtype)."""
+        self._require_weights_resident()
+        return weights_checksum(checkpoint_tensors(self.model).items())
 
     def release_memory(self, tags: list[str] | None) -> list[str]:
         for tag in tags or MEMORY_TAGS:

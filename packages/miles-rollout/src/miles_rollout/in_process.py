@@ -120,6 +120,12 @@ class InProcessClient:
     async def get_server_info(self) -> dict[str, Any]:
         return self.engine.server_info()
 
+    async def weights_checksum(self) -> str:
+        result: str = await self._call(
+            "/weights_checksum", lambda: self.engine.control(self.engine.weights_checksum, needs_idle=False)
+        )
+        return result
+
     async def get_weight_version(self) -> int | None:
         return self.engine.weight_version
 

@@ -26,6 +26,7 @@ from miles_rollout.engine_config import EngineError
 from miles_rollout.weight_sync import DistributedReceiver
 
 ADMIN_PATHS = {
+    "/weights_checksum",
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
     "/init_weights_update_group",
@@ -208,6 +209,11 @@ def create_app(
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         return engine.server_info()
+
+    @app.get("/weights_checksum")
+    async def checksum() -> dict[str, Any]:
+        value = await engine.control(engine.weights_checksum, needs_idle=False)
+        return {"checksum": value, "weight_version": engine.weight_version}
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict[str, Any]:

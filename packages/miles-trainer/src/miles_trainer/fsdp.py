@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, load_model
+from miles_kernels import CausalLM, KernelConfig, load_model, weights_checksum
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
 from miles_trainer.packing import pack_samples, plan_micro_batches
@@ -40,7 +40,7 @@ from miles_trainer.step import (
     accumulate_sft_gradients,
     count_trained,
 )
-from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,12 @@ class FSDP2Backend:
         iterates to the end)."""
         self._check_onloaded()
         return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
+
+    def weights_checksum(self) -> str:
+        """`miles_kernels.weights_checksum` of the weights an engine would receive (kernel dtype, HF names);
+        equal to the engine's after a sync when the bits match. Every rank calls it (the gathers are collectives)."""
+        self._check_onloaded()
+        return weights_checksum(export_tensors(self.model))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU under HF checkpoint names (tied embeddings once), identical on every rank."""

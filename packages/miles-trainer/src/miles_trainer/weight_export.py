@@ -25,6 +25,19 @@ def export_names(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())  # named_parameters drops the tied duplicate (lm_head.weight)
 
 
+def _gathered(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    value = param.detach()
+    full = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return full.to(device="cpu", dtype=dtype)
+
+
+def export_tensors(model: CausalLM, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor on CPU in the engine's dtype), gathered one tensor at a time (every rank iterates)."""
+    dtype = dtype or model.kernel.torch_dtype
+    for name, param in export_names(model):
+        yield name, _gathered(param, dtype)
+
+
 def iter_weight_buckets(
     model: CausalLM, *, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
 ) -> Iterator[bytes]:
@@ -40,12 +53,7 @@ def iter_weight_buckets(
     plan = plan_buckets(sizes, bucket_bytes)
     params = dict(named)
     for index, names in enumerate(plan):
-        tensors = {}
-        for name in names:
-            value = params[name].detach()
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            tensors[name] = full.to(device="cpu", dtype=dtype)
-            del full
+        tensors = {name: _gathered(params[name], dtype) for name in names}
         data = encode_bucket(tensors, version=version, index=index, count=len(plan))
         del tensors
         yield data
