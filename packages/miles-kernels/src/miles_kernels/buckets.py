@@ -283,7 +283,8 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """
     digests = {}
     for name, tensor in named_tensors:
-        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        # A private copy: `.numpy()` on the caller's tensor would pin its storage (no resize / offload after).
+        data = tensor.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes()
         digests[name] = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode() + data).hexdigest()
     total = hashlib.sha256()
     for name in sorted(digests):

@@ -39,6 +39,7 @@ from miles_trainer.losses import (
 )
 from miles_trainer.offload import FileStore, HostStore, Offloader
 from miles_trainer.packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches
+from miles_trainer.sft import SFTConfig, SFTDataError, load_sft_samples, run_sft
 from miles_trainer.step import (
     PolicyLossConfig,
     PolicyLossFn,
@@ -65,6 +66,8 @@ __all__ = [
     "OptimizerConfig",
     "PolicyLossConfig",
     "PolicyLossFn",
+    "SFTConfig",
+    "SFTDataError",
     "StepStats",
     "accumulate_policy_gradients",
     "aggregate_loss",
@@ -86,6 +89,7 @@ __all__ = [
     "kl_estimate",
     "load_advantage_estimator",
     "load_checkpoint",
+    "load_sft_samples",
     "micro_batch_forward",
     "micro_batch_logprobs",
     "pack_samples",
@@ -97,6 +101,7 @@ __all__ = [
     "resolve_loss_fn",
     "response_logprobs",
     "rloo_advantages",
+    "run_sft",
     "save_checkpoint",
     "sft_loss",
     "token_advantages",

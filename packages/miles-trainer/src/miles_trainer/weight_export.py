@@ -28,7 +28,9 @@ def export_names(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
 def _gathered(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     value = param.detach()
     full = value.full_tensor() if hasattr(value, "full_tensor") else value
-    return full.to(device="cpu", dtype=dtype)
+    # Always a copy: with one rank `full_tensor()` may alias the parameter, and the encoders must never touch (and
+    # pin, via numpy) the storage that offload later frees.
+    return full.to(device="cpu", dtype=dtype, copy=True)
 
 
 def export_tensors(model: CausalLM, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

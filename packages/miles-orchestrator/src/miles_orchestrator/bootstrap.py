@@ -1,0 +1,79 @@
+"""The default example's policy: a tiny Qwen3 (the README's benchmark shape) with a tokenizer trained on the
+built-in task, bootstrapped by a short SFT on the task's train split so RL starts from an imperfect policy.
+
+The result is cached in the user cache dir (`$MILES_CACHE_DIR`, else `$XDG_CACHE_HOME/miles`, else
+`~/.cache/miles`) under a key hashed from the bootstrap config, the task and the source code of the modules that
+produce it, so a second run reuses it and any change to them makes a new one. Building happens in a temporary
+directory renamed into place: an interrupted bootstrap is never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from miles_kernels import ModelConfig, build_tokenizer, save_random_model, tiny_config
+from miles_orchestrator import task as task_module
+from miles_orchestrator.config import RunConfig
+from miles_trainer import SFTConfig, run_sft
+from miles_trainer import sft as sft_module
+
+
+def policy_config(vocab_size: int) -> ModelConfig:
+    """Qwen3: hidden 256, intermediate 768, 4 layers, 8 heads / 4 KV heads, head dim 32, tied embeddings."""
+    return tiny_config(
+        "dense", vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
+    )  # fmt: skip
+
+
+def cache_dir() -> Path:
+    if "MILES_CACHE_DIR" in os.environ:
+        return Path(os.environ["MILES_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "miles"
+
+
+def bootstrap_key(cfg: RunConfig) -> str:
+    parts: dict[str, Any] = {
+        "model": cfg.model.model_dump(exclude={"path"}),
+        "task": cfg.data.task.model_dump(),
+        "seed": cfg.data.seed,
+        "chat": cfg.data.apply_chat_template,
+        "code": [inspect.getsource(m) for m in (task_module, sft_module)] + [inspect.getsource(policy_config)],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def bootstrap_policy(cfg: RunConfig, log: Any = print) -> str:
+    """The bootstrapped policy's directory (built on first use, then reused)."""
+    final = cache_dir() / "bootstrap" / bootstrap_key(cfg)
+    if (final / "policy" / "config.json").is_file():
+        log(f"using the cached bootstrapped policy {final / 'policy'}")
+        return str(final / "policy")
+    log(f"bootstrapping the built-in policy by SFT ({cfg.model.bootstrap_steps} steps); cached in {final}")
+    staging = final.with_name(final.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    task = cfg.data.task.to_task()
+    size = cfg.model.bootstrap_batch_size
+    rows = task.sft_rows(max(1, cfg.model.bootstrap_steps) * size, seed=cfg.data.seed + 1)
+    corpus = [row["prompt"] + " " + row["response"] for row in rows[:2000]]
+    tokenizer = build_tokenizer(corpus, vocab_size=cfg.model.bootstrap_vocab_size)
+    save_random_model(staging / "base", policy_config(len(tokenizer)), seed=cfg.data.seed, tokenizer=tokenizer)
+    data = staging / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if cfg.model.bootstrap_steps:
+        sft = SFTConfig(epochs=1, lr=cfg.model.bootstrap_lr, batch_size=size, warmup_steps=10, seed=cfg.data.seed,
+                        chat_template=cfg.data.apply_chat_template)  # fmt: skip
+        run_sft(staging / "base", data, staging / "policy", sft, log=log)
+    else:
+        shutil.copytree(staging / "base", staging / "policy")
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    return str(final / "policy")

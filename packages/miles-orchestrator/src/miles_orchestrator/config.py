@@ -1,0 +1,395 @@
+"""The run config: one typed, nested pydantic model per component, loaded from YAML plus dotted CLI overrides.
+
+It sits before the RL data path: `load_config` runs once at start-up and every component (data source, rollout,
+reward pool, filters, trainer, loop) reads its own section. A bad value fails here, with a `ValueError` that names
+the dotted field and the fix, rather than minutes into a run. `config_help` and `dump_config` render the same
+models for `miles-orchestrator run --help` and for the resolved config a run writes next to its outputs.
+Plug-in paths (`module:function`) are only checked for shape here; they are imported when their component starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from miles_contracts import MAX_NEW_TOKENS_LIMIT
+from miles_orchestrator.task import BuiltinTask
+
+__all__ = ["RunConfig", "check_batch_identity", "config_help", "dump_config", "load_config"]
+
+BUILTIN_REWARDS = ("exact_match", "math", "task")
+# Torch-free copies of miles_trainer's names (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES); a test keeps them in step.
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+DATA_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _plugin_or_none(field: str, value: str | None) -> str | None:
+    if value is not None and not is_plugin_path(value):
+        raise ValueError(f"{field}={value!r} must be a 'package.module:function' path (or null for the default)")
+    return value
+
+
+def is_plugin_path(value: str) -> bool:
+    """True for a `module:attribute` plug-in path (shape only; nothing is imported)."""
+    module, sep, attribute = value.partition(":")
+    return bool(sep and module and attribute)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    """The policy: a Hugging Face checkpoint, or the built-in tiny Qwen3 bootstrapped by SFT on the built-in task."""
+
+    path: str | None = Field(default=None, description="HF model directory; null: bootstrap the built-in policy.")
+    bootstrap_steps: int = Field(default=400, ge=0, description="SFT steps of the built-in policy (path=null).")
+    bootstrap_lr: float = Field(default=3e-3, gt=0, description="SFT learning rate of the built-in policy.")
+    bootstrap_batch_size: int = Field(default=64, ge=1, description="SFT rows per step of the built-in policy.")
+    bootstrap_vocab_size: int = Field(
+        default=264, ge=259, description="Tokenizer size of the built-in policy (its corpus bounds it: ~265)."
+    )
+
+
+class TaskSection(_Section):
+    """Difficulty of the built-in arithmetic task (`miles_orchestrator.task.BuiltinTask`)."""
+
+    num_digits: int | list[int] = Field(default=2, description="Digits of each operand, or a list: one per operand.")
+    operations: list[Literal["+", "-", "*"]] = Field(default=["+"], min_length=1, description="Operators drawn.")
+    num_operands: int = Field(default=2, ge=2, le=8, description="Operands per problem.")
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1, description="Share of problems kept for evaluation.")
+
+    @model_validator(mode="after")
+    def _valid_task(self) -> TaskSection:
+        self.to_task()  # the task checks its own knobs (and how they combine)
+        return self
+
+    def to_task(self) -> BuiltinTask:
+        """The `BuiltinTask` these knobs describe."""
+        return BuiltinTask(
+            num_digits=self.num_digits if isinstance(self.num_digits, int) else tuple(self.num_digits),
+            operations=tuple(self.operations),
+            num_operands=self.num_operands,
+            heldout_fraction=self.heldout_fraction,
+        )
+
+
+class DataSection(_Section):
+    """Where prompts come from (step 1 of the data path)."""
+
+    source: str = Field(default="builtin", description="'builtin' (the arithmetic task) or a .jsonl / .parquet file.")
+    prompt_key: str = Field(default="prompt", description="Row key of the prompt (text or chat messages).")
+    label_key: str = Field(default="label", description="Row key of the reference answer.")
+    apply_chat_template: bool = Field(default=True, description="Send the prompt as a user chat message.")
+    shuffle: bool = Field(default=True, description="Shuffle rows each epoch (file sources).")
+    seed: int = Field(default=0, ge=0, description="Seed of the shuffle and of the built-in task's problems.")
+    num_epochs: int = Field(default=1, ge=1, description="Passes over a file source; the built-in task never ends.")
+    eval_path: str | None = Field(default=None, description="Held-out .jsonl / .parquet; null: the task's held-out.")
+    num_eval_prompts: int = Field(default=64, ge=0, description="Held-out prompts per evaluation (0: no evaluation).")
+    task: TaskSection = Field(default_factory=TaskSection, description="The built-in task's difficulty.")
+
+    @field_validator("source", "eval_path")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        if value is None or value == "builtin" or value.endswith(DATA_SUFFIXES):
+            return value
+        raise ValueError(f"{value!r} is neither 'builtin' nor a {' / '.join(DATA_SUFFIXES)} file; convert it first")
+
+
+class RolloutSection(_Section):
+    """How responses are generated (step 2)."""
+
+    num_prompts_per_step: int = Field(default=8, ge=1, description="Prompts per rollout.")
+    n_samples_per_prompt: int = Field(default=8, ge=1, description="Responses per prompt (the GRPO group size).")
+    max_new_tokens: int = Field(default=16, ge=1, le=MAX_NEW_TOKENS_LIMIT, description="Longest response.")
+    temperature: float = Field(default=1.0, ge=0, le=100, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass in (0, 1].")
+    allow_greedy: bool = Field(default=False, description="Allow temperature=0 for training rollouts.")
+    eval_temperature: float = Field(default=0.0, ge=0, le=100, description="Temperature of evaluation (0: greedy).")
+    eval_k: int = Field(default=1, ge=1, le=64, description="Also report pass@k over k samples (1: pass@1 only).")
+    deterministic: bool = Field(default=True, description="Batch-invariant kernels: bitwise true on-policy.")
+    max_running_requests: int = Field(default=64, ge=1, description="Most requests an engine runs at once.")
+    num_kv_pages: int = Field(default=1024, ge=2, description="KV-cache pages of the embedded engine.")
+    rollout_fn: str | None = Field(default=None, description="'module:function' RolloutFn; null: one-turn rollout.")
+
+    @field_validator("rollout_fn")
+    @classmethod
+    def _plugin(cls, value: str | None) -> str | None:
+        return _plugin_or_none("rollout.rollout_fn", value)
+
+    @model_validator(mode="after")
+    def _sampling(self) -> RolloutSection:
+        if self.temperature == 0 and not self.allow_greedy:
+            raise ValueError(
+                "temperature=0 makes every response of a group identical, so GRPO learns nothing; set "
+                "rollout.temperature>0 (e.g. 1.0), or rollout.allow_greedy=true if that is what you want"
+            )
+        return self
+
+
+class RewardSection(_Section):
+    """How responses are scored (step 3); user code runs in worker processes with a timeout."""
+
+    name: str = Field(default="task", description="'exact_match', 'math', 'task', or a 'module:function' path.")
+    is_group: bool = Field(default=False, description="The function scores a whole prompt group at once.")
+    timeout_s: float = Field(default=10.0, gt=0, description="Seconds per reward call before it counts as failed.")
+    num_workers: int = Field(default=2, ge=1, le=256, description="Reward worker processes.")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value in BUILTIN_REWARDS or is_plugin_path(value):
+            return value
+        raise ValueError(f"reward.name={value!r}: use one of {list(BUILTIN_REWARDS)} or a 'module:function' path")
+
+
+class FilterSection(_Section):
+    """Which prompt groups train (step 4)."""
+
+    dynamic_sampling: bool = Field(default=False, description="Drop groups whose rewards are all equal.")
+    max_oversample_rounds: int = Field(default=4, ge=0, description="Extra rollouts to refill dropped groups.")
+    custom: str | None = Field(default=None, description="'module:function' SampleFilter applied to each group.")
+
+    @field_validator("custom")
+    @classmethod
+    def _plugin(cls, value: str | None) -> str | None:
+        return _plugin_or_none("filter.custom", value)
+
+
+class TrainerSection(_Section):
+    """The policy update (steps 5-6)."""
+
+    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up optimizer steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field(default="constant", description="Schedule after warm-up.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    global_batch_size: int = Field(default=64, ge=1, description="Samples per optimizer step, all ranks together.")
+    steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
+    max_tokens_per_micro_batch: int = Field(default=4096, ge=1, description="Token budget of a packed micro-batch.")
+    num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
+    advantage_estimator: str = Field(default="grpo", description=f"One of {list(ADVANTAGE_ESTIMATORS)}.")
+    clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below 1 (1 - clip_low).")
+    clip_high: float = Field(default=0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
+    dual_clip: float | None = Field(default=None, description="Dual-clip constant c > 1 for negative advantages.")
+    ratio_type: Literal["token", "sequence"] = Field(default="token", description="'sequence' is GSPO's ratio.")
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        default="token-mean", description="How token losses aggregate."
+    )
+    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty weight against the initial policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="KL estimator.")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
+    activation_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
+    is_mode: Literal["truncate", "mask"] | None = Field(
+        default=None, description="Mismatch correction when not true on-policy: TIS ('truncate') or MIS ('mask')."
+    )
+    loss_fn: str | None = Field(default=None, description="'module:function' policy loss replacing PPO-clip.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Parameter and activation dtype of trainer and engine (one KernelConfig)."
+    )
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _estimator(cls, value: str) -> str:
+        if value in ADVANTAGE_ESTIMATORS:
+            return value
+        raise ValueError(f"trainer.advantage_estimator={value!r}: use one of {list(ADVANTAGE_ESTIMATORS)}")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerSection:
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (e.g. 3.0), or null to disable dual-clip")
+        if self.global_batch_size % self.num_ranks:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not split over num_ranks={self.num_ranks}; "
+                "make global_batch_size a multiple of num_ranks"
+            )
+        return self
+
+
+class LogSection(_Section):
+    """Metric sinks; JSONL is always written."""
+
+    tensorboard: bool = Field(default=False, description="Also write TensorBoard events (needs the extra).")
+    wandb: bool = Field(default=False, description="Also log to Weights & Biases (needs wandb installed).")
+    wandb_project: str = Field(default="miles", description="W&B project name.")
+
+
+class RunSection(_Section):
+    """Steps, seeds, outputs and logging of the whole run."""
+
+    run_dir: str = Field(default="runs/miles", description="Outputs: metrics, checkpoints, plots, the config.")
+    seed: int = Field(default=0, ge=0, description="Run seed; sample seeds derive from it and the sample index.")
+    num_steps: int = Field(default=20, ge=1, description="RL steps (rollouts) to run.")
+    eval_every: int = Field(default=5, ge=0, description="Evaluate every this many steps (0: never).")
+    checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint every this many steps (0: only at end).")
+    ray_address: str | None = Field(default=None, description="Ray cluster address; null: start Ray locally.")
+    colocate: bool = Field(default=True, description="Engine and trainer share devices, offloading in turn.")
+    sync_bucket_bytes: int = Field(default=512 << 20, ge=1, description="Largest weight-sync bucket, in bytes.")
+    log: LogSection = Field(default_factory=LogSection, description="Metric sinks.")
+
+
+class RunConfig(_Section):
+    """Everything one RL run needs; each section configures one component."""
+
+    model: ModelSection = Field(default_factory=ModelSection, description="The policy to train.")
+    data: DataSection = Field(default_factory=DataSection, description="Where prompts come from.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="How responses are generated.")
+    reward: RewardSection = Field(default_factory=RewardSection, description="How responses are scored.")
+    filter: FilterSection = Field(default_factory=FilterSection, description="Which prompt groups train.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="The policy update.")
+    run: RunSection = Field(default_factory=RunSection, description="Steps, seeds, outputs and logging.")
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> RunConfig:
+        check_batch_identity(self)
+        if self.filter.dynamic_sampling and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                "filter.dynamic_sampling drops groups whose rewards are all equal, which is every group when "
+                f"rollout.n_samples_per_prompt={self.rollout.n_samples_per_prompt}; set n_samples_per_prompt >= 2 "
+                "or filter.dynamic_sampling=false"
+            )
+        if self.reward.is_group and self.reward.name in BUILTIN_REWARDS:
+            raise ValueError(
+                f"reward.name={self.reward.name!r} scores one sample at a time; set reward.is_group=false, or give "
+                "a 'module:function' GroupRewardFn as reward.name"
+            )
+        return self
+
+
+def check_batch_identity(cfg: RunConfig) -> None:
+    """Raise ValueError unless one rollout fills exactly `steps_per_rollout` optimizer steps.
+
+    num_prompts_per_step × n_samples_per_prompt must equal global_batch_size × steps_per_rollout, so that no
+    sample is dropped or trained twice.
+    """
+    r, t = cfg.rollout, cfg.trainer
+    num_samples = r.num_prompts_per_step * r.n_samples_per_prompt
+    num_trained = t.global_batch_size * t.steps_per_rollout
+    if num_samples == num_trained:
+        return
+    if num_samples % t.steps_per_rollout == 0:
+        fix = f"set trainer.global_batch_size={num_samples // t.steps_per_rollout}"
+    else:
+        fix = f"set trainer.global_batch_size={num_samples} and trainer.steps_per_rollout=1"
+    raise ValueError(
+        f"rollout.num_prompts_per_step ({r.num_prompts_per_step}) × rollout.n_samples_per_prompt "
+        f"({r.n_samples_per_prompt}) = {num_samples} samples per rollout, but trainer.global_batch_size "
+        f"({t.global_batch_size}) × trainer.steps_per_rollout ({t.steps_per_rollout}) = {num_trained}; make them "
+        f"equal: {fix}, or change the rollout side (a valid example: num_prompts_per_step=8, "
+        "n_samples_per_prompt=8, global_batch_size=32, steps_per_rollout=2)"
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The run config from a YAML file (None: all defaults) and `section.field=value` overrides, validated.
+
+    An override's value is parsed as YAML (`trainer.lr=1e-6` is a float, `model.path=null` is None, `x=[1, 2]` a
+    list). Unknown keys, malformed overrides and invalid values raise ValueError naming the dotted field.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as error:
+            raise ValueError(f"cannot read config file {str(path)!r}: {error}") from error
+        except yaml.YAMLError as error:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, data:, ...)")
+        data = loaded or {}
+        _check_keys(data, RunConfig, "", source=f"config file {str(path)!r}")
+    for override in overrides:
+        _apply_override(data, override)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ValueError(_describe(error)) from error
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The config as YAML that `load_config` reads back to an equal config."""
+    return str(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def config_help(model: type[BaseModel] = RunConfig) -> str:
+    """Every field as `section.field (type, default X): description`, grouped by section."""
+    lines: list[str] = []
+    _help_lines(model, "", lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _help_lines(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    for name, info in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        section = _section_model(info.annotation)
+        if section is not None:
+            lines += ["", f"{dotted}: {section.__doc__}"]
+            _help_lines(section, f"{dotted}.", lines)
+            continue
+        default = yaml.safe_dump(info.get_default(call_default_factory=True), default_flow_style=True)
+        default = default.strip().removesuffix("...").strip()
+        type_name = info.annotation.__name__ if isinstance(info.annotation, type) else str(info.annotation)
+        lines.append(f"  {dotted} ({type_name.replace('typing.', '')}, default {default}): {info.description}")
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _check_keys(data: dict[str, Any], model: type[BaseModel], prefix: str, *, source: str) -> None:
+    for key, value in data.items():
+        _check_key(model, prefix, str(key), source=source)
+        section = _section_model(model.model_fields[str(key)].annotation)
+        if section is not None and isinstance(value, dict):
+            _check_keys(value, section, f"{prefix}{key}.", source=source)
+
+
+def _check_key(model: type[BaseModel], prefix: str, key: str, *, source: str) -> None:
+    if key in model.model_fields:
+        return
+    valid = list(model.model_fields)
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    where = prefix.rstrip(".") or "the top level"
+    raise ValueError(f"{source}: unknown key {prefix + key!r}{hint}; valid keys of {where}: {', '.join(valid)}")
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    dotted, sep, text = override.partition("=")
+    dotted = dotted.strip()
+    source = f"override {override!r}"
+    if not sep or not dotted:
+        raise ValueError(f"{source} must look like section.field=value, e.g. trainer.lr=1e-6")
+    parts = dotted.split(".")
+    model: type[BaseModel] = RunConfig
+    node = data
+    for depth, key in enumerate(parts[:-1]):
+        prefix = "".join(f"{p}." for p in parts[:depth])
+        _check_key(model, prefix, key, source=source)
+        section = _section_model(model.model_fields[key].annotation)
+        if section is None:
+            raise ValueError(f"{source}: {prefix}{key} is a value, not a section; drop what follows it")
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{source}: {prefix}{key} is not a mapping in the config file; fix the file first")
+        node, model = child, section
+    _check_key(model, "".join(f"{p}." for p in parts[:-1]), parts[-1], source=source)
+    try:
+        node[parts[-1]] = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{source}: the value {text!r} is not valid YAML; quote it ({error})") from error
+
+
+def _describe(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        dotted = ".".join(str(part) for part in item["loc"]) or "config"
+        message = str(item["msg"]).removeprefix("Value error, ")
+        given = "" if item["type"] in ("value_error", "missing") else f" (got {item['input']!r})"
+        problems.append(f"{dotted}: {message}{given}")
+    return "invalid run config:\n  " + "\n  ".join(problems)

@@ -1,0 +1,253 @@
+"""The synchronous RL loop: generate → reward → filter → advantages → train → sync weights → (eval, checkpoint).
+
+`run_sync` is the algorithm, start to finish; everything it calls lives below it or in its own module (rollout,
+rewards, filters, the Ray cluster, the run directory). Under true on-policy (deterministic kernels, the same
+`KernelConfig` on both sides) the rollout log-probs are the trainer's old log-probs and the measured mismatch is
+exactly 0; in fast mode the trainer recomputes them first and the mismatch is reported (and corrected with TIS /
+MIS when `trainer.is_mode` is set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from miles_contracts import Sample, SampleStatus, SamplingParams
+from miles_orchestrator.cluster import Cluster
+from miles_orchestrator.config import RunConfig, check_batch_identity
+from miles_orchestrator.data import build_data_source, build_eval_samples
+from miles_orchestrator.filters import apply_filters, build_filters
+from miles_orchestrator.rewards import RewardPool
+from miles_orchestrator.rollout import PromptEncoder, expand_groups, resolve_rollout_fn, run_groups
+from miles_orchestrator.run_dir import RunDir
+from miles_rollout import Client
+from miles_trainer import compute_advantages
+
+
+def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]]:
+    """Train `cfg.run.num_steps` rollouts, continuing from the latest checkpoint in `run` if there is one."""
+    check_batch_identity(cfg)
+    source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
+    encode = PromptEncoder(model_dir)
+    rollout_fn, filters = resolve_rollout_fn(cfg.rollout.rollout_fn), build_filters(cfg.filter)
+    r = cfg.reward
+    with RewardPool(r.name, is_group=r.is_group, timeout_s=r.timeout_s, num_workers=r.num_workers) as rewards:
+        cluster = Cluster(cfg, model_dir, run.path)
+        try:
+            start = resume(cluster, run, source)
+            check_on_policy(cfg, cluster, version=start, log=run.log)
+            trainer_leaves(cfg, cluster)
+            if start == 0 and eval_prompts and cfg.run.eval_every:
+                run.record(0, evaluate(cfg, cluster, rewards, eval_prompts, encode, run))
+            for step in range(start + 1, cfg.run.num_steps + 1):
+                began = time.perf_counter()
+                batch, metrics = asyncio.run(rollout(cfg, cluster, rewards, source, filters, rollout_fn, encode, run))
+                advantages = group_advantages(cfg, batch)
+                with trainer_works(cfg, cluster):
+                    metrics |= train(cfg, cluster, batch, advantages, run)
+                    is_last = step == cfg.run.num_steps
+                    if is_last or (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
+                        cluster.save(run.checkpoint_dir(step), {"step": step, "data": source.state_dict()})
+                    if is_last:
+                        cluster.export(run.path / "final", model_dir)
+                    metrics |= sync_weights(cfg, cluster, version=step, run=run)
+                if eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
+                    metrics |= evaluate(cfg, cluster, rewards, eval_prompts, encode, run)
+                run.record(step, metrics | {"step_time_s": time.perf_counter() - began})
+        finally:
+            cluster.shutdown()
+    return run.metrics.history()
+
+
+def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
+    """Load the latest checkpoint (trainer state, data position) and drop metrics logged after it; the step."""
+    checkpoint = run.latest_checkpoint()
+    start = 0
+    if checkpoint is not None:
+        state = cluster.load(checkpoint)
+        start = int(state["step"])
+        source.load_state_dict(state["data"])
+        run.log(f"resuming from {checkpoint} (step {start})")
+    run.metrics.truncate_after(start)
+    return start
+
+
+def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: Any) -> None:
+    """Sync the trainer's weights to the engine as `version`, then refuse to start unless the engine holds the
+    same bits (weight checksum) and, for true on-policy, runs the same kernels (fingerprint)."""
+    cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
+    info = asyncio.run(_engine_info(cluster))
+    fingerprint = info["kernel_config"]["fingerprint"]
+    if cfg.rollout.deterministic and fingerprint != cluster.trainer_fingerprint:
+        raise RuntimeError(
+            f"true on-policy refused: the engine runs kernel config {info['kernel_config']} (fingerprint "
+            f"{fingerprint}), the trainer {cluster.trainer_fingerprint}; give both the same KernelConfig (dtype, "
+            "mode, tile and page sizes) and the same torch version"
+        )
+    checksum = cluster.trainer_checksum()
+    if info["checksum"] != checksum:
+        raise RuntimeError(
+            f"weight sync check failed: the engine holds {info['checksum'][:16]}, the trainer sent {checksum[:16]} "
+            f"(version {version})"
+        )
+    log(f"weights v{version} synced and verified (checksum {checksum[:12]}), kernels {fingerprint}")
+
+
+async def _engine_info(cluster: Cluster) -> dict[str, Any]:
+    async with Client(cluster.url, admin_key=cluster.admin_key) as client:
+        info = await client.get_server_info()
+        return {"kernel_config": info["kernel_config"], "checksum": await client.weights_checksum()}
+
+
+async def _engine_call(cluster: Cluster, method: str) -> None:
+    async with Client(cluster.url, admin_key=cluster.admin_key) as client:
+        await getattr(client, method)()
+
+
+def trainer_leaves(cfg: RunConfig, cluster: Cluster) -> None:
+    if cfg.run.colocate:
+        cluster.offload_trainer()
+
+
+@contextlib.contextmanager
+def trainer_works(cfg: RunConfig, cluster: Cluster) -> Iterator[None]:
+    """Colocated: the engine releases its KV cache and weights and the trainer comes back; on exit the engine
+    has its memory back (`sync_weights` resumes it and must run inside) and the trainer leaves."""
+    if cfg.run.colocate:
+        asyncio.run(_engine_call(cluster, "release_memory_occupation"))
+        cluster.onload_trainer()
+    try:
+        yield
+    finally:
+        if cfg.run.colocate:
+            asyncio.run(_engine_call(cluster, "resume_memory_occupation"))
+            cluster.offload_trainer()
+
+
+async def rollout(
+    cfg: RunConfig, cluster: Cluster, rewards: RewardPool, source: Any, filters: Any, rollout_fn: Any,
+    encode: PromptEncoder, run: RunDir,
+) -> tuple[list[Sample], dict[str, float]]:  # fmt: skip
+    """Generate and score prompt groups until `num_prompts_per_step` pass the filters (at most
+    `filter.max_oversample_rounds` extra rounds); the batch comes back in sample-index order."""
+    r = cfg.rollout
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    generated: list[Sample] = []
+    num_failed_groups = 0
+    began = time.perf_counter()
+    async with Client(cluster.url, admin_key=cluster.admin_key, timeout=600) as client:
+        for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
+            needed = r.num_prompts_per_step - len(kept)
+            if needed <= 0:
+                break
+            groups = expand_groups(source.get_samples(needed), r.n_samples_per_prompt, encode)
+            label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
+            with run.progress(label, len(groups)) as advance:
+                groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance)
+            for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
+                run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
+                num_failed_groups += 1
+            groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
+            await rewards.score([s for g in groups for s in g])
+            generated += [s for g in groups for s in g]
+            result = apply_filters(groups, filters)
+            kept += result.kept
+            dropped += [g for g in groups if not any(g is k for k in result.kept)]
+    if len(kept) < r.num_prompts_per_step:
+        run.log(f"only {len(kept)} of {r.num_prompts_per_step} prompt groups passed the filters; training on "
+                "dropped groups too (raise filter.max_oversample_rounds)")  # fmt: skip
+        kept += dropped[: r.num_prompts_per_step - len(kept)]
+    batch = [s for g in sorted(kept, key=lambda g: g[0].index) for s in g]
+    if not batch:
+        raise RuntimeError("no prompt group could be rolled out this step; see the log for the rollout errors")
+    seconds = time.perf_counter() - began
+    lengths = [len(s.response_tokens) for s in generated]
+    return batch, {
+        "reward_mean": sum(s.reward or 0.0 for s in generated) / max(len(generated), 1),
+        "pass_rate": sum(1 for s in generated if (s.reward or 0.0) >= 1.0) / max(len(generated), 1),
+        "num_reward_failures": float(sum(1 for s in generated if s.status == SampleStatus.FAILED)),
+        "num_failed_groups": float(num_failed_groups),
+        "num_groups_filtered": float(len(dropped)),
+        "response_len_mean": sum(lengths) / max(len(lengths), 1),
+        "truncated_fraction": sum(1 for s in generated if s.status == SampleStatus.TRUNCATED) / max(len(generated), 1),
+        "rollout_time_s": seconds,
+        "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+    }  # fmt: skip
+
+
+def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
+    """Per-token advantages from the configured outcome estimator, groups by prompt."""
+    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float32)
+    groups = torch.tensor([s.group_index for s in batch])
+    mask = torch.zeros(len(batch), max(len(s.response_tokens) for s in batch))
+    for i, s in enumerate(batch):
+        mask[i, : len(s.response_tokens)] = 1.0
+    adv = compute_advantages(cfg.trainer.advantage_estimator, rewards, groups, mask)
+    return [adv[i, : len(s.response_tokens)].tolist() for i, s in enumerate(batch)]
+
+
+def train(
+    cfg: RunConfig, cluster: Cluster, batch: list[Sample], advantages: list[list[float]], run: RunDir
+) -> dict[str, float]:
+    """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs)."""
+    began = time.perf_counter()
+    metrics: dict[str, float] = {}
+    old_logprobs = None if cfg.rollout.deterministic else cluster.compute_logprobs(batch)
+    size = len(batch) // cfg.trainer.steps_per_rollout
+    with run.progress("train", cfg.trainer.steps_per_rollout) as advance:
+        for k in range(cfg.trainer.steps_per_rollout):
+            part = slice(k * size, (k + 1) * size)
+            old = None if old_logprobs is None else old_logprobs[part]
+            step_metrics = cluster.train(batch[part], advantages[part], old, measure=k == 0)
+            # the mismatch is defined under the rollout weights: keep the first step's measurement
+            metrics |= {key: v for key, v in step_metrics.items() if k == 0 or "logprob_abs_diff" not in key}
+            advance()
+    return metrics | {"train_time_s": time.perf_counter() - began}
+
+
+def sync_weights(cfg: RunConfig, cluster: Cluster, version: int, run: RunDir) -> dict[str, float]:
+    """The engine takes its memory back and receives the trainer's weights as `version`."""
+    began = time.perf_counter()
+    if cfg.run.colocate:
+        asyncio.run(_engine_call(cluster, "resume_memory_occupation"))
+    with run.progress("weight sync", 1) as advance:
+        sync = cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
+        advance()
+    return {"sync_time_s": time.perf_counter() - began, "sync_bytes": float(sync["num_bytes"]),
+            "weight_version": float(version)}  # fmt: skip
+
+
+async def _evaluate_groups(
+    cluster: Cluster, rewards: RewardPool, groups: list[list[Sample]], params: SamplingParams, cfg: RunConfig,
+    label: str, run: RunDir,
+) -> list[list[Sample]]:  # fmt: skip
+    async with Client(cluster.url, admin_key=cluster.admin_key, timeout=600) as client:
+        with run.progress(f"eval ({label})", len(groups)) as advance:
+            done = await run_groups(client, groups, params, cfg.run.seed, resolve_rollout_fn(None), advance)
+    await rewards.score([s for g in done for s in g if s.status != SampleStatus.FAILED])
+    return done
+
+
+def evaluate(
+    cfg: RunConfig, cluster: Cluster, rewards: RewardPool, prompts: list[Sample], encode: PromptEncoder, run: RunDir
+) -> dict[str, float]:
+    """pass@1 on the held-out prompts at `rollout.eval_temperature` (greedy by default) and, with
+    `rollout.eval_k > 1`, pass@k over k samples at the training temperature."""
+    r = cfg.rollout
+    out: dict[str, float] = {}
+    settings = [(1, r.eval_temperature, "eval_pass@1")]
+    if r.eval_k > 1:
+        settings.append((r.eval_k, r.temperature, f"eval_pass@{r.eval_k}"))
+    for n, temperature, key in settings:
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p)
+        groups = expand_groups(prompts, n, encode)
+        done = asyncio.run(_evaluate_groups(cluster, rewards, groups, params, cfg, key, run))
+        out[key] = sum(1.0 for g in done if any((s.reward or 0.0) >= 1.0 for s in g)) / max(len(done), 1)
+    return out

@@ -1,0 +1,56 @@
+"""The end of a run: a summary table on the console and `summary.png` (reward and evaluation curves)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def summary_table(history: list[dict[str, Any]]) -> Table:
+    """First vs last value of the metrics a user checks first, over the steps that logged them."""
+    table = Table(title="miles run summary")
+    for column in ("metric", "first", "last", "best"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    keys = ["reward_mean", "pass_rate", "eval_pass@1", "train_rollout_logprob_abs_diff",
+            "train_rollout_logprob_abs_diff_max", "kl", "entropy", "tokens_per_s", "step_time_s"]  # fmt: skip
+    keys += sorted(k for row in history for k in row if k.startswith("eval_pass@") and k not in keys)
+    for key in dict.fromkeys(keys):
+        values = [row[key] for row in history if key in row]
+        if not values:
+            continue
+        best = max(values) if "pass" in key or "reward" in key else min(values)
+        table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], best)))
+    return table
+
+
+def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
+    """Training reward / pass rate and held-out pass@k against the step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for key, style in (("reward_mean", "-"), ("pass_rate", "--")):
+        points = [(row["step"], row[key]) for row in history if key in row]
+        if points:
+            axis.plot(*zip(*points, strict=True), style, label=f"train {key}")
+    for key in sorted({k for row in history for k in row if k.startswith("eval_pass@")}):
+        points = [(row["step"], row[key]) for row in history if key in row]
+        axis.plot(*zip(*points, strict=True), "o-", label=f"held-out {key.removeprefix('eval_')}")
+    axis.set_xlabel("RL step")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def report(history: list[dict[str, Any]], run_dir: Path, console: Console) -> None:
+    console.print(summary_table(history))
+    console.print(f"curves: {plot_curves(history, run_dir / 'summary.png')}")

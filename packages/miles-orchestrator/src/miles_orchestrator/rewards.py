@@ -1,0 +1,310 @@
+"""Rewards: step 3 of the RL data path, between the rollout (which fills `response`) and the filters.
+
+- Built-ins, by name: `exact_match` (normalized string compare), `math` (`math-verify`), `task` (the built-in
+  arithmetic task's verifier). Anything else is a `module:function` `RewardFn` (or `GroupRewardFn` with
+  `is_group`), checked at start-up with `miles_contracts.load_plugin`.
+- `RewardPool` runs the reward in spawned worker processes, one call per sample (or per prompt group), each with a
+  timeout. Samples cross to a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as
+  pickles. A call that raises, returns a non-finite or non-numeric value, kills its worker, or runs past the
+  timeout marks its sample(s) `failed` (`status=FAILED`, `error` says why) with `reward = 0.0`, so a group's
+  advantages stay computable and a failure counts as a wrong answer; the loop may drop such groups by status.
+  A hung or dead worker is killed and replaced; the pool keeps working and the run never crashes on user code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import multiprocessing
+import queue
+import re
+import signal
+import threading
+import traceback
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
+from miles_orchestrator import task
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardPool",
+    "RewardStats",
+    "exact_match",
+    "math_reward",
+    "resolve_reward",
+    "task_reward",
+]
+
+_STARTUP_TIMEOUT_S = 120.0  # a spawned worker imports pydantic and the reward's module before it is ready
+_MAX_ERRORS_KEPT = 5
+
+
+def _normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().rstrip(".").strip().casefold()
+
+
+def exact_match(sample: Sample) -> float:
+    """1.0 when the response equals the label (or one of a list of labels) after trimming, case folding and
+    collapsing whitespace (a trailing period is ignored), else 0.0."""
+    if sample.label is None:
+        raise ValueError("exact_match needs a label; set data.label_key to the column that holds the answer")
+    labels = sample.label if isinstance(sample.label, list) else [sample.label]
+    return 1.0 if any(_normalize(sample.response) == _normalize(str(label)) for label in labels) else 0.0
+
+
+def math_reward(sample: Sample) -> float:
+    """1.0 when `math-verify` finds the response's final answer equal to the label (LaTeX or plain), else 0.0."""
+    from math_verify import parse, verify  # lazy: sympy / latex2sympy take a second to import
+
+    if sample.label is None:
+        raise ValueError("the math reward needs a label; set data.label_key to the column that holds the answer")
+    label = str(sample.label)
+    # math-verify's own timeouts use SIGALRM, which works only on the main thread; the pool enforces its own.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(label if "$" in label or "\\boxed" in label else f"${label}$", parsing_timeout=timeout)  # type: ignore[arg-type]
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the label {label!r}; write it as a number or LaTeX expression")
+    answer = parse(sample.response, parsing_timeout=timeout)  # type: ignore[arg-type]
+    return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+
+
+def task_reward(sample: Sample) -> float:
+    """The built-in arithmetic task's verifier: 1.0 when the last integer of the response is the answer."""
+    return task.verify(sample.response, sample.label)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_reward, "task": task_reward}
+
+
+def resolve_reward(name: str, *, is_group: bool = False) -> RewardFn | GroupRewardFn:
+    """The reward function `name` names: a built-in or a `module:function` path checked against its Protocol."""
+    if name in BUILTIN_REWARDS:
+        if is_group:
+            raise ValueError(f"reward {name!r} scores one sample; set reward.is_group=false")
+        return BUILTIN_REWARDS[name]
+    if ":" not in name:
+        raise ValueError(f"reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or a 'module:function' path")
+    if is_group:
+        return load_plugin(name, GroupRewardFn)  # type: ignore[type-abstract]
+    return load_plugin(name, RewardFn)  # type: ignore[type-abstract]
+
+
+@dataclass
+class RewardStats:
+    """What one `RewardPool.score` call did."""
+
+    num_samples: int = 0
+    num_failed: int = 0
+    num_timeouts: int = 0
+    mean_reward: float = 0.0  # over all samples, failed ones counting 0.0
+    errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "reward/mean": self.mean_reward,
+            "reward/num_failed": float(self.num_failed),
+            "reward/num_timeouts": float(self.num_timeouts),
+        }
+
+
+@dataclass
+class _Worker:
+    process: BaseProcess
+    conn: Connection
+
+
+class RewardPool:
+    """Runs a reward function in `num_workers` worker processes, each call under `timeout_s`.
+
+    Use as `async with RewardPool("task") as pool: stats = await pool.score(samples)` (or `with`, or `close()`).
+    `score` fills `reward` (and on failure `status` / `error`) of the given samples in place.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        is_group: bool = False,
+        timeout_s: float = 10.0,
+        num_workers: int = 2,
+        start_method: Literal["spawn", "forkserver"] = "spawn",
+    ) -> None:
+        if timeout_s <= 0 or num_workers < 1:
+            raise ValueError(f"timeout_s={timeout_s}, num_workers={num_workers}: both must be positive")
+        resolve_reward(name, is_group=is_group)  # fail here, in the caller, on a bad name or signature
+        self.name, self.is_group, self.timeout_s = name, is_group, timeout_s
+        self._context: SpawnContext | ForkServerContext = (
+            multiprocessing.get_context("spawn")
+            if start_method == "spawn"
+            else multiprocessing.get_context("forkserver")
+        )
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._threads = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="reward")
+        self.num_restarts = 0
+        self.total_failed = 0
+        self._closed = False
+        pending = [self._spawn() for _ in range(num_workers)]  # start all, then wait: the imports overlap
+        try:
+            for worker in pending:
+                self._idle.put(self._wait_ready(worker))
+        except Exception:
+            for worker in pending:
+                self._stop(worker)
+            raise
+
+    async def score(self, samples: Sequence[Sample]) -> RewardStats:
+        """Score `samples` in place (per sample, or per `group_index` group when `is_group`) and summarize."""
+        if self._closed:
+            raise RuntimeError("this RewardPool is closed; make a new one")
+        calls: list[list[Sample]] = []
+        if self.is_group:
+            groups: dict[int, list[Sample]] = {}
+            for sample in samples:
+                groups.setdefault(sample.group_index, []).append(sample)
+            calls = list(groups.values())
+        else:
+            calls = [[sample] for sample in samples]
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(loop.run_in_executor(self._threads, self._run_call, c) for c in calls))
+        stats = RewardStats(num_samples=len(samples))
+        for call, (rewards, error, timed_out) in zip(calls, results, strict=True):
+            if rewards is not None:
+                for sample, reward in zip(call, rewards, strict=True):
+                    sample.reward = reward
+                continue
+            assert error is not None
+            stats.num_failed += len(call)
+            stats.num_timeouts += len(call) if timed_out else 0
+            if error not in stats.errors and len(stats.errors) < _MAX_ERRORS_KEPT:
+                stats.errors.append(error)
+            for sample in call:
+                sample.error = error  # before status: a failed sample must say why
+                sample.status = SampleStatus.FAILED
+                sample.reward = 0.0
+        self.total_failed += stats.num_failed
+        stats.mean_reward = sum(s.reward or 0.0 for s in samples) / len(samples) if samples else 0.0
+        return stats
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._threads.shutdown(wait=True)
+        while not self._idle.empty():
+            self._stop(self._idle.get_nowait())
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RewardPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def _run_call(self, samples: list[Sample]) -> tuple[list[float] | None, str | None, bool]:
+        """(rewards, None, False) on success, else (None, error, timed_out). Runs on a pool thread."""
+        worker = self._idle.get()  # one thread per worker, so a worker is always free here
+        try:
+            worker.conn.send_bytes(json.dumps([s.model_dump(mode="json") for s in samples]).encode())
+            if not worker.conn.poll(self.timeout_s):
+                worker = self._replace(worker)
+                return None, f"reward {self.name!r} timed out after {self.timeout_s:g}s (worker killed)", True
+            reply = json.loads(worker.conn.recv_bytes())
+        except (EOFError, OSError):
+            worker.process.join(timeout=1.0)  # the pipe closes a moment before the exit code is known
+            code = worker.process.exitcode
+            worker = self._replace(worker)
+            return None, f"reward {self.name!r} worker died (exit code {code}) while scoring", False
+        finally:
+            self._idle.put(worker)
+        if "error" in reply:
+            return None, str(reply["error"]), False
+        return [float(r) for r in reply["rewards"]], None, False
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        self._stop(worker)
+        self.num_restarts += 1
+        return self._wait_ready(self._spawn())
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=_worker_main, args=(child, self.name, self.is_group), name="miles-reward", daemon=True
+        )
+        process.start()
+        child.close()
+        return _Worker(process, parent)
+
+    def _wait_ready(self, worker: _Worker) -> _Worker:
+        ready = worker.conn.poll(_STARTUP_TIMEOUT_S)
+        try:
+            reply = json.loads(worker.conn.recv_bytes()) if ready else {"error": "no answer"}
+        except (EOFError, OSError):
+            reply = {"error": f"exited with code {worker.process.exitcode}"}
+        if "error" in reply:
+            self._stop(worker)
+            raise RuntimeError(f"reward worker for {self.name!r} failed to start: {reply['error']}")
+        return worker
+
+    @staticmethod
+    def _stop(worker: _Worker) -> None:
+        worker.conn.close()  # a waiting worker sees EOF and exits; a busy one is killed below
+        worker.process.join(timeout=0.5)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join(timeout=5)
+
+
+def _worker_main(conn: Connection, name: str, is_group: bool) -> None:
+    """A worker process: resolve the reward, then answer JSON requests until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the workers
+    try:
+        fn: Any = resolve_reward(name, is_group=is_group)
+    except Exception as error:
+        conn.send_bytes(json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
+        return
+    if name == "math":
+        import math_verify  # noqa: F401  # sympy takes seconds to import; not on the first call's clock
+
+    conn.send_bytes(b'{"ready": true}')
+    loop = asyncio.new_event_loop()  # async rewards share one loop per worker
+    while True:
+        try:
+            request = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            samples = [Sample.model_validate(s) for s in json.loads(request)]
+            reply: dict[str, Any] = {"rewards": _call_reward(fn, samples, is_group, loop)}
+        except Exception as error:
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            message = f"{type(error).__name__}: {error} ({where.filename}:{where.lineno})"
+            reply = {"error": f"reward {name!r} raised {message}"}
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+def _call_reward(fn: Any, samples: list[Sample], is_group: bool, loop: asyncio.AbstractEventLoop) -> list[float]:
+    result = fn(samples) if is_group else fn(samples[0])
+    if inspect.isawaitable(result):
+        result = loop.run_until_complete(result)
+    values = result if is_group else [result]
+    if is_group and (not isinstance(values, list) or len(values) != len(samples)):
+        raise ValueError(f"a group reward must return a list of {len(samples)} floats, got {values!r}")
+    for value in values:
+        if not isinstance(value, int | float) or not math.isfinite(value):  # bool is an int: True scores 1.0
+            raise ValueError(f"a reward must be a finite float, got {value!r}")
+    return [float(v) for v in values]

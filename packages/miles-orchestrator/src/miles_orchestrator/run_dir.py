@@ -1,0 +1,122 @@
+"""The run directory: everything a run writes, and what `--resume` reads back.
+
+    RUN_DIR/config.yaml          the resolved config (resume reads it)
+    RUN_DIR/metrics.jsonl        one JSON line per step (step 0: the evaluation before training)
+    RUN_DIR/checkpoints/step_N/  trainer checkpoint (+ data position, step) — atomic, see miles_trainer
+    RUN_DIR/final/               the trained policy as a Hugging Face directory
+    RUN_DIR/summary.png          reward and evaluation curves; RUN_DIR/run.log  the log
+    RUN_DIR/tensorboard/         TensorBoard events (run.log.tensorboard)
+
+It also owns the console: rich progress bars for the phases of a step and one summary line per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+CHECKPOINTS = "checkpoints"
+
+
+class MetricsLog:
+    """metrics.jsonl (always), TensorBoard and W&B when enabled and installed."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, wandb_project: str | None = None) -> None:
+        self.path = path
+        self._tb: Any = None
+        self._wandb: Any = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(tensorboard_dir))
+            except ImportError as error:
+                raise ValueError(f"run.log.tensorboard=true needs tensorboard installed ({error})") from error
+        if wandb_project is not None:
+            try:
+                import wandb
+            except ImportError as error:
+                raise ValueError("run.log.wandb=true needs wandb installed (pip install wandb)") from error
+            self._wandb = wandb.init(project=wandb_project, dir=str(path.parent))
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+
+    def history(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps after `step` (written after the checkpoint a resumed run restarts from)."""
+        kept = [row for row in self.history() if row["step"] <= step]
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
+
+class RunDir:
+    def __init__(self, path: str | Path, *, tensorboard: bool = False, wandb_project: str | None = None,
+                 quiet: bool = False) -> None:  # fmt: skip
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.console = Console(quiet=quiet, log_path=False)
+        self.metrics = MetricsLog(
+            self.path / "metrics.jsonl", self.path / "tensorboard" if tensorboard else None, wandb_project
+        )
+
+    def log(self, message: str) -> None:
+        with (self.path / "run.log").open("a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        self.console.log(message)
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        self.metrics.write(step, metrics)
+        self.log(step_line(step, metrics))
+
+    @contextlib.contextmanager
+    def progress(self, label: str, total: int) -> Iterator[Callable[[], None]]:
+        """A transient rich progress bar; yields `advance()`."""
+        columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=self.console, transient=True, disable=not self.console.is_terminal) as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda: bar.advance(task)
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.path / CHECKPOINTS / f"step_{step:06d}"
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint (an interrupted save, `*.tmp`, is ignored)."""
+        root = self.path / CHECKPOINTS
+        complete = []
+        for candidate in root.glob("step_*") if root.is_dir() else []:
+            name = candidate.name.removesuffix(".old")
+            if name.endswith(".tmp") or not (candidate / "trainer_state.json").is_file():
+                continue
+            complete.append((int(name.split("_")[1]), candidate))
+        return max(complete)[1] if complete else None
+
+
+STEP_LINE_KEYS = (
+    ("reward_mean", "reward {:.3f}"), ("pass_rate", "pass {:.1%}"), ("eval_pass@1", "eval pass@1 {:.1%}"),
+    ("train_rollout_logprob_abs_diff", "mismatch {:.3g}"), ("kl", "kl {:.4f}"), ("tokens_per_s", "{:.0f} tok/s"),
+    ("step_time_s", "{:.1f} s"),
+)  # fmt: skip
+
+
+def step_line(step: int, metrics: dict[str, Any]) -> str:
+    parts = [fmt.format(metrics[key]) for key, fmt in STEP_LINE_KEYS if key in metrics]
+    return f"step {step}: " + ", ".join(parts)

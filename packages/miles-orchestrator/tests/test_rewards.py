@@ -1,0 +1,176 @@
+"""Multi-process tier (no torch): built-in rewards, plug-in resolution, and the `RewardPool`'s spawned workers.
+
+The pool tests load `orchestrator_plugins` (next to this file) by path in spawned workers, so they also check that
+a user's reward module is importable across spawn. A reward that raises, returns garbage, kills its worker or
+sleeps past the timeout must mark its sample failed, be counted, and leave the pool working for the next call.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import JsonValue
+
+from miles_contracts import Sample, SampleStatus
+from miles_orchestrator.rewards import RewardPool, exact_match, math_reward, resolve_reward, task_reward
+
+PLUGINS = str(Path(__file__).parent)
+
+
+def make(response: str, label: JsonValue = None, *, index: int = 0, group: int = 0, mode: str = "ok") -> Sample:
+    return Sample(index=index, group_index=group, prompt="q", label=label, response=response, metadata={"mode": mode})
+
+
+@pytest.fixture(scope="module")
+def plugins_on_path() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(PLUGINS)
+        yield
+
+
+@pytest.fixture(scope="module")
+def behaves_pool(plugins_on_path: None) -> Iterator[RewardPool]:
+    with RewardPool("orchestrator_plugins:behaves", timeout_s=2.0, num_workers=2) as pool:
+        yield pool
+
+
+def test_exact_match_normalizes() -> None:
+    assert exact_match(make("  Paris. ", "paris")) == 1.0
+    assert exact_match(make("New   York", "new york")) == 1.0
+    assert exact_match(make("Lyon", ["Paris", "Lyon"])) == 1.0
+    assert exact_match(make("Paris is nice", "Paris")) == 0.0
+    with pytest.raises(ValueError, match="label"):
+        exact_match(make("x"))
+
+
+def test_math_reward_uses_math_verify() -> None:
+    assert math_reward(make("The answer is $\\frac{1}{2}$", "0.5")) == 1.0
+    assert math_reward(make("so the result is \\boxed{85}", "85")) == 1.0
+    assert math_reward(make("so the result is \\boxed{84}", "85")) == 0.0
+    with pytest.raises(ValueError, match="cannot parse the label"):
+        math_reward(make("1", ""))
+
+
+def test_task_reward_checks_last_integer() -> None:
+    assert task_reward(make("37 + 48 = 85", "85")) == 1.0
+    assert task_reward(make("86", "85")) == 0.0
+
+
+def test_resolve_reward(plugins_on_path: None) -> None:
+    assert resolve_reward("task") is task_reward
+    with pytest.raises(ValueError, match="module:function"):
+        resolve_reward("exactmatch")
+    with pytest.raises(ValueError, match="is_group"):
+        resolve_reward("math", is_group=True)
+    with pytest.raises(TypeError, match="positional"):
+        resolve_reward("orchestrator_plugins:two_arguments")
+    with pytest.raises(ValueError, match="no attribute"):
+        resolve_reward("orchestrator_plugins:missing")
+
+
+def test_bad_plugin_fails_before_spawning_workers(plugins_on_path: None) -> None:
+    with pytest.raises(ValueError, match="cannot import module"):
+        RewardPool("no_such_module_xyz:reward", num_workers=1)
+
+
+async def test_builtin_task_reward_in_pool() -> None:
+    samples = [make(str(r), "85", index=i) for i, r in enumerate([85, 84, "it is 85", "", "-85"])]
+    with RewardPool("task", timeout_s=10.0, num_workers=2) as pool:
+        stats = await pool.score(samples)
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert stats.num_failed == 0 and stats.mean_reward == pytest.approx(0.4)
+
+
+async def test_plugin_scores_json_copy_of_sample(behaves_pool: RewardPool) -> None:
+    samples = [make("a" * k, index=k) for k in range(6)]
+    stats = await behaves_pool.score(samples)
+    assert [s.reward for s in samples] == [float(k) for k in range(6)]  # the worker saw each response
+    assert stats.num_failed == 0 and all(s.status is SampleStatus.PENDING for s in samples)
+
+
+async def test_raising_reward_fails_only_its_sample(behaves_pool: RewardPool) -> None:
+    samples = [make("abc", index=0), make("abc", index=1, mode="raise"), make("abcd", index=2)]
+    stats = await behaves_pool.score(samples)
+    assert [s.reward for s in samples] == [3.0, 0.0, 4.0]
+    failed = samples[1]
+    assert failed.status is SampleStatus.FAILED
+    assert failed.error is not None and "ValueError: boom on sample 1" in failed.error
+    assert stats.num_failed == 1 and stats.num_timeouts == 0 and stats.errors == [failed.error]
+
+
+@pytest.mark.parametrize("mode", ["nan", "text"])
+async def test_non_numeric_reward_is_a_failure(behaves_pool: RewardPool, mode: str) -> None:
+    samples = [make("x", mode=mode)]
+    stats = await behaves_pool.score(samples)
+    assert stats.num_failed == 1 and samples[0].status is SampleStatus.FAILED
+    assert samples[0].error is not None and "finite float" in samples[0].error
+
+
+async def test_hung_reward_times_out_and_pool_recovers(behaves_pool: RewardPool) -> None:
+    restarts = behaves_pool.num_restarts
+    samples = [make("ab", index=0, mode="sleep"), make("abc", index=1), make("abcd", index=2)]
+    start = time.monotonic()
+    stats = await behaves_pool.score(samples)
+    assert time.monotonic() - start < 30  # the 60 s sleep was cut at the 2 s timeout (plus a respawn)
+    assert samples[0].status is SampleStatus.FAILED and samples[0].reward == 0.0
+    assert samples[0].error is not None and "timed out after 2s" in samples[0].error
+    assert [s.reward for s in samples[1:]] == [3.0, 4.0]
+    assert stats.num_failed == 1 and stats.num_timeouts == 1
+    assert behaves_pool.num_restarts == restarts + 1
+    # Both workers (the replacement included) still answer.
+    again = [make("x" * k, index=k) for k in range(4)]
+    assert (await behaves_pool.score(again)).num_failed == 0
+    assert [s.reward for s in again] == [0.0, 1.0, 2.0, 3.0]
+
+
+async def test_crashed_worker_is_replaced(behaves_pool: RewardPool) -> None:
+    samples = [make("ab", index=0, mode="exit"), make("abc", index=1)]
+    stats = await behaves_pool.score(samples)
+    assert samples[0].status is SampleStatus.FAILED
+    assert samples[0].error is not None and "worker died (exit code 3)" in samples[0].error
+    assert samples[1].reward == 3.0 and stats.num_failed == 1 and stats.num_timeouts == 0
+    again = [make("abcde", index=0), make("a", index=1)]
+    await behaves_pool.score(again)
+    assert [s.reward for s in again] == [5.0, 1.0]
+
+
+async def test_async_reward(plugins_on_path: None) -> None:
+    samples = [make("abc"), make("")]
+    async with RewardPool("orchestrator_plugins:async_length", num_workers=1) as pool:
+        await pool.score(samples)
+    assert [s.reward for s in samples] == [3.0, 0.0]
+
+
+async def test_group_reward_scores_each_group(plugins_on_path: None) -> None:
+    samples = [make("a", index=0, group=0), make("aaa", index=1, group=0), make("aa", index=2, group=1)]
+    samples.append(make("a", index=3, group=1))
+    with RewardPool("orchestrator_plugins:rank_in_group", is_group=True, num_workers=2) as pool:
+        stats = await pool.score(samples)
+    assert [s.reward for s in samples] == [0.0, 1.0, 1.0, 0.0] and stats.num_failed == 0
+
+
+async def test_group_reward_of_wrong_length_fails_the_group(plugins_on_path: None) -> None:
+    samples = [make("a", index=0, group=0), make("aaa", index=1, group=0)]
+    with RewardPool("orchestrator_plugins:wrong_length_group", is_group=True, num_workers=1) as pool:
+        stats = await pool.score(samples)
+    assert stats.num_failed == 2 and all(s.status is SampleStatus.FAILED for s in samples)
+    assert samples[0].error is not None and "list of 2 floats" in samples[0].error
+
+
+async def test_closed_pool_refuses_work() -> None:
+    pool = RewardPool("exact_match", num_workers=1)
+    pool.close()
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.score([make("a", "a")])
+
+
+def test_workers_do_not_import_torch(plugins_on_path: None) -> None:
+    # Reward workers start in about a second only if the reward path stays torch-free.
+    code = "import sys, miles_orchestrator.rewards; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
