@@ -59,16 +59,19 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 def _run(args: argparse.Namespace) -> int:
     cfg = resolve(args)
     from miles_orchestrator.bootstrap import bootstrap_policy
-    from miles_orchestrator.loop import run_sync
+    from miles_orchestrator.loop import check_plugins, run_sync
     from miles_orchestrator.report import report
     from miles_orchestrator.run_dir import RunDir
 
     log = cfg.run.log
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ValueError(f"model.path={cfg.model.path}: no config.json there; give a Hugging Face model directory")
     run = RunDir(cfg.run.run_dir, tensorboard=log.tensorboard, wandb_project=log.wandb_project if log.wandb else None,
                  quiet=args.quiet)  # fmt: skip
     if not args.resume and run.latest_checkpoint() is not None:
         raise ValueError(f"{run.path} already holds a run; resume it with --resume {run.path}, or set run.run_dir")
     (run.path / CONFIG_FILE).write_text(dump_config(cfg))
+    check_plugins(cfg)  # a wrong plug-in path fails now, before any bootstrap or Ray start
     model_dir = cfg.model.path or bootstrap_policy(cfg, log=run.log)
     history = run_sync(cfg, model_dir, run)
     report(history, run.path, run.console)
@@ -78,7 +81,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may come before or after options (`run --resume DIR trainer.lr=1e-6`): argparse stops filling a
+    # positional list at the first option, so the rest arrive as unknown arguments.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or "=" not in e]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is not None:
+        args.overrides = [*args.overrides, *(e for e in extra if e not in unknown)]
     if args.command is None:
         parser.print_help()
         return 2

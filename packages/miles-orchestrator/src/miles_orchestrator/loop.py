@@ -22,11 +22,11 @@ from miles_orchestrator.cluster import Cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples
 from miles_orchestrator.filters import apply_filters, build_filters
-from miles_orchestrator.rewards import RewardPool
+from miles_orchestrator.rewards import RewardPool, resolve_reward
 from miles_orchestrator.rollout import PromptEncoder, expand_groups, resolve_rollout_fn, run_groups
 from miles_orchestrator.run_dir import RunDir
 from miles_rollout import Client
-from miles_trainer import compute_advantages
+from miles_trainer import compute_advantages, resolve_loss_fn
 
 
 def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]]:
@@ -62,6 +62,22 @@ def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]
         finally:
             cluster.shutdown()
     return run.metrics.history()
+
+
+def check_plugins(cfg: RunConfig) -> None:
+    """Import and check every plug-in the config names (reward, rollout function, filters, loss, advantage), so a
+    wrong path or signature fails at start-up with the field named."""
+    checks = [
+        ("reward.name", cfg.reward.name, lambda: resolve_reward(cfg.reward.name, is_group=cfg.reward.is_group)),
+        ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
+        ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
+        ("trainer.loss_fn", cfg.trainer.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss_fn)),
+    ]
+    for field, value, check in checks:
+        try:
+            check()
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{field}={value!r}: {error}") from error
 
 
 def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
