@@ -75,3 +75,14 @@ def test_run_dir_finds_the_latest_complete_checkpoint_and_truncates_metrics(tmp_
     assert step_line(3, {"reward_mean": 0.25, "train_rollout_logprob_abs_diff": 0.0}) == (
         "step 3: reward 0.250, mismatch 0"
     )
+
+
+def test_config_reference_doc_is_generated_from_the_config() -> None:
+    from pathlib import Path
+
+    from miles_orchestrator.cli import config_reference
+
+    doc = Path(__file__).resolve().parents[3] / "docs" / "config-reference.md"
+    assert doc.read_text() == config_reference(), "regenerate: uv run miles-orchestrator config reference > " + str(
+        doc
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +46,16 @@ def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]
                 run.record(0, evaluate(cfg, cluster, rewards, eval_prompts, encode, run))
             for step in range(start + 1, cfg.run.num_steps + 1):
                 began = time.perf_counter()
-                batch, metrics = asyncio.run(rollout(cfg, cluster, rewards, source, filters, rollout_fn, encode, run))
+                try:
+                    batch, metrics = asyncio.run(
+                        rollout(cfg, cluster, rewards, source, filters, rollout_fn, encode, run)
+                    )
+                except DataExhausted as end:
+                    run.log(f"stopping before step {step}: {end}")
+                    with trainer_works(cfg, cluster):
+                        cluster.save(run.checkpoint_dir(step - 1), {"step": step - 1, "data": source.state_dict()})
+                        cluster.export(run.path / "final", model_dir)
+                    break
                 advantages = group_advantages(cfg, batch)
                 with trainer_works(cfg, cluster):
                     metrics |= train(cfg, cluster, batch, advantages, run)
@@ -64,10 +73,14 @@ def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]
     return run.metrics.history()
 
 
+class DataExhausted(Exception):
+    """The data source ran out of prompts: the run ends early, normally."""
+
+
 def check_plugins(cfg: RunConfig) -> None:
     """Import and check every plug-in the config names (reward, rollout function, filters, loss, advantage), so a
     wrong path or signature fails at start-up with the field named."""
-    checks = [
+    checks: list[tuple[str, str | None, Callable[[], object]]] = [
         ("reward.name", cfg.reward.name, lambda: resolve_reward(cfg.reward.name, is_group=cfg.reward.is_group)),
         ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
         ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
@@ -163,7 +176,10 @@ async def rollout(
             needed = r.num_prompts_per_step - len(kept)
             if needed <= 0:
                 break
-            groups = expand_groups(source.get_samples(needed), r.n_samples_per_prompt, encode)
+            prompts = source.get_samples(needed)
+            if not prompts:
+                break  # a file source at the end of its last epoch
+            groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
             label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
             with run.progress(label, len(groups)) as advance:
                 groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance)
@@ -171,7 +187,10 @@ async def rollout(
                 run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
                 num_failed_groups += 1
             groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
-            await rewards.score([s for g in groups for s in g])
+            stats = await rewards.score([s for g in groups for s in g])
+            if stats.num_failed:
+                run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
+                        + "; ".join(stats.errors))  # fmt: skip
             generated += [s for g in groups for s in g]
             result = apply_filters(groups, filters)
             kept += result.kept
@@ -181,8 +200,10 @@ async def rollout(
                 "dropped groups too (raise filter.max_oversample_rounds)")  # fmt: skip
         kept += dropped[: r.num_prompts_per_step - len(kept)]
     batch = [s for g in sorted(kept, key=lambda g: g[0].index) for s in g]
+    if not batch and not generated and num_failed_groups == 0:
+        raise DataExhausted("the data source has no prompts left (data.num_epochs passes done)")
     if not batch:
-        raise RuntimeError("no prompt group could be rolled out this step; see the log for the rollout errors")
+        raise RuntimeError("no prompt group could be rolled out this step; see run.log for the rollout errors")
     seconds = time.perf_counter() - began
     lengths = [len(s.response_tokens) for s in generated]
     return batch, {

@@ -1,0 +1,68 @@
+"""Docs tier: the Python examples of docs/plugins.md, run as written — loaded by path through the same checks
+as a run, and called (the rollout function against an in-process embedded engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from miles_contracts import RolloutFn, Sample, SampleFilter, SampleStatus, SamplingParams, load_plugin
+from miles_kernels import KernelConfig, build_tokenizer, save_random_model, tiny_config
+from miles_orchestrator.rewards import resolve_reward
+from miles_orchestrator.rollout import PromptEncoder, expand_groups, run_groups
+from miles_rollout import Engine, EngineConfig, InProcessClient
+
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "plugins.md"
+
+
+@pytest.fixture(scope="module")
+def my_plugins(tmp_path_factory):
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+    assert len(blocks) >= 3, "the guide lost its examples"
+    directory = tmp_path_factory.mktemp("plugins")
+    (directory / "my_plugins.py").write_text("\n\n".join(blocks))
+    import sys
+
+    sys.path.insert(0, str(directory))
+    try:
+        yield importlib.import_module("my_plugins")
+    finally:
+        sys.path.remove(str(directory))
+        sys.modules.pop("my_plugins", None)
+
+
+def sample(index: int, response: str, tokens: int, status=SampleStatus.COMPLETED) -> Sample:
+    return Sample(index=index, group_index=0, prompt="What is 2 + 3?", label="5", response=response,
+                  response_tokens=list(range(tokens)), status=status)  # fmt: skip
+
+
+def test_reward_and_filter_examples(my_plugins) -> None:
+    reward = resolve_reward("my_plugins:length_penalized")
+    assert reward(sample(0, "5", 2)) == pytest.approx(0.98)
+    group = resolve_reward("my_plugins:best_of_group", is_group=True)
+    assert group([sample(0, "5", 4), sample(1, "the answer is 5", 2), sample(2, "6", 1)]) == [0.0, 1.0, 0.0]
+    keep = load_plugin("my_plugins:not_all_truncated", SampleFilter)
+    assert keep([sample(0, "5", 1), sample(1, "", 9, SampleStatus.TRUNCATED)]) is True
+    assert keep([sample(0, "", 9, SampleStatus.TRUNCATED)]) is False
+
+
+def test_rollout_function_example(my_plugins, tmp_path) -> None:
+    tokenizer = build_tokenizer(vocab_size=300)
+    save_random_model(tmp_path, tiny_config("dense", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)
+    engine = Engine(EngineConfig(model_path=str(tmp_path), kernel=KernelConfig(page_size=16), num_kv_pages=128))
+    try:
+        rollout = load_plugin("my_plugins:stop_at_newline", RolloutFn)
+        prompts = [Sample(index=0, group_index=0, prompt="What is 2 + 3?", label="5")]
+        groups = expand_groups(prompts, 4, PromptEncoder(str(tmp_path)))
+        params = SamplingParams(max_new_tokens=12, temperature=1.0)
+        (done,) = asyncio.run(run_groups(InProcessClient(engine), groups, params, 0, rollout))
+    finally:
+        engine.shutdown()
+    assert [s.status for s in done if s.status == SampleStatus.FAILED] == []
+    for s in done:
+        assert len(s.rollout_logprobs or []) == len(s.response_tokens) > 0
+        assert "\n" not in s.response
