@@ -52,6 +52,7 @@ def policy_dir(cache: Path) -> Path:
     return policy
 
 
+@pytest.mark.timeout(1500)
 def test_default_example_learns_with_zero_mismatch_on_a_cold_cache(cold_run) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -68,6 +69,7 @@ def test_default_example_learns_with_zero_mismatch_on_a_cold_cache(cold_run) -> 
     AutoModelForCausalLM.from_pretrained(run_dir / "final")  # the exported policy loads in transformers
 
 
+@pytest.mark.timeout(1500)
 def test_resume_after_sigkill_repeats_the_uninterrupted_steps(cold_run, tmp_path) -> None:
     _, cache = cold_run
     common = [f"model.path={policy_dir(cache)}", "run.num_steps=4", "run.checkpoint_every=2", "run.eval_every=0"]
@@ -102,6 +104,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_steps(cold_run, tmp_path
         assert all(torch.equal(resumed[k], v) for k, v in tensors.items()), name
 
 
+@pytest.mark.timeout(1500)
 def test_a_reward_that_raises_or_hangs_is_contained(cold_run, tmp_path) -> None:
     _, cache = cold_run
     run_dir = tmp_path / "faulty"

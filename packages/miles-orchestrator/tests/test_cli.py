@@ -86,3 +86,14 @@ def test_config_reference_doc_is_generated_from_the_config() -> None:
     assert doc.read_text() == config_reference(), "regenerate: uv run miles-orchestrator config reference > " + str(
         doc
     )
+
+
+def test_metrics_go_to_tensorboard_when_enabled(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = RunDir(tmp_path / "run", tensorboard=True, quiet=True)
+    for step in (1, 2):
+        run.metrics.write(step, {"reward_mean": step / 4, "note": "text is skipped"})
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5)]
