@@ -8,6 +8,7 @@ parameters and the last step's metrics to OUT_DIR. Modes:
 - `resume`: load the checkpoint, step (the second step of `two-steps`).
 - `offload`: step, offload, onload, step (must equal `two-steps`); writes the bytes freed and RSS change.
 - `buckets`: peak RSS growth while iterating the weight buckets, and the decoded buckets vs the full weights.
+- `zero-advantages`: one step whose advantages are all zero (the update must be skipped).
 - `bf16-logprobs`: bf16 kernel: the sharded trainer's log-probs vs an unsharded bf16 model's (bitwise).
 """
 
@@ -114,6 +115,8 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         save_checkpoint(backend, checkpoint, extra={"data_position": 16})
     if mode in ("two-steps", "resume"):
         export_hf(backend, os.path.join(out_dir, "hf"))
+    if mode == "zero-advantages":  # every group's rewards equal: no signal, so no update
+        metrics = backend.train_step(mine, [0.0] * len(mine))
     if mode == "buckets":
         metrics = measure_buckets(backend)
     if mode == "bf16-logprobs":

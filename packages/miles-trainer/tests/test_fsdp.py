@@ -158,3 +158,15 @@ def test_bf16_sharded_logprobs_equal_the_engine_models(tmp_path) -> None:
     save_model(random_model(tiny_config("dense"), seed=5), model_dir)
     _, metrics = run_ranks(model_dir, tmp_path / "bf16", world=2, mode="bf16-logprobs")
     assert metrics["num_tokens"] > 10 and metrics["equal"] == 1.0
+
+
+def test_a_batch_without_signal_does_not_move_the_weights(tmp_path) -> None:
+    """All advantages zero (GRPO groups whose rewards are all equal): AdamW would still step on its momentum and
+    epsilon; the backend skips the update and says so."""
+    model_dir = tmp_path / "model"
+    save_model(random_model(tiny_config("dense"), seed=2), model_dir)
+    params, metrics = run_ranks(model_dir, tmp_path / "zero", world=2, mode="zero-advantages")
+    initial = load_model(model_dir, KernelConfig()).state_dict()
+    assert metrics["skipped_update"] == 1.0 and metrics["grad_norm"] == 0.0
+    for name, tensor in params.items():
+        assert torch.equal(tensor, initial[name]), name

@@ -9,19 +9,40 @@ directory renamed into place: an interrupted bootstrap is never reused.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from miles_kernels import ModelConfig, build_tokenizer, save_random_model, tiny_config
+from miles_kernels import KernelConfig, ModelConfig, build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator import task as task_module
 from miles_orchestrator.config import RunConfig
 from miles_trainer import SFTConfig, run_sft
 from miles_trainer import sft as sft_module
+
+# The bootstrap needs no batch invariance (RL starts from whatever weights it writes), so it runs the plain torch
+# ops; 16-token KV pages fit the task's ~15-token rows (64-token pages would mostly be padding).
+BOOTSTRAP_KERNEL = KernelConfig(mode="fast", page_size=16)
+
+
+@contextlib.contextmanager
+def _threads(num_threads: int) -> Iterator[None]:
+    """Run torch on `num_threads` intra-op threads. On a small, shared CPU two spinning OpenMP threads of tiny
+    ops slow the bootstrap SFT down by an order of magnitude as soon as another process competes for a core."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(num_threads, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def policy_config(vocab_size: int) -> ModelConfig:
@@ -44,7 +65,7 @@ def bootstrap_key(cfg: RunConfig) -> str:
         "task": cfg.data.task.model_dump(),
         "seed": cfg.data.seed,
         "chat": cfg.data.apply_chat_template,
-        "code": [inspect.getsource(m) for m in (task_module, sft_module)] + [inspect.getsource(policy_config)],
+        "code": [inspect.getsource(m) for m in (task_module, sft_module, sys.modules[__name__])],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -70,7 +91,8 @@ def bootstrap_policy(cfg: RunConfig, log: Any = print) -> str:
     if cfg.model.bootstrap_steps:
         sft = SFTConfig(epochs=1, lr=cfg.model.bootstrap_lr, batch_size=size, warmup_steps=10, seed=cfg.data.seed,
                         chat_template=cfg.data.apply_chat_template)  # fmt: skip
-        run_sft(staging / "base", data, staging / "policy", sft, log=log)
+        with _threads(1):
+            run_sft(staging / "base", data, staging / "policy", sft, kernel=BOOTSTRAP_KERNEL, log=log)
     else:
         shutil.copytree(staging / "base", staging / "policy")
     if final.exists():

@@ -49,7 +49,7 @@ class Cluster:
 
     def __init__(self, cfg: RunConfig, model_dir: str, run_dir: Path) -> None:
         num_ranks = cfg.trainer.num_ranks
-        num_cpus = os.cpu_count() or 1
+        num_cpus = cfg.run.num_threads or os.cpu_count() or 1
         start_ray(cfg.run.ray_address, run_dir, max(num_cpus, num_ranks + 1))
         self.admin_key = secrets.token_hex(16)
         self.group = placement_group([{"CPU": 1}] * (num_ranks + 1), strategy="PACK")

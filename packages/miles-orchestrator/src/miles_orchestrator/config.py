@@ -47,9 +47,9 @@ class ModelSection(_Section):
     """The policy: a Hugging Face checkpoint, or the built-in tiny Qwen3 bootstrapped by SFT on the built-in task."""
 
     path: str | None = Field(default=None, description="HF model directory; null: bootstrap the built-in policy.")
-    bootstrap_steps: int = Field(default=400, ge=0, description="SFT steps of the built-in policy (path=null).")
+    bootstrap_steps: int = Field(default=310, ge=0, description="SFT steps of the built-in policy (path=null).")
     bootstrap_lr: float = Field(default=3e-3, gt=0, description="SFT learning rate of the built-in policy.")
-    bootstrap_batch_size: int = Field(default=64, ge=1, description="SFT rows per step of the built-in policy.")
+    bootstrap_batch_size: int = Field(default=32, ge=1, description="SFT rows per step of the built-in policy.")
     bootstrap_vocab_size: int = Field(
         default=264, ge=259, description="Tokenizer size of the built-in policy (its corpus bounds it: ~265)."
     )
@@ -84,12 +84,12 @@ class DataSection(_Section):
     source: str = Field(default="builtin", description="'builtin' (the arithmetic task) or a .jsonl / .parquet file.")
     prompt_key: str = Field(default="prompt", description="Row key of the prompt (text or chat messages).")
     label_key: str = Field(default="label", description="Row key of the reference answer.")
-    apply_chat_template: bool = Field(default=True, description="Send the prompt as a user chat message.")
+    apply_chat_template: bool = Field(default=False, description="Send the prompt as a user chat message.")
     shuffle: bool = Field(default=True, description="Shuffle rows each epoch (file sources).")
     seed: int = Field(default=0, ge=0, description="Seed of the shuffle and of the built-in task's problems.")
     num_epochs: int = Field(default=1, ge=1, description="Passes over a file source; the built-in task never ends.")
     eval_path: str | None = Field(default=None, description="Held-out .jsonl / .parquet; null: the task's held-out.")
-    num_eval_prompts: int = Field(default=64, ge=0, description="Held-out prompts per evaluation (0: no evaluation).")
+    num_eval_prompts: int = Field(default=200, ge=0, description="Held-out prompts per evaluation (0: no evaluation).")
     task: TaskSection = Field(default_factory=TaskSection, description="The built-in task's difficulty.")
 
     @field_validator("source", "eval_path")
@@ -224,12 +224,15 @@ class RunSection(_Section):
 
     run_dir: str = Field(default="runs/miles", description="Outputs: metrics, checkpoints, plots, the config.")
     seed: int = Field(default=0, ge=0, description="Run seed; sample seeds derive from it and the sample index.")
-    num_steps: int = Field(default=20, ge=1, description="RL steps (rollouts) to run.")
-    eval_every: int = Field(default=5, ge=0, description="Evaluate every this many steps (0: never).")
+    num_steps: int = Field(default=40, ge=1, description="RL steps (rollouts) to run.")
+    eval_every: int = Field(default=10, ge=0, description="Evaluate every this many steps (0: never).")
     checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint every this many steps (0: only at end).")
     ray_address: str | None = Field(default=None, description="Ray cluster address; null: start Ray locally.")
     colocate: bool = Field(default=True, description="Engine and trainer share devices, offloading in turn.")
     sync_bucket_bytes: int = Field(default=512 << 20, ge=1, description="Largest weight-sync bucket, in bytes.")
+    num_threads: int | None = Field(
+        default=None, ge=1, description="torch threads per engine / trainer actor; null: the machine's CPU count."
+    )
     log: LogSection = Field(default_factory=LogSection, description="Metric sinks.")
 
 

@@ -194,7 +194,12 @@ class FSDP2Backend:
             measure_mismatch=measure_mismatch,
         )  # fmt: skip
         _add_batch_stats(stats, samples, advantages)
-        return self._finish_step(stats, start)
+        # A batch whose advantages are all zero (every group's rewards equal) has no policy-gradient signal; an
+        # AdamW step would still move the weights along stale momentum, so the update is skipped.
+        signal = torch.tensor([float(any(_nonzero(a) for a in advantages))])
+        dist.all_reduce(signal, op=dist.ReduceOp.MAX)
+        has_signal = bool(signal.item()) or self.loss_config.kl_coef > 0 or self.loss_config.entropy_coef > 0
+        return self._finish_step(stats, start, skip_update=not has_signal)
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One optimizer step of the SFT loss (token-mean NLL of the loss-masked tokens) on this rank's samples."""
@@ -212,11 +217,13 @@ class FSDP2Backend:
         )  # fmt: skip
         return self._finish_step(stats, start)
 
-    def _finish_step(self, stats: StepStats, start: float) -> dict[str, float]:
+    def _finish_step(self, stats: StepStats, start: float, skip_update: bool = False) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer_config.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        if not skip_update:
+            self.optimizer.step()
+            self.scheduler.step()
         self.step_count += 1
+        stats.add("skipped_update", float(skip_update) / dist.get_world_size())
         stats.all_reduce()
         metrics = stats.summary()
         metrics.update(_batch_summary(metrics))
@@ -275,6 +282,10 @@ class FSDP2Backend:
     def _check_onloaded(self) -> None:
         if self._offloader.is_offloaded:
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
+
+
+def _nonzero(advantage: float | Sequence[float]) -> bool:
+    return advantage != 0 if isinstance(advantage, (int, float)) else any(a != 0 for a in advantage)
 
 
 def _add_batch_stats(stats: StepStats, samples: Sequence[Sample], advantages: PerSample) -> None:
