@@ -102,14 +102,18 @@ def test_malformed_overrides() -> None:
 
 def test_batch_identity_says_what_to_change() -> None:
     with pytest.raises(ValueError) as info:
-        load_config(None, ["rollout.num_prompts_per_step=4", "rollout.n_samples_per_prompt=8"])
+        load_config(
+            None, ["rollout.num_prompts_per_step=4", "rollout.n_samples_per_prompt=8", "trainer.global_batch_size=64"]
+        )
     message = str(info.value)
     assert "(4) × rollout.n_samples_per_prompt (8) = 32" in message
     assert "(64) × trainer.steps_per_rollout (1) = 64" in message
     assert "set trainer.global_batch_size=32" in message
     assert "num_prompts_per_step=8, n_samples_per_prompt=8, global_batch_size=32, steps_per_rollout=2" in message
     # The example in the message is itself valid.
-    load_config(None, ["trainer.global_batch_size=32", "trainer.steps_per_rollout=2"])
+    load_config(
+        None, ["rollout.num_prompts_per_step=8", "trainer.global_batch_size=32", "trainer.steps_per_rollout=2"]
+    )
     with pytest.raises(ValueError, match=r"set trainer\.global_batch_size=63 and trainer\.steps_per_rollout=1"):
         load_config(
             None, ["rollout.num_prompts_per_step=9", "rollout.n_samples_per_prompt=7", "trainer.steps_per_rollout=2"]
@@ -124,6 +128,7 @@ def test_cross_section_checks() -> None:
                 "filter.dynamic_sampling=true",
                 "rollout.n_samples_per_prompt=1",
                 "rollout.num_prompts_per_step=64",
+                "trainer.global_batch_size=64",
             ],
         )
     with pytest.raises(ValueError, match=r"reward\.is_group=false"):
@@ -152,7 +157,7 @@ def test_every_field_is_documented_in_help() -> None:
     text = config_help(RunConfig)
     for dotted in leaf_fields(RunConfig):
         assert f"  {dotted} (" in text, dotted
-    assert "  trainer.lr (float, default 0.0001): AdamW learning rate." in text
+    assert "  trainer.lr (float, default 0.0002): AdamW learning rate." in text
     assert "  model.path (str | None, default null): " in text
     assert "  data.task.operations (" in text and "default [+]" in text
 

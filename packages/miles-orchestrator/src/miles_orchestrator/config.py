@@ -103,7 +103,7 @@ class DataSection(_Section):
 class RolloutSection(_Section):
     """How responses are generated (step 2)."""
 
-    num_prompts_per_step: int = Field(default=8, ge=1, description="Prompts per rollout.")
+    num_prompts_per_step: int = Field(default=32, ge=1, description="Prompts per rollout.")
     n_samples_per_prompt: int = Field(default=8, ge=1, description="Responses per prompt (the GRPO group size).")
     max_new_tokens: int = Field(default=16, ge=1, le=MAX_NEW_TOKENS_LIMIT, description="Longest response.")
     temperature: float = Field(default=1.0, ge=0, le=100, description="Sampling temperature (0: greedy).")
@@ -150,7 +150,7 @@ class RewardSection(_Section):
 class FilterSection(_Section):
     """Which prompt groups train (step 4)."""
 
-    dynamic_sampling: bool = Field(default=False, description="Drop groups whose rewards are all equal.")
+    dynamic_sampling: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
     max_oversample_rounds: int = Field(default=4, ge=0, description="Extra rollouts to refill dropped groups.")
     custom: str | None = Field(default=None, description="'module:function' SampleFilter applied to each group.")
 
@@ -163,12 +163,12 @@ class FilterSection(_Section):
 class TrainerSection(_Section):
     """The policy update (steps 5-6)."""
 
-    lr: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
+    lr: float = Field(default=2e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up optimizer steps.")
     lr_schedule: Literal["constant", "cosine"] = Field(default="constant", description="Schedule after warm-up.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    global_batch_size: int = Field(default=64, ge=1, description="Samples per optimizer step, all ranks together.")
+    global_batch_size: int = Field(default=256, ge=1, description="Samples per optimizer step, all ranks together.")
     steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
     max_tokens_per_micro_batch: int = Field(default=4096, ge=1, description="Token budget of a packed micro-batch.")
     num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
@@ -224,8 +224,8 @@ class RunSection(_Section):
 
     run_dir: str = Field(default="runs/miles", description="Outputs: metrics, checkpoints, plots, the config.")
     seed: int = Field(default=0, ge=0, description="Run seed; sample seeds derive from it and the sample index.")
-    num_steps: int = Field(default=40, ge=1, description="RL steps (rollouts) to run.")
-    eval_every: int = Field(default=10, ge=0, description="Evaluate every this many steps (0: never).")
+    num_steps: int = Field(default=80, ge=1, description="RL steps (rollouts) to run.")
+    eval_every: int = Field(default=20, ge=0, description="Evaluate every this many steps (0: never).")
     checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint every this many steps (0: only at end).")
     ray_address: str | None = Field(default=None, description="Ray cluster address; null: start Ray locally.")
     colocate: bool = Field(default=True, description="Engine and trainer share devices, offloading in turn.")
