@@ -72,6 +72,7 @@ def workload_overrides(args: argparse.Namespace) -> list[str]:
         "rollout.max_new_tokens=32",
         "rollout.temperature=1.0",
         "trainer.global_batch_size=64",
+        "filter.dynamic_sampling=false",  # TRL has no over-sampling: both sides train on every group
         *args.set,
     ]
 

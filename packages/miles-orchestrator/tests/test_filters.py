@@ -61,7 +61,7 @@ def test_dynamic_sampling_then_custom_filter(plugins_on_path: None) -> None:
 
 def test_no_filters_keeps_everything() -> None:
     groups = [group(0, [1.0, 1.0])]
-    assert build_filters(FilterSection()) == []
+    assert build_filters(FilterSection(dynamic_sampling=False)) == []
     assert apply_filters(groups, []).kept == groups
 
 

@@ -28,9 +28,13 @@ def export_names(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
 def _gathered(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     value = param.detach()
     full = value.full_tensor() if hasattr(value, "full_tensor") else value
-    # Always a copy: with one rank `full_tensor()` may alias the parameter, and the encoders must never touch (and
-    # pin, via numpy) the storage that offload later frees.
-    return full.to(device="cpu", dtype=dtype, copy=True)
+    out = full.to(device="cpu", dtype=dtype)
+    # Never hand out the parameter's own storage (one rank, same dtype): the encoders must not touch, and pin via
+    # numpy, the storage that offload later frees. A gathered or cast tensor is already a fresh one.
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        out = out.clone()
+    return out
 
 
 def export_tensors(model: CausalLM, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
