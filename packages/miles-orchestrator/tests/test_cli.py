@@ -97,3 +97,9 @@ def test_metrics_go_to_tensorboard_when_enabled(tmp_path) -> None:
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5)]
+
+
+def test_advantage_plugin_path_is_checked_at_start_up(tmp_path) -> None:
+    result = run_cli("run", f"run.run_dir={tmp_path / 'never'}", "trainer.advantage_estimator=no_such_mod:adv")
+    assert result.returncode == 2
+    assert "trainer.advantage_estimator='no_such_mod:adv'" in result.stderr, result.stderr

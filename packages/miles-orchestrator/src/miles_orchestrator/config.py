@@ -172,7 +172,9 @@ class TrainerSection(_Section):
     steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
     max_tokens_per_micro_batch: int = Field(default=4096, ge=1, description="Token budget of a packed micro-batch.")
     num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
-    advantage_estimator: str = Field(default="grpo", description=f"One of {list(ADVANTAGE_ESTIMATORS)}.")
+    advantage_estimator: str = Field(
+        default="grpo", description=f"One of {list(ADVANTAGE_ESTIMATORS)}, or a 'module:function' plug-in."
+    )
     clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below 1 (1 - clip_low).")
     clip_high: float = Field(default=0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
     dual_clip: float | None = Field(default=None, description="Dual-clip constant c > 1 for negative advantages.")
@@ -195,9 +197,12 @@ class TrainerSection(_Section):
     @field_validator("advantage_estimator")
     @classmethod
     def _estimator(cls, value: str) -> str:
-        if value in ADVANTAGE_ESTIMATORS:
+        if value in ADVANTAGE_ESTIMATORS or is_plugin_path(value):
             return value
-        raise ValueError(f"trainer.advantage_estimator={value!r}: use one of {list(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(
+            f"trainer.advantage_estimator={value!r}: use one of {list(ADVANTAGE_ESTIMATORS)} or a "
+            "'module:function' advantage plug-in"
+        )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSection:

@@ -26,7 +26,7 @@ from miles_orchestrator.rewards import RewardPool, resolve_reward
 from miles_orchestrator.rollout import PromptEncoder, expand_groups, resolve_rollout_fn, run_groups
 from miles_orchestrator.run_dir import RunDir
 from miles_rollout import Client
-from miles_trainer import compute_advantages, resolve_loss_fn
+from miles_trainer import compute_advantages, load_advantage_estimator, resolve_loss_fn
 
 
 def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]]:
@@ -85,12 +85,18 @@ def check_plugins(cfg: RunConfig) -> None:
         ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
         ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
         ("trainer.loss_fn", cfg.trainer.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss_fn)),
+        ("trainer.advantage_estimator", cfg.trainer.advantage_estimator, lambda: _check_estimator(cfg)),
     ]
     for field, value, check in checks:
         try:
             check()
         except (ValueError, TypeError) as error:
             raise ValueError(f"{field}={value!r}: {error}") from error
+
+
+def _check_estimator(cfg: RunConfig) -> None:
+    if ":" in cfg.trainer.advantage_estimator:
+        load_advantage_estimator(cfg.trainer.advantage_estimator)
 
 
 def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
