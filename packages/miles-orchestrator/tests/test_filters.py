@@ -52,6 +52,7 @@ def test_dynamic_sampling_then_custom_filter(plugins_on_path: None) -> None:
     result = apply_filters(groups, filters)
     assert [g[0].group_index for g in result.kept] == [0, 3]
     assert result.num_dropped == 2
+    assert [g[0].group_index for g in result.dropped] == [1, 2]
     assert result.dropped_by == {
         "miles_orchestrator.filters:nonzero_reward_std": 1,
         "orchestrator_plugins:short_prompt": 1,

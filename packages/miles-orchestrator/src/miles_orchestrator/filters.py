@@ -49,11 +49,15 @@ def group_samples(samples: Sequence[Sample]) -> list[list[Sample]]:
 
 @dataclass
 class FilterResult:
-    """Groups that passed every filter, and how many each filter dropped (by the filter's name)."""
+    """Groups that passed every filter, those that did not, and how many each filter dropped (by its name)."""
 
     kept: list[list[Sample]]
-    num_dropped: int = 0
+    dropped: list[list[Sample]] = field(default_factory=list)
     dropped_by: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_dropped(self) -> int:
+        return len(self.dropped)
 
     @property
     def kept_samples(self) -> list[Sample]:
@@ -84,7 +88,7 @@ def apply_filters(groups: Sequence[Sequence[Sample]], filters: Sequence[SampleFi
         if dropped_by is None:
             result.kept.append(list(group))
         else:
-            result.num_dropped += 1
+            result.dropped.append(list(group))
             result.dropped_by[dropped_by] = result.dropped_by.get(dropped_by, 0) + 1
     return result
 

@@ -200,7 +200,7 @@ async def rollout(
             generated += [s for g in groups for s in g]
             result = apply_filters(groups, filters)
             kept += result.kept
-            dropped += [g for g in groups if not any(g is k for k in result.kept)]
+            dropped += result.dropped
     if len(kept) < r.num_prompts_per_step:
         run.log(f"only {len(kept)} of {r.num_prompts_per_step} prompt groups passed the filters; training on "
                 "dropped groups too (raise filter.max_oversample_rounds)")  # fmt: skip
