@@ -9,9 +9,9 @@ DESIGN.md buckets over HTTP (colocated runs), never pickled by Miles.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -43,16 +43,7 @@ class RolloutEngineActor:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         threading.Thread(target=self.server.run, daemon=True, name="miles-rollout-http").start()
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the rollout server at {self.url} did not become healthy in 60 s")
-            time.sleep(0.1)
+        asyncio.run(_wait_until_healthy(self.url))
 
     def get_url(self) -> str:
         return self.url
@@ -60,6 +51,13 @@ class RolloutEngineActor:
     def shutdown(self) -> None:
         self.server.should_exit = True
         self.engine.shutdown()
+
+
+async def _wait_until_healthy(url: str) -> None:
+    from miles_rollout import Client
+
+    async with Client(url) as client:
+        await client.wait_until_healthy(timeout=60, interval=0.1)
 
 
 class TrainerRankActor:

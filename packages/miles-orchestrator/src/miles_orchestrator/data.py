@@ -233,7 +233,7 @@ def load_eval_samples(
 def build_data_source(cfg: DataSection) -> DataSource:
     """The training source that `data` names."""
     if cfg.source == "builtin":
-        return BuiltinTaskSource(cfg.task.to_task(), seed=cfg.seed, apply_chat_template=cfg.apply_chat_template)
+        return _builtin_source(cfg)
     return FileSource(
         cfg.source,
         prompt_key=cfg.prompt_key,
@@ -258,6 +258,9 @@ def build_eval_samples(cfg: DataSection) -> list[Sample]:
             num_prompts=cfg.num_eval_prompts,
         )
     if cfg.source == "builtin":
-        source = BuiltinTaskSource(cfg.task.to_task(), seed=cfg.seed, apply_chat_template=cfg.apply_chat_template)
-        return source.eval_samples(cfg.num_eval_prompts)
+        return _builtin_source(cfg).eval_samples(cfg.num_eval_prompts)
     return []
+
+
+def _builtin_source(cfg: DataSection) -> BuiltinTaskSource:
+    return BuiltinTaskSource(cfg.task.to_task(), seed=cfg.seed, apply_chat_template=cfg.apply_chat_template)

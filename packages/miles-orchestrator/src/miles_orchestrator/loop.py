@@ -23,7 +23,7 @@ from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples
 from miles_orchestrator.filters import apply_filters, build_filters
 from miles_orchestrator.rewards import RewardPool, resolve_reward
-from miles_orchestrator.rollout import PromptEncoder, expand_groups, resolve_rollout_fn, run_groups
+from miles_orchestrator.rollout import PromptEncoder, expand_groups, resolve_rollout_fn, run_groups, single_turn
 from miles_orchestrator.run_dir import RunDir
 from miles_rollout import Client
 from miles_trainer import compute_advantages, load_advantage_estimator, resolve_loss_fn
@@ -273,7 +273,7 @@ async def _evaluate_groups(
 ) -> list[list[Sample]]:  # fmt: skip
     async with Client(cluster.url, admin_key=cluster.admin_key, timeout=600) as client:
         with run.progress(f"eval ({label})", len(groups)) as advance:
-            done = await run_groups(client, groups, params, cfg.run.seed, resolve_rollout_fn(None), advance)
+            done = await run_groups(client, groups, params, cfg.run.seed, single_turn, advance)
     await rewards.score([s for g in done for s in g if s.status != SampleStatus.FAILED])
     return done
 

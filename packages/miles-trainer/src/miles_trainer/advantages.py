@@ -23,12 +23,11 @@ Shapes: N samples (rows), T response tokens (padded length); `rewards_N`, `group
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Protocol
 
 import torch
 
-from miles_contracts import load_plugin
+from miles_trainer.plugins import load_checked_plugin
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -355,11 +354,7 @@ def compute_advantages(
 
 def load_advantage_estimator(path: str) -> AdvantageEstimator:
     """Load a "module:function" `AdvantageEstimator` and check it takes (rewards_N, group_index_N, mask_NT)."""
-    estimator = load_plugin(path, AdvantageEstimator)  # type: ignore[type-abstract]
-    try:
-        inspect.signature(estimator).bind(*([None] * 3))
-    except TypeError as error:
-        raise TypeError(
-            f"advantage plug-in {path!r} must accept (rewards_N, group_index_N, response_mask_NT, **kwargs): {error}"
-        ) from error
+    estimator: AdvantageEstimator = load_checked_plugin(
+        path, AdvantageEstimator, "advantage", ("rewards_N", "group_index_N", "response_mask_NT")
+    )
     return estimator

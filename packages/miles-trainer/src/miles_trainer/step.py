@@ -12,7 +12,6 @@ Shapes: N packed rows, B samples of a micro-batch, T the longest response in it.
 
 from __future__ import annotations
 
-import inspect
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from miles_contracts import Sample, load_plugin
+from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import (
@@ -39,6 +38,7 @@ from miles_trainer.losses import (
     train_rollout_logprob_abs_diff,
 )
 from miles_trainer.packing import MicroBatch, pack_samples
+from miles_trainer.plugins import load_checked_plugin
 
 PerSample = Sequence[float | Sequence[float]]
 
@@ -104,14 +104,9 @@ def resolve_loss_fn(path: str | None) -> PolicyLossFn:
     """The default `policy_loss`, or the plug-in at `path` checked to take 4 positional tensors."""
     if path is None:
         return cast(PolicyLossFn, policy_loss)
-    fn = load_plugin(path, PolicyLossFn)  # type: ignore[type-abstract]
-    try:
-        inspect.signature(fn).bind(*([None] * 4))
-    except TypeError as error:
-        raise TypeError(
-            f"loss plug-in {path!r} must accept (logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, **kwargs): "
-            f"{error}"
-        ) from error
+    fn: PolicyLossFn = load_checked_plugin(
+        path, PolicyLossFn, "loss", ("logprobs_BT", "old_logprobs_BT", "advantages_BT", "mask_BT")
+    )
     return fn
 
 
