@@ -137,8 +137,10 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
 
 
 def measure_buckets(backend: FSDP2Backend) -> dict[str, float]:
-    bucket_bytes = 1 << 19
+    bucket_bytes = 1 << 20
     model_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    for _ in backend.iter_weight_buckets(version=2, bucket_bytes=bucket_bytes):
+        pass  # warm-up: first-call allocations (lazy imports, caches) are not the sync's working memory
     baseline = rss_bytes()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
     sizes = []

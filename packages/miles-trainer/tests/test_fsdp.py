@@ -33,14 +33,19 @@ def free_port() -> int:
 
 
 def run_ranks(
-    model_dir: Path, out_dir: Path, world: int, mode: str = "step", expect_killed: bool = False
+    model_dir: Path,
+    out_dir: Path,
+    world: int,
+    mode: str = "step",
+    expect_killed: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     out_dir.mkdir()
     port = str(free_port())
     processes = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}  # fmt: skip
+               "MASTER_PORT": port, "OMP_NUM_THREADS": "1", **(extra_env or {})}  # fmt: skip
         command = [sys.executable, str(WORKER), str(model_dir), str(out_dir), mode, str(out_dir.parent / "checkpoint")]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))  # fmt: skip
@@ -134,21 +139,25 @@ def test_offload_round_trip_is_bit_exact(tmp_path) -> None:
     assert metrics["loss"] == metrics_straight["loss"]
 
 
-def test_weight_buckets_peak_memory_is_about_one_bucket(tmp_path) -> None:
-    """Iterating the weight buckets of a model 29x the bucket size grows peak RSS by about one bucket,
-    not by the model (a full state dict would); the decoded buckets are exactly the full weights."""
+def test_weight_buckets_peak_memory_is_a_few_buckets_not_the_model(tmp_path) -> None:
+    """Iterating the weight buckets of a model 26x the bucket size grows peak RSS by a few buckets, not by the
+    model (a full state dict would); the decoded buckets are exactly the full weights."""
     model_dir = tmp_path / "model"
-    config = tiny_config("dense", vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
+    config = tiny_config("dense", vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
     save_model(random_model(config, seed=3), model_dir)
-    _, metrics = run_ranks(model_dir, tmp_path / "buckets", world=1, mode="buckets")
+    # A fixed mmap threshold: glibc otherwise raises it after the first large free, and later buffers come from a
+    # heap that keeps its pages, so the peak would depend on what the process happened to allocate before.
+    env = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+    _, metrics = run_ranks(model_dir, tmp_path / "buckets", world=1, mode="buckets", extra_env=env)
     print(json.dumps(metrics))
     assert metrics["equal"] == 1.0
-    assert metrics["model_bytes"] >= 10 * metrics["bucket_bytes"]
-    assert metrics["num_buckets"] >= 10
-    # A tensor larger than bucket_bytes (the 2 MiB embedding) is a bucket of its own, so the unit is the largest
-    # bucket: its gathered tensors and its encoded bytes are alive together (2 units), never the whole model.
-    assert metrics["peak_growth_bytes"] <= 3 * metrics["max_bucket_len"], metrics
-    assert metrics["peak_growth_bytes"] <= 0.3 * metrics["model_bytes"], metrics
+    assert metrics["model_bytes"] >= 20 * metrics["bucket_bytes"]
+    assert metrics["num_buckets"] >= 20
+    # Alive together at the peak, each at most the largest bucket: the bytes of the bucket the consumer still holds,
+    # the next bucket's gathered tensors, safetensors' serialised buffer and its copy into a Python `bytes`.
+    # Measured ~3.9 units (fixed threshold); 512 KiB for the interpreter's own small allocations.
+    assert metrics["peak_growth_bytes"] <= 4 * metrics["max_bucket_len"] + 512 * 1024, metrics
+    assert metrics["peak_growth_bytes"] <= 0.2 * metrics["model_bytes"], metrics
 
 
 def test_bf16_sharded_logprobs_equal_the_engine_models(tmp_path) -> None:

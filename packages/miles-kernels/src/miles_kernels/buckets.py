@@ -191,7 +191,7 @@ def iter_buckets(
 
     Arguments are checked now, not at the first `next()`. Consumed lazily, only one bucket's bytes (and the CPU
     copies of its tensors, for tensors that were not already contiguous on the CPU) are alive at a time, so a sync
-    needs about two buckets' worth of host memory however large the model is.
+    needs a few buckets' worth of host memory however large the model is.
     """
     named = dict(named_tensors)
     if len(named) != len(named_tensors):

@@ -236,7 +236,7 @@ class FSDP2Backend:
         return metrics
 
     def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
-        """The full weights as DESIGN.md buckets, about one bucket of extra host memory at a time (every rank
+        """The full weights as DESIGN.md buckets, a few buckets of extra host memory at a time (every rank
         iterates to the end)."""
         self._check_onloaded()
         return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
