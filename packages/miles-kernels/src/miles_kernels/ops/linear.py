@@ -5,6 +5,10 @@ of `x @ W.T` changes with the batch size. Fix by construction: rows are cut into
 (the last tile zero-padded) and `torch.bmm` runs the same (T, K) @ (K, N) GEMM on every tile, so a row's
 arithmetic is identical whatever M is or where the row sits. Operands always have the same memory layout
 (a strided view and a contiguous copy of the same values can take different BLAS paths).
+Only the forward pass must be batch-invariant (it is what the engine computes and what the trainer's log-probs
+compare against). The backward pass runs two plain GEMMs: autograd through the tiled `bmm` would materialise one
+weight gradient per tile (tiles x K x N floats) and sum them, several times slower than one `grad.T @ x`; plain
+GEMMs are still deterministic run to run for a given shape.
 Shapes: x_MK, weight_NK, out_MN.
 """
 
@@ -18,7 +22,34 @@ from miles_kernels.registry import get_backend, register_backend
 
 
 def tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:
-    """`x @ weight.T`, computed as fixed-shape (tile, K) @ (K, N) GEMMs (batch-invariant)."""
+    """`x @ weight.T`, computed as fixed-shape (tile, K) @ (K, N) GEMMs (batch-invariant); differentiable, with
+    plain-GEMM gradients."""
+    if torch.is_grad_enabled() and (x_MK.requires_grad or weight_NK.requires_grad):
+        out: torch.Tensor = _TiledMatmul.apply(x_MK, weight_NK, tile)
+        return out
+    return _tiled_matmul(x_MK, weight_NK, tile)
+
+
+class _TiledMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:  # type: ignore[override]
+        return _tiled_matmul(x_MK, weight_NK, tile)
+
+    @staticmethod
+    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+        x_MK, weight_NK, _ = inputs
+        ctx.save_for_backward(x_MK, weight_NK)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_MN: torch.Tensor) -> tuple:  # type: ignore[override]
+        x_MK, weight_NK = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad_MN = grad_MN.contiguous()
+        grad_x = grad_MN @ weight_NK if ctx.needs_input_grad[0] else None
+        grad_weight = grad_MN.t() @ x_MK.reshape(-1, x_MK.shape[-1]) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight, None
+
+
+def _tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:
     x_MK = x_MK.contiguous()  # one memory layout for every call: BLAS picks paths by strides too
     num_rows, k = x_MK.shape
     n = weight_NK.shape[0]
