@@ -67,6 +67,7 @@ class TrainerRankActor:
         _set_threads(num_threads)
         self.rank, self.world_size = rank, world_size
         self.backend: Any = None
+        self._http: httpx.Client | None = None  # kept across syncs: a new client costs ~30 ms of TLS setup
 
     def address(self) -> tuple[str, int]:
         from miles_rollout import free_port
@@ -106,15 +107,16 @@ class TrainerRankActor:
         """Every rank gathers the buckets; rank 0 posts them to the engine (the last one applies the version)."""
         headers = {"Authorization": f"Bearer {admin_key}"}
         result: dict[str, Any] = {"num_buckets": 0, "num_bytes": 0}
-        with httpx.Client(timeout=600) as client:
-            for data in self.backend.iter_weight_buckets(version, bucket_bytes):
-                if self.rank == 0:
-                    response = client.post(f"{url}/update_weights_from_tensor", content=data, headers=headers)
-                    if response.status_code != 200:
-                        raise RuntimeError(f"weight sync rejected by the engine: {response.text}")
-                    result.update(response.json())
-                result["num_buckets"] += 1
-                result["num_bytes"] += len(data)
+        if self._http is None:
+            self._http = httpx.Client(timeout=600)
+        for data in self.backend.iter_weight_buckets(version, bucket_bytes):
+            if self.rank == 0:
+                response = self._http.post(f"{url}/update_weights_from_tensor", content=data, headers=headers)
+                if response.status_code != 200:
+                    raise RuntimeError(f"weight sync rejected by the engine: {response.text}")
+                result.update(response.json())
+            result["num_buckets"] += 1
+            result["num_bytes"] += len(data)
         return result
 
     def weights_checksum(self) -> str:

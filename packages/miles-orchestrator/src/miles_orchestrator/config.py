@@ -113,7 +113,12 @@ class RolloutSection(_Section):
     eval_k: int = Field(default=1, ge=1, le=64, description="Also report pass@k over k samples (1: pass@1 only).")
     deterministic: bool = Field(default=True, description="Batch-invariant kernels: bitwise true on-policy.")
     max_running_requests: int = Field(default=64, ge=1, description="Most requests an engine runs at once.")
-    num_kv_pages: int = Field(default=1024, ge=2, description="KV-cache pages of the embedded engine.")
+    num_kv_pages: int = Field(
+        default=256,
+        ge=2,
+        description="KV-cache pages of the embedded engine (page_size tokens each); enough for max_running_requests "
+        "sequences of prompt + max_new_tokens. Colocated runs re-allocate them every step: don't oversize.",
+    )
     rollout_fn: str | None = Field(default=None, description="'module:function' RolloutFn; null: one-turn rollout.")
 
     @field_validator("rollout_fn")
