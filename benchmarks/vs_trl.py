@@ -7,9 +7,12 @@ heads, head dim 32, tied embeddings, the built-in task's tokenizer, SFT-bootstra
 arithmetic task's train prompts in the same order (no chat template); 8 prompts x 8 samples per step, at most 32
 new tokens at temperature 1 (top-p 1, no top-k); the GRPO loss (`--loss`), no KL, AdamW at the same constant
 learning rate, gradient clipping at 1.0, one optimizer step per rollout on all 64 samples.
-- Miles: `miles-orchestrator run` in a subprocess (local Ray, embedded deterministic engine, FSDP2 trainer,
-  colocated). Its actors size their torch threads from `os.cpu_count()`, so the launcher makes that return
-  `--threads`. Step time = the loop's own `step_time_s` (rollout + reward + train + weight sync).
+- Miles: `miles-orchestrator run` in a subprocess (local Ray, embedded deterministic engine, FSDP2 trainer), in
+  two placements (`--miles-placement`): `colocated` (the default config: the engine releases its memory and the
+  trainer offloads to a file while the other works) and `separate` (`run.colocate=false`: both stay resident;
+  they still take turns on the same cores, the loop being synchronous). Its actors size their torch threads from
+  `os.cpu_count()`, so the launcher makes that return `--threads`. Step time = the loop's own `step_time_s`
+  (rollout + reward + train + weight sync).
 - TRL: `GRPOTrainer` in this process (`use_cpu`, no bf16, no gradient checkpointing, HF `generate`). Step time =
   wall time from `on_step_begin` to `on_step_end` (generation + reward + loss + backward + optimizer step).
 Per seed, the step time is the median over steps 1..N-1 on both sides: Miles' step N also evaluates, saves a
@@ -19,6 +22,7 @@ Pass rate: greedy pass@1 on the same held-out prompts, scored by `miles_orchestr
 one HF `generate` evaluation for the initial policy, Miles' final policy (RUN_DIR/final) and TRL's trained model;
 Miles' own engine evaluation (`eval_pass@1` at step N) is reported next to it. Seeds run interleaved (Miles,
 TRL, Miles, ...) so a change in machine load hits both sides.
+The summary's ratio and goal use the faster Miles placement; both are in the JSON.
 
     uv run python benchmarks/vs_trl.py --out benchmarks/results/vs_trl.json
     uv run python benchmarks/vs_trl.py --steps 2 --seeds 0 --num-eval-prompts 20   # smoke run
@@ -91,9 +95,12 @@ def timed_median(step_seconds: list[float]) -> float:
     return statistics.median(step_seconds[:-1] if len(step_seconds) > 1 else step_seconds)
 
 
-def run_miles(cfg: RunConfig, args: argparse.Namespace, policy: str, seed: int, run_dir: Path) -> dict[str, Any]:
+def run_miles(
+    cfg: RunConfig, args: argparse.Namespace, policy: str, seed: int, run_dir: Path, placement: str
+) -> dict[str, Any]:
     estimator, agg_mode = LOSSES[args.loss]["miles"]
     overrides = [
+        f"run.colocate={str(placement == 'colocated').lower()}",
         *workload_overrides(args),
         f"run.run_dir={run_dir}", f"model.path={policy}", f"trainer.lr={cfg.trainer.lr}",
         f"trainer.advantage_estimator={estimator}", f"trainer.agg_mode={agg_mode}", "trainer.kl_coef=0.0",
@@ -245,6 +252,8 @@ def main() -> None:
     parser.add_argument("--num-eval-prompts", type=int, default=200, help="held-out prompts for pass@1")
     parser.add_argument("--set", action="append", default=[], metavar="model.X=V|data.X=V",
                         help="config override of the task / bootstrapped policy, applied to both sides")  # fmt: skip
+    parser.add_argument("--miles-placement", nargs="+", choices=["colocated", "separate"],
+                        default=["colocated", "separate"], help="Miles placements, each run every seed")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="keep run dirs and logs here (default: a temp dir)")
     args = parser.parse_args()
     if any(not item.startswith(("model.", "data.")) or item.startswith("model.path") for item in args.set):
@@ -269,22 +278,28 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         for seed in args.seeds:
             load = os.getloadavg()[0]
-            miles = run_miles(cfg, args, policy, seed, work / f"miles_seed{seed}")
-            final = AutoModelForCausalLM.from_pretrained(miles["final_dir"], dtype=torch.float32)
-            miles["pass_at_1_hf"] = hf_pass_at_1(final, tokenizer, eval_samples, max_new)
-            print(f"seed {seed} miles: {fmt(miles)}, own eval {miles['own_eval_pass_at_1']:.3f}", flush=True)
+            run: dict[str, Any] = {"seed": seed, "load_average_1min_before": load}
+            for placement in args.miles_placement:
+                miles = run_miles(cfg, args, policy, seed, work / f"miles_{placement}_seed{seed}", placement)
+                final = AutoModelForCausalLM.from_pretrained(miles["final_dir"], dtype=torch.float32)
+                miles["pass_at_1_hf"] = hf_pass_at_1(final, tokenizer, eval_samples, max_new)
+                print(f"seed {seed} miles ({placement}): {fmt(miles)}, own eval {miles['own_eval_pass_at_1']:.3f}",
+                      flush=True)  # fmt: skip
+                run[f"miles_{placement}"] = miles
             trl_result, trained = run_trl(cfg, args, policy, seed, work / f"trl_seed{seed}")
             trl_result["pass_at_1_hf"] = hf_pass_at_1(trained, tokenizer, eval_samples, max_new)
             print(f"seed {seed} trl:   {fmt(trl_result)}", flush=True)
-            ratio = trl_result["median_step_time_s"] / miles["median_step_time_s"]
-            results["runs"].append({
-                "seed": seed, "miles": miles, "trl": trl_result, "trl_over_miles_step_time": ratio,
-                "load_average_1min_before": load, "load_average_1min_after": os.getloadavg()[0],
-            })  # fmt: skip
-    results["summary"] = summarize(results["runs"])
+            run |= {"trl": trl_result, "load_average_1min_after": os.getloadavg()[0]}
+            for placement in args.miles_placement:
+                run[f"trl_over_miles_{placement}_step_time"] = (
+                    trl_result["median_step_time_s"] / run[f"miles_{placement}"]["median_step_time_s"]
+                )
+            results["runs"].append(run)
+    results["summary"] = summarize(results["runs"], args.miles_placement)
     s = results["summary"]
-    print(f"median step: miles {s['miles_median_step_time_s']:.2f} s, trl {s['trl_median_step_time_s']:.2f} s, "
-          f"trl/miles {s['trl_over_miles_step_time']:.2f}x | pass@1 (HF eval, mean over seeds): miles "
+    print(f"median step: miles {s['miles_median_step_time_s']:.2f} s ({s['miles_placement']}), trl "
+          f"{s['trl_median_step_time_s']:.2f} s, trl/miles {s['trl_over_miles_step_time']:.2f}x | pass@1 (HF eval, "
+          "mean over seeds): miles "
           f"{s['miles_pass_at_1_hf_mean']:.3f} (own eval {s['miles_own_eval_pass_at_1_mean']:.3f}), trl "
           f"{s['trl_pass_at_1_hf_mean']:.3f}, initial {initial:.3f} | goal met: {s['goal_met']}")  # fmt: skip
     out = Path(args.out)
@@ -330,19 +345,38 @@ def describe(
     }
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    miles_step = statistics.median(r["miles"]["median_step_time_s"] for r in runs)
+def summarize(runs: list[dict[str, Any]], placements: list[str]) -> dict[str, Any]:
+    """Per placement, and for the faster one (which the ratio and the goal use)."""
     trl_step = statistics.median(r["trl"]["median_step_time_s"] for r in runs)
+    by_placement = {}
+    for placement in placements:
+        key = f"miles_{placement}"
+        by_placement[placement] = {
+            "median_step_time_s": statistics.median(r[key]["median_step_time_s"] for r in runs),
+            "median_phase_time_s": {
+                phase: statistics.median(r[key]["median_phase_time_s"][phase] for r in runs)
+                for phase in ("rollout_time_s", "train_time_s", "sync_time_s")
+            },
+            "pass_at_1_hf_per_seed": [r[key]["pass_at_1_hf"] for r in runs],
+            "pass_at_1_hf_mean": statistics.mean(r[key]["pass_at_1_hf"] for r in runs),
+            "own_eval_pass_at_1_mean": statistics.mean(r[key]["own_eval_pass_at_1"] for r in runs),
+        }
+        by_placement[placement]["trl_over_miles_step_time"] = trl_step / by_placement[placement]["median_step_time_s"]
+    best = min(placements, key=lambda p: by_placement[p]["median_step_time_s"])
     summary = {
-        "miles_median_step_time_s": miles_step,
+        "miles_placement": best,
+        "miles_median_step_time_s": by_placement[best]["median_step_time_s"],
         "trl_median_step_time_s": trl_step,
-        "trl_over_miles_step_time": trl_step / miles_step,
-        "trl_over_miles_step_time_per_seed": [r["trl_over_miles_step_time"] for r in runs],
-        "miles_pass_at_1_hf_mean": statistics.mean(r["miles"]["pass_at_1_hf"] for r in runs),
+        "trl_median_phase_time_s": {
+            phase: statistics.median(r["trl"]["median_phase_time_s"][phase] for r in runs)
+            for phase in ("rollout_time_s", "train_time_s")
+        },
+        "trl_over_miles_step_time": by_placement[best]["trl_over_miles_step_time"],
+        "miles_pass_at_1_hf_mean": by_placement[best]["pass_at_1_hf_mean"],
+        "miles_own_eval_pass_at_1_mean": by_placement[best]["own_eval_pass_at_1_mean"],
         "trl_pass_at_1_hf_mean": statistics.mean(r["trl"]["pass_at_1_hf"] for r in runs),
-        "miles_own_eval_pass_at_1_mean": statistics.mean(r["miles"]["own_eval_pass_at_1"] for r in runs),
-        "miles_pass_at_1_hf_per_seed": [r["miles"]["pass_at_1_hf"] for r in runs],
         "trl_pass_at_1_hf_per_seed": [r["trl"]["pass_at_1_hf"] for r in runs],
+        "miles_by_placement": by_placement,
     }
     summary["goal_speed_2x"] = summary["trl_over_miles_step_time"] >= 2.0
     summary["goal_pass_rate_not_worse"] = summary["miles_pass_at_1_hf_mean"] >= summary["trl_pass_at_1_hf_mean"]

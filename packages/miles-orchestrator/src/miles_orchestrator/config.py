@@ -47,7 +47,7 @@ class ModelSection(_Section):
     """The policy: a Hugging Face checkpoint, or the built-in tiny Qwen3 bootstrapped by SFT on the built-in task."""
 
     path: str | None = Field(default=None, description="HF model directory; null: bootstrap the built-in policy.")
-    bootstrap_steps: int = Field(default=310, ge=0, description="SFT steps of the built-in policy (path=null).")
+    bootstrap_steps: int = Field(default=325, ge=0, description="SFT steps of the built-in policy (path=null).")
     bootstrap_lr: float = Field(default=3e-3, gt=0, description="SFT learning rate of the built-in policy.")
     bootstrap_batch_size: int = Field(default=32, ge=1, description="SFT rows per step of the built-in policy.")
     bootstrap_vocab_size: int = Field(
@@ -234,7 +234,7 @@ class RunSection(_Section):
 
     run_dir: str = Field(default="runs/miles", description="Outputs: metrics, checkpoints, plots, the config.")
     seed: int = Field(default=0, ge=0, description="Run seed; sample seeds derive from it and the sample index.")
-    num_steps: int = Field(default=80, ge=1, description="RL steps (rollouts) to run.")
+    num_steps: int = Field(default=120, ge=1, description="RL steps (rollouts) to run.")
     eval_every: int = Field(default=20, ge=0, description="Evaluate every this many steps (0: never).")
     checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint every this many steps (0: only at end).")
     ray_address: str | None = Field(default=None, description="Ray cluster address; null: start Ray locally.")
