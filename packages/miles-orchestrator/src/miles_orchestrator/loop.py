@@ -248,11 +248,17 @@ def train(
         for k in range(cfg.trainer.steps_per_rollout):
             part = slice(k * size, (k + 1) * size)
             old = None if old_logprobs is None else old_logprobs[part]
-            step_metrics = cluster.train(batch[part], advantages[part], old, measure=k == 0)
+            step_metrics = batch_keys(cluster.train(batch[part], advantages[part], old, measure=k == 0))
             # the mismatch is defined under the rollout weights: keep the first step's measurement
             metrics |= {key: v for key, v in step_metrics.items() if k == 0 or "logprob_abs_diff" not in key}
             advance()
     return metrics | {"train_time_s": time.perf_counter() - began}
+
+
+def batch_keys(train_metrics: dict[str, float]) -> dict[str, float]:
+    """The trainer's reward statistics are over the batch it trained on (after filtering): `batch_reward_*`, so
+    they never overwrite the rollout's `reward_mean` (every generated sample)."""
+    return {f"batch_{key}" if key.startswith("reward_") else key: v for key, v in train_metrics.items()}
 
 
 def sync_weights(cfg: RunConfig, cluster: Cluster, version: int, run: RunDir) -> dict[str, float]:

@@ -27,17 +27,18 @@ def summary_table(history: list[dict[str, Any]]) -> Table:
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
-    """Training reward / pass rate and held-out pass@k against the step, as a PNG."""
+    """Training reward (every rollout, and the batch kept by the filters) and held-out pass@k against the step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4))
-    for key, style in (("reward_mean", "-"), ("pass_rate", "--")):
+    curves = (("reward_mean", "-", "reward (all rollouts)"), ("batch_reward_mean", "--", "reward (trained batch)"))
+    for key, style, label in curves:
         points = [(row["step"], row[key]) for row in history if key in row]
         if points:
-            axis.plot(*zip(*points, strict=True), style, label=f"train {key}")
+            axis.plot(*zip(*points, strict=True), style, label=label)
     for key in sorted({k for row in history for k in row if k.startswith("eval_pass@")}):
         points = [(row["step"], row[key]) for row in history if key in row]
         axis.plot(*zip(*points, strict=True), "o-", label=f"held-out {key.removeprefix('eval_')}")
