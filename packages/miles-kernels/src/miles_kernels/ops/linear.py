@@ -14,6 +14,8 @@ Shapes: x_MK, weight_NK, out_MN.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -36,13 +38,13 @@ class _TiledMatmul(torch.autograd.Function):
         return _tiled_matmul(x_MK, weight_NK, tile)
 
     @staticmethod
-    def setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         x_MK, weight_NK, _ = inputs
         ctx.save_for_backward(x_MK, weight_NK)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_MN: torch.Tensor) -> tuple:  # type: ignore[override]
-        x_MK, weight_NK = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: Any, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x_MK, weight_NK = ctx.saved_tensors
         grad_MN = grad_MN.contiguous()
         grad_x = grad_MN @ weight_NK if ctx.needs_input_grad[0] else None
         grad_weight = grad_MN.t() @ x_MK.reshape(-1, x_MK.shape[-1]) if ctx.needs_input_grad[1] else None
