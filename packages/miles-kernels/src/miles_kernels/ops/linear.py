@@ -47,7 +47,7 @@ class _TiledMatmul(torch.autograd.Function):
         x_MK, weight_NK = ctx.saved_tensors
         grad_MN = grad_MN.contiguous()
         grad_x = grad_MN @ weight_NK if ctx.needs_input_grad[0] else None
-        grad_weight = grad_MN.t() @ x_MK.reshape(-1, x_MK.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_weight = grad_MN.t() @ x_MK if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, None
 
 
