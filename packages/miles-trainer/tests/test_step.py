@@ -1,5 +1,6 @@
 """CPU numerics: gradients of a policy-gradient pass do not depend on the micro-batch split (global
-normalization), for every aggregation mode; the loss equals the full-batch formula."""
+normalization; a group's shared prompt packed once or once per micro-batch), for every aggregation mode; the loss
+equals the full-batch formula."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_ti
 def make_samples(seed: int) -> tuple[list[Sample], list[float]]:
     generator = torch.Generator().manual_seed(seed)
     samples = []
-    for i, (num_prompt, num_response) in enumerate([(5, 7), (12, 3), (3, 9), (8, 8), (20, 2)]):
+    # Groups 0 and 1 have two samples each, with one prompt (5 tokens: a partial page; 8: one whole page).
+    for i, (num_prompt, num_response) in enumerate([(5, 7), (5, 3), (8, 9), (8, 8), (20, 2)]):
         tokens = torch.randint(0, 256, (num_prompt + num_response,), generator=generator).tolist()
+        if i % 2:
+            tokens[:num_prompt] = samples[-1].prompt_tokens
         mask = [1] * num_response
         if i == 3:
             mask[2:5] = [0, 0, 0]  # a tool-output span that must not train
@@ -44,7 +48,8 @@ def test_gradient_is_invariant_to_micro_batch_split(agg_mode: str) -> None:
     samples, advantages = make_samples(1)
     config = PolicyLossConfig(agg_mode=agg_mode, clip_low=0.2, clip_high=0.28)
     whole, whole_loss = gradients(model, samples, advantages, config, budget=10_000)
-    split, split_loss = gradients(model, samples, advantages, config, budget=20)  # one sample per micro-batch
+    # [0, 1], [2], [3], [4]: group 1 is cut, its prompt packed twice
+    split, split_loss = gradients(model, samples, advantages, config, budget=20)
     assert abs(whole_loss - split_loss) < 1e-6
     assert whole.keys() == split.keys() and len(whole) > 0
     for name in whole:
@@ -122,7 +127,8 @@ def test_mismatch_is_zero_on_own_logprobs_and_measured_otherwise() -> None:
 
 
 def test_kl_and_entropy_terms_follow_their_formulas() -> None:
-    from miles_trainer import entropy_from_logits, kl_estimate, pack_samples
+    from miles_kernels import packed_logits
+    from miles_trainer import entropy_from_logits, kl_estimate
 
     model = random_model(tiny_config("dense"), KERNEL, seed=6).train()
     samples, advantages = make_samples(6)
@@ -136,9 +142,9 @@ def test_kl_and_entropy_terms_follow_their_formulas() -> None:
     assert stats["kl_loss"] == pytest.approx(0.3 * float(kl_estimate(logp, ref_t, "k3").mean()), rel=1e-5)
     with torch.no_grad():  # entropy of the full next-token distribution at each response position
         entropies = []
-        for micro in pack_samples(samples, KERNEL, 10_000):
-            logits = model.logits(model.forward_hidden(micro.input_ids_N, micro.batch))
-            entropies.append(entropy_from_logits(logits[micro.is_response_N]))
+        for sample in samples:
+            (logits,) = packed_logits(model, [torch.tensor(sample.prompt_tokens + sample.response_tokens)])
+            entropies.append(entropy_from_logits(logits[len(sample.prompt_tokens) - 1 : sample.num_tokens - 1]))
         entropy = float(torch.cat(entropies).mean())
     assert stats["entropy"] == pytest.approx(entropy, rel=1e-5)
     assert stats["entropy_loss"] == pytest.approx(-0.01 * entropy, rel=1e-5)

@@ -33,10 +33,10 @@ class KernelConfig(BaseModel):
         default=16, ge=1, le=1024, description="Rows per fixed-shape matmul tile in deterministic linear layers."
     )
     attention_query_tile: int = Field(
-        default=8, ge=1, le=1024, description="Query rows per fixed-shape attention tile (per KV head group)."
+        default=4, ge=1, le=1024, description="Query rows per fixed-shape attention tile (per KV head group)."
     )
     page_size: int = Field(
-        default=64, ge=1, le=4096, description="Tokens per KV-cache page; also the attention key block size."
+        default=16, ge=1, le=4096, description="Tokens per KV-cache page; also the attention key block size."
     )
     moe_tile: int = Field(default=16, ge=1, le=1024, description="Rows per fixed-shape matmul tile in MoE experts.")
     attention_backend: str = Field(

@@ -115,8 +115,12 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(x_NH).view(num_tokens, heads, dim)), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x_NH).view(num_tokens, kv_heads, dim)), cos, sin)
         v = self.v_proj(x_NH).view(num_tokens, kv_heads, dim)
+        pages, offsets = batch.write_pages_N, batch.write_offsets_N
+        if batch.copy_tokens_C.numel():  # shared prompts: partial prompt pages are copied (see AttentionBatch)
+            k, v = torch.cat((k, k[batch.copy_tokens_C])), torch.cat((v, v[batch.copy_tokens_C]))
+            pages, offsets = torch.cat((pages, batch.copy_pages_C)), torch.cat((offsets, batch.copy_offsets_C))
         heads_index = torch.arange(kv_heads, device=x_NH.device)
-        where = (batch.write_pages_N[:, None], heads_index[None, :], batch.write_offsets_N[:, None])
+        where = (pages[:, None], heads_index[None, :], offsets[:, None])
         if is_persistent:  # the engine's cache: write in place
             k_pages.index_put_(where, k.to(k_pages.dtype))
             v_pages.index_put_(where, v.to(v_pages.dtype))

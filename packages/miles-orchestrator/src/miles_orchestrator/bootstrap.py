@@ -24,6 +24,7 @@ from miles_kernels import KernelConfig, ModelConfig, build_tokenizer, save_rando
 from miles_orchestrator import task as task_module
 from miles_orchestrator.config import RunConfig
 from miles_trainer import SFTConfig, run_sft
+from miles_trainer import packing as packing_module
 from miles_trainer import sft as sft_module
 
 # The bootstrap needs no batch invariance (RL starts from whatever weights it writes), so it runs the plain torch
@@ -65,7 +66,7 @@ def bootstrap_key(cfg: RunConfig) -> str:
         "task": cfg.data.task.model_dump(),
         "seed": cfg.data.seed,
         "chat": cfg.data.apply_chat_template,
-        "code": [inspect.getsource(m) for m in (task_module, sft_module, sys.modules[__name__])],
+        "code": [inspect.getsource(m) for m in (task_module, sft_module, packing_module, sys.modules[__name__])],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

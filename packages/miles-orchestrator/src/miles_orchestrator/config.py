@@ -114,7 +114,7 @@ class RolloutSection(_Section):
     deterministic: bool = Field(default=True, description="Batch-invariant kernels: bitwise true on-policy.")
     max_running_requests: int = Field(default=64, ge=1, description="Most requests an engine runs at once.")
     num_kv_pages: int = Field(
-        default=256,
+        default=1024,
         ge=2,
         description="KV-cache pages of the embedded engine (page_size tokens each); enough for max_running_requests "
         "sequences of prompt + max_new_tokens. Colocated runs re-allocate them every step: don't oversize.",

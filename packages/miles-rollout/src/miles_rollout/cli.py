@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     serve.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     serve.add_argument("--kv-pages", type=int, default=1024, help="KV-cache pages (memory bound of the cache)")
-    serve.add_argument("--page-size", type=int, default=64, help="tokens per KV page (a power of two)")
+    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
     serve.add_argument("--max-running-requests", type=int, default=256, help="most sequences decoding at once")
     serve.add_argument("--max-prefill-tokens", type=int, default=2048, help="token budget of one engine step")
     serve.add_argument("--context-length", type=int, default=None, help="max prompt + output tokens (model's)")

@@ -316,12 +316,13 @@ class Scheduler:
         if seq.group.top_logprobs_num > 0 and seq.group.return_logprob:
             seq.output_top_logprobs.append(top)
         self.num_generated_tokens += 1
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+        stops = params.stop_strings()
+        if stops:  # the text so far is needed to match stop strings; otherwise it is decoded once, at the end
+            self._decode(seq)
         is_eos = token in self.eos_ids and not params.ignore_eos
         if is_eos or (params.stop_token_ids and token in params.stop_token_ids):
             self._finish(seq, finish_reason("stop", matched=token))
-        elif (matched := _first_stop(seq.text, params.stop_strings())) is not None:
+        elif stops and (matched := _first_stop(seq.text, stops)) is not None:
             if not params.no_stop_trim:
                 seq.text = seq.text[: seq.text.index(matched)]
             self._finish(seq, finish_reason("stop", matched=matched))
@@ -330,7 +331,14 @@ class Scheduler:
         elif len(seq.tokens) >= self.context_length:
             self._finish(seq, finish_reason("length", length=len(seq.output_ids), message="context length reached"))
 
+    def _decode(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            skip_special = seq.group.params.skip_special_tokens
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=skip_special)
+
     def _finish(self, seq: Sequence, reason: Any) -> None:
+        if not seq.group.params.stop_strings():
+            self._decode(seq)
         seq.finish = reason
         if seq in self._running:
             self._running.remove(seq)

@@ -38,7 +38,7 @@ from miles_trainer.losses import (
     train_rollout_logprob_abs_diff,
 )
 from miles_trainer.offload import FileStore, HostStore, Offloader
-from miles_trainer.packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches
+from miles_trainer.packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches, plan_samples
 from miles_trainer.sft import SFTConfig, SFTDataError, load_sft_samples, run_sft
 from miles_trainer.step import (
     PolicyLossConfig,
@@ -94,6 +94,7 @@ __all__ = [
     "micro_batch_logprobs",
     "pack_samples",
     "plan_micro_batches",
+    "plan_samples",
     "policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",

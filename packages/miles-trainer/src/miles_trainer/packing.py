@@ -1,17 +1,23 @@
 """Sequence packing: rollout `Sample`s → micro-batches of packed variable-length sequences (no padding).
 
-Each sample contributes prompt + response tokens as one sequence of a packed batch (the trainer path of
-`miles_kernels.build_packed_batch`). Micro-batches are filled in sample order up to a token budget, so the same
-samples always pack the same way (a sample longer than the budget gets a micro-batch of its own).
+Each sample contributes its prompt + response tokens to a packed batch (the trainer path of
+`miles_kernels.build_packed_batch`). Consecutive samples with the same prompt tokens (a GRPO group) share it:
+the prompt is packed once and each response continues it (`build_packed_batch(parents=...)`, the layout the
+engine's prefill + fork uses), so a group of n samples costs one prompt, not n. A sample's last token predicts
+nothing and is left out. Neither changes a scored row's bits (a row depends only on its position and keys), so
+log-probs equal the rollout's either way; `share_prompts=False` packs every sample whole.
+Micro-batches are filled in sample order up to a token budget, so the same samples always pack the same way (a
+sample longer than the budget gets a micro-batch of its own; a group cut by the budget repeats its prompt).
 
-Row alignment: row i of a sequence predicts token i + 1, so a response token at position p is scored by row
-p - 1. `MicroBatch` keeps, per packed row, the target token, whether that target is a trained response token
-(the sample's loss mask: only the model's own tokens), and which sample it belongs to.
-Shapes: N packed tokens of the micro-batch.
+Scoring: response token j of a sample is predicted by the row before it — the prompt's last row for j = 0. The
+micro-batch keeps, per response token (sample by sample, in order), that row, the token, and whether it trains
+(the sample's loss mask: only the model's own tokens).
+Shapes: N packed rows, K response tokens of the micro-batch.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,72 +29,119 @@ from miles_kernels import AttentionBatch, KernelConfig, build_packed_batch
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Packed tokens of some samples and the row → target bookkeeping the losses need."""
+    """Packed tokens of some samples and, per response token, the row that scores it."""
 
     sample_indices: list[int]  # positions in the caller's sample list
     input_ids_N: torch.Tensor
     batch: AttentionBatch
-    target_ids_N: torch.Tensor  # token each row predicts (0 where a row predicts nothing)
-    is_response_N: torch.Tensor  # bool: the row predicts a response token
-    loss_mask_N: torch.Tensor  # bool: ... and that token trains (the sample's loss mask)
-    row_sample_N: torch.Tensor  # which of `sample_indices` each row belongs to
+    score_rows_K: torch.Tensor  # packed row whose logits predict each response token
+    target_ids_K: torch.Tensor  # the response token
+    loss_mask_K: torch.Tensor  # bool: the token trains (the sample's loss mask)
+    response_lens: list[int]  # K split per sample (in `sample_indices` order)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids_N.shape[0])
 
+    def per_sample(self, values_K: torch.Tensor) -> list[torch.Tensor]:
+        """Per-token values (K,) split into one tensor per sample."""
+        return list(torch.split(values_K, self.response_lens))
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Greedy, order-preserving groups of sample positions whose total length fits `max_tokens`."""
+
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens: int, shared: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Greedy, order-preserving groups of positions whose packed size fits `max_tokens`.
+
+    `shared[i]`: tokens item i shares with item i - 1 (its prompt, when the two have the same one); they cost
+    nothing unless i starts a micro-batch.
+    """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: a micro-batch needs a positive token budget")
     groups: list[list[int]] = []
     used = 0
     for i, length in enumerate(lengths):
-        if not groups or used + length > max_tokens:
+        cost = length - (shared[i] if shared is not None and groups and groups[-1] else 0)
+        if not groups or used + cost > max_tokens:
             groups.append([])
-            used = 0
+            used, cost = 0, length
         groups[-1].append(i)
-        used += length
+        used += cost
     return groups
 
 
-def build_micro_batch(samples: Sequence[Sample], indices: list[int], kernel: KernelConfig) -> MicroBatch:
+def _check(sample: Sample) -> None:
+    if not sample.prompt_tokens or not sample.response_tokens:
+        raise ValueError(f"sample {sample.index} needs prompt_tokens and response_tokens to train")
+
+
+def plan_samples(samples: Sequence[Sample], max_tokens: int, share_prompts: bool = True) -> list[list[int]]:
+    """The micro-batches `pack_samples` builds, as lists of sample positions."""
+    for sample in samples:
+        _check(sample)
+    lengths = [s.num_tokens - 1 for s in samples]  # the last token predicts nothing
+    shared = [
+        len(s.prompt_tokens) if share_prompts and i and s.prompt_tokens == samples[i - 1].prompt_tokens else 0
+        for i, s in enumerate(samples)
+    ]
+    return plan_micro_batches(lengths, max_tokens, shared)
+
+
+def build_micro_batch(
+    samples: Sequence[Sample], indices: list[int], kernel: KernelConfig, share_prompts: bool = True
+) -> MicroBatch:
     """Pack `samples[i] for i in indices` into one micro-batch."""
     ids: list[int] = []
+    seq_lens: list[int] = []
+    parents: list[int | None] = []
+    rows: list[int] = []
     targets: list[int] = []
-    is_response: list[bool] = []
     trains: list[bool] = []
-    row_sample: list[int] = []
-    lengths = []
-    for local, i in enumerate(indices):
-        sample = samples[i]
-        if not sample.prompt_tokens or not sample.response_tokens:
-            raise ValueError(f"sample {sample.index} needs prompt_tokens and response_tokens to train")
-        tokens = sample.prompt_tokens + sample.response_tokens
-        num_prompt = len(sample.prompt_tokens)
-        mask = sample.effective_loss_mask()
-        ids += tokens
-        lengths.append(len(tokens))
-        for row in range(len(tokens)):
-            target = row + 1
-            is_resp = num_prompt <= target < len(tokens)
-            targets.append(tokens[target] if target < len(tokens) else 0)
-            is_response.append(is_resp)
-            trains.append(is_resp and mask[target - num_prompt] == 1)
-            row_sample.append(local)
+
+    def add_sequence(tokens: list[int], parent: int | None = None) -> int:
+        start = len(ids)
+        if tokens:  # a response of one token adds no rows: the prompt's last row scores it
+            ids.extend(tokens)
+            seq_lens.append(len(tokens))
+            parents.append(parent)
+        return start
+
+    def same_prompt(i: int) -> object:
+        return tuple(samples[i].prompt_tokens) if share_prompts else i
+
+    for _, run in itertools.groupby(indices, key=same_prompt):
+        group = list(run)
+        for i in group:
+            _check(samples[i])
+        prompt = samples[group[0]].prompt_tokens
+        if len(group) == 1:  # one sequence: prompt + response (its last token predicts nothing)
+            sample = samples[group[0]]
+            start = add_sequence(prompt + sample.response_tokens[:-1])
+            rows += range(start + len(prompt) - 1, start + sample.num_tokens - 1)
+        else:  # the prompt once, then each response continues it
+            prompt_last_row = add_sequence(prompt) + len(prompt) - 1
+            prompt_seq = len(seq_lens) - 1
+            for i in group:
+                response = samples[i].response_tokens
+                start = add_sequence(response[:-1], prompt_seq)
+                rows += [prompt_last_row, *range(start, start + len(response) - 1)]
+        for i in group:
+            targets += samples[i].response_tokens
+            trains += [m == 1 for m in samples[i].effective_loss_mask()]
     return MicroBatch(
         sample_indices=list(indices),
         input_ids_N=torch.tensor(ids, dtype=torch.int64),
-        batch=build_packed_batch(lengths, kernel.page_size, kernel.attention_query_tile),
-        target_ids_N=torch.tensor(targets, dtype=torch.int64),
-        is_response_N=torch.tensor(is_response),
-        loss_mask_N=torch.tensor(trains),
-        row_sample_N=torch.tensor(row_sample, dtype=torch.int64),
+        batch=build_packed_batch(seq_lens, kernel.page_size, kernel.attention_query_tile, parents=parents),
+        score_rows_K=torch.tensor(rows, dtype=torch.int64),
+        target_ids_K=torch.tensor(targets, dtype=torch.int64),
+        loss_mask_K=torch.tensor(trains, dtype=torch.bool),
+        response_lens=[len(samples[i].response_tokens) for i in indices],
     )
 
 
-def pack_samples(samples: Sequence[Sample], kernel: KernelConfig, max_tokens: int) -> list[MicroBatch]:
+def pack_samples(
+    samples: Sequence[Sample], kernel: KernelConfig, max_tokens: int, share_prompts: bool = True
+) -> list[MicroBatch]:
     """All samples, packed into micro-batches of at most `max_tokens` tokens (one oversized sample alone)."""
-    plan = plan_micro_batches([s.num_tokens for s in samples], max_tokens)
-    return [build_micro_batch(samples, group, kernel) for group in plan]
+    plan = plan_samples(samples, max_tokens, share_prompts)
+    return [build_micro_batch(samples, group, kernel, share_prompts) for group in plan]

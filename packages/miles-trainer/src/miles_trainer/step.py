@@ -7,7 +7,7 @@ accumulated gradient does not depend on how the batch is split into micro-batche
 across data-parallel ranks). Under true on-policy the samples' rollout log-probs are the old log-probs (no
 recompute pass); otherwise the caller passes recomputed `old_logprobs` and, if configured, TIS / MIS weights
 correct the difference. The FSDP2 backend wraps this with sharding, the optimizer and checkpoints.
-Shapes: N packed rows, B samples of a micro-batch, T the longest response in it.
+Shapes: K response tokens, B samples of a micro-batch, T the longest response in it.
 """
 
 from __future__ import annotations
@@ -153,13 +153,11 @@ class StepStats:
         return out
 
 
-def rows_to_padded(values_N: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Response rows of each sample as (B, T) right-padded values and the matching mask (loss mask applied)."""
-    per_sample = [values_N[micro.is_response_N & (micro.row_sample_N == i)] for i in range(len(micro.sample_indices))]
-    trains = [micro.loss_mask_N[micro.is_response_N & (micro.row_sample_N == i)] for i in range(len(per_sample))]
-    padded = torch.nn.utils.rnn.pad_sequence(per_sample, batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence(trains, batch_first=True, padding_value=False)
-    return padded, mask
+def rows_to_padded(values_K: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-response-token values (K,) as (B, T) right-padded rows and the matching mask (loss mask applied)."""
+    padded = torch.nn.utils.rnn.pad_sequence(micro.per_sample(values_K), batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence(micro.per_sample(micro.loss_mask_K), batch_first=True, padding_value=False)
+    return padded, mask.to(padded.device)
 
 
 def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
@@ -247,9 +245,9 @@ def accumulate_policy_gradients(
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_N, entropy_N = micro_batch_forward(model, micro, config.temperature, with_entropy=True)
-        assert entropy_N is not None
-        logprobs_BT, mask_BT = rows_to_padded(logprobs_N, micro)
+        logprobs_K, entropy_K = micro_batch_forward(model, micro, config.temperature, with_entropy=True)
+        assert entropy_K is not None
+        logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         device = logprobs_BT.device
         rows = micro.sample_indices
         rollout_BT = _padded([samples[i].rollout_logprobs or [] for i in rows], device)
@@ -265,7 +263,7 @@ def accumulate_policy_gradients(
             clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
             ratio_type=config.ratio_type, agg_mode=config.agg_mode, is_weights_BT=is_weights_BT, **counts,
         )  # fmt: skip
-        entropy_BT, _ = rows_to_padded(entropy_N, micro)
+        entropy_BT, _ = rows_to_padded(entropy_K, micro)
         parts = {"pg_loss": pg_loss}
         if config.entropy_coef > 0:
             parts["entropy_loss"] = entropy_bonus_loss(
@@ -330,8 +328,8 @@ def accumulate_sft_gradients(
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_N, _ = micro_batch_forward(model, micro)
-        logprobs_BT, mask_BT = rows_to_padded(logprobs_N, micro)
+        logprobs_K, _ = micro_batch_forward(model, micro)
+        logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
         (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
         if weight:

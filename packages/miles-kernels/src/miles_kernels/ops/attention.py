@@ -24,7 +24,8 @@ gives GEMM-ready operands. Page 0 of every store is a zero "null" page that bloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from miles_kernels.config import KernelConfig
 from miles_kernels.registry import get_backend, register_backend
 
 NULL_PAGE = 0
+_NO_COPIES = torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class AttentionBatch:
     tile_positions_NT_Tq: torch.Tensor
     tile_seq_NT: torch.Tensor
     tile_row_of_token_N: torch.Tensor  # where each token sits in the flattened tiles
+    # Extra K/V writes (trainer batches with shared prompts): token copy_tokens_C[c]'s K/V also goes to page
+    # copy_pages_C[c] at copy_offsets_C[c] (a prompt's partial page, copied for each sequence that continues it).
+    copy_tokens_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
+    copy_pages_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
+    copy_offsets_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
     _plans: dict[int, list[BlockPlan]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -162,16 +169,51 @@ def build_attention_batch(
 
 
 def build_packed_batch(
-    seq_lens: list[int], page_size: int, query_tile: int, device: torch.device | str = "cpu"
+    seq_lens: list[int],
+    page_size: int,
+    query_tile: int,
+    device: torch.device | str = "cpu",
+    parents: Sequence[int | None] | None = None,
 ) -> AttentionBatch:
-    """Packed sequences with no cached prefix (the trainer): pages 1, 2, ... are laid out in order."""
-    tables = []
+    """Packed sequences with no cached prefix (the trainer): pages 1, 2, ... are laid out in order.
+
+    `parents[s]` (optional): an earlier sequence whose tokens come before sequence s's — a prompt packed once
+    for all the responses that continue it. Sequence s then attends to the parent's keys and its positions
+    continue the parent's, laid out as the engine forks a prefilled prompt: the parent's full pages are shared
+    and its partial page is copied into a page of s's own (copy writes). A row's arithmetic depends only on
+    its position and keys, so each response's rows equal, bit for bit, those of the prompt + response packed
+    as one sequence. A parent cannot itself have a parent.
+    """
+    parents = list(parents) if parents is not None else [None] * len(seq_lens)
+    if len(parents) != len(seq_lens):
+        raise ValueError(f"got {len(parents)} parents for {len(seq_lens)} sequences; give one (or None) each")
+    starts = [sum(seq_lens[:s]) for s in range(len(seq_lens))]
+    tables: list[list[int]] = []
+    prefix_lens: list[int] = []
+    copies: list[tuple[int, int, int]] = []  # (token, page, offset)
     next_page = NULL_PAGE + 1
-    for length in seq_lens:
-        num_pages = -(-length // page_size)
-        tables.append(list(range(next_page, next_page + num_pages)))
-        next_page += num_pages
-    return build_attention_batch(seq_lens, [0] * len(seq_lens), tables, page_size, query_tile, device)
+    for s, (length, parent) in enumerate(zip(seq_lens, parents, strict=True)):
+        table: list[int] = []
+        prefix = 0
+        if parent is not None:
+            if not 0 <= parent < s or parents[parent] is not None:
+                raise ValueError(f"sequence {s}: parent {parent} must be an earlier sequence without a parent")
+            prefix = seq_lens[parent]
+            num_full = prefix // page_size
+            table = tables[parent][:num_full]
+            if prefix > num_full * page_size:
+                table = [*table, next_page]
+                copies += [(starts[parent] + p, next_page, p % page_size) for p in range(num_full * page_size, prefix)]
+                next_page += 1
+        num_new_pages = -(-(prefix + length) // page_size) - len(table)
+        tables.append(table + list(range(next_page, next_page + num_new_pages)))
+        next_page += num_new_pages
+        prefix_lens.append(prefix)
+    batch = build_attention_batch(seq_lens, prefix_lens, tables, page_size, query_tile, device)
+    if not copies:
+        return batch
+    tokens, pages, offsets = (torch.tensor(column, dtype=torch.int64, device=device) for column in zip(*copies))
+    return replace(batch, copy_tokens_C=tokens, copy_pages_C=pages, copy_offsets_C=offsets)
 
 
 def num_pages_needed(batch: AttentionBatch) -> int:
