@@ -1,6 +1,7 @@
 """CPU numerics: the trainer's log-probs of sampled tokens equal, bit for bit, the log-probs recorded when the
 miles-kernels paged-KV decode path sampled them (varied batch compositions, chunked prompts, T = 1 and greedy,
-groups packed with one shared prompt), for dense and MoE; and packing is order-preserving with masks that train only the model's own tokens."""
+groups packed with one shared prompt), for dense and MoE; and packing is order-preserving with masks that train
+only the model's own tokens."""
 
 from __future__ import annotations
 

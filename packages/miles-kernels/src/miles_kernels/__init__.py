@@ -49,7 +49,7 @@ from miles_kernels.ops.sampling import (
     token_logprobs,
     uniform,
 )
-from miles_kernels.paged_runner import PagedRunner, packed_logits
+from miles_kernels.paged_runner import PagedRunner, greedy_generate, packed_logits
 from miles_kernels.random_model import BENCHMARK_MODEL, random_model, save_random_model, tiny_config
 from miles_kernels.registry import Backend, available_backends, get_backend, register_backend, registered_ops
 from miles_kernels.tokenizer import DEFAULT_CORPUS, build_tokenizer
@@ -93,6 +93,7 @@ __all__ = [
     "experts_forward",
     "full_logprobs",
     "get_backend",
+    "greedy_generate",
     "init_weight_update_group",
     "inv_frequencies",
     "iter_buckets",

@@ -71,3 +71,25 @@ def packed_logits(model: CausalLM, seqs: list[torch.Tensor]) -> list[torch.Tenso
     with torch.no_grad():
         logits = model.logits(model.forward_hidden(torch.cat(seqs), batch))
     return list(torch.split(logits, lens))
+
+
+def greedy_generate(
+    model: CausalLM, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int] | list[int]
+) -> list[list[int]]:
+    """Greedy continuations of `prompts` (all decoded together, each up to and including its first EOS token, or
+    `max_new_tokens` tokens): a quick probe of a model, without an engine."""
+    page_size = model.kernel.page_size
+    longest = max((len(p) for p in prompts), default=0) + max_new_tokens
+    runner = PagedRunner(model, num_pages=len(prompts) * -(-longest // page_size) + 1)
+    device = runner.store.k[0].device
+    outputs: list[list[int]] = [[] for _ in prompts]
+    chunks = {i: torch.tensor(p, device=device) for i, p in enumerate(prompts)}
+    while chunks:
+        logits = runner.step(chunks)
+        chunks = {}
+        for i, rows in logits.items():
+            token = int(rows[-1].argmax())
+            outputs[i].append(token)
+            if token not in eos_ids and len(outputs[i]) < max_new_tokens:
+                chunks[i] = torch.tensor([token], device=device)
+    return outputs

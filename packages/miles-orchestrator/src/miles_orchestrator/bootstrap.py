@@ -20,16 +20,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from miles_kernels import KernelConfig, ModelConfig, build_tokenizer, save_random_model, tiny_config
+from miles_kernels import KernelConfig, ModelConfig, build_tokenizer, greedy_generate, save_random_model, tiny_config
 from miles_orchestrator import task as task_module
 from miles_orchestrator.config import RunConfig
-from miles_trainer import SFTConfig, run_sft
+from miles_trainer import SFTConfig, load_sft_samples, run_sft
 from miles_trainer import packing as packing_module
 from miles_trainer import sft as sft_module
 
 # The bootstrap needs no batch invariance (RL starts from whatever weights it writes), so it runs the plain torch
 # ops; 16-token KV pages fit the task's ~15-token rows (64-token pages would mostly be padding).
 BOOTSTRAP_KERNEL = KernelConfig(mode="fast", page_size=16)
+PROBE_SIZE, PROBE_FROM, PROBE_EVERY = 128, 100, 25  # early-stop probe: prompts, first check, check interval
 
 
 @contextlib.contextmanager
@@ -52,6 +53,37 @@ def policy_config(vocab_size: int) -> ModelConfig:
         "dense", vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
     )  # fmt: skip
+
+
+class ProbeStop:
+    """The bootstrap's early stop: every `PROBE_EVERY` steps, greedy pass@1 (exact answer + EOS) on probe prompts
+    from the train split; stop once it reaches the target. Landing on a pass rate, not a step count, keeps the
+    starting policy comparable wherever the SFT's floating-point trajectory differs (another CPU, BLAS or torch)."""
+
+    def __init__(self, base: Path, probe: Path, cfg: RunConfig, log: Any) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(base))
+        self.samples = load_sft_samples(probe, tokenizer, cfg.data.apply_chat_template)
+        self.eos_ids = {int(tokenizer.eos_token_id)}
+        self.target = cfg.model.bootstrap_target_pass_rate or 1.0
+        self.log = log
+
+    def pass_rate(self, model: Any) -> float:
+        import torch
+
+        longest = max(len(s.response_tokens) for s in self.samples)
+        with torch.no_grad():
+            outputs = greedy_generate(model, [s.prompt_tokens for s in self.samples], longest, self.eos_ids)
+        hits = sum(out == s.response_tokens for out, s in zip(outputs, self.samples, strict=True))
+        return hits / len(self.samples)
+
+    def __call__(self, step: int, model: Any) -> bool:
+        if step < PROBE_FROM or step % PROBE_EVERY:
+            return False
+        rate = self.pass_rate(model)
+        self.log(f"bootstrap step {step}: probe pass@1 {rate:.1%} (target {self.target:.0%})")
+        return rate >= self.target
 
 
 def cache_dir() -> Path:
@@ -77,7 +109,12 @@ def bootstrap_policy(cfg: RunConfig, log: Any = print) -> str:
     if (final / "policy" / "config.json").is_file():
         log(f"using the cached bootstrapped policy {final / 'policy'}")
         return str(final / "policy")
-    log(f"bootstrapping the built-in policy by SFT ({cfg.model.bootstrap_steps} steps); cached in {final}")
+    target = cfg.model.bootstrap_target_pass_rate
+    until = f", until probe pass@1 >= {target:.0%}" if target is not None else ""
+    log(
+        f"bootstrapping the built-in policy by SFT (at most {cfg.model.bootstrap_steps} steps{until}); cached in "
+        f"{final}"
+    )
     staging = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -92,8 +129,15 @@ def bootstrap_policy(cfg: RunConfig, log: Any = print) -> str:
     if cfg.model.bootstrap_steps:
         sft = SFTConfig(epochs=1, lr=cfg.model.bootstrap_lr, batch_size=size, warmup_steps=10, seed=cfg.data.seed,
                         chat_template=cfg.data.apply_chat_template)  # fmt: skip
+        stop_after = None
+        if cfg.model.bootstrap_target_pass_rate is not None:
+            probe = staging / "probe.jsonl"
+            probe_rows = task.sft_rows(PROBE_SIZE, seed=cfg.data.seed + 2)
+            probe.write_text("".join(json.dumps(row) + "\n" for row in probe_rows))
+            stop_after = ProbeStop(staging / "base", probe, cfg, log)
         with _threads(1):
-            run_sft(staging / "base", data, staging / "policy", sft, kernel=BOOTSTRAP_KERNEL, log=log)
+            run_sft(staging / "base", data, staging / "policy", sft, kernel=BOOTSTRAP_KERNEL, log=log,
+                    stop_after=stop_after)  # fmt: skip
     else:
         shutil.copytree(staging / "base", staging / "policy")
     if final.exists():

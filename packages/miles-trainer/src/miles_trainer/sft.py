@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample
+from miles_kernels import CausalLM
 
 ROLES = ("system", "user", "assistant", "tool")
 Tokens = tuple[list[int], list[int], list[int]]  # prompt tokens, response tokens, response loss mask
@@ -166,9 +168,13 @@ def run_sft(
     config: SFTConfig | None = None,
     kernel: Any = None,
     log: Any = print,
+    stop_after: Callable[[int, CausalLM], bool] | None = None,
 ) -> list[dict[str, float]]:
     """Fine-tune the Hugging Face model at `model_dir` on the JSONL `data` and write a Hugging Face directory
-    (weights, config, tokenizer) to `out`. Returns one metrics dict per epoch (mean loss, tokens/s)."""
+    (weights, config, tokenizer) to `out`. Returns one metrics dict per epoch (mean loss, tokens/s).
+
+    `stop_after(step, model)`, if given, is called after every optimizer step (1-based) on every rank with the
+    training model; when it returns True, training stops there and that model is exported (early stopping)."""
     import time
 
     import torch.distributed as dist
@@ -209,7 +215,8 @@ def run_sft(
             metrics = backend.sft_step([samples[i] for i in batch[rank::world]])
             losses.append(metrics["loss"])
             tokens += metrics["num_tokens"]
-            if step % per_epoch == 0 or step == len(batches):
+            stop = stop_after is not None and stop_after(step, backend.model)
+            if step % per_epoch == 0 or step == len(batches) or stop:
                 elapsed = time.perf_counter() - start
                 summary = {"epoch": float(len(history) + 1), "loss": sum(losses) / len(losses), "steps": float(step),
                            "tokens_per_s": tokens / elapsed}  # fmt: skip
@@ -217,6 +224,8 @@ def run_sft(
                 if rank == 0:
                     log(f"epoch {len(history)}: loss {summary['loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s")
                 losses, tokens, start = [], 0.0, time.perf_counter()
+            if stop:
+                break
         export_hf(backend, out, tokenizer=tokenizer)
         return history
     finally:

@@ -212,7 +212,8 @@ def build_packed_batch(
     batch = build_attention_batch(seq_lens, prefix_lens, tables, page_size, query_tile, device)
     if not copies:
         return batch
-    tokens, pages, offsets = (torch.tensor(column, dtype=torch.int64, device=device) for column in zip(*copies))
+    columns = zip(*copies, strict=True)
+    tokens, pages, offsets = (torch.tensor(column, dtype=torch.int64, device=device) for column in columns)
     return replace(batch, copy_tokens_C=tokens, copy_pages_C=pages, copy_offsets_C=offsets)
 
 
