@@ -85,6 +85,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_steps(cold_run, tmp_path
         "run.num_steps=4",
         "run.checkpoint_every=2",
         "run.eval_every=0",
+        "run.sync_transport=http",  # the default run syncs through shared memory; this one covers the buckets
     ]
     straight = tmp_path / "straight"
     result = cli(*common, f"run.run_dir={straight}", cache=cache)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from miles_orchestrator.loop import batch_keys
 
 
@@ -12,3 +14,21 @@ def test_trainer_reward_stats_do_not_overwrite_the_rollouts() -> None:
         "reward_mean": 0.25, "pass_rate": 0.25, "batch_reward_mean": 0.5, "batch_reward_max": 1.0,
         "advantage_mean": 0.0, "loss": 0.1,
     }  # fmt: skip
+
+
+def test_weight_sync_goes_through_shared_memory_only_when_it_can(tmp_path, monkeypatch) -> None:
+    from miles_orchestrator import cluster
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(cluster, "SHARED_MEMORY", shm)
+    run_dir = tmp_path / "run"
+    chosen = cluster.shared_sync_dir("auto", run_dir, same_node=True, weight_bytes=10 << 20)
+    assert chosen is not None and chosen.parent == shm and chosen.is_dir()
+    assert cluster.shared_sync_dir("auto", run_dir, True, 10 << 20) == chosen  # a resumed run: the same directory
+    assert cluster.shared_sync_dir("http", run_dir, True, 10 << 20) is None
+    assert cluster.shared_sync_dir("auto", run_dir, same_node=False, weight_bytes=10 << 20) is None
+    assert cluster.shared_sync_dir("auto", run_dir, True, weight_bytes=2 << 30) is None  # too big for RAM twice
+    assert cluster.shared_sync_dir("shm", run_dir, True, weight_bytes=2 << 30) == chosen  # asked for: used
+    with pytest.raises(ValueError, match="sync_transport=shm needs the engine on trainer rank 0's node"):
+        cluster.shared_sync_dir("shm", run_dir, same_node=False, weight_bytes=1)

@@ -3,15 +3,18 @@
 Each actor holds one process's share of the job; the driver (`loop.py`) talks to the engine over HTTP with
 `miles_rollout.Client`, exactly as it would talk to a standalone `miles-rollout serve` or an SGLang server, and to
 the trainer ranks through Ray calls that every rank receives together (their work is collective). Samples cross
-to the trainer as JSON dicts (`Sample.model_dump(mode="json")`); weights go from trainer rank 0 to the engine as
-DESIGN.md buckets over HTTP (colocated runs), never pickled by Miles.
+to the trainer as JSON dicts (`Sample.model_dump(mode="json")`); weights go from trainer rank 0 to the engine as a
+safetensors checkpoint in a shared-memory directory when both are on one node (`run.sync_transport`), else as
+DESIGN.md buckets over HTTP, never pickled by Miles.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +22,12 @@ import torch
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig
+
+
+def _node_id() -> str:
+    import ray  # inside a Ray worker: ray is imported already
+
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def _set_threads(num_threads: int) -> None:
@@ -48,6 +57,9 @@ class RolloutEngineActor:
     def get_url(self) -> str:
         return self.url
 
+    def node_id(self) -> str:
+        return _node_id()
+
     def shutdown(self) -> None:
         self.server.should_exit = True
         self.engine.shutdown()
@@ -69,6 +81,9 @@ class TrainerRankActor:
         self.backend: Any = None
         self._http = httpx.Client(timeout=600)  # kept across syncs: a new client costs ~30 ms of TLS setup
 
+    def node_id(self) -> str:
+        return _node_id()
+
     def address(self) -> tuple[str, int]:
         from miles_rollout import free_port
 
@@ -83,6 +98,7 @@ class TrainerRankActor:
                           WORLD_SIZE=str(self.world_size))  # fmt: skip
         dist.init_process_group("gloo")
         kernel_config = KernelConfig(**kernel)
+        self.model_dir = model_dir
         self.backend = FSDP2Backend(
             model_dir, kernel_config, OptimizerConfig(**options["optimizer"]), PolicyLossConfig(**options["loss"]),
             max_tokens_per_micro_batch=options["max_tokens_per_micro_batch"],
@@ -103,10 +119,27 @@ class TrainerRankActor:
         result: list[list[float]] = self.backend.compute_logprobs([Sample.model_validate(s) for s in samples])
         return result
 
-    def sync_weights(self, url: str, admin_key: str, version: int, bucket_bytes: int) -> dict[str, Any]:
-        """Every rank gathers the buckets; rank 0 posts them to the engine (the last one applies the version)."""
+    def sync_weights(
+        self, url: str, admin_key: str, version: int, bucket_bytes: int, directory: str | None
+    ) -> dict[str, Any]:
+        """Every rank gathers the weights; rank 0 hands them to the engine: with `directory` (shared memory on the
+        engine's node), as a checkpoint there that the engine loads (`/update_weights_from_disk`); else as buckets
+        posted over HTTP (the last one applies the version)."""
         headers = {"Authorization": f"Bearer {admin_key}"}
-        result: dict[str, Any] = {"num_buckets": 0, "num_bytes": 0}
+        if directory is not None:
+            target = Path(directory)
+            num_bytes = self.backend.write_weights(target / "model.safetensors", write=self.rank == 0)
+            result: dict[str, Any] = {"num_buckets": 1, "num_bytes": num_bytes}
+            if self.rank == 0:
+                if not (target / "config.json").is_file():
+                    shutil.copy(Path(self.model_dir) / "config.json", target / "config.json")
+                body = {"model_path": directory, "weight_version": version}
+                response = self._http.post(f"{url}/update_weights_from_disk", json=body, headers=headers)
+                if response.status_code != 200:
+                    raise RuntimeError(f"weight sync rejected by the engine: {response.text}")
+                result.update(response.json())
+            return result
+        result = {"num_buckets": 0, "num_bytes": 0}
         for data in self.backend.iter_weight_buckets(version, bucket_bytes):
             if self.rank == 0:
                 response = self._http.post(f"{url}/update_weights_from_tensor", content=data, headers=headers)

@@ -10,8 +10,10 @@ the trainer goes to all ranks at once (their work is collective).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,9 @@ class Cluster:
         fingerprints = self._all("setup", master, model_dir, kernel, options)
         self.trainer_fingerprint = fingerprints[0]
         self.url = str(ray.get(self.engine.get_url.remote()))  # type: ignore[attr-defined]
+        engine_node = ray.get(self.engine.node_id.remote())  # type: ignore[attr-defined]
+        same_node = engine_node == ray.get(self.trainers[0].node_id.remote())
+        self.sync_dir = shared_sync_dir(cfg.run.sync_transport, run_dir, same_node, _checkpoint_bytes(model_dir))
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return ray.get([getattr(t, method).remote(*args) for t in self.trainers])
@@ -118,7 +123,9 @@ class Cluster:
         return ray.get([getattr(t, method).remote(arg) for t, arg in zip(self.trainers, per_rank, strict=True)])
 
     def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._all("sync_weights", self.url, self.admin_key, version, bucket_bytes)[0]
+        directory = None if self.sync_dir is None else str(self.sync_dir)
+        results = self._all("sync_weights", self.url, self.admin_key, version, bucket_bytes, directory)
+        result: dict[str, Any] = results[0]
         return result
 
     def trainer_checksum(self) -> str:
@@ -147,6 +154,34 @@ class Cluster:
         for actor in [self.engine, *self.trainers]:
             ray.kill(actor)
         remove_placement_group(self.group)
+        if self.sync_dir is not None:
+            shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+SHARED_MEMORY = Path("/dev/shm")
+SHM_SYNC_MAX_BYTES = 1 << 30  # `auto` syncs through shared memory up to this checkpoint size (one copy in RAM)
+
+
+def shared_sync_dir(transport: str, run_dir: Path, same_node: bool, weight_bytes: int) -> Path | None:
+    """Where weight syncs go through shared memory, or None for buckets over HTTP (`run.sync_transport`).
+
+    The directory is named after the run dir, so a resumed run reuses (and a finished run removes) the same one.
+    """
+    usable = same_node and SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK)
+    if transport == "shm" and not usable:
+        raise ValueError(
+            "run.sync_transport=shm needs the engine on trainer rank 0's node and a writable /dev/shm; "
+            "use run.sync_transport=http (or auto)"
+        )
+    if transport == "http" or (transport == "auto" and (not usable or weight_bytes > SHM_SYNC_MAX_BYTES)):
+        return None
+    directory = SHARED_MEMORY / f"miles-sync-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]}"
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+def _checkpoint_bytes(model_dir: str) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
 def _kernel(cfg: RunConfig) -> dict[str, Any]:

@@ -247,6 +247,12 @@ class RunSection(_Section):
     ray_address: str | None = Field(default=None, description="Ray cluster address; null: start Ray locally.")
     colocate: bool = Field(default=True, description="Engine and trainer share devices, offloading in turn.")
     sync_bucket_bytes: int = Field(default=512 << 20, ge=1, description="Largest weight-sync bucket, in bytes.")
+    sync_transport: Literal["auto", "shm", "http"] = Field(
+        default="auto",
+        description="How weights reach the engine. shm: a safetensors checkpoint in /dev/shm that the engine loads "
+        "(same node; one copy of the weights in RAM); http: buckets over HTTP (a few buckets of memory); auto: shm "
+        "when the engine is on trainer rank 0's node and the checkpoint is at most 1 GiB, else http.",
+    )
     num_threads: int | None = Field(
         default=None, ge=1, description="torch threads per engine / trainer actor; null: the machine's CPU count."
     )

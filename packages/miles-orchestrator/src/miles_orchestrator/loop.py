@@ -130,7 +130,8 @@ def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: Any) ->
             f"weight sync check failed: the engine holds {info['checksum'][:16]}, the trainer sent {checksum[:16]} "
             f"(version {version})"
         )
-    log(f"weights v{version} synced and verified (checksum {checksum[:12]}), kernels {fingerprint}")
+    via = "HTTP buckets" if cluster.sync_dir is None else f"shared memory ({cluster.sync_dir})"
+    log(f"weights v{version} synced via {via} and verified (checksum {checksum[:12]}), kernels {fingerprint}")
 
 
 async def _engine_info(cluster: Cluster) -> dict[str, Any]:

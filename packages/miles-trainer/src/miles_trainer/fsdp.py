@@ -241,6 +241,21 @@ class FSDP2Backend:
         self._check_onloaded()
         return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
 
+    def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
+        """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file, atomically (a temp
+        file, then a rename); returns its tensor bytes. Every rank calls it (the gathers are collectives); ranks
+        with `write=False` only join them. Holds one full copy of the weights in host memory while writing."""
+        from safetensors.torch import save_file
+
+        self._check_onloaded()
+        tensors = dict(export_tensors(self.model))
+        if not write:
+            return 0
+        staging = f"{os.fspath(file)}.tmp{os.getpid()}"
+        save_file(tensors, staging)
+        os.replace(staging, file)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def weights_checksum(self) -> str:
         """`miles_kernels.weights_checksum` of the weights an engine would receive (kernel dtype, HF names);
         equal to the engine's after a sync when the bits match. Every rank calls it (the gathers are collectives)."""
