@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 from miles_kernels import BENCHMARK_MODEL, build_tokenizer, save_random_model, tiny_config
 from miles_rollout import launch_server
 
-PAGE_SIZE = 64  # the server's default --page-size
+PAGE_SIZE = 16  # the server's default --page-size
 PAD_ID = 0  # <|endoftext|> of the miles tokenizer
 
 
