@@ -139,6 +139,18 @@ async def test_crashed_worker_is_replaced(behaves_pool: RewardPool) -> None:
     assert [s.reward for s in again] == [5.0, 1.0]
 
 
+async def test_failures_inside_a_chunk_fail_only_their_own_calls(behaves_pool: RewardPool) -> None:
+    # 2 workers: chunks [ok, sleep, ok] and [exit, ok, ok]; the calls after a hang or a crash go to a new worker.
+    modes = ["ok", "sleep", "ok", "exit", "ok", "ok"]
+    samples = [make("a" * (k + 1), index=k, mode=mode) for k, mode in enumerate(modes)]
+    stats = await behaves_pool.score(samples)
+    assert [s.status is SampleStatus.FAILED for s in samples] == [False, True, False, True, False, False]
+    assert [s.reward for s in samples] == [1.0, 0.0, 3.0, 0.0, 5.0, 6.0]
+    assert samples[1].error is not None and "timed out" in samples[1].error
+    assert samples[3].error is not None and "worker died" in samples[3].error
+    assert stats.num_failed == 2 and stats.num_timeouts == 1
+
+
 async def test_async_reward(plugins_on_path: None) -> None:
     samples = [make("abc"), make("")]
     async with RewardPool("orchestrator_plugins:async_length", num_workers=1) as pool:

@@ -4,10 +4,11 @@
   arithmetic task's verifier). Anything else is a `module:function` `RewardFn` (or `GroupRewardFn` with
   `is_group`), checked at start-up with `miles_contracts.load_plugin`.
 - `RewardPool` runs the reward in spawned worker processes, one call per sample (or per prompt group), each with a
-  timeout. Samples cross to a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as
-  pickles. A call that raises, returns a non-finite or non-numeric value, kills its worker, or runs past the
-  timeout marks its sample(s) `failed` (`status=FAILED`, `error` says why) with `reward = 0.0`, so a group's
-  advantages stay computable and a failure counts as a wrong answer; the loop may drop such groups by status.
+  timeout; a step's calls reach each worker as one chunk and the replies stream back one by one. Samples cross to
+  a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as pickles. A call that
+  raises, returns a non-finite or non-numeric value, kills its worker, or runs past the timeout marks its
+  sample(s) `failed` (`status=FAILED`, `error` says why) with `reward = 0.0`, so a group's advantages stay
+  computable and a failure counts as a wrong answer; the loop may drop such groups by status.
   A hung or dead worker is killed and replaced; the pool keeps working and the run never crashes on user code.
 """
 
@@ -116,6 +117,9 @@ class RewardStats:
         }
 
 
+CallResult = tuple[list[float] | None, str | None, bool]  # (rewards, error, timed out)
+
+
 @dataclass
 class _Worker:
     process: BaseProcess
@@ -141,7 +145,7 @@ class RewardPool:
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"timeout_s={timeout_s}, num_workers={num_workers}: both must be positive")
         resolve_reward(name, is_group=is_group)  # fail here, in the caller, on a bad name or signature
-        self.name, self.is_group, self.timeout_s = name, is_group, timeout_s
+        self.name, self.is_group, self.timeout_s, self.num_workers = name, is_group, timeout_s, num_workers
         self._context: SpawnContext | ForkServerContext = (
             multiprocessing.get_context("spawn")
             if start_method == "spawn"
@@ -173,8 +177,13 @@ class RewardPool:
             calls = list(groups.values())
         else:
             calls = [[sample] for sample in samples]
+        # One chunk of calls per worker: one request each way per chunk, not per sample (replies stream back, so
+        # every call still has its own timeout and a failure costs only its own call).
+        size = -(-len(calls) // self.num_workers) if calls else 1
+        chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
         loop = asyncio.get_running_loop()
-        results = await asyncio.gather(*(loop.run_in_executor(self._threads, self._run_call, c) for c in calls))
+        done = await asyncio.gather(*(loop.run_in_executor(self._threads, self._run_chunk, c) for c in chunks))
+        results = [result for chunk in done for result in chunk]
         stats = RewardStats(num_samples=len(samples))
         for call, (rewards, error, timed_out) in zip(calls, results, strict=True):
             if rewards is not None:
@@ -215,25 +224,39 @@ class RewardPool:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
-    def _run_call(self, samples: list[Sample]) -> tuple[list[float] | None, str | None, bool]:
-        """(rewards, None, False) on success, else (None, error, timed_out). Runs on a pool thread."""
-        worker = self._idle.get()  # one thread per worker, so a worker is always free here
-        try:
-            worker.conn.send_bytes(json.dumps([s.model_dump(mode="json") for s in samples]).encode())
-            if not worker.conn.poll(self.timeout_s):
+    def _run_chunk(self, calls: list[list[Sample]]) -> list[CallResult]:
+        """Per call, (rewards, None, False) on success, else (None, error, timed_out). Runs on a pool thread.
+
+        The calls go to a worker in one message; it answers each in turn. A call that times out or kills the worker
+        fails alone: the worker is replaced and the calls after it are sent again to the new one."""
+        results: list[CallResult] = []
+        pending = list(calls)
+        while pending:
+            worker = self._idle.get()  # one thread per worker, so a worker is always free here
+            try:
+                worker.conn.send_bytes(json.dumps([[s.model_dump(mode="json") for s in c] for c in pending]).encode())
+                while pending:
+                    if not worker.conn.poll(self.timeout_s):
+                        worker = self._replace(worker)
+                        message = f"reward {self.name!r} timed out after {self.timeout_s:g}s (worker killed)"
+                        results.append((None, message, True))
+                        pending.pop(0)
+                        break
+                    reply = json.loads(worker.conn.recv_bytes())
+                    pending.pop(0)
+                    if "error" in reply:
+                        results.append((None, str(reply["error"]), False))
+                    else:
+                        results.append(([float(r) for r in reply["rewards"]], None, False))
+            except (EOFError, OSError):
+                worker.process.join(timeout=1.0)  # the pipe closes a moment before the exit code is known
+                code = worker.process.exitcode
                 worker = self._replace(worker)
-                return None, f"reward {self.name!r} timed out after {self.timeout_s:g}s (worker killed)", True
-            reply = json.loads(worker.conn.recv_bytes())
-        except (EOFError, OSError):
-            worker.process.join(timeout=1.0)  # the pipe closes a moment before the exit code is known
-            code = worker.process.exitcode
-            worker = self._replace(worker)
-            return None, f"reward {self.name!r} worker died (exit code {code}) while scoring", False
-        finally:
-            self._idle.put(worker)
-        if "error" in reply:
-            return None, str(reply["error"]), False
-        return [float(r) for r in reply["rewards"]], None, False
+                results.append((None, f"reward {self.name!r} worker died (exit code {code}) while scoring", False))
+                pending.pop(0)
+            finally:
+                self._idle.put(worker)
+        return results
 
     def _replace(self, worker: _Worker) -> _Worker:
         self._stop(worker)
@@ -287,14 +310,15 @@ def _worker_main(conn: Connection, name: str, is_group: bool) -> None:
             request = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        try:
-            samples = [Sample.model_validate(s) for s in json.loads(request)]
-            reply: dict[str, Any] = {"rewards": _call_reward(fn, samples, is_group, loop)}
-        except Exception as error:
-            where = traceback.extract_tb(error.__traceback__)[-1]
-            message = f"{type(error).__name__}: {error} ({where.filename}:{where.lineno})"
-            reply = {"error": f"reward {name!r} raised {message}"}
-        conn.send_bytes(json.dumps(reply).encode())
+        for call in json.loads(request):  # a chunk of calls: one reply each, in order
+            try:
+                samples = [Sample.model_validate(s) for s in call]
+                reply: dict[str, Any] = {"rewards": _call_reward(fn, samples, is_group, loop)}
+            except Exception as error:
+                where = traceback.extract_tb(error.__traceback__)[-1]
+                message = f"{type(error).__name__}: {error} ({where.filename}:{where.lineno})"
+                reply = {"error": f"reward {name!r} raised {message}"}
+            conn.send_bytes(json.dumps(reply).encode())
 
 
 def _call_reward(fn: Any, samples: list[Sample], is_group: bool, loop: asyncio.AbstractEventLoop) -> list[float]:
