@@ -65,7 +65,13 @@ def test_run_dir_finds_the_latest_complete_checkpoint_and_truncates_metrics(tmp_
         (run.checkpoint_dir(step) / "trainer_state.json").write_text("{}")
     (run.path / "checkpoints" / "step_000006.tmp").mkdir()  # an interrupted save
     run.checkpoint_dir(8).mkdir()  # no trainer_state.json: incomplete
+    run.pending_checkpoint_dir(10).mkdir()  # saved, but the run died before the step's metrics were written
+    (run.pending_checkpoint_dir(10) / "trainer_state.json").write_text("{}")
     assert run.latest_checkpoint() == run.checkpoint_dir(4)
+    run.commit_checkpoint(10)
+    assert run.latest_checkpoint() == run.checkpoint_dir(10) and not run.pending_checkpoint_dir(10).exists()
+    run.commit_checkpoint(12)  # no checkpoint saved at that step: nothing to do
+    shutil.rmtree(run.checkpoint_dir(10))
     for step in range(7):
         run.metrics.write(step, {"reward_mean": step / 10})
     run.metrics.truncate_after(4)

@@ -61,13 +61,14 @@ def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]
                     metrics |= train(cfg, cluster, batch, advantages, run)
                     is_last = step == cfg.run.num_steps
                     if is_last or (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
-                        cluster.save(run.checkpoint_dir(step), {"step": step, "data": source.state_dict()})
+                        cluster.save(run.pending_checkpoint_dir(step), {"step": step, "data": source.state_dict()})
                     if is_last:
                         cluster.export(run.path / "final", model_dir)
                     metrics |= sync_weights(cfg, cluster, version=step, run=run)
                 if eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     metrics |= evaluate(cfg, cluster, rewards, eval_prompts, encode, run)
                 run.record(step, metrics | {"step_time_s": time.perf_counter() - began})
+                run.commit_checkpoint(step)  # only now: the step's metrics line is written
         finally:
             cluster.shutdown()
     return run.metrics.history()

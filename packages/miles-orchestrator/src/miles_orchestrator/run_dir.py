@@ -2,7 +2,8 @@
 
     RUN_DIR/config.yaml          the resolved config (resume reads it)
     RUN_DIR/metrics.jsonl        one JSON line per step (step 0: the evaluation before training)
-    RUN_DIR/checkpoints/step_N/  trainer checkpoint (+ data position, step) — atomic, see miles_trainer
+    RUN_DIR/checkpoints/step_N/  trainer checkpoint (+ data position, step) — atomic, see miles_trainer; saved as
+                                 pending_step_N/ and renamed once the step's metrics line is written
     RUN_DIR/final/               the trained policy as a Hugging Face directory
     RUN_DIR/summary.png          reward and evaluation curves; RUN_DIR/run.log  the log
     RUN_DIR/tensorboard/         TensorBoard events (run.log.tensorboard)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -97,6 +99,21 @@ class RunDir:
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / CHECKPOINTS / f"step_{step:06d}"
+
+    def pending_checkpoint_dir(self, step: int) -> Path:
+        """Where step N's checkpoint is saved before the step's metrics are recorded. `commit_checkpoint` then
+        makes it `step_N`: a run killed in between resumes from the previous checkpoint and redoes step N, so a
+        resumed run never lacks a step's metrics line (nor repeats one)."""
+        return self.path / CHECKPOINTS / f"pending_step_{step:06d}"
+
+    def commit_checkpoint(self, step: int) -> None:
+        """Make step N's pending checkpoint (if it saved one) the resumable `step_N`."""
+        pending, final = self.pending_checkpoint_dir(step), self.checkpoint_dir(step)
+        if not pending.is_dir():
+            return
+        if final.exists():  # left by an earlier, interrupted attempt of this step
+            shutil.rmtree(final)
+        pending.rename(final)
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint (an interrupted save, `*.tmp`, is ignored)."""
