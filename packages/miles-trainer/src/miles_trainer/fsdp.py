@@ -40,7 +40,7 @@ from miles_trainer.step import (
     accumulate_sft_gradients,
     count_trained,
 )
-from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets
+from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets, write_weights_file
 
 
 @dataclass(frozen=True)
@@ -245,16 +245,8 @@ class FSDP2Backend:
         """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file, atomically (a temp
         file, then a rename); returns its tensor bytes. Every rank calls it (the gathers are collectives); ranks
         with `write=False` only join them. Holds one full copy of the weights in host memory while writing."""
-        from safetensors.torch import save_file
-
         self._check_onloaded()
-        tensors = dict(export_tensors(self.model))
-        if not write:
-            return 0
-        staging = f"{os.fspath(file)}.tmp{os.getpid()}"
-        save_file(tensors, staging)
-        os.replace(staging, file)
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return write_weights_file(self.model, file, write)
 
     def weights_checksum(self) -> str:
         """`miles_kernels.weights_checksum` of the weights an engine would receive (kernel dtype, HF names);

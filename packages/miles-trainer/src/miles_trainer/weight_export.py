@@ -7,14 +7,17 @@ gathered from the shards (`DTensor.full_tensor()`, a collective: every rank iter
 the engine computes in, encoded, and dropped before the next bucket is gathered. Peak extra host memory is
 therefore a few buckets, whatever the model size: the bucket the caller is still sending, the next one's gathered
 tensors, and its encoding (safetensors' buffer plus the Python `bytes` copied from it) -- measured at about four
-times the largest bucket in `tests/test_fsdp.py`.
+times the largest bucket in `tests/test_fsdp.py`. For an engine on the same node, `write_weights_file` writes the
+whole model as one safetensors file instead (one full copy in host memory; the orchestrator puts it in /dev/shm).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
+from safetensors.torch import save_file
 
 from miles_kernels import CausalLM, encode_bucket, plan_buckets
 
@@ -65,3 +68,16 @@ def iter_weight_buckets(
         data = encode_bucket(tensors, version=version, index=index, count=len(plan))
         del tensors
         yield data
+
+
+def write_weights_file(model: CausalLM, file: str | os.PathLike[str], write: bool = True) -> int:
+    """The model's full weights (HF names, kernel dtype) as one safetensors file, written atomically (a temp file,
+    then a rename): what an engine on the same node loads with `/update_weights_from_disk`. Every rank of a sharded
+    model calls it (the gathers are collectives); ranks with `write=False` only join them. Returns the bytes."""
+    tensors = dict(export_tensors(model))
+    if not write:
+        return 0
+    staging = f"{os.fspath(file)}.tmp{os.getpid()}"
+    save_file(tensors, staging)
+    os.replace(staging, file)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

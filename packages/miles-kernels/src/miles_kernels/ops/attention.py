@@ -24,6 +24,7 @@ gives GEMM-ready operands. Page 0 of every store is a zero "null" page that bloc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -187,7 +188,7 @@ def build_packed_batch(
     parents = list(parents) if parents is not None else [None] * len(seq_lens)
     if len(parents) != len(seq_lens):
         raise ValueError(f"got {len(parents)} parents for {len(seq_lens)} sequences; give one (or None) each")
-    starts = [sum(seq_lens[:s]) for s in range(len(seq_lens))]
+    starts = [0, *itertools.accumulate(seq_lens)]  # first packed token of each sequence
     tables: list[list[int]] = []
     prefix_lens: list[int] = []
     copies: list[tuple[int, int, int]] = []  # (token, page, offset)
