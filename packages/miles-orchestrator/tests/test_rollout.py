@@ -41,6 +41,10 @@ def test_groups_are_reproducible_whatever_else_runs(engine) -> None:
     together = asyncio.run(run_groups(client, expand_groups(prompts(0, 4), 3, encode), PARAMS, 7, single_turn))
     assert [s.index for g in together for s in g] == list(range(12))  # sample-index order
     assert all(s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) for g in together for s in g)
+    one_by_one = asyncio.run(
+        run_groups(client, expand_groups(prompts(0, 4), 3, encode), PARAMS, 7, single_turn, batch_requests=False)
+    )
+    assert outcome(one_by_one) == outcome(together)  # one batched request or a request per group: same bits
     alone = asyncio.run(run_groups(client, expand_groups(prompts(2, 1), 3, encode), PARAMS, 7, single_turn))
     assert outcome(alone) == {k: v for k, v in outcome(together).items() if k in (6, 7, 8)}
     other_seed = asyncio.run(run_groups(client, expand_groups(prompts(2, 1), 3, encode), PARAMS, 8, single_turn))

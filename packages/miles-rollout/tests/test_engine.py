@@ -4,6 +4,12 @@ and abort-all — checked against the engine's own unchunked run in deterministi
 from __future__ import annotations
 
 import asyncio
+import shutil
+import threading
+import time
+
+import pytest
+import torch
 
 from miles_contracts import GenerateRequest, SamplingParams
 from miles_kernels import KernelConfig
@@ -76,3 +82,32 @@ def test_abort_all(moe_dir) -> None:
     finally:
         engine.shutdown()
     assert [r.meta_info.finish_reason.type for r in responses] == ["abort", "abort"]
+
+
+def test_a_model_that_fails_to_load_raises_on_the_callers_thread(moe_dir, tmp_path) -> None:
+    # The model loads on the engine's own thread; its error must still reach the caller, with no thread left.
+    broken = tmp_path / "broken"
+    shutil.copytree(moe_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(Exception, match=r"safetensors|weights|checkpoint"):
+        Engine(EngineConfig(model_path=str(broken), kernel=KernelConfig(page_size=16)))
+    time.sleep(0.1)
+    assert "miles-rollout-engine" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_the_engine_runs_torch_on_its_own_thread_with_the_callers_thread_count(moe_dir) -> None:
+    original = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(EngineConfig(model_path=str(moe_dir), kernel=KernelConfig(page_size=16)))
+        try:
+            where = asyncio.run(engine.control(lambda: threading.current_thread().name, needs_idle=False))
+            threads = asyncio.run(engine.control(torch.get_num_threads, needs_idle=False))
+            assert (where, threads) == ("miles-rollout-engine", 1)
+            assert asyncio.run(InProcessClient(engine).generate(REQUEST))
+        finally:
+            engine.shutdown()
+    finally:
+        torch.set_num_threads(original)

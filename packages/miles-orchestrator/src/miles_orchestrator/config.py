@@ -127,6 +127,11 @@ class RolloutSection(_Section):
         "sequences of prompt + max_new_tokens. Colocated runs re-allocate them every step: don't oversize.",
     )
     rollout_fn: str | None = Field(default=None, description="'module:function' RolloutFn; null: one-turn rollout.")
+    batch_requests: bool = Field(
+        default=True,
+        description="Send the /generate calls the prompt groups make at once as one batched request (one HTTP round "
+        "trip, admitted together); false: one request each (e.g. for a router that spreads them over engines).",
+    )
 
     @field_validator("rollout_fn")
     @classmethod

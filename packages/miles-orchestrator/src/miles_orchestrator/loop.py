@@ -190,7 +190,7 @@ async def rollout(
             groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
             label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
             with run.progress(label, len(groups)) as advance:
-                groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance)
+                groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests)
             for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
                 run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
                 num_failed_groups += 1
@@ -281,7 +281,9 @@ async def _evaluate_groups(
 ) -> list[list[Sample]]:  # fmt: skip
     async with Client(cluster.url, admin_key=cluster.admin_key, timeout=600) as client:
         with run.progress(f"eval ({label})", len(groups)) as advance:
-            done = await run_groups(client, groups, params, cfg.run.seed, single_turn, advance)
+            done = await run_groups(
+                client, groups, params, cfg.run.seed, single_turn, advance, cfg.rollout.batch_requests
+            )
     await rewards.score([s for g in done for s in g if s.status != SampleStatus.FAILED])
     return done
 

@@ -3,9 +3,10 @@
 The driver expands each prompt of the data source into a group of `n` pending samples (sample index =
 group_index * n + i), tokenizes the prompt once (tokens in, tokens out: the trainer never re-tokenizes) and hands
 the group to the rollout function — `single_turn` by default, or a `module:function` `RolloutFn`. Groups run
-concurrently against the engine, but results are kept in sample-index order, and each sample's sampling seed is
-`run_seed * 2**32 + index` (a request with n samples and seed s draws sample i with s + i, DESIGN.md), so
-over-sampling, filtering and a resumed run regenerate exactly the same batch.
+concurrently against the engine (their requests merged into one batched `/generate` by default), but results
+are kept in sample-index order, and each sample's sampling seed is `run_seed * 2**32 + index` (a request with
+n samples and seed s draws sample i with s + i, DESIGN.md), so over-sampling, filtering and a resumed run
+regenerate exactly the same batch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from miles_contracts import (
     SamplingParams,
     load_plugin,
 )
+from miles_rollout import CoalescingClient
 
 SEED_STRIDE = 2**32
 
@@ -75,9 +77,13 @@ async def run_groups(
     run_seed: int,
     rollout_fn: RolloutFn,
     on_done: Callable[[], Any] | None = None,
+    batch_requests: bool = True,
 ) -> list[list[Sample]]:
     """Roll out every group concurrently; a group whose rollout raises comes back `failed` (never a crash).
-    Returned in the order given (sample-index order), whatever order they finish in."""
+    Returned in the order given (sample-index order), whatever order they finish in. With `batch_requests`, the
+    `/generate` calls the groups make in the same event-loop turn go as one batched request (`CoalescingClient`)."""
+    if batch_requests:
+        client = CoalescingClient(client)
 
     async def one(group: list[Sample]) -> list[Sample]:
         seeded = params.model_copy(update={"sampling_seed": sample_seed(run_seed, group[0].index)})

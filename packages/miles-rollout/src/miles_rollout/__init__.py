@@ -4,9 +4,10 @@
   prefix cache, deterministic mode, weight updates and memory release.
 - `create_app`: the FastAPI server (`miles-rollout serve`).
 - `Client`: async HTTP client for this server or SGLang; `InProcessClient`: the same interface over an
-  `Engine` in this process.
+  `Engine` in this process; `CoalescingClient`: either one, with concurrent `/generate` calls sent as one batch.
 """
 
+from miles_rollout.batching import CoalescingClient
 from miles_rollout.client import Client, RolloutClientError
 from miles_rollout.engine import Engine
 from miles_rollout.engine_config import EngineConfig, EngineError
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "CoalescingClient",
     "Engine",
     "EngineConfig",
     "EngineError",
