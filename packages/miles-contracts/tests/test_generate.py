@@ -112,6 +112,16 @@ def test_sglang_response_parses_and_round_trips() -> None:
     assert numbered.meta_info.weight_version == 7
 
 
+def test_an_infinite_logprob_survives_json() -> None:
+    # A token the policy gives zero probability has log-prob -inf: JSON carries it as -Infinity (as Python's json
+    # module writes it), not as null, which would read back as "no log-prob".
+    meta = {**SGLANG_RESPONSE["meta_info"], "output_token_logprobs": [(float("-inf"), 220, None)]}
+    response = GenerateResponse.model_validate({**SGLANG_RESPONSE, "meta_info": meta})
+    text = response.model_dump_json()
+    assert "-Infinity" in text
+    assert GenerateResponse.model_validate_json(text).meta_info.output_token_logprobs == [(float("-inf"), 220, None)]
+
+
 def test_finish_reason_type_is_checked() -> None:
     bad = {**SGLANG_RESPONSE, "meta_info": {**SGLANG_RESPONSE["meta_info"], "finish_reason": {"type": "done"}}}
     with pytest.raises(ValidationError) as info:

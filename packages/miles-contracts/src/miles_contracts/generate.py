@@ -144,7 +144,7 @@ LogprobEntry = tuple[float | None, int, str | None]
 class MetaInfo(BaseModel):
     """`meta_info` of a generate response."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")  # -inf log-probs stay -Infinity
 
     id: str
     finish_reason: FinishReason | None = None
@@ -170,7 +170,7 @@ class MetaInfo(BaseModel):
 class GenerateResponse(BaseModel):
     """One generated sequence. A batch or `n > 1` request returns a list of these."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")  # -inf log-probs stay -Infinity
 
     text: str
     output_ids: list[int]

@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import httpx
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from miles_contracts import GenerateRequest, GenerateResponse
 
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 # Error pages (an HTML 502 from a proxy) can be large; the message only needs their start.
 _MAX_MESSAGE_CHARS = 2000
+_RESPONSES = TypeAdapter(list[GenerateResponse])
 
 
 class RolloutClientError(RuntimeError):
@@ -283,16 +284,16 @@ class Client:
         response = await self._request(
             "POST", "/generate", json=request.model_dump(mode="json", exclude_none=True), retry=True
         )
+        content = response.content
         try:
-            body = response.json()
-        except ValueError:
-            raise RolloutClientError(
-                f"response is not JSON: {response.text[:_MAX_MESSAGE_CHARS]!r}", endpoint="/generate"
-            ) from None
-        items = body if isinstance(body, list) else [body]
-        try:
-            return [GenerateResponse.model_validate(item) for item in items]
+            if content.lstrip()[:1] == b"[":  # a batch or n > 1: parsed and validated in one pydantic-core call
+                return _RESPONSES.validate_json(content)
+            return [GenerateResponse.model_validate_json(content)]
         except ValidationError as exc:
+            if any(error["type"] == "json_invalid" for error in exc.errors()):
+                raise RolloutClientError(
+                    f"response is not JSON: {response.text[:_MAX_MESSAGE_CHARS]!r}", endpoint="/generate"
+                ) from None
             raise RolloutClientError(
                 f"response does not match the SGLang generate schema: {exc}", endpoint="/generate"
             ) from exc

@@ -18,12 +18,14 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from miles_contracts import GenerateRequest, SamplingParams
+from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.engine import Engine
 from miles_rollout.engine_config import EngineError
 from miles_rollout.weight_sync import DistributedReceiver
+
+_RESPONSES = TypeAdapter(list[GenerateResponse])
 
 ADMIN_PATHS = {
     "/weights_checksum",
@@ -141,8 +143,10 @@ def create_app(
     async def generate(request: Request) -> Any:
         body: GenerateRequest = await _parse(request, GenerateRequest)
         responses = await engine.generate(body)
-        payload = [r.model_dump(mode="json") for r in responses]
-        return payload if body.is_batch or body.params_for(0).n > 1 else payload[0]
+        # Serialized by pydantic-core in one call (FastAPI's generic encoder took ~5 ms for 64 responses).
+        many = body.is_batch or body.params_for(0).n > 1
+        content = _RESPONSES.dump_json(responses) if many else responses[0].model_dump_json()
+        return Response(content, media_type="application/json")
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: Request) -> dict[str, Any]:
