@@ -250,9 +250,7 @@ def _blocked_attention(
     q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     q_tiles = q_tiles.reshape(num_tiles, num_kv_heads, rows, head_dim).contiguous()
 
-    running_max = q_tiles.new_full((num_tiles, num_kv_heads, rows, 1), float("-inf"))
-    running_sum = q_tiles.new_zeros((num_tiles, num_kv_heads, rows, 1))
-    acc = q_tiles.new_zeros((num_tiles, num_kv_heads, rows, head_dim))
+    acc = running_sum = running_max = q_tiles  # set by key block 0, which every tile sees
     for plan in batch.block_plans(group):
         # Tiles wholly before this block skip it; the rest run the same fixed-shape GEMMs. GEMM operands always
         # have one memory layout (contiguous gathers; K transposed as a view): a strided view and a copy of the
@@ -263,6 +261,12 @@ def _blocked_attention(
         scores = torch.bmm(q_tiles[:active].reshape(-1, rows, head_dim), k_blk.transpose(1, 2))
         scores = (scores * scale).reshape(active, num_kv_heads, rows, page)
         scores = scores.masked_fill(~plan.visible_A_rows_P[:, None], float("-inf"))
+        if plan.block == 0:  # the online softmax starts here: no running state to rescale yet
+            running_max = scores.amax(dim=-1, keepdim=True)
+            probs = torch.exp(scores - running_max)
+            acc = torch.bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
+            running_sum = probs.sum(dim=-1, keepdim=True)
+            continue
         old_max = running_max[:active]
         block_max = torch.maximum(old_max, scores.amax(dim=-1, keepdim=True))
         probs = torch.exp(scores - block_max)
