@@ -21,11 +21,13 @@ from miles_kernels.buckets import (
 )
 from miles_kernels.config import KernelConfig
 from miles_kernels.hf_io import (
+    TensorSlot,
     checkpoint_tensors,
     iter_checkpoint,
     load_model,
     load_state,
     read_model_config,
+    safetensors_layout,
     save_model,
 )
 from miles_kernels.model import CausalLM, KVStore
@@ -78,6 +80,7 @@ __all__ = [
     "ModelConfig",
     "PagedRunner",
     "RowSampling",
+    "TensorSlot",
     "WeightUpdateGroup",
     "apply_rope",
     "attention",
@@ -111,6 +114,7 @@ __all__ = [
     "registered_ops",
     "rms_norm",
     "rope_cos_sin",
+    "safetensors_layout",
     "sample",
     "save_model",
     "save_random_model",

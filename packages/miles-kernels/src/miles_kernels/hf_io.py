@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,45 @@ from miles_kernels.model_config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bytes sit in a safetensors file: absolute byte offsets [begin, end)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def safetensors_layout(file: str | os.PathLike[str]) -> dict[str, TensorSlot]:
+    """Name → dtype, shape and byte range of every tensor of a safetensors file, from its header alone."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if not 0 < header_len <= size - 8:
+            raise ValueError(f"{file} is not a safetensors file (header length {header_len}, file size {size})")
+        try:
+            header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            data_start = 8 + header_len
+            slots = {
+                name: TensorSlot(_SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                                 data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
+                for name, entry in header.items()
+            }  # fmt: skip
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+            raise ValueError(f"{file}: unreadable safetensors header ({type(error).__name__}: {error})") from None
+    if any(slot.end > size for slot in slots.values()):
+        raise ValueError(f"{file} is truncated: its header points past the end of the file")
+    return slots
 
 
 def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:

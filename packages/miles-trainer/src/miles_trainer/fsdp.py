@@ -251,9 +251,10 @@ class FSDP2Backend:
         return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
 
     def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
-        """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file, atomically (a temp
-        file, then a rename); returns its tensor bytes. Every rank calls it (the gathers are collectives); ranks
-        with `write=False` only join them. Holds one full copy of the weights in host memory while writing."""
+        """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file (created atomically,
+        then overwritten in place: `weight_export.write_weights_file`); returns its tensor bytes. Every rank calls
+        it (the gathers are collectives); ranks with `write=False` only join them. Holds one full copy of the
+        weights in host memory while writing."""
         self._check_onloaded()
         return write_weights_file(self.model, file, write)
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from miles_kernels import CausalLM, encode_bucket, plan_buckets
+from miles_kernels import CausalLM, encode_bucket, plan_buckets, safetensors_layout
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -71,13 +72,41 @@ def iter_weight_buckets(
 
 
 def write_weights_file(model: CausalLM, file: str | os.PathLike[str], write: bool = True) -> int:
-    """The model's full weights (HF names, kernel dtype) as one safetensors file, written atomically (a temp file,
-    then a rename): what an engine on the same node loads with `/update_weights_from_disk`. Every rank of a sharded
-    model calls it (the gathers are collectives); ranks with `write=False` only join them. Returns the bytes."""
+    """The model's full weights (HF names, kernel dtype) as one safetensors file: what an engine on the same node
+    loads with `/update_weights_from_disk`. Every rank of a sharded model calls it (the gathers are collectives);
+    ranks with `write=False` only join them. Returns the bytes.
+
+    The first write creates the file atomically (a temp file, then a rename). When the file already holds the same
+    tensors (names, dtypes, shapes), later writes overwrite their bytes in place: no serialization and no new file
+    (12.9 MB: ~6 ms instead of ~18 ms on 2 CPU cores). The caller owns the protocol that makes this safe: the engine
+    reads the file only when told to, after this returns; a write cut short is made whole by the next one.
+    """
     tensors = dict(export_tensors(model))
     if not write:
         return 0
-    staging = f"{os.fspath(file)}.tmp{os.getpid()}"
-    save_file(tensors, staging)
-    os.replace(staging, file)
+    if not _overwrite_in_place(Path(file), tensors):
+        staging = f"{os.fspath(file)}.tmp{os.getpid()}"
+        save_file(tensors, staging)
+        os.replace(staging, file)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _overwrite_in_place(file: Path, tensors: dict[str, torch.Tensor]) -> bool:
+    """Copy each tensor's bytes over its slot of an existing safetensors file with the same layout; False (and
+    nothing written) when there is no such file."""
+    if not file.is_file():
+        return False
+    try:
+        slots = safetensors_layout(file)
+    except (ValueError, OSError):  # not a readable safetensors file: rewrite it whole
+        return False
+    same = slots.keys() == tensors.keys() and all(
+        slots[name].dtype == t.dtype and slots[name].shape == tuple(t.shape) for name, t in tensors.items()
+    )
+    if not same:
+        return False
+    mapped = torch.from_file(str(file), shared=True, size=file.stat().st_size, dtype=torch.uint8)
+    for name, tensor in tensors.items():
+        slot = slots[name]
+        mapped[slot.begin : slot.end].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+    return True

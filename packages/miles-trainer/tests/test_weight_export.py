@@ -1,0 +1,60 @@
+"""`write_weights_file`: the engine's weight file, created whole, then overwritten in place while its layout holds
+(checked against safetensors' own reader), and rewritten whole when the layout changes."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_kernels import KernelConfig, random_model, safetensors_layout, tiny_config
+from miles_trainer.weight_export import export_tensors, write_weights_file
+
+
+def expected(model) -> dict[str, torch.Tensor]:
+    return dict(export_tensors(model))
+
+
+def assert_file_holds(file, tensors: dict[str, torch.Tensor]) -> None:
+    loaded = load_file(str(file))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())
+
+
+def test_later_writes_overwrite_the_same_file_in_place(tmp_path) -> None:
+    model = random_model(tiny_config("moe"), KernelConfig(), seed=1)
+    file = tmp_path / "model.safetensors"
+    num_bytes = write_weights_file(model, file)
+    assert_file_holds(file, expected(model))
+    assert num_bytes == sum(t.numel() * t.element_size() for t in expected(model).values())
+    inode = file.stat().st_ino
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param))
+    write_weights_file(model, file)
+    assert file.stat().st_ino == inode  # the bytes were overwritten, no new file
+    assert_file_holds(file, expected(model))  # and they are the new weights, bit for bit
+    slots = safetensors_layout(file)
+    assert slots.keys() == expected(model).keys() and all(s.end > s.begin for s in slots.values())
+
+
+def test_a_file_with_another_layout_is_rewritten_whole(tmp_path) -> None:
+    model = random_model(tiny_config("dense"), KernelConfig(), seed=2)
+    file = tmp_path / "model.safetensors"
+    save_file({"something.else": torch.zeros(3)}, str(file))  # e.g. left by another model
+    inode = file.stat().st_ino
+    write_weights_file(model, file)
+    assert file.stat().st_ino != inode
+    assert_file_holds(file, expected(model))
+    file.write_bytes(b"not a safetensors file")
+    write_weights_file(model, file)
+    assert_file_holds(file, expected(model))
+
+
+def test_bf16_weights_are_written_in_the_kernel_dtype(tmp_path) -> None:
+    model = random_model(tiny_config("dense"), KernelConfig(dtype="bfloat16"), seed=3)
+    file = tmp_path / "model.safetensors"
+    for _ in range(2):  # created, then overwritten in place
+        write_weights_file(model, file)
+        tensors = expected(model)
+        assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+        assert_file_holds(file, tensors)
