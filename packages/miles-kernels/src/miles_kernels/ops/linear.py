@@ -33,14 +33,12 @@ def tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torc
 
 
 class _TiledMatmul(torch.autograd.Function):
+    # The combined forward(ctx, ...) form: with a separate setup_context, torch binds the arguments through
+    # inspect.signature on every call (41 vs 14 us per call here, 29 calls per forward of the default policy).
     @staticmethod
-    def forward(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:  # type: ignore[override]
-        return _tiled_matmul(x_MK, weight_NK, tile)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x_MK, weight_NK, _ = inputs
+    def forward(ctx: Any, x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x_MK, weight_NK)
+        return _tiled_matmul(x_MK, weight_NK, tile)
 
     @staticmethod
     def backward(ctx: Any, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
