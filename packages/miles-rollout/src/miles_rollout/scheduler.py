@@ -284,6 +284,7 @@ class Scheduler:
         self.radix.insert(group.prompt_ids, group.prefill_pages[:num_full])
         partial = group.prefill_pages[num_full:]
         children = []
+        copies: list[int] = []  # pages that receive a copy of the partial page
         for i in range(group.params.n):
             seq = Sequence(group=group, sample_index=i, seed=group.seed + i, num_computed=length)
             shared = group.prefill_pages[:num_full]
@@ -294,15 +295,17 @@ class Scheduler:
             elif partial:
                 own = self._take_pages(1)
                 group.reserved_pages -= 1
-                for k_pages, v_pages in zip(self.store.k, self.store.v, strict=True):
-                    k_pages[own[0]] = k_pages[partial[0]]
-                    v_pages[own[0]] = v_pages[partial[0]]
+                copies += own
             else:
                 own = []
             seq.pages = shared + own
             share = group.reserved_pages // (group.params.n - i)
             seq.reserved_pages, group.reserved_pages = share, group.reserved_pages - share
             children.append(seq)
+        if copies:  # one copy per layer and K/V for all the samples (was one per sample)
+            targets = torch.tensor(copies, device=self.store.k[0].device)
+            for pages in (*self.store.k, *self.store.v):
+                pages[targets] = pages[partial[0]].clone()
         self.allocator.release(group.prefill_pages)
         group.prefill_pages = []
         group.sequences = children

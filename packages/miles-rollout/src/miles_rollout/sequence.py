@@ -16,7 +16,7 @@ from miles_contracts import FinishReason, GenerateResponse, MetaInfo, SamplingPa
 from miles_kernels import RowSampling
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's lists find and remove this very object
 class Sequence:
     """One sample being generated."""
 
@@ -52,7 +52,7 @@ class Sequence:
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class Group:
     """One prompt of a generate call and its `n` samples."""
 
