@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from miles_contracts import GenerateRequest, SamplingParams
-from miles_kernels import KernelConfig
+from miles_kernels import KernelConfig, load_model
 from miles_rollout import Engine, EngineConfig, InProcessClient
+from miles_rollout import engine as engine_module
 
 REQUEST = GenerateRequest(
     input_ids=[[(7 * i) % 500 for i in range(90)], [1, 2, 3]],
@@ -97,15 +98,21 @@ def test_a_model_that_fails_to_load_raises_on_the_callers_thread(moe_dir, tmp_pa
     assert "miles-rollout-engine" not in {t.name for t in threading.enumerate()} - before
 
 
-def test_the_engine_runs_torch_on_its_own_thread_with_the_callers_thread_count(moe_dir) -> None:
+def test_the_engine_runs_torch_on_its_own_thread_with_the_callers_thread_count(moe_dir, monkeypatch) -> None:
+    loaded_on = []
+
+    def recording_load(*args, **kwargs):
+        loaded_on.append(threading.current_thread().name)
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", recording_load)
     original = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         engine = Engine(EngineConfig(model_path=str(moe_dir), kernel=KernelConfig(page_size=16)))
         try:
-            where = asyncio.run(engine.control(lambda: threading.current_thread().name, needs_idle=False))
             threads = asyncio.run(engine.control(torch.get_num_threads, needs_idle=False))
-            assert (where, threads) == ("miles-rollout-engine", 1)
+            assert (loaded_on, threads) == (["miles-rollout-engine"], 1)  # the model too is loaded on its thread
             assert asyncio.run(InProcessClient(engine).generate(REQUEST))
         finally:
             engine.shutdown()

@@ -64,15 +64,15 @@ class Engine:
         # Every torch op of the engine runs on its thread, model loading included: a second thread that has run
         # parallel ops keeps its own OpenMP team, and two teams on the same cores make each op wake the other's
         # threads (a decode step measured ~1.7x slower on 2 cores).
-        ready: list[BaseException | None] = []
-        started = threading.Event()
+        self._started = threading.Event()
+        self._setup_error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(ready, started, torch.get_num_threads()), name="miles-rollout-engine", daemon=True
+            target=self._run, args=(torch.get_num_threads(),), name="miles-rollout-engine", daemon=True
         )
         self._thread.start()
-        started.wait()
-        if ready[0] is not None:
-            raise ready[0]
+        self._started.wait()
+        if self._setup_error is not None:
+            raise self._setup_error
 
     def _setup(self) -> None:
         config = self.config
@@ -82,16 +82,15 @@ class Engine:
         self.scheduler = Scheduler(self.model, config, self.tokenizer, self.context_length)
         self._param_shapes = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters()}
 
-    def _run(self, ready: list[BaseException | None], started: threading.Event, num_threads: int) -> None:
+    def _run(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)  # the creator's setting (OpenMP keeps it per thread)
         try:
             self._setup()
-        except BaseException as error:  # reported by __init__ on the caller's thread
-            ready.append(error)
-            started.set()
+        except BaseException as error:  # re-raised by __init__ on the caller's thread
+            self._setup_error = error
             return
-        ready.append(None)
-        started.set()
+        finally:
+            self._started.set()
         self._loop()
 
     # ------------------------------------------------------------------ asyncio-facing API

@@ -250,7 +250,10 @@ def _blocked_attention(
     q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     q_tiles = q_tiles.reshape(num_tiles, num_kv_heads, rows, head_dim).contiguous()
 
-    acc = running_sum = running_max = q_tiles  # set by key block 0, which every tile sees
+    # The online-softmax state, started by key block 0 (every tile sees it).
+    acc: torch.Tensor
+    running_sum: torch.Tensor
+    running_max: torch.Tensor
     for plan in batch.block_plans(group):
         # Tiles wholly before this block skip it; the rest run the same fixed-shape GEMMs. GEMM operands always
         # have one memory layout (contiguous gathers; K transposed as a view): a strided view and a copy of the
