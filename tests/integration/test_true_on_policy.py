@@ -1,6 +1,7 @@
 """Integration tier: true on-policy across packages. A real `miles-rollout serve --deterministic` subprocess
 generates over HTTP (log-probs travel as JSON numbers); miles-trainer packs the samples and recomputes the
-log-probs with the same kernels — they must be bitwise equal (mismatch exactly 0), for dense and MoE."""
+log-probs with the same kernels — they must be bitwise equal (mismatch exactly 0), for dense and MoE, on the CPU
+and (`gpu` marker) on a CUDA device, where server and trainer both run on the GPU."""
 
 from __future__ import annotations
 
@@ -19,8 +20,15 @@ from miles_trainer.packing import pack_samples
 PAGE_SIZE = 16
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, kind: str) -> None:
+def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, kind: str, device: str) -> None:
     model_dir = tmp_path / kind
     save_random_model(
         model_dir, tiny_config(kind, vocab_size=512), seed=5, tokenizer=build_tokenizer(save_dir=model_dir)
@@ -47,14 +55,14 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, kind: str) -> N
                 ))  # fmt: skip
         return samples
 
-    with launch_server(model_dir, "--deterministic", "--page-size", str(PAGE_SIZE)) as url:
+    with launch_server(model_dir, "--deterministic", "--page-size", str(PAGE_SIZE), "--device", device) as url:
         samples = asyncio.run(generate(url))
     kernel = KernelConfig(page_size=PAGE_SIZE)  # the server's kernel config: same fingerprint
-    model = load_model(model_dir, kernel)
+    model = load_model(model_dir, kernel, device)
     total_diff = []
     for micro in pack_samples(samples, kernel, max_tokens=96):
         with torch.no_grad():
-            got = response_logprobs(model, micro, temperature)
+            got = [row.cpu() for row in response_logprobs(model, micro, temperature)]
         for local, i in enumerate(micro.sample_indices):
             rollout = torch.tensor(samples[i].rollout_logprobs, dtype=torch.float32)
             assert torch.equal(got[local], rollout), f"sample {i}"

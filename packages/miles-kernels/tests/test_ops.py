@@ -23,6 +23,7 @@ from miles_kernels import (
     select_experts,
 )
 from miles_kernels.ops.attention import num_pages_needed
+from miles_kernels.ops.linear import fixed_rows_matmul, grouped_bmm, invariant_bmm
 
 DET = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 FAST = DET.model_copy(update={"mode": "fast"})
@@ -163,3 +164,31 @@ def test_expert_output_does_not_depend_on_tokens_per_expert() -> None:
     crowd[:, 0], crowd[:, 1] = ids[0, 0], ids[0, 1]  # every token picks token 0's experts
     crowded = experts_forward(x, crowd, weights, gate, up, down, DET)
     assert torch.equal(crowded[0], everything[0])
+
+
+def test_cuda_forms_of_the_batch_invariant_products() -> None:
+    """The CUDA forms (exercised here on the CPU): `grouped_bmm` (calls of exactly `group` matrices, zero-padded)
+    gives torch.bmm's result for every matrix, also for a transposed view and with gradients through the padding;
+    `fixed_rows_matmul` (GEMMs of exactly `rows` rows) gives x @ W."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(37, 8, 16, generator=generator, requires_grad=True)
+    b = torch.randn(37, 5, 16, generator=generator).transpose(1, 2)  # a strided view: copied to one layout
+    for group in (1, 4, 16, 37, 64):
+        assert torch.equal(grouped_bmm(a, b, group), torch.bmm(a, b.contiguous())), group
+    (grad,) = torch.autograd.grad(grouped_bmm(a, b, 16).square().sum(), a)
+    (want,) = torch.autograd.grad(torch.bmm(a, b.contiguous()).square().sum(), a)
+    assert torch.equal(grad, want)
+    assert invariant_bmm(a, b).shape == (37, 8, 5)
+    x, weight = torch.randn(70, 16, generator=generator), torch.randn(5, 16, generator=generator)
+    for rows in (1, 16, 64, 70, 128):
+        got = fixed_rows_matmul(x, weight.t(), rows)
+        assert got.shape == (70, 5)
+        torch.testing.assert_close(got, x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_batch_moves_to_a_device_once() -> None:
+    batch = build_packed_batch([5, 3], page_size=4, query_tile=2)
+    assert batch.to("cpu") is batch
+    moved = batch.to("meta")
+    assert moved.positions_N.device.type == "meta" and moved.page_size == 4
+    assert moved.tile_row_of_token_N.shape == batch.tile_row_of_token_N.shape

@@ -10,6 +10,8 @@ parameters and the last step's metrics to OUT_DIR. Modes:
 - `buckets`: peak RSS growth while iterating the weight buckets, and the decoded buckets vs the full weights.
 - `zero-advantages`: one step whose advantages are all zero (the update must be skipped).
 - `bf16-logprobs`: bf16 kernel: the sharded trainer's log-probs vs an unsharded bf16 model's (bitwise).
+
+MILES_TEST_DEVICE=cuda runs the rank on the GPU (NCCL for device tensors, gloo for host ones).
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def rss_bytes(field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def device_bytes(device: str) -> int:
+    """Bytes the CUDA caching allocator holds in live tensors (0 on a CPU run)."""
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
 def kill_after_dcp_save() -> None:
     """Make the next checkpoint die half-way: the sharded files are written, the rest of the save never runs."""
     real_save = miles_trainer.checkpoint.dcp.save
@@ -77,13 +84,16 @@ def kill_after_dcp_save() -> None:
 
 def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = os.environ.get("MILES_TEST_DEVICE", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     kernel = KernelConfig(**{**KERNEL.model_dump(), "dtype": "bfloat16"}) if mode == "bf16-logprobs" else KERNEL
     backend = FSDP2Backend(
         model_dir, kernel, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
         PolicyLossConfig(agg_mode="seq-mean-token-mean"), max_tokens_per_micro_batch=24,
-        offload_dir=out_dir,
+        device=device, offload_dir=out_dir,
     )  # fmt: skip
     samples, advantages = batch()
     mine, my_advantages = samples[rank::world], advantages[rank::world]
@@ -99,11 +109,12 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         save_checkpoint(backend, checkpoint, extra={"data_position": 8})
     offload_metrics = {}
     if mode == "offload":
-        rss_before = rss_bytes()
+        rss_before, device_before = rss_bytes(), device_bytes(device)
         offload_metrics["offloaded_bytes"] = float(backend.offload())
         offload_metrics["rss_drop_bytes"] = float(rss_before - rss_bytes())
-        offload_metrics["empty_storages"] = float(all(p.to_local().untyped_storage().nbytes() == 0
-                                                      for p in backend.model.parameters()))  # fmt: skip
+        offload_metrics["device_drop_bytes"] = float(device_before - device_bytes(device))
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in backend.model.parameters()]
+        offload_metrics["empty_storages"] = float(all(p.untyped_storage().nbytes() == 0 for p in local))
         backend.onload()
     if mode in ("two-steps", "kill", "resume", "offload"):
         advantages = [-a for a in advantages]  # a different second step
@@ -121,7 +132,7 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         metrics = measure_buckets(backend)
     if mode == "bf16-logprobs":
         sharded = backend.compute_logprobs(mine)
-        plain = load_model(model_dir, kernel)  # the engine's load: checkpoint cast to bf16
+        plain = load_model(model_dir, kernel, device)  # the engine's load: checkpoint cast to bf16
         expected = [
             row.tolist() for micro in pack_samples(mine, kernel, 24) for row in response_logprobs(plain, micro)
         ]

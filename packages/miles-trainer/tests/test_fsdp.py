@@ -139,6 +139,31 @@ def test_offload_round_trip_is_bit_exact(tmp_path) -> None:
     assert metrics["loss"] == metrics_straight["loss"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_rank_offloads_to_host_resumes_and_matches_the_engine_model(tmp_path) -> None:
+    """One rank on the GPU: offload (to pinned host memory) frees the parameters and AdamW moments on the device
+    and the next step is bitwise that of a run that never offloaded; a checkpoint taken on the GPU resumes
+    bit-exact; bf16 FSDP2 log-probs equal the engine's bf16 model's on the GPU."""
+    model_dir = tmp_path / "model"
+    save_model(random_model(tiny_config("moe"), seed=9), model_dir)
+    env = {"MILES_TEST_DEVICE": "cuda"}
+    offloaded, metrics = run_ranks(model_dir, tmp_path / "offload", world=1, mode="offload", extra_env=env)
+    straight, metrics_straight = run_ranks(model_dir, tmp_path / "straight", world=1, mode="two-steps", extra_env=env)
+    resumed, metrics_resumed = run_ranks(model_dir, tmp_path / "resume", world=1, mode="resume", extra_env=env)
+    params = sum(t.numel() * 4 for t in straight.values())
+    assert metrics["empty_storages"] == 1.0
+    assert metrics["offloaded_bytes"] >= 3 * params * 0.95
+    assert metrics["device_drop_bytes"] >= 3 * params * 0.95, metrics
+    for name in straight:
+        assert torch.equal(offloaded[name], straight[name]), name
+        assert torch.equal(resumed[name], straight[name]), name
+    assert metrics["loss"] == metrics_straight["loss"]
+    assert metrics_resumed == metrics_straight
+    _, bf16 = run_ranks(model_dir, tmp_path / "bf16", world=1, mode="bf16-logprobs", extra_env=env)
+    assert bf16["num_tokens"] > 10 and bf16["equal"] == 1.0
+
+
 def test_weight_buckets_peak_memory_is_a_few_buckets_not_the_model(tmp_path) -> None:
     """Iterating the weight buckets of a model 26x the bucket size grows peak RSS by a few buckets, not by the
     model (a full state dict would); the decoded buckets are exactly the full weights."""

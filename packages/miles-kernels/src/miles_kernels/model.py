@@ -233,6 +233,7 @@ class CausalLM(nn.Module):
         if input_ids_N.shape[0] != batch.num_tokens:
             raise ValueError(f"got {input_ids_N.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
         x = self.model.embed_tokens(input_ids_N)
+        batch = batch.to(x.device)  # a batch laid out on the host (the trainer's packing) runs on the model's device
         # Recomputed per call (head_dim / 2 values) so it is always float32, whatever the model dtype.
         inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, x.device)
         cos, sin = rope_cos_sin(batch.positions_N, inv_freq, x.dtype)
@@ -264,7 +265,7 @@ class CausalLM(nn.Module):
         next_ids = torch.roll(input_ids_N, -1)
         temps = logits.new_full((logits.shape[0], 1), temperature)
         logprobs = token_logprobs(logits, next_ids, temps)
-        ends = torch.cumsum(batch.query_lens_S, 0) - 1
+        ends = torch.cumsum(batch.query_lens_S.to(logprobs.device), 0) - 1
         return logprobs.index_fill(0, ends, 0.0)
 
     def routed_experts(self) -> list[torch.Tensor]:

@@ -99,7 +99,13 @@ def _shard(model: CausalLM, kernel: KernelConfig) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    if model.config.is_moe:  # experts that no token of this rank chose still join the gradient reduction
+    if model.config.is_moe and dist.get_world_size() > 1:
+        # Experts that no token of this rank chose still join the gradient reduction.
+        if not hasattr(model, "set_reduce_scatter_unused_params"):
+            raise RuntimeError(
+                f"sharding an MoE model over ranks needs FSDP2's set_reduce_scatter_unused_params, which torch "
+                f"{torch.__version__} lacks (2.14 has it, 2.11 does not): install the torch of uv.lock"
+            )
         model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
     register_fsdp_forward_method(model, "forward_hidden")
     register_fsdp_forward_method(model, "logits")

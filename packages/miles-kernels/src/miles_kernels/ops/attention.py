@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
 
 from miles_kernels.config import KernelConfig
+from miles_kernels.ops.linear import invariant_bmm
 from miles_kernels.registry import get_backend, register_backend
 
 NULL_PAGE = 0
@@ -78,6 +79,13 @@ class AttentionBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.positions_N.shape[0])
+
+    def to(self, device: torch.device | str) -> AttentionBatch:
+        """This batch with its tensors on `device` (itself when they are there already)."""
+        if self.positions_N.device == torch.device(device):
+            return self
+        tensors = [f.name for f in fields(self) if f.name not in ("page_size", "_plans")]
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, _plans={})
 
     @property
     def num_seqs(self) -> int:
@@ -261,20 +269,20 @@ def _blocked_attention(
         active = plan.num_active
         k_blk = k_pages[plan.pages_A].to(torch.float32).reshape(-1, page, head_dim)  # (A * Hkv, P, D)
         v_blk = v_pages[plan.pages_A].to(torch.float32).reshape(-1, page, head_dim)
-        scores = torch.bmm(q_tiles[:active].reshape(-1, rows, head_dim), k_blk.transpose(1, 2))
+        scores = invariant_bmm(q_tiles[:active].reshape(-1, rows, head_dim), k_blk.transpose(1, 2))
         scores = (scores * scale).reshape(active, num_kv_heads, rows, page)
         scores = scores.masked_fill(~plan.visible_A_rows_P[:, None], float("-inf"))
         if plan.block == 0:  # the online softmax starts here: no running state to rescale yet
             running_max = scores.amax(dim=-1, keepdim=True)
             probs = torch.exp(scores - running_max)
-            acc = torch.bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
+            acc = invariant_bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
             running_sum = probs.sum(dim=-1, keepdim=True)
             continue
         old_max = running_max[:active]
         block_max = torch.maximum(old_max, scores.amax(dim=-1, keepdim=True))
         probs = torch.exp(scores - block_max)
         correction = torch.exp(old_max - block_max)
-        pv = torch.bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
+        pv = invariant_bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
         new_acc = acc[:active] * correction + pv
         new_sum = running_sum[:active] * correction + probs.sum(dim=-1, keepdim=True)
         if active == num_tiles:

@@ -9,6 +9,11 @@ Only the forward pass must be batch-invariant (it is what the engine computes an
 compare against). The backward pass runs two plain GEMMs: autograd through the tiled `bmm` would materialise one
 weight gradient per tile (tiles x K x N floats) and sum them, several times slower than one `grad.T @ x`; plain
 GEMMs are still deterministic run to run for a given shape.
+On CUDA the `bmm` form is not enough (measured on an H200, float32, K = N = 4096): cuBLAS picks its kernel by the
+batch count too (a row changed with M by up to 5e-4), and even at a fixed batch count a weight `expand`ed over the
+batch (stride 0) gave a row that depended on the other tiles' values (9e-6). There the rows go in plain GEMMs of
+one fixed shape, `tile * CUDA_TILES_PER_GEMM` rows each (the last zero-padded): invariant in every case measured.
+Batched products of distinct matrices (attention) go through `invariant_bmm`: a fixed batch count per call.
 Shapes: x_MK, weight_NK, out_MN.
 """
 
@@ -21,6 +26,50 @@ import torch.nn.functional as F
 
 from miles_kernels.config import KernelConfig
 from miles_kernels.registry import get_backend, register_backend
+
+# On CUDA every batched matmul carries exactly this many matrices (the last call zero-padded), so cuBLAS sees one
+# shape and picks one kernel whatever the number of matrices.
+CUDA_BMM_GROUP = 16
+# On CUDA a deterministic linear layer runs plain GEMMs of `tile * CUDA_TILES_PER_GEMM` rows.
+CUDA_TILES_PER_GEMM = 16
+
+
+def invariant_bmm(a_BMK: torch.Tensor, b_BKN: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm` whose result for each matrix does not depend on how many matrices the call carries.
+
+    On the CPU `torch.bmm` already is (each matrix is one GEMM of its own shape). On CUDA the matrices go in
+    calls of exactly `CUDA_BMM_GROUP`. Differentiable.
+    """
+    if not a_BMK.is_cuda:
+        return torch.bmm(a_BMK, b_BKN)
+    return grouped_bmm(a_BMK, b_BKN, CUDA_BMM_GROUP)
+
+
+def grouped_bmm(a_BMK: torch.Tensor, b_BKN: torch.Tensor, group: int) -> torch.Tensor:
+    """`torch.bmm` run as calls of exactly `group` matrices each (zero matrices pad the last call). Both operands
+    are made contiguous: one memory layout in every call (cuBLAS picks kernels by transposition and strides too;
+    an `expand`ed operand is materialised, see the module docstring)."""
+    count = a_BMK.shape[0]
+    pad = -count % group
+    a_BMK, b_BKN = a_BMK.contiguous(), b_BKN.contiguous()
+    if pad:
+        a_BMK = torch.cat((a_BMK, a_BMK.new_zeros(pad, *a_BMK.shape[1:])))
+        b_BKN = torch.cat((b_BKN, b_BKN.new_zeros(pad, *b_BKN.shape[1:])))
+    parts = [torch.bmm(a_BMK[i : i + group], b_BKN[i : i + group]) for i in range(0, count + pad, group)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[:count] if pad else out
+
+
+def fixed_rows_matmul(x_MK: torch.Tensor, weight_KN: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x @ weight` as plain GEMMs of exactly `rows` rows each (the last zero-padded): the CUDA form of the tiled
+    matmul."""
+    num_rows = x_MK.shape[0]
+    pad = -num_rows % rows
+    if pad:
+        x_MK = F.pad(x_MK, (0, 0, 0, pad))
+    parts = [torch.mm(x_MK[i : i + rows], weight_KN) for i in range(0, num_rows + pad, rows)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out[:num_rows] if pad else out
 
 
 def tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:
@@ -54,6 +103,8 @@ def _tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> tor
     num_rows, k = x_MK.shape
     n = weight_NK.shape[0]
     weight_KN = weight_NK.t()
+    if x_MK.is_cuda:
+        return fixed_rows_matmul(x_MK, weight_KN, tile * CUDA_TILES_PER_GEMM)
     num_full = num_rows // tile * tile
     parts = []
     if num_full:
