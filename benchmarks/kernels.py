@@ -7,8 +7,11 @@ Model (fixed by the kernels issue): Qwen3, hidden 512, intermediate 1536, 8 laye
   (miles: paged KV via `PagedRunner`; HF: `past_key_values` cache).
 Each number is the median of `--repeats` timed runs after warm-up. Ratios: deterministic / fast (the cost of
 batch invariance) and fast / HF and deterministic / HF.
+On a GPU (`--device cuda`, each timed run ends with a device synchronize) the model can be sized with `--model
+key=value` (Hugging Face config names) and run in bf16 (`--dtype bfloat16`); the fixed model above is for the CPU.
 
     uv run python benchmarks/kernels.py --out benchmarks/results/kernels.json
+    python benchmarks/kernels.py --device cuda --dtype bfloat16 --model hidden_size=2048 --model num_hidden_layers=8
 """
 
 from __future__ import annotations
@@ -37,12 +40,18 @@ from miles_kernels import (
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    def synchronize() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
     for _ in range(warmup):
         fn()
+    synchronize()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -94,13 +103,25 @@ def main() -> None:
     defaults = KernelConfig()
     for name in ("page_size", "attention_query_tile", "linear_tile"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the benchmark model (HF config name, integer value)")  # fmt: skip
     args = parser.parse_args()
     tiles = {name: getattr(args, name) for name in ("page_size", "attention_query_tile", "linear_tile")}
+    model_fields = dict(BENCHMARK_MODEL)
+    for item in args.model:
+        key, _, value = item.partition("=")
+        if key not in model_fields or not value.isdigit():
+            parser.error(f"--model {item!r}: give KEY=INTEGER with KEY one of {sorted(model_fields)}")
+        model_fields[key] = int(value)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
     torch.manual_seed(0)
     results: dict[str, object] = {
-        "model": BENCHMARK_MODEL,
-        "dtype": "float32",
+        "model": model_fields,
+        "dtype": args.dtype,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
@@ -110,12 +131,13 @@ def main() -> None:
         "unit": "seconds (median)",
     }
     with tempfile.TemporaryDirectory() as model_dir, torch.no_grad():
-        save_random_model(model_dir, tiny_config("dense", **BENCHMARK_MODEL), seed=0)
-        det = load_model(model_dir, KernelConfig(mode="deterministic", **tiles))
-        fast = load_model(model_dir, KernelConfig(mode="fast", **tiles))
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        save_random_model(model_dir, tiny_config("dense", **model_fields), seed=0)
+        det = load_model(model_dir, KernelConfig(mode="deterministic", dtype=args.dtype, **tiles), device)
+        fast = load_model(model_dir, KernelConfig(mode="fast", dtype=args.dtype, **tiles), device)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, BENCHMARK_MODEL["vocab_size"], (args.prefill_tokens,), generator=generator)
+        vocab = model_fields["vocab_size"]
+        prompt = torch.randint(0, vocab, (args.prefill_tokens,), generator=generator).to(device)
         prefill = {
             "deterministic": median_seconds(miles_prefill(det, prompt), args.repeats),
             "fast": median_seconds(miles_prefill(fast, prompt), args.repeats),
@@ -125,7 +147,7 @@ def main() -> None:
         print(f"prefill {args.prefill_tokens}: {fmt(prefill)}")
         decode = {}
         for batch in args.batches:
-            prompts = torch.randint(0, BENCHMARK_MODEL["vocab_size"], (batch, args.context), generator=generator)
+            prompts = torch.randint(0, vocab, (batch, args.context), generator=generator).to(device)
             times = {
                 "deterministic": median_seconds(miles_decode(det, prompts), args.repeats),
                 "fast": median_seconds(miles_decode(fast, prompts), args.repeats),
