@@ -268,7 +268,7 @@ class FSDP2Backend:
         """`miles_kernels.weights_checksum` of the weights an engine would receive (kernel dtype, HF names);
         equal to the engine's after a sync when the bits match. Every rank calls it (the gathers are collectives)."""
         self._check_onloaded()
-        return weights_checksum(export_tensors(self.model))
+        return weights_checksum(export_tensors(self.model, fresh=False))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU under HF checkpoint names (tied embeddings once), identical on every rank."""

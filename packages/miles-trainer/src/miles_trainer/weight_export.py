@@ -31,23 +31,27 @@ def export_names(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())  # named_parameters drops the tied duplicate (lm_head.weight)
 
 
-def _gathered(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gathered(param: torch.Tensor, dtype: torch.dtype, fresh: bool = True) -> torch.Tensor:
     value = param.detach()
     full = value.full_tensor() if hasattr(value, "full_tensor") else value
     out = full.to(device="cpu", dtype=dtype)
-    # Never hand out the parameter's own storage (one rank, same dtype): the encoders must not touch, and pin via
-    # numpy, the storage that offload later frees. A gathered or cast tensor is already a fresh one.
+    # Unless the caller only reads it at once (`fresh=False`), never hand out the parameter's own storage (one rank,
+    # same dtype): the encoders must not touch, and pin via numpy, the storage that offload later frees. A gathered
+    # or cast tensor is already a fresh one.
     local = value.to_local() if hasattr(value, "to_local") else value
-    if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+    if fresh and out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         out = out.clone()
     return out
 
 
-def export_tensors(model: CausalLM, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor on CPU in the engine's dtype), gathered one tensor at a time (every rank iterates)."""
+def export_tensors(
+    model: CausalLM, dtype: torch.dtype | None = None, fresh: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor on CPU in the engine's dtype), gathered one tensor at a time (every rank iterates).
+    `fresh=False`: a CPU parameter already in `dtype` comes back as itself, for a caller that only reads it."""
     dtype = dtype or model.kernel.torch_dtype
     for name, param in export_names(model):
-        yield name, _gathered(param, dtype)
+        yield name, _gathered(param, dtype, fresh)
 
 
 def iter_weight_buckets(
@@ -81,7 +85,7 @@ def write_weights_file(model: CausalLM, file: str | os.PathLike[str], write: boo
     (12.9 MB: ~6 ms instead of ~18 ms on 2 CPU cores). The caller owns the protocol that makes this safe: the engine
     reads the file only when told to, after this returns; a write cut short is made whole by the next one.
     """
-    tensors = dict(export_tensors(model))
+    tensors = dict(export_tensors(model, fresh=False))  # only read, before this returns: no copies to make
     if not write:
         return 0
     if not _overwrite_in_place(Path(file), tensors):
