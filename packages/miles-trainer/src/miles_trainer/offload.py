@@ -87,11 +87,11 @@ class FileStore:
     def put(self, index: int, data: torch.Tensor) -> None:
         # Copied through a fixed chunk buffer: `data.numpy()` would mark the storage non-resizable for good.
         for start in range(0, data.numel(), CHUNK_BYTES):
-            piece = data[start : start + CHUNK_BYTES]
-            self._chunk_tensor[: piece.numel()].copy_(piece)
-            view = memoryview(self._chunk)[: piece.numel()]
-            while view:  # os.pwrite may write less than asked
-                view = view[os.pwrite(self._fd, view, self._end + start + piece.numel() - len(view)) :]
+            length = min(CHUNK_BYTES, data.numel() - start)
+            self._chunk_tensor[:length].copy_(data[start : start + length])
+            done = 0
+            while done < length:  # os.pwrite may write less than asked
+                done += os.pwrite(self._fd, memoryview(self._chunk)[done:length], self._end + start + done)
         self._offsets[index] = (self._end, data.numel())
         self._end += data.numel()
 
