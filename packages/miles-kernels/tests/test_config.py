@@ -19,6 +19,10 @@ def test_fingerprint_tracks_every_field() -> None:
         assert KernelConfig(**change).fingerprint() != base.fingerprint(), change
     described = base.describe()
     assert described["fingerprint"] == base.fingerprint() and described["torch"] == torch.__version__
+    # The kind of device is part of the identity (CUDA runs other code paths); the CPU's is the default.
+    assert described["device_type"] == "cpu" and base.fingerprint("cpu") == base.fingerprint()
+    assert base.fingerprint("cuda") != base.fingerprint()
+    assert base.describe("cuda")["fingerprint"] == base.fingerprint("cuda")
     assert described["attention"] == "torch-blocked" and described["linear"] == "torch-tiled"
 
 

@@ -73,15 +73,21 @@ class KernelConfig(BaseModel):
             for op, name in (("attention", self.attention_backend), ("linear", self.linear_backend))
         }
 
-    def _identity(self) -> dict[str, object]:
-        return {**self.model_dump(), **self.resolved_backends(), "torch": torch.__version__}
+    def _identity(self, device_type: str = "cpu") -> dict[str, object]:
+        identity: dict[str, object] = {**self.model_dump(), **self.resolved_backends(), "torch": torch.__version__}
+        if device_type != "cpu":  # CPU fingerprints predate devices: they keep their value (caches, checkpoints)
+            identity["device_type"] = device_type
+        return identity
 
-    def fingerprint(self) -> str:
-        """Short hash of every field, the resolved backends and the torch version: equal fingerprints run the
-        same bits (on the same kind of device)."""
-        payload = json.dumps(self._identity(), sort_keys=True)
+    def fingerprint(self, device_type: str = "cpu") -> str:
+        """Short hash of every field, the resolved backends, the torch version and the kind of device the ops run
+        on (`torch.device(...).type`: the same config runs other code, so other bits, on CUDA than on the CPU):
+        equal fingerprints run the same bits."""
+        payload = json.dumps(self._identity(device_type), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
-    def describe(self) -> dict[str, object]:
-        """Fields, resolved backends, torch version and fingerprint, as the engine and trainer report them."""
-        return {**self._identity(), "fingerprint": self.fingerprint()}
+    def describe(self, device_type: str = "cpu") -> dict[str, object]:
+        """Fields, resolved backends, torch version, device type and fingerprint, as the engine and trainer report
+        them."""
+        identity = self._identity(device_type)
+        return {**identity, "device_type": device_type, "fingerprint": self.fingerprint(device_type)}

@@ -104,7 +104,7 @@ class TrainerRankActor:
             max_tokens_per_micro_batch=options["max_tokens_per_micro_batch"],
             activation_checkpointing=options["activation_checkpointing"], offload_dir=options["offload_dir"],
         )  # fmt: skip
-        return kernel_config.fingerprint()
+        return kernel_config.fingerprint(next(self.backend.model.parameters()).device.type)
 
     def train(
         self, samples: list[dict[str, Any]], advantages: list[list[float]], old_logprobs: Any, measure_mismatch: bool

@@ -123,7 +123,7 @@ def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: Any) ->
         raise RuntimeError(
             f"true on-policy refused: the engine runs kernel config {info['kernel_config']} (fingerprint "
             f"{fingerprint}), the trainer {cluster.trainer_fingerprint}; give both the same KernelConfig (dtype, "
-            "mode, tile and page sizes) and the same torch version"
+            "mode, tile and page sizes), the same torch version and the same kind of device"
         )
     checksum = cluster.trainer_checksum()
     if info["checksum"] != checksum:

@@ -357,7 +357,7 @@ class Engine:
     def server_info(self) -> dict[str, Any]:
         return {
             "model_path": self.config.model_path,
-            "kernel_config": self.config.kernel.describe(),
+            "kernel_config": self.config.kernel.describe(torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
             "page_size": self.page_size,
             "max_running_requests": self.config.max_running_requests,
