@@ -280,12 +280,10 @@ class FSDP2Backend:
         return state
 
     def _offload_targets(self) -> Iterator[torch.Tensor]:
+        """Parameters (the reference's too) and optimizer state; gradients are dropped by `offload`, not moved."""
         for model in (self.model, self.reference):
             if model is not None:
-                for param in model.parameters():
-                    yield param
-                    if param.grad is not None:
-                        yield param.grad
+                yield from model.parameters()
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 

@@ -1,7 +1,8 @@
 """Offload / onload of a trainer's tensors between RL phases (step 8 of the data path, colocated runs).
 
-While the rollout engine works, the trainer gives its memory back: parameters (the local FSDP shards),
-gradients and optimizer state move out of the device, and return before the next train step. The tensors stay
+While the rollout engine works, the trainer gives its memory back: parameters (the local FSDP shards) and
+optimizer state move out of the device and return before the next train step (the last step's gradients are
+dropped: the next step starts from none). The tensors stay
 the same Python objects (FSDP2, the optimizer and autograd keep their references): only each tensor's *storage*
 is emptied (`untyped_storage().resize_(0)`) and later re-allocated and refilled, so the round trip is bit-exact
 and needs no re-wiring. Where the bytes wait:
