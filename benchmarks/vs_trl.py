@@ -23,6 +23,12 @@ one HF `generate` evaluation for the initial policy, Miles' final policy (RUN_DI
 Miles' own engine evaluation (`eval_pass@1` at step N) is reported next to it. Seeds run interleaved (Miles,
 TRL, Miles, ...) so a change in machine load hits both sides.
 The summary's ratio and goal use the faster Miles placement; both are in the JSON.
+In-process floor (`miles_in_process`, once per run, before the seeds): Miles' own parts on the same workload in
+this one process with nothing between them -- the engine's generate through `InProcessClient` (no HTTP, no Ray),
+the task verifier called inline (no reward workers), the FSDP2 trainer's `train_step` called directly (no Ray, no
+JSON), and the weight sync as a file write in /dev/shm plus the engine's load from it. Each part's median over
+steps 1..N-1; their sum is the step time Miles would have if orchestration cost nothing, and `trl_over_floor` is
+the speed-up over TRL that such a step would give.
 
     uv run python benchmarks/vs_trl.py --out benchmarks/results/vs_trl.json
     uv run python benchmarks/vs_trl.py --steps 2 --seeds 0 --num-eval-prompts 20   # smoke run
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -49,6 +56,7 @@ import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 
+from miles_contracts import SamplingParams
 from miles_orchestrator.bootstrap import bootstrap_policy
 from miles_orchestrator.config import RunConfig, load_config
 from miles_orchestrator.data import build_data_source, build_eval_samples
@@ -134,6 +142,85 @@ def run_miles(
         "own_eval_pass_at_1_step_0": evals.get(0),
         "process_wall_s": wall,  # Ray start-up, both evaluations, the checkpoint and the export included
         "final_dir": str(run_dir / "final"),
+    }
+
+
+def measure_in_process(cfg: RunConfig, policy: str, steps: int, threads: int) -> dict[str, Any]:
+    """Miles' engine, reward and trainer in one process, called directly, on the benchmark's workload (see the
+    module docstring); per-part step times and their sum. Runs in a fresh process in which every torch op runs
+    on the engine's thread: a second thread that has run parallel torch ops keeps an OpenMP team of its own, and
+    two teams on the same cores slowed both parts ~1.5-2x (measured), which would make this no floor at all."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        result: dict[str, Any] = pool.apply(_in_process_parts, (cfg, policy, steps, threads))
+    return result
+
+
+def _in_process_parts(cfg: RunConfig, policy: str, steps: int, threads: int) -> dict[str, Any]:
+    import asyncio
+
+    import torch.distributed as dist
+
+    from miles_kernels import KernelConfig
+    from miles_orchestrator.loop import group_advantages
+    from miles_orchestrator.rollout import PromptEncoder, expand_groups, run_groups, single_turn
+    from miles_rollout import Engine, EngineConfig, InProcessClient, free_port
+    from miles_trainer import FSDP2Backend, OptimizerConfig, PolicyLossConfig
+
+    torch.set_num_threads(threads)  # the engine thread takes its creator's setting
+    r, t = cfg.rollout, cfg.trainer
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    kernel = KernelConfig()
+    engine = Engine(EngineConfig(model_path=policy, kernel=kernel, num_kv_pages=r.num_kv_pages,
+                                 max_running_requests=r.max_running_requests, seed=cfg.run.seed))  # fmt: skip
+
+    def on_engine_thread(fn: Any) -> Any:
+        return asyncio.run(engine.control(fn, needs_idle=True))
+
+    sync_dir = Path(tempfile.mkdtemp(prefix="vs-trl-sync-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        trainer = on_engine_thread(lambda: FSDP2Backend(
+            policy, kernel, OptimizerConfig(lr=t.lr, max_grad_norm=t.max_grad_norm),
+            PolicyLossConfig(agg_mode=LOSSES["grpo"]["miles"][1], temperature=r.temperature),
+        ))  # fmt: skip
+        shutil.copy(Path(policy) / "config.json", sync_dir / "config.json")
+        client, encode, source = InProcessClient(engine), PromptEncoder(policy), build_data_source(cfg.data)
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+        times: dict[str, list[float]] = {"rollout_time_s": [], "reward_time_s": [], "train_time_s": [],
+                                         "sync_time_s": []}  # fmt: skip
+        mismatch = []
+        for version in range(1, steps + 1):
+            began = time.perf_counter()
+            groups = expand_groups(source.get_samples(r.num_prompts_per_step), r.n_samples_per_prompt, encode)
+            groups = asyncio.run(run_groups(client, groups, params, cfg.run.seed, single_turn))
+            batch = [s for g in groups for s in g]
+            scored = time.perf_counter()
+            batch = [s.model_copy(update={"reward": verify(s.response or "", s.label)}) for s in batch]
+            trained = time.perf_counter()
+            advantages = group_advantages(cfg, batch)
+            metrics = on_engine_thread(lambda b=batch, a=advantages: trainer.train_step(b, a, measure_mismatch=True))
+            mismatch.append(metrics["train_rollout_logprob_abs_diff"])
+            synced = time.perf_counter()
+
+            def sync(v: int = version) -> None:
+                trainer.write_weights(sync_dir / "model.safetensors")
+                engine.update_weights_from_disk(str(sync_dir), v)
+
+            on_engine_thread(sync)
+            done = time.perf_counter()
+            for key, seconds in zip(times, (scored - began, trained - scored, synced - trained, done - synced),
+                                    strict=True):  # fmt: skip
+                times[key].append(seconds)
+    finally:
+        engine.shutdown()
+        dist.destroy_process_group()
+        shutil.rmtree(sync_dir, ignore_errors=True)
+    medians = {key: timed_median(values) for key, values in times.items()}
+    return {
+        "step_time_parts_s": times,
+        "median_part_time_s": medians,
+        "floor_step_time_s": sum(medians.values()),
+        "train_rollout_logprob_abs_diff_max": max(mismatch),
     }
 
 
@@ -273,6 +360,9 @@ def main() -> None:
                            eval_samples, max_new)  # fmt: skip
     print(f"policy {policy}: initial held-out pass@1 (HF greedy) {initial:.3f}", flush=True)
     results = describe(args, cfg, policy, cores, len(eval_samples)) | {"initial_pass_at_1_hf": initial, "runs": []}
+    results["miles_in_process"] = measure_in_process(cfg, policy, args.steps, args.threads)
+    print(f"miles in one process, no orchestration: {results['miles_in_process']['floor_step_time_s']:.3f} s per "
+          f"step ({results['miles_in_process']['median_part_time_s']})", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -297,11 +387,14 @@ def main() -> None:
             results["runs"].append(run)
     results["summary"] = summarize(results["runs"], args.miles_placement)
     s = results["summary"]
+    s["miles_in_process_floor_step_time_s"] = results["miles_in_process"]["floor_step_time_s"]
+    s["trl_over_floor"] = s["trl_median_step_time_s"] / s["miles_in_process_floor_step_time_s"]
     print(f"median step: miles {s['miles_median_step_time_s']:.2f} s ({s['miles_placement']}), trl "
           f"{s['trl_median_step_time_s']:.2f} s, trl/miles {s['trl_over_miles_step_time']:.2f}x | pass@1 (HF eval, "
           "mean over seeds): miles "
           f"{s['miles_pass_at_1_hf_mean']:.3f} (own eval {s['miles_own_eval_pass_at_1_mean']:.3f}), trl "
-          f"{s['trl_pass_at_1_hf_mean']:.3f}, initial {initial:.3f} | goal met: {s['goal_met']}")  # fmt: skip
+          f"{s['trl_pass_at_1_hf_mean']:.3f}, initial {initial:.3f} | goal met: {s['goal_met']} | in-process "
+          f"floor {s['miles_in_process_floor_step_time_s']:.2f} s, trl/floor {s['trl_over_floor']:.2f}x")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

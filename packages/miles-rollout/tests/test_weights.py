@@ -4,10 +4,12 @@ broadcast over gloo), versions, memory release / resume, and failure handling, a
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 
 import httpx
 import pytest
+import torch
 
 from miles_contracts import GenerateRequest, SamplingParams
 from miles_kernels import (
@@ -236,3 +238,38 @@ def test_weights_checksum_tracks_the_served_weights(server, dense_dir, second_mo
     before, after, restored = asyncio.run(scenario())
     assert before == expected(dense_dir) == restored
     assert after == expected(second_model) != before
+
+
+def test_a_weight_file_rewritten_in_place_is_served_after_each_update(server, dense_dir, second_model, tmp_path):
+    """The trainer's same-node sync: one checkpoint file, overwritten in place before every
+    /update_weights_from_disk. The engine keeps that file mapped between updates; each update must serve the bytes
+    the file holds at that moment (never a stale page), bit for bit."""
+    from miles_kernels import MappedSafetensors, weights_checksum
+
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    shutil.copy(dense_dir / "config.json", sync)
+    shutil.copy(dense_dir / "model.safetensors", sync)
+    writer = MappedSafetensors()
+
+    def overwrite_with(model_dir) -> str:
+        tensors = checkpoint_tensors(load_model(model_dir, KernelConfig()))
+        inode = (sync / "model.safetensors").stat().st_ino
+        for name, (_, data) in writer.slots(sync / "model.safetensors").items():
+            data.copy_(tensors[name].reshape(-1).view(torch.uint8))
+        assert (sync / "model.safetensors").stat().st_ino == inode
+        return weights_checksum(tensors.items())
+
+    async def served(version: int) -> tuple[str, list[tuple]]:
+        async with Client(server) as client:
+            await client.update_weights_from_disk(str(sync), weight_version=version)
+            return await client.weights_checksum(), outputs(await client.generate(PROBE))
+
+    first = asyncio.run(served(50))
+    second_checksum = overwrite_with(second_model)
+    second = asyncio.run(served(51))
+    first_checksum = overwrite_with(dense_dir)
+    again = asyncio.run(served(52))
+    assert first == (first_checksum, fresh_engine_outputs(dense_dir)) == again
+    assert second == (second_checksum, fresh_engine_outputs(second_model))
+    assert second_checksum != first_checksum

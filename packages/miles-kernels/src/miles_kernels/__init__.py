@@ -21,9 +21,11 @@ from miles_kernels.buckets import (
 )
 from miles_kernels.config import KernelConfig
 from miles_kernels.hf_io import (
+    MappedSafetensors,
     TensorSlot,
     checkpoint_tensors,
     iter_checkpoint,
+    load_mapped,
     load_model,
     load_state,
     read_model_config,
@@ -77,6 +79,7 @@ __all__ = [
     "CausalLM",
     "KVStore",
     "KernelConfig",
+    "MappedSafetensors",
     "ModelConfig",
     "PagedRunner",
     "RowSampling",
@@ -102,6 +105,7 @@ __all__ = [
     "iter_buckets",
     "iter_checkpoint",
     "linear",
+    "load_mapped",
     "load_model",
     "load_state",
     "logprob_temperatures",

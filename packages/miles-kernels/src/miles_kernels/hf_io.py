@@ -65,6 +65,65 @@ def safetensors_layout(file: str | os.PathLike[str]) -> dict[str, TensorSlot]:
     return slots
 
 
+class MappedSafetensors:
+    """One safetensors file kept mapped into this process (a shared mapping of the file's own pages), with a byte
+    view of each tensor: reads see what other processes wrote to the file, writes land in it.
+
+    Copying through a mapping that stays open skips the page faults of mapping the file anew on every use (12.6 MB
+    in /dev/shm, 2 CPU cores: 0.6 ms per copy instead of 4 ms). `slots(file)` re-reads the header on every call
+    (cheap) and maps again when the file was replaced (another inode), resized or re-laid out, so a stale mapping
+    is never used. The caller owns the protocol that makes concurrent use safe (who writes, and when the other
+    side reads); holding the mapping keeps a deleted file's pages alive until `close()` or the next remap.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int, int] | None = None
+        self._slots: dict[str, TensorSlot] = {}
+        self._bytes: dict[str, torch.Tensor] = {}
+
+    def slots(self, file: str | os.PathLike[str]) -> dict[str, tuple[TensorSlot, torch.Tensor]]:
+        """Name -> (slot, uint8 view of its bytes in the mapping). Raises ValueError for a file that is not
+        safetensors, OSError for one that cannot be opened."""
+        slots = safetensors_layout(file)
+        stat = os.stat(file)
+        key = (os.path.realpath(file), stat.st_ino, stat.st_size)
+        if key != self._key or slots != self._slots:
+            self.close()
+            data = torch.from_file(os.fspath(file), shared=True, size=stat.st_size, dtype=torch.uint8)
+            self._bytes = {name: data[slot.begin : slot.end] for name, slot in slots.items()}
+            self._key, self._slots = key, slots
+        return {name: (slot, self._bytes[name]) for name, slot in self._slots.items()}
+
+    def close(self) -> None:
+        """Drop the mapping."""
+        self._key, self._slots, self._bytes = None, {}, {}
+
+
+def load_mapped(model: CausalLM, mapping: MappedSafetensors, model_dir: str | os.PathLike[str]) -> bool:
+    """Copy a single-file checkpoint into the model's parameters straight from a kept mapping (one copy, no
+    safetensors tensors in between). Only when the file holds exactly the model's checkpoint tensors with their
+    dtypes and shapes (and the parameters are contiguous): then returns True after copying; otherwise returns
+    False having changed nothing (load with `load_state(model, dict(iter_checkpoint(...)))`)."""
+    file = Path(model_dir) / SINGLE_FILE
+    if not file.is_file():
+        return False
+    try:
+        slots = mapping.slots(file)
+    except ValueError:
+        return False
+    targets = checkpoint_tensors(model)
+    if slots.keys() != targets.keys():
+        return False
+    for name, target in targets.items():
+        slot = slots[name][0]
+        if slot.dtype != target.dtype or slot.shape != tuple(target.shape) or not target.is_contiguous():
+            return False
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.view(-1).view(torch.uint8).copy_(slots[name][1])
+    return True
+
+
 def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     """Parse `config.json` of a Hugging Face model directory."""
     path = Path(model_dir) / "config.json"

@@ -26,9 +26,11 @@ import torch
 from miles_contracts import GenerateRequest, GenerateResponse
 from miles_kernels import (
     BucketAssembler,
+    MappedSafetensors,
     checkpoint_tensors,
     decode_bucket,
     iter_checkpoint,
+    load_mapped,
     load_model,
     load_state,
     read_model_config,
@@ -55,6 +57,9 @@ class Engine:
         self.released: set[str] = set()
         self.weights_stale = False
         self._assemblers: dict[int, BucketAssembler] = {}
+        # The weight file a trainer on this node rewrites in place before every `/update_weights_from_disk` (in
+        # /dev/shm): kept mapped, so each update is one copy into the parameters with no page faults.
+        self._weights_file = MappedSafetensors()
         self._incoming: list[Group] = []
         self._controls: deque[ControlItem] = deque()
         self._aborts: deque[str | None] = deque()
@@ -138,7 +143,9 @@ class Engine:
         if new_config.to_hf() != self.model_config.to_hf():
             raise EngineError(f"{model_path} holds a different architecture than the served model; cannot update")
         self._require_weights_resident()
-        load_state(self.model, dict(iter_checkpoint(path)))
+        if not load_mapped(self.model, self._weights_file, path):
+            self._weights_file.close()  # not a file laid out like the model: read it the general way
+            load_state(self.model, dict(iter_checkpoint(path)))
         return self._new_version(version)
 
     def receive_bucket(self, data: bytes) -> dict[str, Any]:

@@ -235,8 +235,9 @@ class Scheduler:
         temps = torch.tensor([[s.group.logprob_temperature()] for s in sequences_to_sample], device=logits.device)
         logprobs = token_logprobs(row_logits, tokens, temps)
         top = self._top_logprobs(row_logits, temps, sequences_to_sample)
-        for j, seq in enumerate(sequences_to_sample):
-            self._append_token(seq, int(tokens[j]), float(logprobs[j]), top[j])
+        rows_out = zip(sequences_to_sample, tokens.tolist(), logprobs.tolist(), top, strict=True)
+        for seq, token, logprob, top_j in rows_out:
+            self._append_token(seq, token, logprob, top_j)
 
     def _top_logprobs(
         self, row_logits: torch.Tensor, temps: torch.Tensor, seqs: list[Sequence]

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, load_model, weights_checksum
+from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, load_model, weights_checksum
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
 from miles_trainer.packing import pack_samples, plan_samples
@@ -152,6 +152,7 @@ class FSDP2Backend:
         self.step_count = 0
         store: OffloadStore = FileStore(offload_dir) if device == "cpu" else HostStore()
         self._offloader = Offloader(store)
+        self._weights_file = MappedSafetensors()  # the engine's weight file, kept mapped between syncs
 
     def _num_passes(self, samples: Sequence[Sample]) -> int:
         """Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank."""
@@ -262,7 +263,7 @@ class FSDP2Backend:
         it (the gathers are collectives); ranks with `write=False` only join them. Holds one full copy of the
         weights in host memory while writing."""
         self._check_onloaded()
-        return write_weights_file(self.model, file, write)
+        return write_weights_file(self.model, file, write, self._weights_file)
 
     def weights_checksum(self) -> str:
         """`miles_kernels.weights_checksum` of the weights an engine would receive (kernel dtype, HF names);

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from miles_kernels import CausalLM, encode_bucket, plan_buckets, safetensors_layout
+from miles_kernels import CausalLM, MappedSafetensors, encode_bucket, plan_buckets
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -75,42 +75,46 @@ def iter_weight_buckets(
         yield data
 
 
-def write_weights_file(model: CausalLM, file: str | os.PathLike[str], write: bool = True) -> int:
+def write_weights_file(
+    model: CausalLM, file: str | os.PathLike[str], write: bool = True, mapping: MappedSafetensors | None = None
+) -> int:
     """The model's full weights (HF names, kernel dtype) as one safetensors file: what an engine on the same node
     loads with `/update_weights_from_disk`. Every rank of a sharded model calls it (the gathers are collectives);
     ranks with `write=False` only join them. Returns the bytes.
 
     The first write creates the file atomically (a temp file, then a rename). When the file already holds the same
-    tensors (names, dtypes, shapes), later writes overwrite their bytes in place: no serialization and no new file
-    (12.9 MB: ~6 ms instead of ~18 ms on 2 CPU cores). The caller owns the protocol that makes this safe: the engine
-    reads the file only when told to, after this returns; a write cut short is made whole by the next one.
+    tensors (names, dtypes, shapes), later writes overwrite their bytes in place through `mapping` (kept mapped
+    between writes by the caller; a fresh one if None): no serialization, no new file, and with a kept mapping no
+    page faults (12.6 MB on 2 CPU cores: ~0.6 ms of copying instead of ~4 ms through a new mapping, ~18 ms
+    serialized). The caller owns the protocol that makes this safe: the engine reads the file only when told to,
+    after this returns; a write cut short is made whole by the next one.
     """
     tensors = dict(export_tensors(model, fresh=False))  # only read, before this returns: no copies to make
     if not write:
         return 0
-    if not _overwrite_in_place(Path(file), tensors):
+    if not _overwrite_in_place(Path(file), tensors, mapping or MappedSafetensors()):
         staging = f"{os.fspath(file)}.tmp{os.getpid()}"
         save_file(tensors, staging)
         os.replace(staging, file)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _overwrite_in_place(file: Path, tensors: dict[str, torch.Tensor]) -> bool:
+def _overwrite_in_place(file: Path, tensors: dict[str, torch.Tensor], mapping: MappedSafetensors) -> bool:
     """Copy each tensor's bytes over its slot of an existing safetensors file with the same layout; False (and
     nothing written) when there is no such file."""
     if not file.is_file():
         return False
     try:
-        slots = safetensors_layout(file)
+        slots = mapping.slots(file)
     except (ValueError, OSError):  # not a readable safetensors file: rewrite it whole
+        mapping.close()
         return False
     same = slots.keys() == tensors.keys() and all(
-        slots[name].dtype == t.dtype and slots[name].shape == tuple(t.shape) for name, t in tensors.items()
+        slots[name][0].dtype == t.dtype and slots[name][0].shape == tuple(t.shape) for name, t in tensors.items()
     )
     if not same:
+        mapping.close()  # the file is about to be replaced
         return False
-    mapped = torch.from_file(str(file), shared=True, size=file.stat().st_size, dtype=torch.uint8)
     for name, tensor in tensors.items():
-        slot = slots[name]
-        mapped[slot.begin : slot.end].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        slots[name][1].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
     return True
