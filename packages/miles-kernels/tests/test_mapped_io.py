@@ -14,6 +14,7 @@ from miles_kernels import (
     KernelConfig,
     MappedSafetensors,
     checkpoint_tensors,
+    in_shared_memory,
     load_mapped,
     random_model,
     save_model,
@@ -102,3 +103,9 @@ def test_a_bad_file_is_a_value_error(tmp_path) -> None:
     file.write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match="not a safetensors file"):
         MappedSafetensors().slots(file)
+
+
+def test_shared_memory_paths(tmp_path) -> None:
+    assert in_shared_memory("/dev/shm/miles-sync/model.safetensors")
+    assert not in_shared_memory(tmp_path / "model.safetensors")
+    assert not in_shared_memory("/dev/shmother/model.safetensors")

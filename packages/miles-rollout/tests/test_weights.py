@@ -273,3 +273,28 @@ def test_a_weight_file_rewritten_in_place_is_served_after_each_update(server, de
     assert first == (first_checksum, fresh_engine_outputs(dense_dir)) == again
     assert second == (second_checksum, fresh_engine_outputs(second_model))
     assert second_checksum != first_checksum
+
+
+def test_only_a_shared_memory_weight_file_stays_mapped(dense_dir, second_model, tmp_path) -> None:
+    """After `/update_weights_from_disk` the engine keeps the file mapped only when it is in /dev/shm (the trainer's
+    same-node sync, rewritten in place every step); a checkpoint elsewhere is unmapped, so deleting it frees its
+    disk space. Checked in the process's own memory map."""
+    import tempfile
+    from pathlib import Path
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or not Path("/dev/shm").is_dir():
+        pytest.skip("needs /proc/self/maps and /dev/shm (Linux)")
+    engine = Engine(EngineConfig(model_path=str(dense_dir), kernel=KernelConfig(page_size=16), num_kv_pages=64))
+    shm = Path(tempfile.mkdtemp(prefix="miles-test-", dir="/dev/shm"))
+    try:
+        for directory in (shm, tmp_path / "disk"):
+            shutil.copytree(second_model, directory, dirs_exist_ok=True)
+            client = InProcessClient(engine)
+            asyncio.run(client.update_weights_from_disk(str(directory)))
+            mapped = str(directory.resolve() / "model.safetensors") in maps.read_text()
+            assert mapped == (directory == shm), directory
+        assert asyncio.run(InProcessClient(engine).generate(PROBE))  # still serving
+    finally:
+        engine.shutdown()
+        shutil.rmtree(shm, ignore_errors=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -58,3 +59,30 @@ def test_bf16_weights_are_written_in_the_kernel_dtype(tmp_path) -> None:
         tensors = expected(model)
         assert all(t.dtype == torch.bfloat16 for t in tensors.values())
         assert_file_holds(file, tensors)
+
+
+def test_a_kept_mapping_is_kept_only_for_a_shared_memory_file(tmp_path) -> None:
+    """A caller's mapping stays open between writes to a /dev/shm file (the engine sync: no page faults next time)
+    and is closed after a write anywhere else (a mapping would keep a deleted file's disk space in use). Checked in
+    the process's own memory map; every write lands, bit for bit."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from miles_kernels import MappedSafetensors
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or not Path("/dev/shm").is_dir():
+        pytest.skip("needs /proc/self/maps and /dev/shm (Linux)")
+    model = random_model(tiny_config("dense"), KernelConfig(), seed=4)
+    shm = Path(tempfile.mkdtemp(prefix="miles-test-", dir="/dev/shm"))
+    try:
+        for directory in (shm, tmp_path):
+            file = directory / "model.safetensors"
+            mapping = MappedSafetensors()
+            for _ in range(2):  # created, then overwritten in place through the mapping
+                write_weights_file(model, file, mapping=mapping)
+                assert_file_holds(file, expected(model))
+            assert (str(file.resolve()) in maps.read_text()) == (directory == shm), directory
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

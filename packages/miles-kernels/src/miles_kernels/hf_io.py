@@ -65,6 +65,15 @@ def safetensors_layout(file: str | os.PathLike[str]) -> dict[str, TensorSlot]:
     return slots
 
 
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def in_shared_memory(file: str | os.PathLike[str]) -> bool:
+    """True for a path in /dev/shm: a weight file there is worth keeping mapped (`MappedSafetensors`) between
+    uses; a file on disk is better unmapped after each use, or deleting it would not free its space."""
+    return Path(file).resolve().is_relative_to(SHARED_MEMORY)
+
+
 class MappedSafetensors:
     """One safetensors file kept mapped into this process (a shared mapping of the file's own pages), with a byte
     view of each tensor: reads see what other processes wrote to the file, writes land in it.

@@ -29,6 +29,7 @@ from miles_kernels import (
     MappedSafetensors,
     checkpoint_tensors,
     decode_bucket,
+    in_shared_memory,
     iter_checkpoint,
     load_mapped,
     load_model,
@@ -58,7 +59,8 @@ class Engine:
         self.weights_stale = False
         self._assemblers: dict[int, BucketAssembler] = {}
         # The weight file a trainer on this node rewrites in place before every `/update_weights_from_disk` (in
-        # /dev/shm): kept mapped, so each update is one copy into the parameters with no page faults.
+        # /dev/shm): kept mapped, so each update is one copy into the parameters with no page faults. A checkpoint
+        # anywhere else is unmapped after loading: a mapping would keep a deleted file's disk space in use.
         self._weights_file = MappedSafetensors()
         self._incoming: list[Group] = []
         self._controls: deque[ControlItem] = deque()
@@ -146,6 +148,8 @@ class Engine:
         if not load_mapped(self.model, self._weights_file, path):
             self._weights_file.close()  # not a file laid out like the model: read it the general way
             load_state(self.model, dict(iter_checkpoint(path)))
+        if not in_shared_memory(path):
+            self._weights_file.close()
         return self._new_version(version)
 
     def receive_bucket(self, data: bytes) -> dict[str, Any]:

@@ -261,7 +261,7 @@ class FSDP2Backend:
         """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file (created atomically,
         then overwritten in place: `weight_export.write_weights_file`); returns its tensor bytes. Every rank calls
         it (the gathers are collectives); ranks with `write=False` only join them. Holds one full copy of the
-        weights in host memory while writing."""
+        weights in host memory while writing. A file in /dev/shm stays mapped between calls (no page faults)."""
         self._check_onloaded()
         return write_weights_file(self.model, file, write, self._weights_file)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from miles_kernels import CausalLM, MappedSafetensors, encode_bucket, plan_buckets
+from miles_kernels import CausalLM, MappedSafetensors, encode_bucket, in_shared_memory, plan_buckets
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -84,18 +84,22 @@ def write_weights_file(
 
     The first write creates the file atomically (a temp file, then a rename). When the file already holds the same
     tensors (names, dtypes, shapes), later writes overwrite their bytes in place through `mapping` (kept mapped
-    between writes by the caller; a fresh one if None): no serialization, no new file, and with a kept mapping no
-    page faults (12.6 MB on 2 CPU cores: ~0.6 ms of copying instead of ~4 ms through a new mapping, ~18 ms
-    serialized). The caller owns the protocol that makes this safe: the engine reads the file only when told to,
-    after this returns; a write cut short is made whole by the next one.
+    between writes by the caller when the file is in /dev/shm, closed after the write elsewhere; a fresh one if
+    None): no serialization, no new file, and with a kept mapping no page faults (12.6 MB on 2 CPU cores: 3.3 ms a
+    write, against 8.6 ms through a new mapping each time and ~18 ms serialized). The caller owns the protocol that
+    makes this safe: the engine reads the file only when told to, after this returns; a write cut short is made
+    whole by the next one.
     """
     tensors = dict(export_tensors(model, fresh=False))  # only read, before this returns: no copies to make
     if not write:
         return 0
-    if not _overwrite_in_place(Path(file), tensors, mapping or MappedSafetensors()):
+    mapping = mapping or MappedSafetensors()
+    if not _overwrite_in_place(Path(file), tensors, mapping):
         staging = f"{os.fspath(file)}.tmp{os.getpid()}"
         save_file(tensors, staging)
         os.replace(staging, file)
+    if not in_shared_memory(file):  # only /dev/shm files stay mapped: a deleted file on disk must free its space
+        mapping.close()
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
