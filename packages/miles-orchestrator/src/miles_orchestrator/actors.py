@@ -43,13 +43,15 @@ class RolloutEngineActor:
     ) -> None:
         import uvicorn
 
-        from miles_rollout import Engine, EngineConfig, create_app, free_port
+        from miles_rollout import KEEP_ALIVE_S, Engine, EngineConfig, create_app, free_port
 
         _set_threads(num_threads)
         self.engine = Engine(EngineConfig(model_path=model_dir, kernel=KernelConfig(**kernel), **engine))
         port = free_port()
         app = create_app(self.engine, admin_key=admin_key, host="127.0.0.1")
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+        )
         threading.Thread(target=self.server.run, daemon=True, name="miles-rollout-http").start()
         self.url = f"http://127.0.0.1:{port}"
         asyncio.run(_wait_until_healthy(self.url))

@@ -13,11 +13,12 @@ from miles_rollout.engine import Engine
 from miles_rollout.engine_config import EngineConfig, EngineError
 from miles_rollout.in_process import InProcessClient
 from miles_rollout.launch import free_port, launch_server
-from miles_rollout.server import create_app
+from miles_rollout.server import KEEP_ALIVE_S, create_app
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KEEP_ALIVE_S",
     "Client",
     "CoalescingClient",
     "Engine",

@@ -64,7 +64,7 @@ def serve(args: argparse.Namespace) -> int:
     from miles_kernels import KernelConfig
     from miles_rollout.engine import Engine
     from miles_rollout.engine_config import EngineConfig
-    from miles_rollout.server import create_app
+    from miles_rollout.server import KEEP_ALIVE_S, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -82,7 +82,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     app = create_app(engine, api_key=args.api_key, admin_key=args.admin_key, host=args.host)
     print(f"miles-rollout serving {args.model} on http://{args.host}:{args.port} ({kernel.mode} mode)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S)
     engine.shutdown()
     return 0
 
