@@ -103,6 +103,20 @@ class MappedSafetensors:
             self._key, self._slots = key, slots
         return {name: (slot, self._bytes[name]) for name, slot in self._slots.items()}
 
+    def views_for(
+        self, file: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        """Name -> uint8 view of its bytes in the mapping, when the file holds exactly `tensors`' names, dtypes and
+        shapes; None (and the mapping dropped) otherwise. Raises like `slots`."""
+        slots = self.slots(file)
+        same = slots.keys() == tensors.keys() and all(
+            slots[name][0].dtype == t.dtype and slots[name][0].shape == tuple(t.shape) for name, t in tensors.items()
+        )
+        if not same:
+            self.close()
+            return None
+        return {name: data for name, (_, data) in slots.items()}
+
     def close(self) -> None:
         """Drop the mapping."""
         self._key, self._slots, self._bytes = None, {}, {}
@@ -114,22 +128,18 @@ def load_mapped(model: CausalLM, mapping: MappedSafetensors, model_dir: str | os
     dtypes and shapes (and the parameters are contiguous): then returns True after copying; otherwise returns
     False having changed nothing (load with `load_state(model, dict(iter_checkpoint(...)))`)."""
     file = Path(model_dir) / SINGLE_FILE
-    if not file.is_file():
+    targets = checkpoint_tensors(model)
+    if not file.is_file() or not all(t.is_contiguous() for t in targets.values()):
         return False
     try:
-        slots = mapping.slots(file)
+        views = mapping.views_for(file, targets)
     except ValueError:
         return False
-    targets = checkpoint_tensors(model)
-    if slots.keys() != targets.keys():
+    if views is None:
         return False
-    for name, target in targets.items():
-        slot = slots[name][0]
-        if slot.dtype != target.dtype or slot.shape != tuple(target.shape) or not target.is_contiguous():
-            return False
     with torch.no_grad():
         for name, target in targets.items():
-            target.view(-1).view(torch.uint8).copy_(slots[name][1])
+            target.view(-1).view(torch.uint8).copy_(views[name])
     return True
 
 

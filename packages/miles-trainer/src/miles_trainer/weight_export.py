@@ -109,16 +109,12 @@ def _overwrite_in_place(file: Path, tensors: dict[str, torch.Tensor], mapping: M
     if not file.is_file():
         return False
     try:
-        slots = mapping.slots(file)
+        views = mapping.views_for(file, tensors)  # None (mapping dropped) for another layout: rewritten whole
     except (ValueError, OSError):  # not a readable safetensors file: rewrite it whole
         mapping.close()
         return False
-    same = slots.keys() == tensors.keys() and all(
-        slots[name][0].dtype == t.dtype and slots[name][0].shape == tuple(t.shape) for name, t in tensors.items()
-    )
-    if not same:
-        mapping.close()  # the file is about to be replaced
+    if views is None:
         return False
     for name, tensor in tensors.items():
-        slots[name][1].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        views[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
     return True
