@@ -79,7 +79,7 @@ def bench_server(
     load_before = os.getloadavg()[0]
     num_kv_pages = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // PAGE_SIZE) + 1) + 16
     started = time.perf_counter()
-    flags = ["--page-size", str(PAGE_SIZE), "--kv-pages", str(num_kv_pages)]
+    flags = ["--page-size", str(PAGE_SIZE), "--num-kv-pages", str(num_kv_pages)]
     flags += ["--deterministic"] if is_deterministic else []
     with launch_server(model_dir, *flags, log_path=log, startup_timeout=300) as url:
         startup = time.perf_counter() - started

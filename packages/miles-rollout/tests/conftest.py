@@ -42,7 +42,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def running_server(model_dir: Path, *extra: str) -> Iterator[str]:
     """A test server: small pages and a bounded KV store, one thread so concurrent tests share the cores."""
-    flags = ("--page-size", TEST_PAGE_SIZE, "--kv-pages", "512", *extra)
+    flags = ("--page-size", TEST_PAGE_SIZE, "--num-kv-pages", "512", *extra)
     with launch_server(model_dir, *flags, env={"OMP_NUM_THREADS": "1"}) as url:
         yield url
 

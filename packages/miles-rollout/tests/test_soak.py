@@ -28,7 +28,7 @@ def rss_mib(pid: int) -> float:
 
 
 def test_64_clients_for_30_seconds(dense_dir, start_server) -> None:
-    with start_server(dense_dir, "--kv-pages", "256", "--max-running-requests", "32") as url:
+    with start_server(dense_dir, "--num-kv-pages", "256", "--max-running-requests", "32") as url:
         info = httpx.get(f"{url}/get_server_info", timeout=10).json()
         pid = info["pid"]
 

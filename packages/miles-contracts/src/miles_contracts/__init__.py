@@ -2,7 +2,8 @@
 
 - `Sample`: one prompt/response through the RL data path.
 - `GenerateRequest` / `SamplingParams` / `GenerateResponse` / `MetaInfo`: SGLang's `/generate` schema.
-- Plug-in Protocols (`RewardFn`, `GroupRewardFn`, `DataSource`, `RolloutFn`, `SampleFilter`) and `load_plugin`.
+- Plug-in Protocols (`RewardFn`, `GroupRewardFn`, `DataSource`, `RolloutFn`, `SampleFilter`), `load_plugin` and
+  `PluginPath` (a config field holding a `module:function` path).
 """
 
 from miles_contracts.generate import (
@@ -18,9 +19,11 @@ from miles_contracts.plugins import (
     DataSource,
     GenerateClient,
     GroupRewardFn,
+    PluginPath,
     RewardFn,
     RolloutFn,
     SampleFilter,
+    is_plugin_path,
     load_plugin,
 )
 from miles_contracts.sample import ChatMessage, FinishReasonType, Sample, SampleStatus
@@ -39,11 +42,13 @@ __all__ = [
     "GroupRewardFn",
     "LogprobEntry",
     "MetaInfo",
+    "PluginPath",
     "RewardFn",
     "RolloutFn",
     "Sample",
     "SampleFilter",
     "SampleStatus",
     "SamplingParams",
+    "is_plugin_path",
     "load_plugin",
 ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Awaitable, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Annotated, Any, Protocol, TypeVar, runtime_checkable
+
+from pydantic import AfterValidator
 
 from miles_contracts.generate import GenerateRequest, GenerateResponse, SamplingParams
 from miles_contracts.sample import Sample
@@ -79,11 +81,28 @@ P = TypeVar("P")
 _NUM_POSITIONAL = {RewardFn: 1, GroupRewardFn: 1, SampleFilter: 1, RolloutFn: 3}
 
 
+def is_plugin_path(value: str) -> bool:
+    """True for a `module:attribute` plug-in path (shape only; nothing is imported)."""
+    module, sep, attribute = value.partition(":")
+    return bool(sep and module and attribute)
+
+
+def _check_plugin_path(value: str) -> str:
+    if not is_plugin_path(value):
+        raise ValueError(f"{value!r} must be a 'package.module:function' plug-in path")
+    return value
+
+
+# A config field holding a plug-in path: its shape is checked when the config loads; the plug-in itself is imported
+# (`load_plugin`) when its component starts.
+PluginPath = Annotated[str, AfterValidator(_check_plugin_path)]
+
+
 def load_plugin(path: str, protocol: type[P]) -> P:
     """Import `module:attribute` and check it fits `protocol`; raise ValueError/TypeError naming the fix."""
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
+    if not is_plugin_path(path):
         raise ValueError(f"plug-in path {path!r} must look like 'package.module:function'")
+    module_name, _, attribute = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:

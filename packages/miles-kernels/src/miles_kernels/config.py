@@ -3,18 +3,20 @@
 True on-policy needs the engine and the trainer to run the same ops with the same tile sizes and dtype. Both
 take one `KernelConfig`; each reports `fingerprint()`, and the orchestrator refuses true on-policy when the
 two differ. The fingerprint includes the torch version, because a different torch can change the bits.
+This module is torch-free (torch is imported only by the methods that need it), so a run config that nests a
+`KernelConfig` validates without importing torch (docs/architecture.md, "Config").
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
 
 
 class KernelConfig(BaseModel):
@@ -62,10 +64,15 @@ class KernelConfig(BaseModel):
     @property
     def torch_dtype(self) -> torch.dtype:
         """`dtype` as a torch dtype."""
-        return DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     def resolved_backends(self) -> dict[str, str]:
         """The backend each op runs here (`auto` resolved on this machine)."""
+        import miles_kernels.ops.attention
+        import miles_kernels.ops.linear  # noqa: F401  (registers the backends)
         from miles_kernels.registry import get_backend
 
         return {
@@ -74,6 +81,8 @@ class KernelConfig(BaseModel):
         }
 
     def _identity(self, device_type: str = "cpu") -> dict[str, object]:
+        import torch
+
         identity: dict[str, object] = {**self.model_dump(), **self.resolved_backends(), "torch": torch.__version__}
         if device_type != "cpu":  # CPU fingerprints predate devices: they keep their value (caches, checkpoints)
             identity["device_type"] = device_type

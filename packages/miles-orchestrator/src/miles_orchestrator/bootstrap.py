@@ -127,8 +127,9 @@ def bootstrap_policy(cfg: RunConfig, log: Any = print) -> str:
     data = staging / "sft.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     if cfg.model.bootstrap_steps:
-        sft = SFTConfig(epochs=1, lr=cfg.model.bootstrap_lr, batch_size=size, warmup_steps=10, seed=cfg.data.seed,
-                        chat_template=cfg.data.apply_chat_template)  # fmt: skip
+        optimizer = SFTConfig().optimizer.model_copy(update={"lr": cfg.model.bootstrap_lr})  # 10 warm-up steps, cosine
+        sft = SFTConfig(epochs=1, batch_size=size, seed=cfg.data.seed, chat_template=cfg.data.apply_chat_template,
+                        optimizer=optimizer)  # fmt: skip
         stop_after = None
         if cfg.model.bootstrap_target_pass_rate is not None:
             probe = staging / "probe.jsonl"

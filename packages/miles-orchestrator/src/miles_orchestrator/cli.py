@@ -5,14 +5,17 @@
     miles-orchestrator run --resume runs/miles           # continue a stopped run at its last checkpoint
     miles-orchestrator config show [--config job.yaml] [overrides...]
 
-A bad config value fails at start-up with the dotted field and what to change (exit status 2).
+A bad config value fails at start-up with one line naming the dotted field and what to change (exit status 2).
+An error during the run prints its traceback (also kept in RUN_DIR/run.log) and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
+from typing import Any
 
 from miles_orchestrator.config import RunConfig, config_help, dump_config, load_config
 
@@ -69,27 +72,45 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     return load_config(path, overrides)
 
 
+class RunFailed(Exception):
+    """An error raised during the run (not by its config); the message names the run's log."""
+
+
 def _run(args: argparse.Namespace) -> int:
+    """Check everything a config can get wrong (ValueError: exit 2), then run; an error from then on is the run's
+    (RunFailed, with the original error chained)."""
     cfg = resolve(args)
-    from miles_orchestrator.bootstrap import bootstrap_policy
-    from miles_orchestrator.loop import check_plugins, run_sync
-    from miles_orchestrator.report import report
+    from miles_orchestrator.loop import check_plugins
     from miles_orchestrator.run_dir import RunDir
 
     log = cfg.run.log
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise ValueError(f"model.path={cfg.model.path}: no config.json there; give a Hugging Face model directory")
+    check_plugins(cfg)  # a wrong plug-in path fails now, before any bootstrap or cluster start
     run = RunDir(cfg.run.run_dir, tensorboard=log.tensorboard, wandb_project=log.wandb_project if log.wandb else None,
                  quiet=args.quiet)  # fmt: skip
     if not args.resume and run.latest_checkpoint() is not None:
         raise ValueError(f"{run.path} already holds a run; resume it with --resume {run.path}, or set run.run_dir")
     (run.path / CONFIG_FILE).write_text(dump_config(cfg))
-    check_plugins(cfg)  # a wrong plug-in path fails now, before any bootstrap or Ray start
+    try:
+        _execute(cfg, run)
+    except Exception as error:
+        with (run.path / "run.log").open("a") as out:
+            out.write(traceback.format_exc())
+        raise RunFailed(f"the run failed: {type(error).__name__}: {error} (traceback above and in "
+                        f"{run.path / 'run.log'})") from error  # fmt: skip
+    return 0
+
+
+def _execute(cfg: RunConfig, run: Any) -> None:
+    from miles_orchestrator.bootstrap import bootstrap_policy
+    from miles_orchestrator.loop import run_sync
+    from miles_orchestrator.report import report
+
     model_dir = cfg.model.path or bootstrap_policy(cfg, log=run.log)
     history = run_sync(cfg, model_dir, run)
     report(history, run.path, run.console)
     run.log(f"done: {run.path} (final policy in {run.path / 'final'})")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             print(config_reference() if args.action == "reference" else dump_config(resolve(args)), end="")
             return 0
         return _run(args)
-    except ValueError as error:
+    except RunFailed as failure:
+        cause = failure.__cause__
+        traceback.print_exception(type(cause), cause, cause.__traceback__ if cause else None, file=sys.stderr)
+        print(f"miles-orchestrator {args.command}: {failure}", file=sys.stderr)
+        return 1
+    except ValueError as error:  # the config, before anything ran
         print(f"miles-orchestrator {args.command}: {error}", file=sys.stderr)
         return 2
 

@@ -1,42 +1,38 @@
 """The run config: one typed, nested pydantic model per component, loaded from YAML plus dotted CLI overrides.
 
 It sits before the RL data path: `load_config` runs once at start-up and every component (data source, rollout,
-reward pool, filters, trainer, loop) reads its own section. A bad value fails here, with a `ValueError` that names
-the dotted field and the fix, rather than minutes into a run. `config_help` and `dump_config` render the same
-models for `miles-orchestrator run --help` and for the resolved config a run writes next to its outputs.
-Plug-in paths (`module:function`) are only checked for shape here; they are imported when their component starts.
+reward pool, filters, trainer, loop) reads its own section. Each component's model is owned by its package and
+nested here, so every setting is defined once (docs/architecture.md, "Config"): `kernel` is miles-kernels'
+`KernelConfig` (engine and trainer share it), `rollout.engine` miles-rollout's `EngineConfig`, and
+`trainer.optimizer`, `trainer.loss`, `trainer.backend` miles-trainer's models; this module adds the sections only
+the loop has. All of them are torch-free: a whole config validates without importing torch.
+A bad value fails here, with a `ValueError` that names the dotted field and the fix, rather than minutes into a
+run. `config_help` and `dump_config` render the same models for `miles-orchestrator run --help` and for the
+resolved config a run writes next to its outputs. Plug-in paths (`module:function`) are only checked for shape
+here; they are imported when their component starts.
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from miles_contracts import MAX_NEW_TOKENS_LIMIT
+from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
+from miles_kernels.config import KernelConfig
 from miles_orchestrator.task import BuiltinTask
+from miles_rollout.config import EngineConfig
+from miles_trainer.config import ADVANTAGE_ESTIMATOR_NAMES, FSDP2Config, OptimizerConfig, PolicyLossConfig
 
 __all__ = ["RunConfig", "check_batch_identity", "config_help", "dump_config", "load_config"]
 
-BUILTIN_REWARDS = ("exact_match", "math", "task")
-# Torch-free copies of miles_trainer's names (ADVANTAGE_ESTIMATORS, AGGREGATION_MODES); a test keeps them in step.
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "task")
 DATA_SUFFIXES = (".jsonl", ".parquet")
-
-
-def _plugin_or_none(field: str, value: str | None) -> str | None:
-    if value is not None and not is_plugin_path(value):
-        raise ValueError(f"{field}={value!r} must be a 'package.module:function' path (or null for the default)")
-    return value
-
-
-def is_plugin_path(value: str) -> bool:
-    """True for a `module:attribute` plug-in path (shape only; nothing is imported)."""
-    module, sep, attribute = value.partition(":")
-    return bool(sep and module and attribute)
+CLUSTERS = ("ray", "local")
 
 
 class _Section(BaseModel):
@@ -118,25 +114,19 @@ class RolloutSection(_Section):
     allow_greedy: bool = Field(default=False, description="Allow temperature=0 for training rollouts.")
     eval_temperature: float = Field(default=0.0, ge=0, le=100, description="Temperature of evaluation (0: greedy).")
     eval_k: int = Field(default=1, ge=1, le=64, description="Also report pass@k over k samples (1: pass@1 only).")
-    deterministic: bool = Field(default=True, description="Batch-invariant kernels: bitwise true on-policy.")
-    max_running_requests: int = Field(default=64, ge=1, description="Most requests an engine runs at once.")
-    num_kv_pages: int = Field(
-        default=1024,
-        ge=2,
-        description="KV-cache pages of the embedded engine (page_size tokens each); enough for max_running_requests "
-        "sequences of prompt + max_new_tokens. Colocated runs re-allocate them every step: don't oversize.",
+    rollout_fn: PluginPath | None = Field(
+        default=None, description="'module:function' RolloutFn; null: one-turn rollout."
     )
-    rollout_fn: str | None = Field(default=None, description="'module:function' RolloutFn; null: one-turn rollout.")
     batch_requests: bool = Field(
         default=True,
         description="Send the /generate calls the prompt groups make at once as one batched request (one HTTP round "
         "trip, admitted together); false: one request each (e.g. for a router that spreads them over engines).",
     )
-
-    @field_validator("rollout_fn")
-    @classmethod
-    def _plugin(cls, value: str | None) -> str | None:
-        return _plugin_or_none("rollout.rollout_fn", value)
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(max_running_requests=64),
+        description="The embedded engine (miles_rollout.config.EngineConfig; here max_running_requests defaults to "
+        "64, where `miles-rollout serve` defaults to 256).",
+    )
 
     @model_validator(mode="after")
     def _sampling(self) -> RolloutSection:
@@ -159,9 +149,9 @@ class RewardSection(_Section):
     @field_validator("name")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value in BUILTIN_REWARDS or is_plugin_path(value):
+        if value in BUILTIN_REWARD_NAMES or is_plugin_path(value):
             return value
-        raise ValueError(f"reward.name={value!r}: use one of {list(BUILTIN_REWARDS)} or a 'module:function' path")
+        raise ValueError(f"reward.name={value!r}: use one of {list(BUILTIN_REWARD_NAMES)} or a 'module:function' path")
 
 
 class FilterSection(_Section):
@@ -169,62 +159,50 @@ class FilterSection(_Section):
 
     dynamic_sampling: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
     max_oversample_rounds: int = Field(default=4, ge=0, description="Extra rollouts to refill dropped groups.")
-    custom: str | None = Field(default=None, description="'module:function' SampleFilter applied to each group.")
+    custom: PluginPath | None = Field(
+        default=None, description="'module:function' SampleFilter applied to each group."
+    )
 
-    @field_validator("custom")
-    @classmethod
-    def _plugin(cls, value: str | None) -> str | None:
-        return _plugin_or_none("filter.custom", value)
+
+def _run_optimizer() -> OptimizerConfig:
+    return OptimizerConfig(lr=2e-4)
 
 
 class TrainerSection(_Section):
-    """The policy update (steps 5-6)."""
+    """The policy update (steps 5-6): batch shape, data-parallel ranks, advantages, and the trainer's own models."""
 
-    lr: float = Field(default=2e-4, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up optimizer steps.")
-    lr_schedule: Literal["constant", "cosine"] = Field(default="constant", description="Schedule after warm-up.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     global_batch_size: int = Field(default=256, ge=1, description="Samples per optimizer step, all ranks together.")
     steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
-    max_tokens_per_micro_batch: int = Field(default=4096, ge=1, description="Token budget of a packed micro-batch.")
     num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
     advantage_estimator: str = Field(
-        default="grpo", description=f"One of {list(ADVANTAGE_ESTIMATORS)}, or a 'module:function' plug-in."
+        default="grpo", description=f"One of {list(ADVANTAGE_ESTIMATOR_NAMES)}, or a 'module:function' plug-in."
     )
-    clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below 1 (1 - clip_low).")
-    clip_high: float = Field(default=0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
-    dual_clip: float | None = Field(default=None, description="Dual-clip constant c > 1 for negative advantages.")
-    ratio_type: Literal["token", "sequence"] = Field(default="token", description="'sequence' is GSPO's ratio.")
-    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
-        default="token-mean", description="How token losses aggregate."
+    optimizer: OptimizerConfig = Field(
+        default_factory=_run_optimizer,
+        description="AdamW and its schedule (miles_trainer.config.OptimizerConfig; here lr defaults to 2e-4, "
+        "where the trainer's own default is 1e-5).",
     )
-    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty weight against the initial policy.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(default="k3", description="KL estimator.")
-    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
-    activation_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
-    is_mode: Literal["truncate", "mask"] | None = Field(
-        default=None, description="Mismatch correction when not true on-policy: TIS ('truncate') or MIS ('mask')."
+    loss: PolicyLossConfig = Field(
+        default_factory=PolicyLossConfig,
+        description="The policy loss (miles_trainer.config.PolicyLossConfig); its temperature follows "
+        "rollout.temperature.",
     )
-    loss_fn: str | None = Field(default=None, description="'module:function' policy loss replacing PPO-clip.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="float32", description="Parameter and activation dtype of trainer and engine (one KernelConfig)."
+    backend: FSDP2Config = Field(
+        default_factory=FSDP2Config, description="The FSDP2 backend (miles_trainer.config.FSDP2Config)."
     )
 
     @field_validator("advantage_estimator")
     @classmethod
     def _estimator(cls, value: str) -> str:
-        if value in ADVANTAGE_ESTIMATORS or is_plugin_path(value):
+        if value in ADVANTAGE_ESTIMATOR_NAMES or is_plugin_path(value):
             return value
         raise ValueError(
-            f"trainer.advantage_estimator={value!r}: use one of {list(ADVANTAGE_ESTIMATORS)} or a "
+            f"trainer.advantage_estimator={value!r}: use one of {list(ADVANTAGE_ESTIMATOR_NAMES)} or a "
             "'module:function' advantage plug-in"
         )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSection:
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (e.g. 3.0), or null to disable dual-clip")
         if self.global_batch_size % self.num_ranks:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} does not split over num_ranks={self.num_ranks}; "
@@ -249,6 +227,11 @@ class RunSection(_Section):
     num_steps: int = Field(default=120, ge=1, description="RL steps (rollouts) to run.")
     eval_every: int = Field(default=20, ge=0, description="Evaluate every this many steps (0: never).")
     checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint every this many steps (0: only at end).")
+    cluster: Literal["ray", "local"] = Field(
+        default="ray",
+        description="Where engine and trainer run. ray: Ray actors (a local Ray, or run.ray_address), any number of "
+        "trainer ranks; local: the engine and one trainer rank in this process (no Ray, no HTTP).",
+    )
     ray_address: str | None = Field(default=None, description="Ray cluster address; null: start Ray locally.")
     colocate: bool = Field(default=True, description="Engine and trainer share devices, offloading in turn.")
     sync_bucket_bytes: int = Field(default=512 << 20, ge=1, description="Largest weight-sync bucket, in bytes.")
@@ -259,7 +242,9 @@ class RunSection(_Section):
         "when the engine is on trainer rank 0's node and the checkpoint is at most 1 GiB, else http.",
     )
     num_threads: int | None = Field(
-        default=None, ge=1, description="torch threads per engine / trainer actor; null: the machine's CPU count."
+        default=None,
+        ge=1,
+        description="torch threads of the engine and of each trainer rank; null: the machine's CPU count.",
     )
     log: LogSection = Field(default_factory=LogSection, description="Metric sinks.")
 
@@ -268,6 +253,11 @@ class RunConfig(_Section):
     """Everything one RL run needs; each section configures one component."""
 
     model: ModelSection = Field(default_factory=ModelSection, description="The policy to train.")
+    kernel: KernelConfig = Field(
+        default_factory=KernelConfig,
+        description="The model's kernels, one KernelConfig for engine and trainer (miles_kernels.config): "
+        "mode=deterministic is bitwise true on-policy.",
+    )
     data: DataSection = Field(default_factory=DataSection, description="Where prompts come from.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="How responses are generated.")
     reward: RewardSection = Field(default_factory=RewardSection, description="How responses are scored.")
@@ -278,13 +268,34 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
         check_batch_identity(self)
+        loss = self.trainer.loss
+        if "temperature" not in loss.model_fields_set:  # the log-prob contract: the rollout's temperature
+            self.trainer.loss = loss.model_copy(update={"temperature": self.rollout.temperature})
+        elif loss.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"trainer.loss.temperature={loss.temperature} differs from rollout.temperature="
+                f"{self.rollout.temperature}: the trainer's log-probs must use the rollout's temperature; drop "
+                "trainer.loss.temperature (it follows rollout.temperature) or set both"
+            )
+        if self.run.cluster == "local" and self.trainer.num_ranks > 1:
+            raise ValueError(
+                f"run.cluster=local runs one trainer rank in this process, not trainer.num_ranks="
+                f"{self.trainer.num_ranks}; use run.cluster=ray for more ranks"
+            )
+        devices = {"rollout.engine": self.rollout.engine.device, "trainer.backend": self.trainer.backend.device}
+        off_cpu = [f"{name}.device={device}" for name, device in devices.items() if device != "cpu"]
+        if self.run.cluster == "ray" and off_cpu:
+            raise ValueError(
+                f"{', '.join(off_cpu)}: the Ray placement gives the engine and trainer actors CPUs only; use "
+                "run.cluster=local to run them on this machine's GPU, or the cpu device"
+            )
         if self.filter.dynamic_sampling and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
                 "filter.dynamic_sampling drops groups whose rewards are all equal, which is every group when "
                 f"rollout.n_samples_per_prompt={self.rollout.n_samples_per_prompt}; set n_samples_per_prompt >= 2 "
                 "or filter.dynamic_sampling=false"
             )
-        if self.reward.is_group and self.reward.name in BUILTIN_REWARDS:
+        if self.reward.is_group and self.reward.name in BUILTIN_REWARD_NAMES:
             raise ValueError(
                 f"reward.name={self.reward.name!r} scores one sample at a time; set reward.is_group=false, or give "
                 "a 'module:function' GroupRewardFn as reward.name"
@@ -348,24 +359,41 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 def config_help(model: type[BaseModel] = RunConfig) -> str:
-    """Every field as `section.field (type, default X): description`, grouped by section."""
+    """Every field as `section.field (type, default X): description`, grouped by section. Defaults are the run's:
+    a nested component model shows the values its section starts from (e.g. `trainer.optimizer.lr`'s 2e-4)."""
     lines: list[str] = []
-    _help_lines(model, "", lines)
+    _help_lines(model, "", lines, model.model_construct())
     return "\n".join(lines).strip() + "\n"
 
 
-def _help_lines(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+def _help_lines(model: type[BaseModel], prefix: str, lines: list[str], defaults: BaseModel) -> None:
     for name, info in model.model_fields.items():
         dotted = f"{prefix}{name}"
+        default = getattr(defaults, name)
         section = _section_model(info.annotation)
         if section is not None:
-            lines += ["", f"{dotted}: {section.__doc__}"]
-            _help_lines(section, f"{dotted}.", lines)
+            lines += ["", f"{dotted}: {' '.join((section.__doc__ or '').split())}"]
+            _help_lines(section, f"{dotted}.", lines, default)
             continue
-        default = yaml.safe_dump(info.get_default(call_default_factory=True), default_flow_style=True)
-        default = default.strip().removesuffix("...").strip()
-        type_name = info.annotation.__name__ if isinstance(info.annotation, type) else str(info.annotation)
-        lines.append(f"  {dotted} ({type_name.replace('typing.', '')}, default {default}): {info.description}")
+        text = yaml.safe_dump(list(default) if isinstance(default, tuple) else default, default_flow_style=True)
+        text = text.strip().removesuffix("...").strip()
+        lines.append(f"  {dotted} ({type_text(info.annotation)}, default {text}): {info.description}")
+
+
+def type_text(annotation: Any) -> str:
+    """A field's type as help shows it: `float`, `str | None`, one of `{constant, cosine}`, `list[int]`."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return type_text(args[0])
+    if origin is Literal:
+        return "{" + ", ".join(str(v) for v in args) + "}"
+    if origin in (Union, UnionType):
+        return " | ".join(type_text(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_text(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:

@@ -1,10 +1,11 @@
 """The synchronous RL loop: generate → reward → filter → advantages → train → sync weights → (eval, checkpoint).
 
 `run_sync` is the algorithm, start to finish; everything it calls lives below it or in its own module (rollout,
-rewards, filters, the Ray cluster, the run directory). Under true on-policy (deterministic kernels, the same
-`KernelConfig` on both sides) the rollout log-probs are the trainer's old log-probs and the measured mismatch is
-exactly 0; in fast mode the trainer recomputes them first and the mismatch is reported (and corrected with TIS /
-MIS when `trainer.is_mode` is set).
+rewards, filters, the cluster, the run directory). It runs on one event loop and talks to a `Cluster`
+(cluster.py): Ray actors or everything in this process, it does not know which. Under true on-policy
+(deterministic kernels, the same `KernelConfig` on both sides) the rollout log-probs are the trainer's old
+log-probs and the measured mismatch is exactly 0; in fast mode the trainer recomputes them first and the mismatch
+is reported (and corrected with TIS / MIS when `trainer.loss.is_mode` is set).
 """
 
 from __future__ import annotations
@@ -12,66 +13,73 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 
 from miles_contracts import Sample, SampleStatus, SamplingParams
-from miles_orchestrator.cluster import Cluster
+from miles_orchestrator.cluster import Cluster, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples
 from miles_orchestrator.filters import apply_filters, build_filters
 from miles_orchestrator.rewards import RewardPool, resolve_reward
 from miles_orchestrator.rollout import PromptEncoder, expand_groups, resolve_rollout_fn, run_groups, single_turn
 from miles_orchestrator.run_dir import RunDir
-from miles_rollout import Client
 from miles_trainer import compute_advantages, load_advantage_estimator, resolve_loss_fn
 
 
 def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]]:
     """Train `cfg.run.num_steps` rollouts, continuing from the latest checkpoint in `run` if there is one."""
+    asyncio.run(_run_sync(cfg, model_dir, run))
+    return run.metrics.history()
+
+
+async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     check_batch_identity(cfg)
     source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
     encode = PromptEncoder(model_dir)
     rollout_fn, filters = resolve_rollout_fn(cfg.rollout.rollout_fn), build_filters(cfg.filter)
     r = cfg.reward
     with RewardPool(r.name, is_group=r.is_group, timeout_s=r.timeout_s, num_workers=r.num_workers) as rewards:
-        cluster = Cluster(cfg, model_dir, run.path)
+        cluster = await start_cluster(cfg, model_dir, run.path)
+        turns = Turns(cluster, is_colocated=cfg.run.colocate)
         try:
-            start = resume(cluster, run, source)
-            check_on_policy(cfg, cluster, version=start, log=run.log)
-            trainer_leaves(cfg, cluster)
+            start = await resume(cluster, run, source)
+            await check_on_policy(cfg, cluster, version=start, log=run.log)
+            await turns.engine_turn()
             if start == 0 and eval_prompts and cfg.run.eval_every:
-                run.record(0, evaluate(cfg, cluster, rewards, eval_prompts, encode, run))
+                run.record(0, await evaluate(cfg, cluster, rewards, eval_prompts, encode, run))
             for step in range(start + 1, cfg.run.num_steps + 1):
                 began = time.perf_counter()
                 try:
-                    batch, metrics = asyncio.run(
-                        rollout(cfg, cluster, rewards, source, filters, rollout_fn, encode, run)
-                    )
+                    batch, metrics = await rollout(cfg, cluster, rewards, source, filters, rollout_fn, encode, run)
                 except DataExhausted as end:
                     run.log(f"stopping before step {step}: {end}")
-                    with trainer_works(cfg, cluster):
-                        cluster.save(run.checkpoint_dir(step - 1), {"step": step - 1, "data": source.state_dict()})
-                        cluster.export(run.path / "final", model_dir)
+                    async with turns.trainer_turn():
+                        await cluster.save(run.checkpoint_dir(step - 1), position(step - 1, source))
+                        await cluster.export(run.path / "final", model_dir)
                     break
                 advantages = group_advantages(cfg, batch)
-                with trainer_works(cfg, cluster):
-                    metrics |= train(cfg, cluster, batch, advantages, run)
+                async with turns.trainer_turn():
+                    metrics |= await train(cfg, cluster, batch, advantages, run)
                     is_last = step == cfg.run.num_steps
                     if is_last or (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
-                        cluster.save(run.pending_checkpoint_dir(step), {"step": step, "data": source.state_dict()})
+                        await cluster.save(run.pending_checkpoint_dir(step), position(step, source))
                     if is_last:
-                        cluster.export(run.path / "final", model_dir)
-                    metrics |= sync_weights(cfg, cluster, version=step, run=run)
+                        await cluster.export(run.path / "final", model_dir)
+                    metrics |= await sync_weights(cfg, cluster, turns, version=step, run=run)
                 if eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                    metrics |= evaluate(cfg, cluster, rewards, eval_prompts, encode, run)
+                    metrics |= await evaluate(cfg, cluster, rewards, eval_prompts, encode, run)
                 run.record(step, metrics | {"step_time_s": time.perf_counter() - began})
                 run.commit_checkpoint(step)  # only now: the step's metrics line is written
         finally:
-            cluster.shutdown()
-    return run.metrics.history()
+            await cluster.shutdown()
+
+
+def position(step: int, source: Any) -> dict[str, Any]:
+    """What a checkpoint keeps besides the trainer's state: the step and the data source's position."""
+    return {"step": step, "data": source.state_dict()}
 
 
 class DataExhausted(Exception):
@@ -85,7 +93,7 @@ def check_plugins(cfg: RunConfig) -> None:
         ("reward.name", cfg.reward.name, lambda: resolve_reward(cfg.reward.name, is_group=cfg.reward.is_group)),
         ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
         ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
-        ("trainer.loss_fn", cfg.trainer.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss_fn)),
+        ("trainer.loss.loss_fn", cfg.trainer.loss.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss.loss_fn)),
         ("trainer.advantage_estimator", cfg.trainer.advantage_estimator, lambda: _check_estimator(cfg)),
     ]
     for field, value, check in checks:
@@ -100,12 +108,12 @@ def _check_estimator(cfg: RunConfig) -> None:
         load_advantage_estimator(cfg.trainer.advantage_estimator)
 
 
-def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
+async def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
     """Load the latest checkpoint (trainer state, data position) and drop metrics logged after it; the step."""
     checkpoint = run.latest_checkpoint()
     start = 0
     if checkpoint is not None:
-        state = cluster.load(checkpoint)
+        state = await cluster.load(checkpoint)
         start = int(state["step"])
         source.load_state_dict(state["data"])
         run.log(f"resuming from {checkpoint} (step {start})")
@@ -113,57 +121,61 @@ def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
     return start
 
 
-def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: Any) -> None:
+async def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: Any) -> None:
     """Sync the trainer's weights to the engine as `version`, then refuse to start unless the engine holds the
     same bits (weight checksum) and, for true on-policy, runs the same kernels (fingerprint)."""
-    cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
-    info = asyncio.run(_engine_info(cluster))
-    fingerprint = info["kernel_config"]["fingerprint"]
-    if cfg.rollout.deterministic and fingerprint != cluster.trainer_fingerprint:
+    await cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
+    described = (await cluster.engine.get_server_info())["kernel_config"]
+    fingerprint = described["fingerprint"]
+    if cfg.kernel.is_deterministic and fingerprint != cluster.trainer_fingerprint:
         raise RuntimeError(
-            f"true on-policy refused: the engine runs kernel config {info['kernel_config']} (fingerprint "
-            f"{fingerprint}), the trainer {cluster.trainer_fingerprint}; give both the same KernelConfig (dtype, "
-            "mode, tile and page sizes), the same torch version and the same kind of device"
+            f"true on-policy refused: the engine runs kernel config {described} (fingerprint {fingerprint}), the "
+            f"trainer {cluster.trainer_fingerprint}; give both the same KernelConfig (dtype, mode, tile and page "
+            "sizes), the same torch version and the same kind of device"
         )
-    checksum = cluster.trainer_checksum()
-    if info["checksum"] != checksum:
+    engine_checksum, checksum = await cluster.engine.weights_checksum(), await cluster.trainer_checksum()
+    if engine_checksum != checksum:
         raise RuntimeError(
-            f"weight sync check failed: the engine holds {info['checksum'][:16]}, the trainer sent {checksum[:16]} "
+            f"weight sync check failed: the engine holds {engine_checksum[:16]}, the trainer sent {checksum[:16]} "
             f"(version {version})"
         )
-    via = "HTTP buckets" if cluster.sync_dir is None else f"shared memory ({cluster.sync_dir})"
-    log(f"weights v{version} synced via {via} and verified (checksum {checksum[:12]}), kernels {fingerprint}")
+    log(f"weights v{version} synced via {cluster.sync_method} and verified (checksum {checksum[:12]}), kernels "
+        f"{fingerprint}")  # fmt: skip
 
 
-async def _engine_info(cluster: Cluster) -> dict[str, Any]:
-    async with Client(cluster.url, admin_key=cluster.admin_key) as client:
-        info = await client.get_server_info()
-        return {"kernel_config": info["kernel_config"], "checksum": await client.weights_checksum()}
+class Turns:
+    """Colocated (`run.colocate`), the engine and the trainer take turns on the same devices: the engine releases
+    its KV cache and weights while the trainer works, the trainer offloads while the engine works. Each switch is
+    made once (a resumed engine is not resumed again); separate, nothing moves."""
 
+    def __init__(self, cluster: Cluster, is_colocated: bool) -> None:
+        self.cluster, self.is_colocated = cluster, is_colocated
+        self.engine_released = self.trainer_offloaded = False
 
-async def _engine_call(cluster: Cluster, method: str) -> None:
-    async with Client(cluster.url, admin_key=cluster.admin_key) as client:
-        await getattr(client, method)()
+    async def resume_engine(self) -> None:
+        """The engine takes its memory back (before it receives weights)."""
+        if self.engine_released:
+            await self.cluster.engine.resume_memory_occupation()
+            self.engine_released = False
 
+    async def engine_turn(self) -> None:
+        await self.resume_engine()
+        if self.is_colocated and not self.trainer_offloaded:
+            await self.cluster.offload_trainer()
+            self.trainer_offloaded = True
 
-def trainer_leaves(cfg: RunConfig, cluster: Cluster) -> None:
-    if cfg.run.colocate:
-        cluster.offload_trainer()
-
-
-@contextlib.contextmanager
-def trainer_works(cfg: RunConfig, cluster: Cluster) -> Iterator[None]:
-    """Colocated: the engine releases its KV cache and weights and the trainer comes back; on exit the engine
-    has its memory back (`sync_weights` resumes it and must run inside) and the trainer leaves."""
-    if cfg.run.colocate:
-        asyncio.run(_engine_call(cluster, "release_memory_occupation"))
-        cluster.onload_trainer()
-    try:
-        yield
-    finally:
-        if cfg.run.colocate:
-            asyncio.run(_engine_call(cluster, "resume_memory_occupation"))
-            cluster.offload_trainer()
+    @contextlib.asynccontextmanager
+    async def trainer_turn(self) -> AsyncIterator[None]:
+        """The trainer's turn; on exit (a weight sync inside has resumed the engine already) the engine's."""
+        if self.is_colocated:
+            await self.cluster.engine.release_memory_occupation()
+            self.engine_released = True
+            await self.cluster.onload_trainer()
+            self.trainer_offloaded = False
+        try:
+            yield
+        finally:
+            await self.engine_turn()
 
 
 async def rollout(
@@ -179,34 +191,32 @@ async def rollout(
     generated: list[Sample] = []
     num_failed_groups = 0
     began = time.perf_counter()
-    async with Client(cluster.url, admin_key=cluster.admin_key, timeout=600) as client:
-        for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
-            needed = r.num_prompts_per_step - len(kept)
-            if needed <= 0:
-                break
-            prompts = source.get_samples(needed)
-            if not prompts:
-                break  # a file source at the end of its last epoch
-            groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
-            label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
-            with run.progress(label, len(groups)) as advance:
-                groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests)
-            for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
-                run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
-                num_failed_groups += 1
-            groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
-            stats = await rewards.score([s for g in groups for s in g])
-            if stats.num_failed:
-                run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
-                        + "; ".join(stats.errors))  # fmt: skip
-            generated += [s for g in groups for s in g]
-            result = apply_filters(groups, filters)
-            kept += result.kept
-            dropped += result.dropped
-    if len(kept) < r.num_prompts_per_step:
-        run.log(f"only {len(kept)} of {r.num_prompts_per_step} prompt groups passed the filters; training on "
-                "dropped groups too (raise filter.max_oversample_rounds)")  # fmt: skip
-        kept += dropped[: r.num_prompts_per_step - len(kept)]
+    client = cluster.engine
+    for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
+        needed = r.num_prompts_per_step - len(kept)
+        if needed <= 0:
+            break
+        prompts = source.get_samples(needed)
+        if not prompts:
+            break  # a file source at the end of its last epoch
+        groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
+        label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
+        with run.progress(label, len(groups)) as advance:
+            groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests)
+        for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
+            run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
+            num_failed_groups += 1
+        groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
+        stats = await rewards.score([s for g in groups for s in g])
+        if stats.num_failed:
+            run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
+                    + "; ".join(stats.errors))  # fmt: skip
+        generated += [s for g in groups for s in g]
+        result = apply_filters(groups, filters)
+        kept += result.kept
+        dropped += result.dropped
+    num_short = max(r.num_prompts_per_step - len(kept), 0)
+    kept += dropped[:num_short]  # too few groups passed the filters: train on dropped ones too (counted below)
     batch = [s for g in sorted(kept, key=lambda g: g[0].index) for s in g]
     if not batch and not generated and num_failed_groups == 0:
         raise DataExhausted("the data source has no prompts left (data.num_epochs passes done)")
@@ -220,6 +230,7 @@ async def rollout(
         "num_reward_failures": float(sum(1 for s in generated if s.status == SampleStatus.FAILED)),
         "num_failed_groups": float(num_failed_groups),
         "num_groups_filtered": float(len(dropped)),
+        "num_filtered_groups_trained": float(min(num_short, len(dropped))),
         "response_len_mean": sum(lengths) / max(len(lengths), 1),
         "truncated_fraction": sum(1 for s in generated if s.status == SampleStatus.TRUNCATED) / max(len(generated), 1),
         "rollout_time_s": seconds,
@@ -238,19 +249,19 @@ def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
     return [adv[i, : len(s.response_tokens)].tolist() for i, s in enumerate(batch)]
 
 
-def train(
+async def train(
     cfg: RunConfig, cluster: Cluster, batch: list[Sample], advantages: list[list[float]], run: RunDir
 ) -> dict[str, float]:
     """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs)."""
     began = time.perf_counter()
     metrics: dict[str, float] = {}
-    old_logprobs = None if cfg.rollout.deterministic else cluster.compute_logprobs(batch)
+    old_logprobs = None if cfg.kernel.is_deterministic else await cluster.compute_logprobs(batch)
     size = len(batch) // cfg.trainer.steps_per_rollout
     with run.progress("train", cfg.trainer.steps_per_rollout) as advance:
         for k in range(cfg.trainer.steps_per_rollout):
             part = slice(k * size, (k + 1) * size)
             old = None if old_logprobs is None else old_logprobs[part]
-            step_metrics = batch_keys(cluster.train(batch[part], advantages[part], old, measure=k == 0))
+            step_metrics = batch_keys(await cluster.train(batch[part], advantages[part], old, measure=k == 0))
             # the mismatch is defined under the rollout weights: keep the first step's measurement
             metrics |= {key: v for key, v in step_metrics.items() if k == 0 or "logprob_abs_diff" not in key}
             advance()
@@ -263,13 +274,12 @@ def batch_keys(train_metrics: dict[str, float]) -> dict[str, float]:
     return {f"batch_{key}" if key.startswith("reward_") else key: v for key, v in train_metrics.items()}
 
 
-def sync_weights(cfg: RunConfig, cluster: Cluster, version: int, run: RunDir) -> dict[str, float]:
+async def sync_weights(cfg: RunConfig, cluster: Cluster, turns: Turns, version: int, run: RunDir) -> dict[str, float]:
     """The engine takes its memory back and receives the trainer's weights as `version`."""
     began = time.perf_counter()
-    if cfg.run.colocate:
-        asyncio.run(_engine_call(cluster, "resume_memory_occupation"))
+    await turns.resume_engine()
     with run.progress("weight sync", 1) as advance:
-        sync = cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
+        sync = await cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
         advance()
     return {"sync_time_s": time.perf_counter() - began, "sync_bytes": float(sync["num_bytes"]),
             "weight_version": float(version)}  # fmt: skip
@@ -279,16 +289,15 @@ async def _evaluate_groups(
     cluster: Cluster, rewards: RewardPool, groups: list[list[Sample]], params: SamplingParams, cfg: RunConfig,
     label: str, run: RunDir,
 ) -> list[list[Sample]]:  # fmt: skip
-    async with Client(cluster.url, admin_key=cluster.admin_key, timeout=600) as client:
-        with run.progress(f"eval ({label})", len(groups)) as advance:
-            done = await run_groups(
-                client, groups, params, cfg.run.seed, single_turn, advance, cfg.rollout.batch_requests
-            )
+    with run.progress(f"eval ({label})", len(groups)) as advance:
+        done = await run_groups(
+            cluster.engine, groups, params, cfg.run.seed, single_turn, advance, cfg.rollout.batch_requests
+        )
     await rewards.score([s for g in done for s in g if s.status != SampleStatus.FAILED])
     return done
 
 
-def evaluate(
+async def evaluate(
     cfg: RunConfig, cluster: Cluster, rewards: RewardPool, prompts: list[Sample], encode: PromptEncoder, run: RunDir
 ) -> dict[str, float]:
     """pass@1 on the held-out prompts at `rollout.eval_temperature` (greedy by default) and, with
@@ -301,6 +310,6 @@ def evaluate(
     for n, temperature, key in settings:
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p)
         groups = expand_groups(prompts, n, encode)
-        done = asyncio.run(_evaluate_groups(cluster, rewards, groups, params, cfg, key, run))
+        done = await _evaluate_groups(cluster, rewards, groups, params, cfg, key, run)
         out[key] = sum(1.0 for g in done if any((s.reward or 0.0) >= 1.0 for s in g)) / max(len(done), 1)
     return out

@@ -21,9 +21,23 @@ def summary_table(history: list[dict[str, Any]]) -> Table:
         values = [row[key] for row in history if key in row]
         if not values:
             continue
-        best = max(values) if "pass" in key or "reward" in key else min(values)
-        table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], best)))
+        direction = metric_direction(key)
+        best = "-" if direction is None else f"{(max if direction == 'higher' else min)(values):.4g}"
+        table.add_row(key, f"{values[0]:.4g}", f"{values[-1]:.4g}", best)
     return table
+
+
+LOWER_IS_BETTER = ("train_rollout_logprob_abs_diff", "kl", "step_time_s")
+HIGHER_IS_BETTER = ("reward_mean", "pass_rate", "eval_pass@", "tokens_per_s")
+
+
+def metric_direction(key: str) -> str | None:
+    """'higher' or 'lower' (which way a metric improves), or None where neither is better (entropy)."""
+    if key.startswith(LOWER_IS_BETTER):
+        return "lower"
+    if key.startswith(HIGHER_IS_BETTER):
+        return "higher"
+    return None
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
 from miles_orchestrator import task
+from miles_orchestrator.config import BUILTIN_REWARD_NAMES
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -83,7 +84,10 @@ def task_reward(sample: Sample) -> float:
     return task.verify(sample.response, sample.label)
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_reward, "task": task_reward}
+# Named in the run config (`reward.name`); the names are config.py's, checked there without importing rewards.
+BUILTIN_REWARDS: dict[str, RewardFn] = dict(
+    zip(BUILTIN_REWARD_NAMES, (exact_match, math_reward, task_reward), strict=True)
+)
 
 
 def resolve_reward(name: str, *, is_group: bool = False) -> RewardFn | GroupRewardFn:

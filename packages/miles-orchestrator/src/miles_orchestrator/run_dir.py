@@ -79,6 +79,8 @@ class RunDir:
         self.metrics = MetricsLog(
             self.path / "metrics.jsonl", self.path / "tensorboard" if tensorboard else None, wandb_project
         )
+        self._previous: dict[str, Any] = {}
+        self._warned: set[str] = set()
 
     def log(self, message: str) -> None:
         with (self.path / "run.log").open("a") as f:
@@ -88,6 +90,11 @@ class RunDir:
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         self.metrics.write(step, metrics)
         self.log(step_line(step, metrics))
+        for key, warning in PERSISTENT_WARNINGS.items():  # once per run, when it shows on two steps in a row
+            if metrics.get(key) and self._previous.get(key) and key not in self._warned:
+                self._warned.add(key)
+                self.log(f"warning: {warning}")
+        self._previous = metrics
 
     @contextlib.contextmanager
     def progress(self, label: str, total: int) -> Iterator[Callable[[], None]]:
@@ -130,10 +137,17 @@ class RunDir:
 STEP_LINE_KEYS = (
     ("reward_mean", "reward {:.3f}"), ("pass_rate", "pass {:.1%}"), ("eval_pass@1", "eval pass@1 {:.1%}"),
     ("train_rollout_logprob_abs_diff", "mismatch {:.3g}"), ("kl", "kl {:.4f}"), ("tokens_per_s", "{:.0f} tok/s"),
-    ("step_time_s", "{:.1f} s"),
+    ("num_filtered_groups_trained", "{:.0f} filtered group(s) trained"), ("step_time_s", "{:.1f} s"),
 )  # fmt: skip
+SHOWN_WHEN_NONZERO = {"num_filtered_groups_trained"}
+PERSISTENT_WARNINGS = {
+    "num_filtered_groups_trained": "fewer prompt groups than rollout.num_prompts_per_step pass the filters, so "
+    "some groups the filters dropped are trained on (num_filtered_groups_trained in the metrics); raise "
+    "filter.max_oversample_rounds to over-sample more",
+}
 
 
 def step_line(step: int, metrics: dict[str, Any]) -> str:
-    parts = [fmt.format(metrics[key]) for key, fmt in STEP_LINE_KEYS if key in metrics]
+    parts = [fmt.format(metrics[key]) for key, fmt in STEP_LINE_KEYS
+             if key in metrics and (metrics[key] or key not in SHOWN_WHEN_NONZERO)]  # fmt: skip
     return f"step {step}: " + ", ".join(parts)

@@ -5,28 +5,13 @@
 - `create_app`: the FastAPI server (`miles-rollout serve`).
 - `Client`: async HTTP client for this server or SGLang; `InProcessClient`: the same interface over an
   `Engine` in this process; `CoalescingClient`: either one, with concurrent `/generate` calls sent as one batch.
+
+Attributes load on first use (`lazy_loader`, from the imports listed in `__init__.pyi`): importing the package,
+or its torch-free `miles_rollout.config`, does not import torch (docs/architecture.md, "Config").
 """
 
-from miles_rollout.batching import CoalescingClient
-from miles_rollout.client import Client, RolloutClientError
-from miles_rollout.engine import Engine
-from miles_rollout.engine_config import EngineConfig, EngineError
-from miles_rollout.in_process import InProcessClient
-from miles_rollout.launch import free_port, launch_server
-from miles_rollout.server import KEEP_ALIVE_S, create_app
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "KEEP_ALIVE_S",
-    "Client",
-    "CoalescingClient",
-    "Engine",
-    "EngineConfig",
-    "EngineError",
-    "InProcessClient",
-    "RolloutClientError",
-    "create_app",
-    "free_port",
-    "launch_server",
-]

@@ -26,6 +26,7 @@ import torch
 from miles_contracts import GenerateRequest, GenerateResponse
 from miles_kernels import (
     BucketAssembler,
+    KernelConfig,
     MappedSafetensors,
     checkpoint_tensors,
     decode_bucket,
@@ -37,7 +38,8 @@ from miles_kernels import (
     read_model_config,
     weights_checksum,
 )
-from miles_rollout.engine_config import EngineConfig, EngineError
+from miles_rollout.config import EngineConfig
+from miles_rollout.engine_error import EngineError
 from miles_rollout.scheduler import Scheduler, ceil_div, set_exception, set_result
 from miles_rollout.sequence import Group
 
@@ -48,12 +50,17 @@ ControlItem = tuple[Callable[[], Any], bool, "asyncio.Future[Any]", asyncio.Abst
 
 
 class Engine:
-    """Owns the model, the KV store and the scheduler thread."""
+    """Owns the model, the KV store and the scheduler thread: serves the Hugging Face directory `model_path` with
+    the ops `kernel` selects, run as `config` says."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.page_size = config.kernel.page_size
-        self.tokenizer = _load_tokenizer(config.model_path)
+    def __init__(
+        self, model_path: str, kernel: KernelConfig | None = None, config: EngineConfig | None = None
+    ) -> None:
+        self.model_path = str(model_path)
+        self.kernel = kernel or KernelConfig()
+        self.config = config or EngineConfig()
+        self.page_size = self.kernel.page_size
+        self.tokenizer = _load_tokenizer(self.model_path)
         self.weight_version = 0
         self.released: set[str] = set()
         self.weights_stale = False
@@ -83,10 +90,10 @@ class Engine:
 
     def _setup(self) -> None:
         config = self.config
-        self.model = load_model(config.model_path, config.kernel, config.device)
+        self.model = load_model(self.model_path, self.kernel, config.device)
         self.model_config = self.model.config
         self.context_length = config.context_length or self.model_config.max_position_embeddings
-        self.scheduler = Scheduler(self.model, config, self.tokenizer, self.context_length)
+        self.scheduler = Scheduler(self.model, config, self.kernel, self.tokenizer, self.context_length)
         self._param_shapes = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters()}
 
     def _run(self, num_threads: int) -> None:
@@ -357,8 +364,8 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         return {
-            "model_path": self.config.model_path,
-            "tokenizer_path": self.config.model_path if self.tokenizer is not None else None,
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path if self.tokenizer is not None else None,
             "is_generation": True,
             "architecture": self.model_config.architecture,
             "vocab_size": self.model_config.vocab_size,
@@ -367,8 +374,8 @@ class Engine:
 
     def server_info(self) -> dict[str, Any]:
         return {
-            "model_path": self.config.model_path,
-            "kernel_config": self.config.kernel.describe(torch.device(self.config.device).type),
+            "model_path": self.model_path,
+            "kernel_config": self.kernel.describe(torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
             "page_size": self.page_size,
             "max_running_requests": self.config.max_running_requests,

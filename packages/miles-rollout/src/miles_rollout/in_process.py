@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.client import RolloutClientError
 from miles_rollout.engine import Engine
-from miles_rollout.engine_config import EngineError
+from miles_rollout.engine_error import EngineError
 from miles_rollout.weight_sync import DistributedReceiver
 
 T = TypeVar("T")

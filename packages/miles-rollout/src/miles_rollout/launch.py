@@ -31,10 +31,10 @@ def launch_server(
     env: dict[str, str] | None = None,
     startup_timeout: float = 180.0,
 ) -> Iterator[str]:
-    """Run `miles-rollout serve --model DIR --port PORT FLAGS...`; yield its base URL; stop it on exit."""
+    """Run `miles-rollout serve --model-path DIR --port PORT FLAGS...`; yield its base URL; stop it on exit."""
     port = port or free_port()
     log = Path(log_path) if log_path else Path(model_dir).parent / f"miles-rollout-{port}.log"
-    command = [sys.executable, "-m", "miles_rollout.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "miles_rollout.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
                *flags]  # fmt: skip
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

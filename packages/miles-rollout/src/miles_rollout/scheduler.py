@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from miles_kernels import CausalLM, KVStore, build_attention_batch, full_logprobs, sample, token_logprobs
-from miles_rollout.engine_config import EngineConfig, EngineError
+from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch, full_logprobs, sample, token_logprobs
+from miles_rollout.config import EngineConfig
+from miles_rollout.engine_error import EngineError
 from miles_rollout.kv_cache import PageAllocator
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.sequence import Group, Sequence, build_response, finish_reason
@@ -33,12 +34,15 @@ def ceil_div(a: int, b: int) -> int:
 class Scheduler:
     """Waiting, prefilling and running requests, and the KV pages they hold."""
 
-    def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any, context_length: int) -> None:
+    def __init__(
+        self, model: CausalLM, config: EngineConfig, kernel: KernelConfig, tokenizer: Any, context_length: int
+    ) -> None:
         self.model = model
         self.config = config
+        self.kernel = kernel
         self.tokenizer = tokenizer
         self.context_length = context_length
-        self.page_size = config.kernel.page_size
+        self.page_size = kernel.page_size
         self.eos_ids = set(model.config.eos_token_ids())
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
@@ -55,7 +59,7 @@ class Scheduler:
 
     def _allocate_store(self) -> KVStore:
         return KVStore.allocate(
-            self.model.config, self.config.num_kv_pages, self.page_size, self.config.kernel.torch_dtype,
+            self.model.config, self.config.num_kv_pages, self.page_size, self.kernel.torch_dtype,
             self.config.device,
         )  # fmt: skip
 
@@ -192,7 +196,7 @@ class Scheduler:
             tables.append(group.prefill_pages)
         device = self.config.device
         batch = build_attention_batch(
-            query_lens, prefix_lens, tables, self.page_size, self.config.kernel.attention_query_tile, device
+            query_lens, prefix_lens, tables, self.page_size, self.kernel.attention_query_tile, device
         )
         with torch.no_grad():
             hidden = self.model.forward_hidden(torch.tensor(ids, device=device), batch, self.store)

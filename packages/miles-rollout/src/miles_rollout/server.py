@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.engine import Engine
-from miles_rollout.engine_config import EngineError
+from miles_rollout.engine_error import EngineError
 from miles_rollout.weight_sync import DistributedReceiver
 
 _RESPONSES = TypeAdapter(list[GenerateResponse])

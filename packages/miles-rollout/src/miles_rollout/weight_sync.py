@@ -12,7 +12,7 @@ import torch
 
 from miles_kernels import broadcast_tensors, init_weight_update_group, parse_dtype
 from miles_rollout.engine import Engine
-from miles_rollout.engine_config import EngineError
+from miles_rollout.engine_error import EngineError
 
 
 class DistributedReceiver:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_trainer.config import ADVANTAGE_ESTIMATOR_NAMES
 from miles_trainer.plugins import load_checked_plugin
 
 __all__ = [
@@ -320,14 +321,11 @@ def _rpp_baseline(
 
 
 # Outcome-reward estimators under one signature. GAE needs a critic's values and token rewards, so it is called
-# directly (`gae_advantages`), not through this table.
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": _grpo,
-    "dr_grpo": _dr_grpo,
-    "rloo": _rloo,
-    "reinforce_plus_plus": _rpp,
-    "reinforce_plus_plus_baseline": _rpp_baseline,
-}
+# directly (`gae_advantages`), not through this table. The names are miles_trainer.config's (a run config checks
+# them without torch), in its order.
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = dict(
+    zip(ADVANTAGE_ESTIMATOR_NAMES, (_grpo, _dr_grpo, _rloo, _rpp, _rpp_baseline), strict=True)
+)
 
 
 def compute_advantages(

@@ -1,104 +1,117 @@
 """`miles-trainer` command line: supervised fine-tuning and checkpoint conversion.
 
-    miles-trainer sft --model DIR --data FILE.jsonl --out DIR     # one process, or under torchrun for several
-    miles-trainer convert --src CHECKPOINT_DIR --dst HF_DIR      # trainer checkpoint (DCP) → Hugging Face
-    miles-trainer convert --src HF_DIR --dst CHECKPOINT_DIR      # Hugging Face → trainer checkpoint
+    miles-trainer sft --model-path DIR --data FILE.jsonl --out DIR   # one process, or under torchrun for several
+    miles-trainer convert --src CHECKPOINT_DIR --dst HF_DIR          # trainer checkpoint (DCP) → Hugging Face
+    miles-trainer convert --src HF_DIR --dst CHECKPOINT_DIR          # Hugging Face → trainer checkpoint
 
-A user's mistake (missing file, bad row, bad value) prints one line saying what is wrong and exits with 2.
+The flags are generated (tyro) from the config models: `sft` takes `SFTConfig` (with its `OptimizerConfig` and
+`FSDP2Config`) and `KernelConfig`, the models a run config nests, so every setting is defined once. A user's
+mistake (bad flag or value, missing file, bad row) prints what is wrong and exits with 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
-from miles_trainer.sft import SFTConfig
+import tyro
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_kernels.config import KernelConfig
+from miles_trainer.config import SFTConfig
+
+PROG = "miles-trainer"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miles-trainer", description="Miles trainer: SFT and checkpoint conversion.")
-    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    defaults = SFTConfig()
-    sft = subcommands.add_parser(
-        "sft", help="Supervised fine-tuning of a Hugging Face model on a JSONL file",
-        description='Rows: {"prompt": str, "response": str} or {"messages": [...]} (chat template). Loss only on '
-        "response / assistant tokens. Writes a Hugging Face directory (weights, config, tokenizer) to --out.",
-    )  # fmt: skip
-    sft.add_argument("--model", required=True, help="Hugging Face model directory (with its tokenizer)")
-    sft.add_argument("--data", required=True, help="JSONL file, one row per line")
-    sft.add_argument("--out", required=True, help="output Hugging Face directory")
-    sft.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the data (default: %(default)s)")
-    sft.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate (default: %(default)s)")
-    sft.add_argument(
-        "--batch-size", type=int, default=defaults.batch_size, help="rows per step (default: %(default)s)"
+class SFTCommand(BaseModel):
+    """Supervised fine-tuning of a Hugging Face model on a JSONL file. Rows: {"prompt": str, "response": str} or
+    {"messages": [...]} (chat template); loss only on response / assistant tokens. Writes a Hugging Face directory
+    (weights, config, tokenizer) to --out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str = Field(description="Hugging Face model directory (with its tokenizer).")
+    data: str = Field(description="JSONL file, one row per line.")
+    out: str = Field(description="Output Hugging Face directory.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="The SFT run.")
+    kernel: KernelConfig = Field(
+        default_factory=KernelConfig, description="The model's kernels (dtype: compute dtype; weights train in fp32)."
     )
-    sft.add_argument("--max-tokens-per-micro-batch", type=int, default=defaults.max_tokens_per_micro_batch,
-                     help="token budget of one packed forward pass (default: %(default)s)")  # fmt: skip
-    sft.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="(default: %(default)s)")
-    sft.add_argument("--seed", type=int, default=defaults.seed, help="shuffle seed (default: %(default)s)")
-    sft.add_argument("--chat-template", action="store_true",
-                     help="chat-template prompt/response rows (messages rows always are)")  # fmt: skip
-    sft.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                     help="compute dtype; weights train in float32 (default: %(default)s)")  # fmt: skip
-    convert = subcommands.add_parser(
-        "convert", help="Convert between a trainer checkpoint (DCP) and a Hugging Face directory",
-        description="The direction follows --src: a trainer checkpoint (has trainer_state.json) becomes a Hugging "
-        "Face directory; a Hugging Face directory (config.json + safetensors) becomes a trainer checkpoint.",
-    )  # fmt: skip
-    convert.add_argument("--src", required=True, help="trainer checkpoint or Hugging Face directory")
-    convert.add_argument("--dst", required=True, help="output directory")
-    convert.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                         help="dtype of the Hugging Face weights written (default: %(default)s)")  # fmt: skip
-    convert.add_argument("--tokenizer", help="directory whose tokenizer to copy into the Hugging Face output")
-    return parser
 
 
-def _sft(args: argparse.Namespace) -> None:
-    from miles_kernels import KernelConfig
+class ConvertCommand(BaseModel):
+    """Convert between a trainer checkpoint (DCP) and a Hugging Face directory. The direction follows --src: a
+    trainer checkpoint (has trainer_state.json) becomes a Hugging Face directory; a Hugging Face directory
+    (config.json + safetensors) becomes a trainer checkpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    src: str = Field(description="Trainer checkpoint or Hugging Face directory.")
+    dst: str = Field(description="Output directory.")
+    dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Dtype of Hugging Face weights.")
+    tokenizer: str | None = Field(default=None, description="Directory whose tokenizer the Hugging Face output gets.")
+
+
+COMMANDS = {
+    "sft": Annotated[SFTCommand, tyro.conf.OmitArgPrefixes],
+    "convert": ConvertCommand,
+}
+# `--model DIR` (the flag before the flags were generated) stays an alias of `--model-path DIR`.
+ALIASES = {"--model": "--model-path"}
+
+
+def parse(argv: list[str]) -> SFTCommand | ConvertCommand:
+    """The command from command-line arguments (exits with status 2 and a message on a bad one)."""
+    args = [ALIASES.get(a, a) for a in argv]
+    args = [f"{ALIASES[a.partition('=')[0]]}={a.partition('=')[2]}" if a.partition("=")[0] in ALIASES else a
+            for a in args]  # fmt: skip
+    command: SFTCommand | ConvertCommand = tyro.extras.subcommand_cli_from_dict(
+        COMMANDS, args=args, prog=PROG, description="Miles trainer: SFT and checkpoint conversion."
+    )
+    return command
+
+
+def _sft(command: SFTCommand) -> None:
     from miles_trainer.sft import run_sft
 
-    config = SFTConfig(
-        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, warmup_steps=args.warmup_steps,
-        chat_template=args.chat_template,
-    )  # fmt: skip
-    if not (Path(args.model) / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: no config.json there; give a Hugging Face model directory")
-    run_sft(args.model, args.data, args.out, config, KernelConfig(dtype=args.dtype))
-    print(f"wrote {args.out}")
+    if not (Path(command.model_path) / "config.json").is_file():
+        raise ValueError(f"--model-path {command.model_path}: no config.json there; give a Hugging Face directory")
+    run_sft(command.model_path, command.data, command.out, command.sft, command.kernel)
+    print(f"wrote {command.out}")
 
 
-def _convert(args: argparse.Namespace) -> None:
+def _convert(command: ConvertCommand) -> None:
     from miles_trainer.checkpoint import TRAINER_STATE, dcp_to_hf, hf_to_dcp
 
-    src = Path(args.src)
+    src = Path(command.src)
     if (src / TRAINER_STATE).is_file() or (src.with_name(src.name + ".old") / TRAINER_STATE).is_file():
         tokenizer = None
-        if args.tokenizer:
+        if command.tokenizer:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        dcp_to_hf(src, args.dst, dtype=args.dtype, tokenizer=tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(command.tokenizer)
+        dcp_to_hf(src, command.dst, dtype=command.dtype, tokenizer=tokenizer)
     elif (src / "config.json").is_file():
-        hf_to_dcp(src, args.dst)
+        hf_to_dcp(src, command.dst)
     else:
         raise ValueError(
             f"--src {src}: neither a trainer checkpoint ({TRAINER_STATE}) nor a Hugging Face directory (config.json)"
         )
-    print(f"wrote {args.dst}")
+    print(f"wrote {command.dst}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        _sft(args) if args.command == "sft" else _convert(args)
+        command = parse(args)
+    except SystemExit as exit_:  # tyro printed the problem, or the help
+        return int(exit_.code or 0) if args else 2
+    name = "sft" if isinstance(command, SFTCommand) else "convert"
+    try:
+        _sft(command) if isinstance(command, SFTCommand) else _convert(command)
     except (ValueError, FileNotFoundError) as error:
-        print(f"miles-trainer {args.command}: {error}", file=sys.stderr)
+        print(f"{PROG} {name}: {error}", file=sys.stderr)
         return 2
     return 0
 

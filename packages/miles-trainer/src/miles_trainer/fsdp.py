@@ -19,7 +19,6 @@ import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,48 +29,19 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, load_model, weights_checksum
+from miles_trainer.config import FSDP2Config, OptimizerConfig, PolicyLossConfig
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
 from miles_trainer.packing import pack_samples, plan_samples
 from miles_trainer.step import (
     PerSample,
-    PolicyLossConfig,
     StepStats,
     accumulate_policy_gradients,
     accumulate_sft_gradients,
     count_trained,
+    resolve_loss_fn,
 )
 from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets, write_weights_file
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW and its schedule."""
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    schedule: str = "constant"  # "constant" or "cosine" (after warmup)
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"schedule {self.schedule!r}: use 'constant' or 'cosine'")
-        if self.lr <= 0 or self.max_grad_norm <= 0:
-            raise ValueError(f"lr ({self.lr}) and max_grad_norm ({self.max_grad_norm}) must be > 0")
-
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of `lr` at optimizer step `step` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def apply_activation_checkpointing(model: CausalLM) -> None:
@@ -121,9 +91,8 @@ class FSDP2Backend:
         kernel: KernelConfig,
         optimizer: OptimizerConfig | None = None,
         loss: PolicyLossConfig | None = None,
-        max_tokens_per_micro_batch: int = 4096,
-        device: str = "cpu",
-        activation_checkpointing: bool = False,
+        config: FSDP2Config | None = None,
+        *,
         keep_reference: bool | None = None,
         offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -134,9 +103,14 @@ class FSDP2Backend:
         self.kernel = kernel
         self.optimizer_config = optimizer or OptimizerConfig()
         self.loss_config = loss or PolicyLossConfig()
-        self.max_tokens = max_tokens_per_micro_batch
+        self.config = config or FSDP2Config()
+        if self.optimizer_config.schedule == "cosine" and self.optimizer_config.total_steps is None:
+            raise ValueError("optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
+        resolve_loss_fn(self.loss_config.loss_fn)  # a bad plug-in path fails now, not at the first step
+        self.max_tokens = self.config.max_tokens_per_micro_batch
+        device = self.config.device
         self.model = load_model(model_dir, kernel, device, dtype=torch.float32).train()
-        if activation_checkpointing:
+        if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         _shard(self.model, kernel)
         self.reference: CausalLM | None = None
@@ -264,6 +238,13 @@ class FSDP2Backend:
         weights in host memory while writing. A file in /dev/shm stays mapped between calls (no page faults)."""
         self._check_onloaded()
         return write_weights_file(self.model, file, write, self._weights_file)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The weights an engine receives (HF names, kernel dtype, full tensors on the CPU), for an engine in this
+        process to copy (`miles_rollout.Engine.apply_named_tensors`): no file, no bucket, one copy. A parameter
+        that needs no gather or cast comes back as itself: read it, never write it. Every rank calls it."""
+        self._check_onloaded()
+        return dict(export_tensors(self.model, fresh=False))
 
     def weights_checksum(self) -> str:
         """`miles_kernels.weights_checksum` of the weights an engine would receive (kernel dtype, HF names);

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from miles_trainer.config import AGGREGATION_MODES, IS_LEVELS, IS_MODES, KL_KINDS, RATIO_TYPES
+
 __all__ = [
     "AGGREGATION_MODES",
     "aggregate_loss",
@@ -35,11 +37,6 @@ __all__ = [
     "train_rollout_logprob_abs_diff",
 ]
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-RATIO_TYPES = ("token", "sequence")
-KL_KINDS = ("k1", "k2", "k3")
-IS_LEVELS = ("token", "sequence")
-IS_MODES = ("truncate", "mask")
 
 # Log-ratio clamps, as verl: exp() of a PPO log-ratio is kept within e^±20, a GSPO sequence log-ratio below 10.
 _MAX_LOG_RATIO = 20.0

@@ -12,35 +12,15 @@ import json
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM
+from miles_trainer.config import SFTConfig
 
 ROLES = ("system", "user", "assistant", "tool")
 Tokens = tuple[list[int], list[int], list[int]]  # prompt tokens, response tokens, response loss mask
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    """A small SFT run's settings (the CLI flags of `miles-trainer sft`)."""
-
-    epochs: int = 3
-    lr: float = 1e-4
-    batch_size: int = 16
-    max_tokens_per_micro_batch: int = 4096
-    warmup_steps: int = 10
-    seed: int = 0
-    chat_template: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "max_tokens_per_micro_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
 
 
 class SFTDataError(ValueError):
@@ -182,7 +162,7 @@ def run_sft(
 
     from miles_kernels import KernelConfig
     from miles_trainer.checkpoint import export_hf
-    from miles_trainer.fsdp import FSDP2Backend, OptimizerConfig
+    from miles_trainer.fsdp import FSDP2Backend
 
     config = config or SFTConfig()
     kernel = kernel or KernelConfig()
@@ -201,13 +181,11 @@ def run_sft(
         ]
         if not batches:
             raise ValueError(f"{len(samples)} rows cannot give each of {world} ranks a sample; add rows")
-        optimizer = OptimizerConfig(
-            lr=config.lr, warmup_steps=min(config.warmup_steps, len(batches)), total_steps=len(batches),
-            schedule="cosine", min_lr_ratio=0.1,
-        )  # fmt: skip
-        backend = FSDP2Backend(
-            model_dir, kernel, optimizer, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch
-        )
+        optimizer = config.optimizer.model_copy(update={
+            "warmup_steps": min(config.optimizer.warmup_steps, len(batches)),
+            "total_steps": config.optimizer.total_steps or len(batches),
+        })  # fmt: skip
+        backend = FSDP2Backend(model_dir, kernel, optimizer, config=config.backend)
         per_epoch = max(1, len(batches) // config.epochs)
         history: list[dict[str, float]] = []
         losses, tokens, start = [], 0.0, time.perf_counter()

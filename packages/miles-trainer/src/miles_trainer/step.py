@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -22,13 +21,9 @@ import torch.distributed as dist
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
+from miles_trainer.config import PolicyLossConfig
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import (
-    AGGREGATION_MODES,
-    IS_LEVELS,
-    IS_MODES,
-    KL_KINDS,
-    RATIO_TYPES,
     aggregate_loss,
     entropy_bonus_loss,
     importance_weights,
@@ -61,43 +56,6 @@ class PolicyLossFn(Protocol):
         /,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Policy-loss settings (see `miles_trainer.losses`). Invalid values raise at construction."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    ratio_type: str = "token"  # "token" (PPO) or "sequence" (GSPO)
-    agg_mode: str = "token-mean"
-    temperature: float = 1.0  # the rollout temperature (log-prob contract)
-    entropy_coef: float = 0.0  # entropy bonus weight (0: entropy is only reported)
-    kl_coef: float = 0.0  # KL-to-reference loss weight (0: off; the backend then keeps no reference model)
-    kl_estimator: str = "k3"
-    is_mode: str | None = None  # mismatch correction: None, "truncate" (TIS) or "mask" (MIS)
-    is_level: str = "token"
-    is_threshold: float = 2.0
-    loss_fn: str | None = None  # "module:function" PolicyLossFn replacing `policy_loss`
-
-    def __post_init__(self) -> None:
-        choices = {
-            "agg_mode": AGGREGATION_MODES, "ratio_type": RATIO_TYPES, "kl_estimator": KL_KINDS,
-            "is_level": IS_LEVELS,
-        }  # fmt: skip
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
-        if self.is_mode is not None and self.is_mode not in IS_MODES:
-            raise ValueError(f"is_mode={self.is_mode!r}: choose None or one of {list(IS_MODES)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: use the rollout's temperature (>= 0; 0 = greedy)")
-        for name in ("entropy_coef", "kl_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.loss_fn is not None:
-            resolve_loss_fn(self.loss_fn)  # a bad path fails now, not at the first step
 
 
 def resolve_loss_fn(path: str | None) -> PolicyLossFn:

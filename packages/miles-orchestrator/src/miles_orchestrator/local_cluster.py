@@ -1,0 +1,119 @@
+"""`LocalCluster` (`run.cluster=local`): the engine and one trainer rank in the driver process, no Ray, no HTTP.
+
+The loop's client of the engine is a `miles_rollout.InProcessClient`; trainer calls and weight syncs run on the
+engine's own thread, between engine steps (`Engine.control`): every torch op of the run then runs on one thread,
+because a second thread that has run parallel ops keeps an OpenMP team of its own, and two teams on the same cores
+slowed both sides ~1.5-2x (measured). A weight sync is one in-memory copy of the trainer's weights into the
+engine's (`Engine.apply_named_tensors`), with no file or bucket in between. More trainer ranks need `run.cluster=
+ray`; the run config says so at start-up. See cluster.py for the interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from miles_contracts import Sample
+from miles_orchestrator.cluster import num_threads, trainer_settings
+from miles_orchestrator.config import RunConfig
+from miles_orchestrator.trainer_rank import TrainerRank
+from miles_rollout import Engine, InProcessClient
+from miles_trainer import ensure_process_group
+
+T = TypeVar("T")
+
+
+class LocalCluster:
+    """An in-process `Engine` and `TrainerRank`; every call runs on the engine's thread."""
+
+    sync_method = "an in-process copy"
+
+    def __init__(self, engine: Engine, owns_process_group: bool) -> None:
+        self._engine = engine
+        self.engine = InProcessClient(engine)
+        self._owns_process_group = owns_process_group
+        self.trainer: TrainerRank | None = None
+        self.trainer_fingerprint = ""
+
+    @classmethod
+    async def start(cls, cfg: RunConfig, model_dir: str, run_dir: Path) -> LocalCluster:
+        torch.set_num_threads(num_threads(cfg))  # the engine thread takes its creator's setting
+        engine = Engine(model_dir, cfg.kernel, cfg.rollout.engine)
+        self = cls(engine, owns_process_group=False)
+        try:
+            self._owns_process_group = ensure_process_group()
+            settings = trainer_settings(cfg, run_dir)
+            self.trainer = await self._on_engine(lambda: TrainerRank(model_dir, settings))
+            self.trainer_fingerprint = await self._on_engine(self._trainer.fingerprint)
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self
+
+    @property
+    def _trainer(self) -> TrainerRank:
+        assert self.trainer is not None, "start() first"
+        return self.trainer
+
+    async def _on_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread once no request is running; its exception comes back as raised (with
+        its traceback), not as the engine's wrapped error."""
+
+        def call() -> tuple[T | None, BaseException | None]:
+            try:
+                return fn(), None
+            except Exception as error:
+                return None, error
+
+        result, error = await self._engine.control(call, needs_idle=True)
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
+
+    async def train(
+        self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,
+        measure: bool,
+    ) -> dict[str, float]:  # fmt: skip
+        return await self._on_engine(lambda: self._trainer.train(samples, advantages, old_logprobs, measure))
+
+    async def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        return await self._on_engine(lambda: self._trainer.compute_logprobs(samples))
+
+    async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
+        def sync() -> dict[str, Any]:
+            tensors = self._trainer.backend.export_weights()
+            applied = self._engine.apply_named_tensors(tensors, version)
+            num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            return {"num_buckets": 0, "num_bytes": num_bytes, "weight_version": applied}
+
+        return await self._on_engine(sync)
+
+    async def trainer_checksum(self) -> str:
+        return await self._on_engine(self._trainer.weights_checksum)
+
+    async def offload_trainer(self) -> int:
+        return await self._on_engine(self._trainer.offload)
+
+    async def onload_trainer(self) -> int:
+        return await self._on_engine(self._trainer.onload)
+
+    async def save(self, directory: Path, extra: dict[str, Any]) -> None:
+        await self._on_engine(lambda: self._trainer.save(str(directory), extra))
+
+    async def load(self, directory: Path) -> dict[str, Any]:
+        return await self._on_engine(lambda: self._trainer.load(str(directory)))
+
+    async def export(self, directory: Path, tokenizer_dir: str) -> None:
+        await self._on_engine(lambda: self._trainer.export(str(directory), tokenizer_dir))
+
+    async def shutdown(self) -> None:
+        self._engine.shutdown()
+        if self._owns_process_group:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()

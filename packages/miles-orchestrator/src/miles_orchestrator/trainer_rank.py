@@ -1,0 +1,59 @@
+"""One trainer rank's share of the job: the FSDP2 backend and the calls the loop makes on it.
+
+The Ray cluster runs one per actor (actors.py: `TrainerRankActor`, which adds the process group and the weight
+transfer to the engine); the local cluster runs one in the driver, on the engine's thread. Every call is collective:
+each rank makes it with its own share of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from miles_contracts import Sample
+from miles_orchestrator.cluster import TrainerSettings
+from miles_trainer import FSDP2Backend, export_hf, load_checkpoint, save_checkpoint
+
+
+class TrainerRank:
+    """An FSDP2 rank built from `TrainerSettings` (torch.distributed must be initialized)."""
+
+    def __init__(self, model_dir: str, settings: TrainerSettings) -> None:
+        self.model_dir = model_dir
+        self.kernel = settings.kernel
+        self.backend = FSDP2Backend(model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
+                                    offload_dir=settings.offload_dir)  # fmt: skip
+
+    def fingerprint(self) -> str:
+        """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's)."""
+        return self.kernel.fingerprint(next(self.backend.model.parameters()).device.type)
+
+    def train(
+        self, samples: Sequence[Sample], advantages: list[list[float]], old_logprobs: Any, measure_mismatch: bool
+    ) -> dict[str, float]:
+        return self.backend.train_step(samples, advantages, old_logprobs=old_logprobs,
+                                       measure_mismatch=measure_mismatch)  # fmt: skip
+
+    def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        return self.backend.compute_logprobs(samples)
+
+    def weights_checksum(self) -> str:
+        return self.backend.weights_checksum()
+
+    def offload(self) -> int:
+        return int(self.backend.offload())
+
+    def onload(self) -> int:
+        return int(self.backend.onload())
+
+    def save(self, directory: str, extra: dict[str, Any]) -> None:
+        save_checkpoint(self.backend, directory, extra)
+
+    def load(self, directory: str) -> dict[str, Any]:
+        extra: dict[str, Any] = load_checkpoint(self.backend, directory)
+        return extra
+
+    def export(self, directory: str, tokenizer_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        export_hf(self.backend, directory, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))

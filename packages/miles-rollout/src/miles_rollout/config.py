@@ -1,0 +1,56 @@
+"""The rollout side's config models, torch-free: `EngineConfig` (how the embedded engine runs) and `ServeConfig`
+(what `miles-rollout serve` takes: a model directory, the kernels, the engine and the HTTP server).
+
+`miles-rollout serve --help` is generated from these models, and a run config nests `EngineConfig` as
+`rollout.engine`, so every engine setting is defined once, here (docs/architecture.md, "Config").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_kernels.config import KernelConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class EngineConfig(BaseModel):
+    """How the embedded engine runs: memory, batching, context, device and the default seed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_kv_pages: int = Field(
+        default=1024,
+        ge=2,
+        description="KV-cache pages (kernel.page_size tokens each), the memory bound of the cache: enough for "
+        "max_running_requests sequences of prompt + max new tokens. Colocated runs re-allocate them every step: "
+        "don't oversize.",
+    )
+    max_running_requests: int = Field(default=256, ge=1, description="Most sequences decoding at once.")
+    max_prefill_tokens: int = Field(default=2048, ge=1, description="Token budget of one engine step (prefill).")
+    context_length: int | None = Field(
+        default=None, ge=2, description="Longest prompt + output in tokens; null: the model's max_position_embeddings."
+    )
+    device: str = Field(default="cpu", description="torch device of the engine, e.g. cpu or cuda:0.")
+    seed: int = Field(default=0, ge=0, description="Base seed of requests that carry no sampling_seed.")
+
+
+class ServeConfig(BaseModel):
+    """`miles-rollout serve`: one model behind SGLang's HTTP API."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str = Field(description="Hugging Face model directory (config.json + safetensors).")
+    host: str = Field(default="127.0.0.1", description="Address to bind; a non-loopback one needs admin_key.")
+    port: int = Field(default=30000, ge=1, le=65535, description="TCP port.")
+    api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer KEY' on every endpoint.")
+    admin_key: str | None = Field(default=None, description="Key of the weight, memory and control endpoints.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Server log level.")
+    kernel: KernelConfig = Field(
+        default_factory=lambda: KernelConfig(mode="fast"),
+        description="The model's kernels. A standalone server defaults to mode=fast; pass --mode deterministic for "
+        "batch-invariant outputs and log-probs (true on-policy; a run config defaults to it).",
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="How the engine runs.")

@@ -1,0 +1,135 @@
+"""The trainer's config models, torch-free: `OptimizerConfig`, `PolicyLossConfig`, `FSDP2Config` (the backend) and
+`SFTConfig`, with the names of the advantage estimators and of the loss options they accept.
+
+Each setting is defined once, here: the FSDP2 backend and `miles-trainer sft` take these models, `miles-trainer sft
+--help` is generated from them, and a run config nests them (`trainer.optimizer`, `trainer.loss`, `trainer.backend`),
+so the orchestrator validates a whole run config without importing torch (docs/architecture.md, "Config"). Plug-in
+paths (`module:function`) are checked for shape here and imported when the trainer starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from miles_contracts import PluginPath
+
+AdvantageEstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+RatioType = Literal["token", "sequence"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ISLevel = Literal["token", "sequence"]
+ISMode = Literal["truncate", "mask"]
+
+ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimatorName)
+AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+RATIO_TYPES: tuple[str, ...] = get_args(RatioType)
+KL_KINDS: tuple[str, ...] = get_args(KLEstimator)
+IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+IS_MODES: tuple[str, ...] = get_args(ISMode)
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizerConfig(_Config):
+    """AdamW and its learning-rate schedule (linear warm-up, then constant or cosine), with gradient clipping."""
+
+    lr: float = Field(default=1e-5, gt=0, description="AdamW peak learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1).")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up optimizer steps.")
+    schedule: Literal["constant", "cosine"] = Field(default="constant", description="Schedule after warm-up.")
+    total_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Optimizer steps the cosine schedule spans; null: the whole job (a run: run.num_steps × "
+        "trainer.steps_per_rollout; SFT: its number of steps).",
+    )
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Cosine floor, as a fraction of lr.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in value):
+            raise ValueError(f"betas={list(value)}: each must be in [0, 1), e.g. [0.9, 0.999]")
+        return value
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of `lr` at optimizer step `step` (0-based)."""
+        import math
+
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        if self.total_steps is None:
+            raise ValueError("schedule='cosine' needs total_steps (the optimizer steps it spans)")
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class PolicyLossConfig(_Config):
+    """The policy loss (`miles_trainer.losses`): PPO-clip with clip-higher and dual-clip, or GSPO's sequence ratio;
+    how token losses aggregate; entropy bonus, KL to the reference, and TIS / MIS mismatch correction."""
+
+    clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below 1 (1 - clip_low).")
+    clip_high: float = Field(default=0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
+    dual_clip: float | None = Field(
+        default=None, gt=1, description="Dual-clip constant c > 1 for negative advantages; null: off."
+    )
+    ratio_type: RatioType = Field(default="token", description="'token': PPO's ratio; 'sequence': GSPO's.")
+    agg_mode: AggregationMode = Field(default="token-mean", description="How token losses aggregate.")
+    temperature: float = Field(
+        default=1.0,
+        ge=0,
+        description="Temperature T of the rollout that made the samples: log-probs are log_softmax(logits / T) "
+        "(0: greedy, T = 1). A run config sets it from rollout.temperature.",
+    )
+    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight (0: entropy only reported).")
+    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty weight against the initial policy (0: off).")
+    kl_estimator: KLEstimator = Field(default="k3", description="KL estimator.")
+    is_mode: ISMode | None = Field(
+        default=None, description="Mismatch correction when not true on-policy: TIS ('truncate'), MIS ('mask')."
+    )
+    is_level: ISLevel = Field(default="token", description="Importance weights per token or per sequence.")
+    is_threshold: float = Field(default=2.0, gt=0, description="TIS truncation / MIS masking threshold.")
+    loss_fn: PluginPath | None = Field(
+        default=None, description="'module:function' PolicyLossFn replacing PPO-clip; null: the built-in loss."
+    )
+
+
+class FSDP2Config(_Config):
+    """The FSDP2 backend: micro-batching, activation checkpointing and the device of each rank."""
+
+    max_tokens_per_micro_batch: int = Field(default=4096, ge=1, description="Token budget of a packed micro-batch.")
+    activation_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
+    device: str = Field(
+        default="cpu", description="torch device of each rank: cpu, or cuda (its current CUDA device)."
+    )
+
+
+def _sft_optimizer() -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-4, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+
+
+class SFTConfig(_Config):
+    """A supervised fine-tuning run (`miles-trainer sft`): shuffled batches of rows, the SFT loss on response
+    tokens, AdamW (by default warm-up, then cosine to 10% of lr over the run)."""
+
+    epochs: int = Field(default=3, ge=1, description="Passes over the data.")
+    batch_size: int = Field(default=16, ge=1, description="Rows per optimizer step, all ranks together.")
+    seed: int = Field(default=0, ge=0, description="Shuffle seed.")
+    chat_template: bool = Field(
+        default=False, description="Render prompt/response rows with the chat template (messages rows always are)."
+    )
+    optimizer: OptimizerConfig = Field(
+        default_factory=_sft_optimizer,
+        description="AdamW and its schedule (SFT defaults: lr 1e-4, 10 warm-up steps, cosine to 10% of lr over "
+        "the run; warm-up is capped at the number of steps).",
+    )
+    backend: FSDP2Config = Field(default_factory=FSDP2Config, description="The FSDP2 backend.")
