@@ -1,6 +1,6 @@
-"""Pure-logic tier (no torch, except one check that the config's trainer names match miles-trainer's): the run
-config loads from YAML and dotted overrides, rejects mistakes with messages that name the field and the fix, and
-renders help and YAML that round-trip."""
+"""Pure-logic tier (no torch): the run config loads from YAML and dotted overrides, rejects mistakes with messages
+that name the field and the fix, renders help and YAML that round-trip, nests each component's own config model,
+and validates without importing torch."""
 
 from __future__ import annotations
 
@@ -12,17 +12,6 @@ from pydantic import BaseModel
 from miles_orchestrator.config import RunConfig, check_batch_identity, config_help, dump_config, load_config
 
 
-def leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
-    names = []
-    for name, info in model.model_fields.items():
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            names += leaf_fields(annotation, f"{prefix}{name}.")
-        else:
-            names.append(f"{prefix}{name}")
-    return names
-
-
 def test_defaults_are_valid() -> None:
     cfg = load_config(None, [])
     assert cfg == RunConfig()
@@ -32,13 +21,11 @@ def test_defaults_are_valid() -> None:
 
 def test_yaml_then_overrides(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("trainer:\n  lr: 0.001\n  kl_coef: 0.1\nrollout:\n  max_new_tokens: 32\n")
-    cfg = load_config(
-        path,
-        ["trainer.lr=1e-6", "model.path=/models/x", "data.task.operations=[+, '-']", "run.log.tensorboard=true"],
-    )
-    assert cfg.trainer.lr == 1e-6 and isinstance(cfg.trainer.lr, float)  # override wins over the file
-    assert cfg.trainer.kl_coef == 0.1 and cfg.rollout.max_new_tokens == 32  # file values kept
+    path.write_text("trainer:\n  optimizer: {lr: 0.001}\n  loss: {kl_coef: 0.1}\nrollout:\n  max_new_tokens: 32\n")
+    overrides = ["trainer.optimizer.lr=1e-6", "model.path=/models/x", "data.task.operations=[+, '-']"]
+    cfg = load_config(path, [*overrides, "run.log.tensorboard=true"])
+    assert cfg.trainer.optimizer.lr == 1e-6 and isinstance(cfg.trainer.optimizer.lr, float)  # override wins
+    assert cfg.trainer.loss.kl_coef == 0.1 and cfg.rollout.max_new_tokens == 32  # file values kept
     assert cfg.model.path == "/models/x"
     assert cfg.data.task.operations == ["+", "-"]
     assert cfg.run.log.tensorboard is True
@@ -46,12 +33,14 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
 
 
 def test_unknown_override_key_lists_valid_keys() -> None:
-    with pytest.raises(ValueError, match=r"unknown key 'trainer\.lrr'") as info:
-        load_config(None, ["trainer.lrr=1e-6"])
+    with pytest.raises(ValueError, match=r"unknown key 'trainer\.optimizer\.lrr'") as info:
+        load_config(None, ["trainer.optimizer.lrr=1e-6"])
     message = str(info.value)
-    assert "did you mean trainer.lr?" in message
-    assert "valid keys of trainer: lr, weight_decay" in message
-    with pytest.raises(ValueError, match="valid keys of the top level: model, data"):
+    assert "did you mean trainer.optimizer.lr?" in message
+    assert "valid keys of trainer.optimizer: lr, weight_decay" in message
+    with pytest.raises(ValueError, match=r"did you mean trainer\.optimizer\?"):
+        load_config(None, ["trainer.optimiser.lr=1e-6"])
+    with pytest.raises(ValueError, match="valid keys of the top level: model, kernel, data"):
         load_config(None, ["trainr.lr=1"])
 
 
@@ -65,14 +54,21 @@ def test_unknown_yaml_key_names_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("trainer.lr=-1", r"trainer\.lr: Input should be greater than 0 \(got -1\)"),
-        ("trainer.lr=fast", r"trainer\.lr: Input should be a valid number"),
-        ("trainer.lr_schedule=linear", r"trainer\.lr_schedule: Input should be 'constant' or 'cosine'"),
+        ("trainer.optimizer.lr=-1", r"trainer\.optimizer\.lr: Input should be greater than 0 \(got -1\)"),
+        ("trainer.optimizer.lr=fast", r"trainer\.optimizer\.lr: Input should be a valid number"),
+        ("trainer.optimizer.schedule=linear", r"trainer\.optimizer\.schedule: Input should be 'constant' or 'cosine'"),
+        ("trainer.optimizer.betas=[0.9, 1.5]", r"trainer\.optimizer\.betas: betas=\[0\.9, 1\.5\]: each must be in"),
+        ("trainer.loss.agg_mode=mean", r"trainer\.loss\.agg_mode: Input should be 'token-mean'"),
+        ("trainer.loss.loss_fn=mymodule", r"trainer\.loss\.loss_fn: 'mymodule' must be a 'package\.module:function'"),
+        ("kernel.page_size=12", r"kernel: page_size=12 must be a power of two"),
+        ("kernel.mode=exact", r"kernel\.mode: Input should be 'deterministic' or 'fast'"),
+        ("rollout.engine.num_kv_pages=1", r"rollout\.engine\.num_kv_pages: Input should be greater than or equal"),
+        ("run.cluster=k8s", r"run\.cluster: Input should be 'ray' or 'local'"),
         ("trainer.advantage_estimator=ppo", r"trainer\.advantage_estimator: .*use one of \['grpo'"),
         ("data.source=prompts.csv", r"data\.source: 'prompts\.csv' is neither 'builtin' nor"),
         ("reward.name=accuracy", r"reward\.name: reward\.name='accuracy': use one of"),
-        ("rollout.rollout_fn=mymodule", r"rollout\.rollout_fn='mymodule' must be a 'package\.module:function'"),
-        ("trainer.dual_clip=0.5", r"trainer: dual_clip=0\.5 must be > 1"),
+        ("rollout.rollout_fn=mymodule", r"rollout\.rollout_fn: 'mymodule' must be a 'package\.module:function'"),
+        ("trainer.loss.dual_clip=0.5", r"trainer\.loss\.dual_clip: Input should be greater than 1"),
         ("rollout.temperature=0", r"rollout: .*set rollout\.temperature>0 .*or rollout\.allow_greedy=true"),
     ],
 )
@@ -93,11 +89,11 @@ def test_greedy_rollout_needs_opt_in() -> None:
 
 def test_malformed_overrides() -> None:
     with pytest.raises(ValueError, match=r"must look like section\.field=value"):
-        load_config(None, ["trainer.lr"])
-    with pytest.raises(ValueError, match=r"trainer\.lr is a value, not a section"):
-        load_config(None, ["trainer.lr.max=1"])
+        load_config(None, ["trainer.optimizer.lr"])
+    with pytest.raises(ValueError, match=r"trainer\.optimizer\.lr is a value, not a section"):
+        load_config(None, ["trainer.optimizer.lr.max=1"])
     with pytest.raises(ValueError, match="not valid YAML"):
-        load_config(None, ["trainer.lr=[1,"])
+        load_config(None, ["trainer.optimizer.lr=[1,"])
 
 
 def test_batch_identity_says_what_to_change() -> None:
@@ -147,17 +143,23 @@ def test_yaml_must_be_a_mapping(tmp_path: Path) -> None:
 
 
 def test_dump_round_trips(tmp_path: Path) -> None:
-    cfg = load_config(None, ["trainer.lr=3e-5", "data.task.operations=['+', '*']", "run.ray_address=auto"])
+    cfg = load_config(None, ["trainer.optimizer.lr=3e-5", "data.task.operations=['+', '*']", "run.ray_address=auto",
+                             "rollout.temperature=0.7", "trainer.optimizer.betas=[0.8, 0.9]"])  # fmt: skip
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path, []) == cfg
 
 
-def test_every_field_is_documented_in_help() -> None:
+def test_every_field_is_documented_in_help(leaf_fields) -> None:
     text = config_help(RunConfig)
     for dotted in leaf_fields(RunConfig):
         assert f"  {dotted} (" in text, dotted
-    assert "  trainer.lr (float, default 0.0002): AdamW learning rate." in text
+    # Defaults are the run's: a nested component model shows what its section starts from.
+    assert "  trainer.optimizer.lr (float, default 0.0002): AdamW peak learning rate." in text
+    assert "  rollout.engine.max_running_requests (int, default 64): " in text
+    modes = "{token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm}"
+    assert f"  trainer.loss.agg_mode ({modes}, default token-mean)" in text
+    assert "  kernel.mode ({deterministic, fast}, default deterministic): " in text
     assert "  model.path (str | None, default null): " in text
     assert "  data.task.operations (" in text and "default [+]" in text
 
@@ -174,10 +176,61 @@ def test_every_field_has_a_default_and_description() -> None:
     check(RunConfig)
 
 
-def test_trainer_names_match_miles_trainer() -> None:
-    miles_trainer = pytest.importorskip("miles_trainer")
-    from miles_orchestrator.config import ADVANTAGE_ESTIMATORS, TrainerSection
+def test_component_models_are_the_packages_own() -> None:
+    """Each section that configures a component is that package's model (defined once), with the run's defaults
+    where they differ from the component's own."""
+    from miles_kernels.config import KernelConfig
+    from miles_rollout.config import EngineConfig
+    from miles_trainer.config import FSDP2Config, OptimizerConfig, PolicyLossConfig
 
-    assert set(ADVANTAGE_ESTIMATORS) == set(miles_trainer.ADVANTAGE_ESTIMATORS)
-    agg_modes = TrainerSection.model_fields["agg_mode"].annotation.__args__  # type: ignore[union-attr]
-    assert set(agg_modes) == set(miles_trainer.AGGREGATION_MODES)
+    cfg = RunConfig()
+    assert type(cfg.kernel) is KernelConfig and type(cfg.rollout.engine) is EngineConfig
+    assert type(cfg.trainer.optimizer) is OptimizerConfig and type(cfg.trainer.loss) is PolicyLossConfig
+    assert type(cfg.trainer.backend) is FSDP2Config
+    assert (cfg.trainer.optimizer.lr, OptimizerConfig().lr) == (2e-4, 1e-5)
+    assert (cfg.rollout.engine.max_running_requests, EngineConfig().max_running_requests) == (64, 256)
+    assert cfg.kernel.mode == "deterministic"
+
+
+def test_options_that_were_unreachable_are_set_from_the_run_config() -> None:
+    cfg = load_config(None, ["trainer.loss.is_level=sequence", "trainer.loss.is_threshold=3.0",
+                             "trainer.optimizer.betas=[0.9, 0.95]", "trainer.optimizer.eps=1e-6",
+                             "kernel.linear_tile=32", "rollout.engine.max_prefill_tokens=512"])  # fmt: skip
+    assert cfg.trainer.loss.is_level == "sequence" and cfg.trainer.loss.is_threshold == 3.0
+    assert cfg.trainer.optimizer.betas == (0.9, 0.95) and cfg.trainer.optimizer.eps == 1e-6
+    assert cfg.kernel.linear_tile == 32 and cfg.rollout.engine.max_prefill_tokens == 512
+
+
+def test_loss_temperature_follows_the_rollout() -> None:
+    assert load_config(None, ["rollout.temperature=0.7"]).trainer.loss.temperature == 0.7
+    both = load_config(None, ["rollout.temperature=0.7", "trainer.loss.temperature=0.7"])
+    assert both.trainer.loss.temperature == 0.7
+    with pytest.raises(ValueError, match=r"trainer\.loss\.temperature=0\.5 differs from rollout\.temperature=1\.0"):
+        load_config(None, ["trainer.loss.temperature=0.5"])
+
+
+def test_cluster_choice_is_checked_against_what_it_can_run() -> None:
+    assert load_config(None, ["run.cluster=local"]).run.cluster == "local"
+    with pytest.raises(ValueError, match=r"run\.cluster=local runs one trainer rank .* use run\.cluster=ray"):
+        load_config(None, ["run.cluster=local", "trainer.num_ranks=2"])
+    with pytest.raises(ValueError, match=r"trainer\.backend\.device=cuda: the Ray placement .* run\.cluster=local"):
+        load_config(None, ["trainer.backend.device=cuda"])
+    assert load_config(None, ["run.cluster=local", "rollout.engine.device=cuda"]).rollout.engine.device == "cuda"
+
+
+def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:
+    """The orchestrator's config, and every package config it nests, load in a fresh interpreter with no torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from miles_orchestrator.config import load_config, config_help\n"
+        "cfg = load_config(None, ['trainer.optimizer.lr=1e-6', 'kernel.dtype=bfloat16'])\n"
+        "config_help()\n"
+        "import miles_trainer, miles_rollout, miles_kernels\n"  # the packages themselves load lazily
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(cfg.trainer.optimizer.lr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "1e-06", result.stderr

@@ -34,38 +34,95 @@ def test_weight_sync_goes_through_shared_memory_only_when_it_can(tmp_path, monke
         cluster.shared_sync_dir("shm", run_dir, same_node=False, weight_bytes=1)
 
 
-def test_the_on_policy_guard_compares_kernels_device_kind_and_weights(monkeypatch) -> None:
+def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:
     """`check_on_policy` after the version-0 sync: a deterministic run refuses an engine whose kernel fingerprint
     differs from the trainer's (here: the same config on a CUDA engine) or whose weights differ; equal ones pass."""
+    import asyncio
+
     from miles_kernels import KernelConfig
     from miles_orchestrator import loop
     from miles_orchestrator.config import RunConfig
 
     kernel = KernelConfig()
 
+    class FakeEngine:
+        def __init__(self, described: dict[str, object], checksum: str = "a" * 64) -> None:
+            self.described, self.checksum = described, checksum
+
+        async def get_server_info(self) -> dict[str, object]:
+            return {"kernel_config": self.described}
+
+        async def weights_checksum(self) -> str:
+            return self.checksum
+
     class FakeCluster:
         trainer_fingerprint = kernel.fingerprint()
-        sync_dir = None
+        sync_method = "a fake"
 
-        def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, int]:
+        def __init__(self, engine: FakeEngine) -> None:
+            self.engine = engine
+            self.synced: list[int] = []
+
+        async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, int]:
+            self.synced.append(version)
             return {"num_bytes": 0}
 
-        def trainer_checksum(self) -> str:
+        async def trainer_checksum(self) -> str:
             return "a" * 64
 
-    def engine(described: dict[str, object], checksum: str = "a" * 64):
-        async def info(cluster: object) -> dict[str, object]:
-            return {"kernel_config": described, "checksum": checksum}
-
-        return info
-
     cfg, logs = RunConfig(), []
-    monkeypatch.setattr(loop, "_engine_info", engine(kernel.describe("cuda")))
+
+    def guard(cluster: FakeCluster) -> None:
+        asyncio.run(loop.check_on_policy(cfg, cluster, version=0, log=logs.append))  # type: ignore[arg-type]
+
     with pytest.raises(RuntimeError, match=r"true on-policy refused.*same kind of device"):
-        loop.check_on_policy(cfg, FakeCluster(), version=0, log=logs.append)
-    monkeypatch.setattr(loop, "_engine_info", engine(kernel.describe(), checksum="b" * 64))
+        guard(FakeCluster(FakeEngine(kernel.describe("cuda"))))
     with pytest.raises(RuntimeError, match="weight sync check failed"):
-        loop.check_on_policy(cfg, FakeCluster(), version=0, log=logs.append)
-    monkeypatch.setattr(loop, "_engine_info", engine(kernel.describe()))
-    loop.check_on_policy(cfg, FakeCluster(), version=0, log=logs.append)
-    assert logs and "verified" in logs[-1] and kernel.fingerprint() in logs[-1]
+        guard(FakeCluster(FakeEngine(kernel.describe(), checksum="b" * 64)))
+    cluster = FakeCluster(FakeEngine(kernel.describe()))
+    guard(cluster)
+    assert cluster.synced == [0] and logs and "verified" in logs[-1] and kernel.fingerprint() in logs[-1]
+
+
+def test_colocated_turns_switch_once_each_way() -> None:
+    """The engine's memory is resumed once per trainer turn (by the weight sync when there is one), never twice."""
+    import asyncio
+
+    from miles_orchestrator.loop import Turns
+
+    calls: list[str] = []
+
+    class Engine:
+        async def release_memory_occupation(self) -> None:
+            calls.append("release")
+
+        async def resume_memory_occupation(self) -> None:
+            calls.append("resume")
+
+    class Cluster:
+        engine = Engine()
+
+        async def offload_trainer(self) -> None:
+            calls.append("offload")
+
+        async def onload_trainer(self) -> None:
+            calls.append("onload")
+
+    async def step(turns: Turns, with_sync: bool) -> None:
+        async with turns.trainer_turn():
+            calls.append("train")
+            if with_sync:
+                await turns.resume_engine()
+                calls.append("sync")
+
+    turns = Turns(Cluster(), is_colocated=True)  # type: ignore[arg-type]
+    asyncio.run(turns.engine_turn())
+    asyncio.run(step(turns, with_sync=True))
+    asyncio.run(step(turns, with_sync=False))  # e.g. the data ran out: no sync, the exit resumes the engine
+    assert calls == ["offload", "release", "onload", "train", "resume", "sync", "offload",
+                     "release", "onload", "train", "resume", "offload"]  # fmt: skip
+    calls.clear()
+    separate = Turns(Cluster(), is_colocated=False)  # type: ignore[arg-type]
+    asyncio.run(separate.engine_turn())
+    asyncio.run(step(separate, with_sync=True))
+    assert calls == ["train", "sync"]

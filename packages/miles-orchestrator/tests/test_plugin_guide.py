@@ -53,7 +53,7 @@ def test_reward_and_filter_examples(my_plugins) -> None:
 def test_rollout_function_example(my_plugins, tmp_path) -> None:
     tokenizer = build_tokenizer(vocab_size=300)
     save_random_model(tmp_path, tiny_config("dense", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)
-    engine = Engine(EngineConfig(model_path=str(tmp_path), kernel=KernelConfig(page_size=16), num_kv_pages=128))
+    engine = Engine(str(tmp_path), KernelConfig(page_size=16), EngineConfig(num_kv_pages=128))
     try:
         rollout = load_plugin("my_plugins:stop_at_newline", RolloutFn)
         prompts = [Sample(index=0, group_index=0, prompt="What is 2 + 3?", label="5")]

@@ -21,7 +21,7 @@ def engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
     tokenizer = build_tokenizer(vocab_size=300)
     save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=2, tokenizer=tokenizer)
-    engine = Engine(EngineConfig(model_path=str(path), kernel=KernelConfig(page_size=16), num_kv_pages=256))
+    engine = Engine(str(path), KernelConfig(page_size=16), EngineConfig(num_kv_pages=256))
     yield engine, PromptEncoder(str(path))
     engine.shutdown()
 

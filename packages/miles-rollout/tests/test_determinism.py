@@ -33,7 +33,7 @@ def test_harness_over_http(kind: str, temperature: float, request: pytest.Fixtur
 
 def test_harness_in_process(moe_dir) -> None:
     kernel = KernelConfig(page_size=16)
-    engine = Engine(EngineConfig(model_path=str(moe_dir), kernel=kernel, num_kv_pages=512))
+    engine = Engine(str(moe_dir), kernel, EngineConfig(num_kv_pages=512))
     try:
         result = asyncio.run(run_harness(InProcessClient(engine), vocab_size=512, temperature=1.0, seed=7))
     finally:

@@ -25,7 +25,7 @@ REQUEST = GenerateRequest(
 
 
 def run(model_dir, request: GenerateRequest, **config) -> tuple[list, dict]:
-    engine = Engine(EngineConfig(model_path=str(model_dir), kernel=KernelConfig(page_size=16), **config))
+    engine = Engine(str(model_dir), KernelConfig(page_size=16), EngineConfig(**config))
     try:
         responses = asyncio.run(InProcessClient(engine).generate(request))
         return responses, engine.server_info()
@@ -66,7 +66,7 @@ def test_admission_waits_under_a_small_kv_bound(moe_dir) -> None:
 
 
 def test_abort_all(moe_dir) -> None:
-    engine = Engine(EngineConfig(model_path=str(moe_dir), kernel=KernelConfig(page_size=16), num_kv_pages=256))
+    engine = Engine(str(moe_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=256))
     client = InProcessClient(engine)
 
     async def scenario() -> list:
@@ -93,7 +93,7 @@ def test_a_model_that_fails_to_load_raises_on_the_callers_thread(moe_dir, tmp_pa
         weights.unlink()
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(Exception, match=r"safetensors|weights|checkpoint"):
-        Engine(EngineConfig(model_path=str(broken), kernel=KernelConfig(page_size=16)))
+        Engine(str(broken), KernelConfig(page_size=16))
     time.sleep(0.1)
     assert "miles-rollout-engine" not in {t.name for t in threading.enumerate()} - before
 
@@ -109,7 +109,7 @@ def test_the_engine_runs_torch_on_its_own_thread_with_the_callers_thread_count(m
     original = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = Engine(EngineConfig(model_path=str(moe_dir), kernel=KernelConfig(page_size=16)))
+        engine = Engine(str(moe_dir), KernelConfig(page_size=16))
         try:
             threads = asyncio.run(engine.control(torch.get_num_threads, needs_idle=False))
             assert (loaded_on, threads) == (["miles-rollout-engine"], 1)  # the model too is loaded on its thread

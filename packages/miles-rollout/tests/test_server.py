@@ -214,3 +214,39 @@ def test_cli_errors(argv: list[str]) -> None:
     )
     assert result.returncode == 2
     assert "--model" in result.stderr or "config.json not found" in result.stderr
+
+
+def test_serve_flags_are_generated_from_the_config_models() -> None:
+    """`miles-rollout serve --help` lists every field of ServeConfig and the models it nests (KernelConfig,
+    EngineConfig), with defaults and allowed values; the short forms map onto the generated flags; a bad value or
+    an unknown flag exits with 2 and says what to fix."""
+    import subprocess
+    import sys
+
+    from pydantic import BaseModel
+
+    from miles_rollout.cli import parse_serve
+    from miles_rollout.config import ServeConfig
+
+    def flags(model: type[BaseModel]) -> list[str]:
+        out = []
+        for name, info in model.model_fields.items():
+            nested = isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)
+            out += flags(info.annotation) if nested else ["--" + name.replace("_", "-")]  # type: ignore[arg-type]
+        return out
+
+    def serve(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "miles_rollout.cli", "serve", *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    help_text = serve("--help").stdout
+    for flag in flags(ServeConfig):
+        assert flag in help_text, flag
+    assert "{deterministic,fast}" in help_text and "(default: 256)" in help_text  # max_running_requests
+    config = parse_serve(["--model", "m", "--deterministic", "--num-kv-pages", "64", "--dtype", "bfloat16"])
+    assert config.model_path == "m" and config.kernel.mode == "deterministic" and config.kernel.dtype == "bfloat16"
+    assert config.engine.num_kv_pages == 64 and parse_serve(["--model=m"]).kernel.mode == "fast"
+    bad = serve("--model-path", "m", "--num-kv-pages", "1")
+    assert bad.returncode == 2 and "num_kv_pages" in bad.stderr and "greater than or equal to 2" in bad.stderr
+    typo = serve("--model-path", "m", "--kv-pages", "64")
+    assert typo.returncode == 2 and "--num-kv-pages" in typo.stderr, typo.stderr

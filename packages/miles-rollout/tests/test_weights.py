@@ -57,7 +57,7 @@ def server(dense_dir, start_server):
 
 def fresh_engine_outputs(model_dir) -> list[tuple]:
     """What a freshly started deterministic engine with these weights answers (the reference)."""
-    engine = Engine(EngineConfig(model_path=str(model_dir), kernel=KernelConfig(page_size=16), num_kv_pages=512))
+    engine = Engine(str(model_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=512))
     try:
         return outputs(asyncio.run(InProcessClient(engine).generate(PROBE)))
     finally:
@@ -105,7 +105,7 @@ def test_weight_updates_release_and_resume(server, dense_dir, second_model) -> N
 
 
 def test_release_frees_storage_in_process(dense_dir) -> None:
-    engine = Engine(EngineConfig(model_path=str(dense_dir), kernel=KernelConfig(page_size=16), num_kv_pages=64))
+    engine = Engine(str(dense_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=64))
     client = InProcessClient(engine)
     try:
         kv_bytes = sum(t.untyped_storage().nbytes() for t in engine.scheduler.store.k + engine.scheduler.store.v)
@@ -201,7 +201,7 @@ def test_update_waits_for_running_requests(server, dense_dir) -> None:
 def test_admin_endpoints_need_admin_key_on_non_loopback(dense_dir) -> None:
     from miles_rollout import create_app
 
-    engine = Engine(EngineConfig(model_path=str(dense_dir), kernel=KernelConfig(page_size=16), num_kv_pages=64))
+    engine = Engine(str(dense_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=64))
     try:
         app = create_app(engine, host="0.0.0.0")
 
@@ -285,7 +285,7 @@ def test_only_a_shared_memory_weight_file_stays_mapped(dense_dir, second_model, 
     maps = Path("/proc/self/maps")
     if not maps.exists() or not Path("/dev/shm").is_dir():
         pytest.skip("needs /proc/self/maps and /dev/shm (Linux)")
-    engine = Engine(EngineConfig(model_path=str(dense_dir), kernel=KernelConfig(page_size=16), num_kv_pages=64))
+    engine = Engine(str(dense_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=64))
     shm = Path(tempfile.mkdtemp(prefix="miles-test-", dir="/dev/shm"))
     try:
         for directory in (shm, tmp_path / "disk"):

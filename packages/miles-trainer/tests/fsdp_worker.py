@@ -31,6 +31,7 @@ from miles_contracts import Sample
 from miles_kernels import BucketAssembler, KernelConfig, load_model
 from miles_trainer import (
     FSDP2Backend,
+    FSDP2Config,
     OptimizerConfig,
     PolicyLossConfig,
     export_hf,
@@ -92,8 +93,8 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     kernel = KernelConfig(**{**KERNEL.model_dump(), "dtype": "bfloat16"}) if mode == "bf16-logprobs" else KERNEL
     backend = FSDP2Backend(
         model_dir, kernel, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
-        PolicyLossConfig(agg_mode="seq-mean-token-mean"), max_tokens_per_micro_batch=24,
-        device=device, offload_dir=out_dir,
+        PolicyLossConfig(agg_mode="seq-mean-token-mean"),
+        FSDP2Config(max_tokens_per_micro_batch=24, device=device), offload_dir=out_dir,
     )  # fmt: skip
     samples, advantages = batch()
     mine, my_advantages = samples[rank::world], advantages[rank::world]

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 import miles_trainer
 from miles_kernels import KernelConfig, build_tokenizer, load_model, save_random_model, tiny_config
-from miles_trainer.cli import build_parser
+from miles_trainer.cli import COMMANDS, SFTCommand
 from miles_trainer.sft import SFTDataError, load_sft_samples
 
 ROWS = [{"prompt": f"What is {a} + {b}? ", "response": str(a + b)} for a in range(2, 8) for b in range(1, 5)]
@@ -32,15 +33,35 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def test_help_lists_subcommands() -> None:
+def leaf_flags(model: type[BaseModel]) -> list[str]:
+    """The flag of every leaf field of a config model (nested models are flattened, as `sft` shows them)."""
+    flags = []
+    for name, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            flags += leaf_flags(info.annotation)
+        else:
+            flags.append("--" + name.replace("_", "-"))
+    return flags
+
+
+def test_help_is_generated_from_the_config_models() -> None:
     assert miles_trainer.__doc__
     script = shutil.which("miles-trainer")
     assert script, "console script miles-trainer is not on PATH"
     result = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
-    for name in build_parser()._subparsers._group_actions[0].choices:  # type: ignore[union-attr]
+    for name in COMMANDS:
         assert name in result.stdout
     result = subprocess.run([script, "sft", "--help"], capture_output=True, text=True, check=True)
-    assert "--chat-template" in result.stdout and "default: 3" in result.stdout
+    for flag in leaf_flags(SFTCommand):  # SFTConfig, its OptimizerConfig and FSDP2Config, KernelConfig
+        assert flag in result.stdout, flag
+    assert "--chat-template" in result.stdout and "(default: 3)" in result.stdout  # epochs
+    assert "{deterministic,fast}" in result.stdout  # allowed values come from the model's Literal
+    bad = subprocess.run([script, "sft", "--model-path", "m", "--data", "d", "--out", "o", "--lr", "-1"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "lr" in bad.stderr and "greater than 0" in bad.stderr, bad.stderr
+    typo = subprocess.run([script, "sft", "--model-path", "m", "--data", "d", "--out", "o", "--epoch", "2"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert typo.returncode == 2 and "--epochs" in typo.stderr, typo.stderr  # "perhaps you meant"
 
 
 def test_loss_masks_cover_only_responses(model_dir, tmp_path) -> None:

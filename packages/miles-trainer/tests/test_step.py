@@ -9,7 +9,7 @@ import torch
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, random_model, tiny_config
-from miles_trainer.step import PolicyLossConfig, accumulate_policy_gradients
+from miles_trainer import PolicyLossConfig, accumulate_policy_gradients, resolve_loss_fn
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 
@@ -173,9 +173,13 @@ def test_custom_loss_plugin_is_loaded_and_checked(tmp_path, monkeypatch) -> None
         expected += sum(-adv * v * m for v, m in zip(lp, sample.effective_loss_mask(), strict=True))
     num_tokens = sum(sum(s.effective_loss_mask()) for s in samples)
     assert stats["loss"] == pytest.approx(expected / num_tokens, rel=1e-5)
+    # The config checks the path's shape (torch-free); the plug-in itself is checked when it is resolved, which
+    # the FSDP2 backend does at construction.
     with pytest.raises(TypeError, match="must accept"):
-        PolicyLossConfig(loss_fn="my_losses:wrong")
+        resolve_loss_fn(PolicyLossConfig(loss_fn="my_losses:wrong").loss_fn)
     with pytest.raises(ValueError, match="no attribute"):
-        PolicyLossConfig(loss_fn="my_losses:missing")
-    with pytest.raises(ValueError, match="agg_mode"):
+        resolve_loss_fn(PolicyLossConfig(loss_fn="my_losses:missing").loss_fn)
+    with pytest.raises(ValueError, match=r"loss_fn\n.*must be a 'package.module:function' plug-in path"):
+        PolicyLossConfig(loss_fn="my_losses")
+    with pytest.raises(ValueError, match=r"agg_mode\n.*Input should be 'token-mean', 'seq-mean-token-mean'"):
         PolicyLossConfig(agg_mode="mean")

@@ -23,9 +23,7 @@ from typing import Any
 from miles_kernels import KernelConfig, ModelConfig, build_tokenizer, greedy_generate, save_random_model, tiny_config
 from miles_orchestrator import task as task_module
 from miles_orchestrator.config import RunConfig
-from miles_trainer import SFTConfig, load_sft_samples, run_sft
-from miles_trainer import packing as packing_module
-from miles_trainer import sft as sft_module
+from miles_trainer import SFTConfig, load_sft_samples, pack_samples, run_sft
 
 # The bootstrap needs no batch invariance (RL starts from whatever weights it writes), so it runs the plain torch
 # ops; 16-token KV pages fit the task's ~15-token rows (64-token pages would mostly be padding).
@@ -92,13 +90,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "miles"
 
 
+def _modules_of(*functions: Any) -> list[Any]:
+    """The modules that define `functions` (the SFT code whose source keys the cache)."""
+    return [inspect.getmodule(fn) for fn in functions]
+
+
 def bootstrap_key(cfg: RunConfig) -> str:
     parts: dict[str, Any] = {
         "model": cfg.model.model_dump(exclude={"path"}),
         "task": cfg.data.task.model_dump(),
         "seed": cfg.data.seed,
         "chat": cfg.data.apply_chat_template,
-        "code": [inspect.getsource(m) for m in (task_module, sft_module, packing_module, sys.modules[__name__])],
+        "code": [
+            inspect.getsource(m) for m in (task_module, *_modules_of(run_sft, pack_samples), sys.modules[__name__])
+        ],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

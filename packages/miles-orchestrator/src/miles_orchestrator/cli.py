@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _run(args)
     except RunFailed as failure:
-        cause = failure.__cause__
-        traceback.print_exception(type(cause), cause, cause.__traceback__ if cause else None, file=sys.stderr)
+        if failure.__cause__ is not None:
+            traceback.print_exception(failure.__cause__, file=sys.stderr)
         print(f"miles-orchestrator {args.command}: {failure}", file=sys.stderr)
         return 1
     except ValueError as error:  # the config, before anything ran

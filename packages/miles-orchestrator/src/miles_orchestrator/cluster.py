@@ -39,9 +39,15 @@ class EngineClient(Protocol):
 class Cluster(Protocol):
     """The engine (through `engine`, the loop's one client of it) and the trainer ranks (collective calls)."""
 
-    engine: EngineClient
-    trainer_fingerprint: str  # the trainer's `KernelConfig.fingerprint` on its device
-    sync_method: str  # how weights reach the engine, for the log
+    @property
+    def engine(self) -> EngineClient: ...
+    @property
+    def trainer_fingerprint(self) -> str:
+        """The trainer's `KernelConfig.fingerprint` on its device."""
+
+    @property
+    def sync_method(self) -> str:
+        """How weights reach the engine, for the log."""
 
     async def train(
         self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,

@@ -451,4 +451,4 @@ def _describe(error: ValidationError) -> str:
         message = str(item["msg"]).removeprefix("Value error, ")
         given = "" if item["type"] in ("value_error", "missing") else f" (got {item['input']!r})"
         problems.append(f"{dotted}: {message}{given}")
-    return "invalid run config:\n  " + "\n  ".join(problems)
+    return "invalid run config: " + "; ".join(problems)  # one line, whatever the number of problems

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -72,7 +72,7 @@ class LocalCluster:
         result, error = await self._engine.control(call, needs_idle=True)
         if error is not None:
             raise error
-        return result  # type: ignore[return-value]
+        return cast(T, result)
 
     async def train(
         self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,

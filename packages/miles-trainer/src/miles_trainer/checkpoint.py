@@ -71,6 +71,10 @@ def save_checkpoint(
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
     dist.barrier()
+    # An optimizer that never stepped (every update so far skipped: no advantage signal) has no state, which DCP
+    # initializes with a zero step only when no parameter holds a gradient. Without this, a skipped step's
+    # gradients made the save lack the state that the load (of a fresh backend, no gradients) expects.
+    backend.optimizer.zero_grad(set_to_none=True)
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))  # type: ignore[attr-defined]
     save_file(rng_state(), str(staging / _rng_file(rank)))

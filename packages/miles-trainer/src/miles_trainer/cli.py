@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tyro
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,7 +53,7 @@ class ConvertCommand(BaseModel):
     tokenizer: str | None = Field(default=None, description="Directory whose tokenizer the Hugging Face output gets.")
 
 
-COMMANDS = {
+COMMANDS: dict[str, Any] = {
     "sft": Annotated[SFTCommand, tyro.conf.OmitArgPrefixes],
     "convert": ConvertCommand,
 }

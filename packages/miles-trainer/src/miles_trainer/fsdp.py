@@ -117,12 +117,12 @@ class FSDP2Backend:
         if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
             self.reference = load_model(model_dir, kernel, device, dtype=torch.float32).eval().requires_grad_(False)
             _shard(self.reference, kernel)
-        config = self.optimizer_config
+        adam = self.optimizer_config
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-            weight_decay=config.weight_decay, fused=True,  # one fused kernel per step (CPU and CUDA): ~6x faster
+            self.model.parameters(), lr=adam.lr, betas=adam.betas, eps=adam.eps,
+            weight_decay=adam.weight_decay, fused=True,  # one fused kernel per step (CPU and CUDA): ~6x faster
         )  # fmt: skip
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, adam.lr_factor)
         self.step_count = 0
         store: OffloadStore = FileStore(offload_dir) if device == "cpu" else HostStore()
         self._offloader = Offloader(store)

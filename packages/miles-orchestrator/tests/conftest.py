@@ -1,0 +1,25 @@
+"""Shared helpers of the orchestrator's tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from pydantic import BaseModel
+
+
+def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    names = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            names += _leaf_fields(annotation, f"{prefix}{name}.")
+        else:
+            names.append(f"{prefix}{name}")
+    return names
+
+
+@pytest.fixture
+def leaf_fields() -> Callable[[type[BaseModel]], list[str]]:
+    """The dotted name of every leaf field of a config model (nested sections flattened)."""
+    return _leaf_fields
