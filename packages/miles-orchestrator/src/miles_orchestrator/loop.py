@@ -190,6 +190,7 @@ async def rollout(
     dropped: list[list[Sample]] = []
     generated: list[Sample] = []
     num_failed_groups = 0
+    reward_seconds = 0.0
     began = time.perf_counter()
     client = cluster.engine
     for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
@@ -207,7 +208,9 @@ async def rollout(
             run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
             num_failed_groups += 1
         groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
+        scoring = time.perf_counter()
         stats = await rewards.score([s for g in groups for s in g])
+        reward_seconds += time.perf_counter() - scoring
         if stats.num_failed:
             run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
                     + "; ".join(stats.errors))  # fmt: skip
@@ -234,6 +237,7 @@ async def rollout(
         "response_len_mean": sum(lengths) / max(len(lengths), 1),
         "truncated_fraction": sum(1 for s in generated if s.status == SampleStatus.TRUNCATED) / max(len(generated), 1),
         "rollout_time_s": seconds,
+        "reward_time_s": reward_seconds,  # part of rollout_time_s
         "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
     }  # fmt: skip
 

@@ -28,6 +28,8 @@ from miles_orchestrator.cluster import checkpoint_bytes, num_threads, shared_syn
 from miles_orchestrator.config import RunConfig
 from miles_rollout import Client
 
+RAY_TEMP_MAX_CHARS = 40
+
 
 def start_ray(address: str | None, run_dir: Path, num_cpus: int) -> None:
     """Connect to `address`, or start a local Ray for this run (dashboard off, temp files in a short dir)."""
@@ -36,9 +38,10 @@ def start_ray(address: str | None, run_dir: Path, num_cpus: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
         return
-    # Ray's unix sockets need a short path: keep its temp dir under the run dir only when that is short.
+    # Ray's unix sockets (TEMP/session_<date>_<time>_<us>_<pid>/sockets/plasma_store, at most 107 bytes) need a
+    # short path: keep its temp dir under the run dir only when that leaves room for the ~62 bytes Ray appends.
     temp = run_dir.resolve() / "ray"
-    if len(str(temp)) > 60:
+    if len(str(temp)) > RAY_TEMP_MAX_CHARS:
         temp = Path(tempfile.mkdtemp(prefix="miles-ray-"))
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False,
              configure_logging=False)  # fmt: skip
