@@ -25,3 +25,11 @@ def test_console_script_help(script: str) -> None:
     assert path, f"{script} is not installed"
     result = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and script in result.stdout
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_every_exported_name_loads(name: str) -> None:
+    """Packages load their attributes lazily (lazy_loader, from __init__.pyi): every name in __all__ resolves."""
+    module = importlib.import_module(f"miles_{name}")
+    missing = [attr for attr in getattr(module, "__all__", []) if getattr(module, attr, None) is None]
+    assert not missing, f"miles_{name}.__all__ names what it cannot load: {missing}"

@@ -232,12 +232,17 @@ class RunSection(_Section):
         description="Where engine and trainer run. ray: Ray actors (a local Ray, or run.ray_address), any number of "
         "trainer ranks; local: the engine and one trainer rank in this process (no Ray, no HTTP).",
     )
-    ray_address: str | None = Field(default=None, description="Ray cluster address; null: start Ray locally.")
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster address (run.cluster=ray); null: start Ray locally."
+    )
     colocate: bool = Field(default=True, description="Engine and trainer share devices, offloading in turn.")
-    sync_bucket_bytes: int = Field(default=512 << 20, ge=1, description="Largest weight-sync bucket, in bytes.")
+    sync_bucket_bytes: int = Field(
+        default=512 << 20, ge=1, description="Largest weight-sync bucket over HTTP, in bytes (run.cluster=ray)."
+    )
     sync_transport: Literal["auto", "shm", "http"] = Field(
         default="auto",
-        description="How weights reach the engine. shm: a safetensors checkpoint in /dev/shm that the engine loads "
+        description="How weights reach the engine on run.cluster=ray (local copies them in memory). shm: a "
+        "safetensors checkpoint in /dev/shm that the engine loads "
         "(same node; one copy of the weights in RAM); http: buckets over HTTP (a few buckets of memory); auto: shm "
         "when the engine is on trainer rank 0's node and the checkpoint is at most 1 GiB, else http.",
     )
