@@ -123,6 +123,19 @@ def bootstrap_policy(cfg: RunConfig, log: Any = print) -> str:
     staging = final.with_name(final.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    try:
+        _build(cfg, staging, log)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed or interrupted bootstrap leaves nothing behind
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    return str(final / "policy")
+
+
+def _build(cfg: RunConfig, staging: Path, log: Any) -> None:
+    """The base model, its tokenizer and the SFT rows in `staging`, then the SFT into `staging / "policy"`."""
     task = cfg.data.task.to_task()
     size = cfg.model.bootstrap_batch_size
     rows = task.sft_rows(max(1, cfg.model.bootstrap_steps) * size, seed=cfg.data.seed + 1)
@@ -146,7 +159,3 @@ def bootstrap_policy(cfg: RunConfig, log: Any = print) -> str:
                     stop_after=stop_after)  # fmt: skip
     else:
         shutil.copytree(staging / "base", staging / "policy")
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
-    return str(final / "policy")
