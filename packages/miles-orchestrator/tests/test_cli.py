@@ -145,3 +145,20 @@ def test_advantage_plugin_path_is_checked_at_start_up(tmp_path) -> None:
     result = run_cli("run", f"run.run_dir={tmp_path / 'never'}", "trainer.advantage_estimator=no_such_mod:adv")
     assert result.returncode == 2
     assert "trainer.advantage_estimator='no_such_mod:adv'" in result.stderr, result.stderr
+
+
+def test_a_failed_bootstrap_leaves_no_staging_directory(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    from miles_orchestrator import bootstrap
+
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
+
+    def fail(cfg, staging, log) -> None:
+        (staging / "base").mkdir()
+        raise RuntimeError("killed mid-SFT")
+
+    monkeypatch.setattr(bootstrap, "_build", fail)
+    with pytest.raises(RuntimeError, match="killed mid-SFT"):
+        bootstrap.bootstrap_policy(RunConfig(), log=lambda message: None)
+    assert list((tmp_path / "cache" / "bootstrap").iterdir()) == []
