@@ -44,6 +44,19 @@ def test_unknown_override_key_lists_valid_keys() -> None:
         load_config(None, ["trainr.lr=1"])
 
 
+def test_keys_of_earlier_configs_say_where_they_went() -> None:
+    with pytest.raises(ValueError, match=r"unknown key 'trainer\.lr' \(now trainer\.optimizer\.lr\)"):
+        load_config(None, ["trainer.lr=1e-6"])
+    with pytest.raises(
+        ValueError, match=r"'rollout\.max_running_requests' \(now rollout\.engine\.max_running_requests\)"
+    ):
+        load_config(None, ["rollout.max_running_requests=8"])
+    with pytest.raises(ValueError, match=r"'rollout\.deterministic' \(now kernel\.mode \(deterministic or fast\)\)"):
+        load_config(None, ["rollout.deterministic=false"])
+    with pytest.raises(ValueError, match=r"'trainer\.dtype' \(now kernel\.dtype\)"):
+        load_config(None, ["trainer.dtype=bfloat16"])
+
+
 def test_unknown_yaml_key_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("rollout:\n  temprature: 0.7\n")

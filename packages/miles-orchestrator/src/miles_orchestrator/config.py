@@ -418,9 +418,31 @@ def _check_key(model: type[BaseModel], prefix: str, key: str, *, source: str) ->
         return
     valid = list(model.model_fields)
     close = difflib.get_close_matches(key, valid, n=1)
-    hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    elsewhere = MOVED.get(prefix + key) or ", ".join(_fields_named(RunConfig, key))
+    hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (now {elsewhere})" if elsewhere else ""
     where = prefix.rstrip(".") or "the top level"
     raise ValueError(f"{source}: unknown key {prefix + key!r}{hint}; valid keys of {where}: {', '.join(valid)}")
+
+
+# Keys of earlier run configs whose setting moved under another name (fields that only moved into a nested
+# section, e.g. trainer.lr -> trainer.optimizer.lr, are found by name).
+MOVED = {
+    "rollout.deterministic": "kernel.mode (deterministic or fast)",
+    "trainer.dtype": "kernel.dtype",
+    "trainer.lr_schedule": "trainer.optimizer.schedule",
+}
+
+
+def _fields_named(model: type[BaseModel], name: str, prefix: str = "") -> list[str]:
+    """The dotted paths of every field called `name` in `model`'s sections."""
+    found = []
+    for field, info in model.model_fields.items():
+        section = _section_model(info.annotation)
+        if section is not None:
+            found += _fields_named(section, name, f"{prefix}{field}.")
+        elif field == name:
+            found.append(f"{prefix}{field}")
+    return found
 
 
 def _apply_override(data: dict[str, Any], override: str) -> None:
