@@ -33,16 +33,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _expand(arg: str) -> list[str]:
+    """A short form as the generated flags it stands for (`--model=DIR` keeps its value); anything else as is."""
+    flag, sep, value = arg.partition("=")
+    if flag not in ALIASES:
+        return [arg]
+    *head, last = ALIASES[flag]
+    return [*head, f"{last}={value}"] if sep else ALIASES[flag]
+
+
 def parse_serve(argv: list[str]) -> ServeConfig:
     """The serve config from command-line flags (exits with status 2 and a message on a bad one)."""
-    expanded: list[str] = []
-    for arg in argv:
-        flag, sep, value = arg.partition("=")
-        expanded += [*ALIASES[flag][:-1], f"{ALIASES[flag][-1]}={value}"] if sep and flag in ALIASES else (
-            ALIASES.get(arg, [arg]))  # fmt: skip
     config: ServeConfig = tyro.cli(
         ServeArgs,
-        args=expanded,
+        args=[expanded for arg in argv for expanded in _expand(arg)],
         prog=f"{PROG} serve",
         description="Serve a Qwen3 / Qwen3-MoE Hugging Face directory over SGLang's HTTP API with the embedded "
         "engine (CPU or one GPU).",

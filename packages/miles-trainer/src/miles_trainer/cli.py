@@ -31,7 +31,10 @@ class SFTCommand(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_path: str = Field(description="Hugging Face model directory (with its tokenizer).")
+    # `--model DIR` (the flag before the flags were generated) stays an alias.
+    model_path: Annotated[str, tyro.conf.arg(aliases=("--model",))] = Field(
+        description="Hugging Face model directory (with its tokenizer)."
+    )
     data: str = Field(description="JSONL file, one row per line.")
     out: str = Field(description="Output Hugging Face directory.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="The SFT run.")
@@ -57,17 +60,12 @@ COMMANDS: dict[str, Any] = {
     "sft": Annotated[SFTCommand, tyro.conf.OmitArgPrefixes],
     "convert": ConvertCommand,
 }
-# `--model DIR` (the flag before the flags were generated) stays an alias of `--model-path DIR`.
-ALIASES = {"--model": "--model-path"}
 
 
 def parse(argv: list[str]) -> SFTCommand | ConvertCommand:
     """The command from command-line arguments (exits with status 2 and a message on a bad one)."""
-    args = [ALIASES.get(a, a) for a in argv]
-    args = [f"{ALIASES[a.partition('=')[0]]}={a.partition('=')[2]}" if a.partition("=")[0] in ALIASES else a
-            for a in args]  # fmt: skip
     command: SFTCommand | ConvertCommand = tyro.extras.subcommand_cli_from_dict(
-        COMMANDS, args=args, prog=PROG, description="Miles trainer: SFT and checkpoint conversion."
+        COMMANDS, args=argv, prog=PROG, description="Miles trainer: SFT and checkpoint conversion."
     )
     return command
 
