@@ -61,7 +61,7 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff (lint + format check) and import-linter (the package table of DESIGN.md)."""
+    """ruff (lint + format check) and import-linter (the package table of docs/architecture.md)."""
     _sync(session, "--all-packages", "--group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

@@ -28,15 +28,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_kernels import (
-    BENCHMARK_MODEL,
-    KernelConfig,
-    PagedRunner,
-    load_model,
-    packed_logits,
-    save_random_model,
-    tiny_config,
-)
+from miles_kernels import KernelConfig, load_model
+from miles_kernels.testing import BENCHMARK_MODEL, PagedRunner, packed_logits, save_random_model, tiny_config
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:

@@ -1,7 +1,7 @@
 """Benchmark: end-to-end rollout throughput of the miles server (fast and deterministic mode) vs Hugging Face
 `transformers` `model.generate`, side by side in one run.
 
-Model: the miles-kernels benchmark model (`miles_kernels.BENCHMARK_MODEL`: Qwen3, hidden 512, 8 layers,
+Model: the miles-kernels benchmark model (`miles_kernels.testing.BENCHMARK_MODEL`: Qwen3, hidden 512, 8 layers,
 vocab 8192, float32, random weights, seed 0) saved with a tokenizer. Workload: `--num-prompts` prompts of random
 token ids, lengths spread evenly over `--min-prompt`..`--max-prompt` (fixed seed), `--new-tokens` new tokens each
 with `ignore_eos` (so every request generates exactly that many), temperature 1.0, one fixed seed per prompt.
@@ -34,7 +34,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_kernels import BENCHMARK_MODEL, build_tokenizer, save_random_model, tiny_config
+from miles_kernels.testing import BENCHMARK_MODEL, build_tokenizer, save_random_model, tiny_config
 from miles_rollout import launch_server
 
 PAGE_SIZE = 16  # the server's default --page-size

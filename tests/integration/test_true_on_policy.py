@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from miles_contracts import GenerateRequest, Sample, SamplingParams
-from miles_kernels import KernelConfig, build_tokenizer, load_model, save_random_model, tiny_config
+from miles_kernels import KernelConfig, load_model
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout import Client, launch_server
 from miles_trainer import train_rollout_logprob_abs_diff
 from miles_trainer.logprobs import response_logprobs

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_save
 
-from miles_kernels.buckets import (
+from miles_kernels.weight_sync.buckets import (
     BUCKET_FORMAT,
     Bucket,
     BucketAssembler,
@@ -299,7 +299,7 @@ def test_iter_buckets_is_lazy_and_checks_arguments_eagerly(monkeypatch: pytest.M
     with pytest.raises(ValueError, match="version"):
         iter_buckets([("w", torch.ones(1))], version=-2, bucket_bytes=8)
 
-    import miles_kernels.buckets as buckets_module
+    import miles_kernels.weight_sync.buckets as buckets_module
 
     calls: list[int] = []
     real_encode = buckets_module.encode_bucket

@@ -6,9 +6,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from miles_kernels import KernelConfig, available_backends, packed_logits, random_model, register_backend, tiny_config
+from miles_kernels import KernelConfig, available_backends, register_backend
 from miles_kernels import registry as registry_module
 from miles_kernels.ops.attention import _sdpa_attention
+from miles_kernels.testing import packed_logits, random_model, tiny_config
 
 
 def test_fingerprint_tracks_every_field() -> None:

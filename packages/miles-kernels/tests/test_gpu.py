@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_kernels import KernelConfig, PagedRunner, packed_logits, random_model, rms_norm, tiled_matmul, tiny_config
+from miles_kernels import KernelConfig, rms_norm, tiled_matmul
+from miles_kernels.testing import PagedRunner, packed_logits, random_model, tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

@@ -11,16 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from miles_kernels import (
-    KernelConfig,
-    checkpoint_tensors,
-    load_model,
-    packed_logits,
-    read_model_config,
-    save_model,
-    save_random_model,
-    tiny_config,
-)
+from miles_kernels import KernelConfig, checkpoint_tensors, load_model, read_model_config, save_model
+from miles_kernels.testing import packed_logits, save_random_model, tiny_config
 
 KERNELS = {
     "deterministic": KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4),
@@ -145,7 +137,8 @@ def test_unsupported_options_are_named(tmp_path) -> None:
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_bucket_stream_restores_a_model_bit_exactly(kind: str) -> None:
     """Trainer side: HF-named tensors -> buckets; engine side: assemble -> load_state. Tied embeddings travel once."""
-    from miles_kernels import BucketAssembler, decode_bucket, iter_buckets, random_model
+    from miles_kernels import BucketAssembler, decode_bucket, iter_buckets
+    from miles_kernels.testing import random_model
 
     source = random_model(tiny_config(kind), seed=7)
     target = random_model(tiny_config(kind), seed=8)

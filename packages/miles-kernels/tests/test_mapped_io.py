@@ -16,10 +16,9 @@ from miles_kernels import (
     checkpoint_tensors,
     in_shared_memory,
     load_mapped,
-    random_model,
     save_model,
-    tiny_config,
 )
+from miles_kernels.testing import random_model, tiny_config
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:

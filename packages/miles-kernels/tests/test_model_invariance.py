@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_kernels import KernelConfig, PagedRunner, packed_logits, random_model, tiny_config
+from miles_kernels import KernelConfig
+from miles_kernels.testing import PagedRunner, packed_logits, random_model, tiny_config
 
 SMALL_KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 

@@ -1,5 +1,5 @@
 """CPU numerics: sampling is reproducible per (seed, position), respects its filters, follows the softmax
-distribution, and log-probs follow the DESIGN.md log-prob contract."""
+distribution, and log-probs follow the log-prob contract (docs/architecture.md)."""
 
 from __future__ import annotations
 

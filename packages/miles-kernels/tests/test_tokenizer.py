@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from miles_kernels.tokenizer import DEFAULT_CORPUS, MIN_VOCAB_SIZE, build_tokenizer
+from miles_kernels.testing import DEFAULT_CORPUS, build_tokenizer
+from miles_kernels.testing.tokenizer import MIN_VOCAB_SIZE
 
 MESSAGES = [
     {"role": "system", "content": "You are a careful math tutor."},
@@ -108,7 +109,7 @@ def test_building_twice_gives_identical_files(tmp_path: Path) -> None:
     build_tokenizer(list(DEFAULT_CORPUS), vocab_size=400, save_dir=tmp_path / "b")
     # A fresh process too: hash-map iteration order differs between processes, so ties must not depend on it.
     code = (
-        "import sys; from miles_kernels.tokenizer import build_tokenizer, DEFAULT_CORPUS; "
+        "import sys; from miles_kernels.testing import build_tokenizer, DEFAULT_CORPUS; "
         "build_tokenizer(DEFAULT_CORPUS, vocab_size=400, save_dir=sys.argv[1])"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], check=True)

@@ -8,6 +8,16 @@ import pytest
 from pydantic import BaseModel
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A local cluster sets the driver's torch thread count (`run.num_threads`): every test gets the count back."""
+    import torch
+
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
 def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     names = []
     for name, info in model.model_fields.items():

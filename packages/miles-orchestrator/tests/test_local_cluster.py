@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_kernels import build_tokenizer, save_random_model, tiny_config
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator.config import load_config
 from miles_orchestrator.loop import run_sync
 from miles_orchestrator.run_dir import RunDir

@@ -17,21 +17,22 @@ def test_trainer_reward_stats_do_not_overwrite_the_rollouts() -> None:
 
 
 def test_weight_sync_goes_through_shared_memory_only_when_it_can(tmp_path, monkeypatch) -> None:
-    from miles_orchestrator import cluster
+    from miles_orchestrator import weight_transport
 
     shm = tmp_path / "shm"
     shm.mkdir()
-    monkeypatch.setattr(cluster, "SHARED_MEMORY", shm)
+    monkeypatch.setattr(weight_transport, "SHARED_MEMORY", shm)
+    choose = weight_transport.shared_sync_dir
     run_dir = tmp_path / "run"
-    chosen = cluster.shared_sync_dir("auto", run_dir, same_node=True, weight_bytes=10 << 20)
+    chosen = choose("auto", run_dir, same_node=True, weight_bytes=10 << 20)
     assert chosen is not None and chosen.parent == shm and chosen.is_dir()
-    assert cluster.shared_sync_dir("auto", run_dir, True, 10 << 20) == chosen  # a resumed run: the same directory
-    assert cluster.shared_sync_dir("http", run_dir, True, 10 << 20) is None
-    assert cluster.shared_sync_dir("auto", run_dir, same_node=False, weight_bytes=10 << 20) is None
-    assert cluster.shared_sync_dir("auto", run_dir, True, weight_bytes=2 << 30) is None  # too big for RAM twice
-    assert cluster.shared_sync_dir("shm", run_dir, True, weight_bytes=2 << 30) == chosen  # asked for: used
+    assert choose("auto", run_dir, True, 10 << 20) == chosen  # a resumed run: the same directory
+    assert choose("http", run_dir, True, 10 << 20) is None
+    assert choose("auto", run_dir, same_node=False, weight_bytes=10 << 20) is None
+    assert choose("auto", run_dir, True, weight_bytes=2 << 30) is None  # too big for RAM twice
+    assert choose("shm", run_dir, True, weight_bytes=2 << 30) == chosen  # asked for: used
     with pytest.raises(ValueError, match="sync_transport=shm needs the engine on trainer rank 0's node"):
-        cluster.shared_sync_dir("shm", run_dir, same_node=False, weight_bytes=1)
+        choose("shm", run_dir, same_node=False, weight_bytes=1)
 
 
 def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from miles_contracts import RolloutFn, Sample, SampleFilter, SampleStatus, SamplingParams, load_plugin
-from miles_kernels import KernelConfig, build_tokenizer, save_random_model, tiny_config
+from miles_kernels import KernelConfig
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator.rewards import resolve_reward
 from miles_orchestrator.rollout import PromptEncoder, expand_groups, run_groups
 from miles_rollout import Engine, EngineConfig, InProcessClient

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from miles_contracts import Sample, SampleStatus, SamplingParams
-from miles_kernels import KernelConfig, build_tokenizer, save_random_model, tiny_config
+from miles_kernels import KernelConfig
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator.rollout import PromptEncoder, expand_groups, run_groups, sample_seed, single_turn
 from miles_rollout import Engine, EngineConfig, InProcessClient
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from miles_orchestrator.task import BuiltinTask, Problem, evaluate, extract_answer, verify
+from miles_orchestrator.task import BuiltinTask, Problem, evaluate_expression, extract_answer, verify
 
 EXPRESSION = re.compile(r"What is ((?:\d+ [-+*] )+\d+)\?")
 
@@ -74,9 +74,9 @@ def test_sft_rows_come_from_train_split() -> None:
 
 
 def test_precedence() -> None:
-    assert evaluate([2, 3, 4], ["+", "*"]) == 14
-    assert evaluate([2, 3, 4, 5], ["*", "-", "*"]) == -14
-    assert evaluate([9, 3, 4], ["-", "-"]) == 2
+    assert evaluate_expression([2, 3, 4], ["+", "*"]) == 14
+    assert evaluate_expression([2, 3, 4, 5], ["*", "-", "*"]) == -14
+    assert evaluate_expression([9, 3, 4], ["-", "-"]) == 2
 
 
 @pytest.mark.parametrize(
@@ -126,8 +126,8 @@ def test_bad_knobs_name_the_field(kwargs: dict[str, object], field: str) -> None
 
 
 def test_digits_tokenize_one_at_a_time() -> None:
-    miles_kernels = pytest.importorskip("miles_kernels")
-    tokenizer = miles_kernels.build_tokenizer()
+    testing = pytest.importorskip("miles_kernels.testing")
+    tokenizer = testing.build_tokenizer()
     problem = BuiltinTask(num_digits=3).problem(0)
     pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode(problem.label))
     assert pieces == list(problem.label)

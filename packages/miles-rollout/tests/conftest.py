@@ -15,7 +15,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from miles_kernels import BucketAssembler, build_tokenizer, decode_bucket, save_random_model, tiny_config
+from miles_kernels import BucketAssembler, decode_bucket
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout.client import Client
 from miles_rollout.launch import launch_server
 
@@ -51,6 +52,23 @@ def running_server(model_dir: Path, *extra: str) -> Iterator[str]:
 def dense_server(dense_dir: Path) -> Iterator[str]:
     with running_server(dense_dir, "--deterministic") as url:
         yield url
+
+
+async def _wait_for_engine(url: str, condition: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> None:
+    """Wait for an engine event of a server process (a request admitted, tokens generated): its counters in
+    `/get_server_info` are read until `condition` holds; the HTTP form of `Engine.wait_until`."""
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not condition((await client.get("/get_server_info")).json()):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the engine at {url} did not reach the awaited state in {timeout} s")
+            await asyncio.sleep(0.005)  # a poll interval, not an ordering: the condition decides
+
+
+@pytest.fixture(scope="session")
+def wait_for_engine() -> Callable[..., Any]:
+    """`_wait_for_engine(url, condition)`: wait until a server's engine counters satisfy `condition`."""
+    return _wait_for_engine
 
 
 @pytest.fixture(scope="session")

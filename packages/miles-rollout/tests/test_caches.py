@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_rollout.kv_cache import OutOfPages, PageAllocator
+from miles_rollout.page_allocator import OutOfPages, PageAllocator
 from miles_rollout.radix_cache import RadixCache
 
 

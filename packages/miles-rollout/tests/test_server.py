@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from miles_kernels import build_tokenizer
+from miles_kernels.testing import build_tokenizer
 
 
 def post(url: str, path: str, body: object, **kwargs: object) -> httpx.Response:
@@ -156,9 +156,10 @@ def test_prefix_cache_reuse_and_flush(dense_server: str) -> None:
     assert third["meta_info"]["cached_tokens"] == 0 and third["output_ids"] == first["output_ids"]
 
 
-def test_abort_mid_generation(dense_server: str) -> None:
+def test_abort_mid_generation(dense_server: str, wait_for_engine) -> None:
     async def scenario() -> tuple[dict, httpx.Response]:
         async with httpx.AsyncClient(base_url=dense_server, timeout=120) as client:
+            before = (await client.get("/get_server_info")).json()["num_generated_tokens"]
             long = asyncio.create_task(
                 client.post(
                     "/generate",
@@ -169,7 +170,8 @@ def test_abort_mid_generation(dense_server: str) -> None:
                     },
                 )
             )
-            await asyncio.sleep(1.0)
+            # the request is decoding and has tokens: an abort now ends it part-way
+            await wait_for_engine(dense_server, lambda s: s["num_running"] == 1 and s["num_generated_tokens"] > before)
             aborted = await client.post("/abort_request", json={"rid": "long-one"})
             return (await long).json(), aborted
 

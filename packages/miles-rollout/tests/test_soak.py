@@ -32,7 +32,7 @@ def test_64_clients_for_30_seconds(dense_dir, start_server) -> None:
         info = httpx.get(f"{url}/get_server_info", timeout=10).json()
         pid = info["pid"]
 
-        async def worker(client: Client, seed: int, stop_at: float, counts: dict[str, int]) -> None:
+        async def worker(client: Client, seed: int, stop_at: float, counts: dict[str, int], done: list[int]) -> None:
             rng = random.Random(seed)
             while time.monotonic() < stop_at:
                 prompt = [rng.randrange(512) for _ in range(rng.randint(1, 120))]
@@ -41,28 +41,30 @@ def test_64_clients_for_30_seconds(dense_dir, start_server) -> None:
                 try:
                     responses = await client.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
                     counts["ok"] += 1
+                    done[seed] += 1
                     counts["tokens"] += sum(len(r.output_ids) for r in responses)
                 except Exception as error:  # counted, then reported by the assertion below
                     counts["errors"] += 1
                     counts.setdefault("first_error", repr(error))  # type: ignore[arg-type]
 
-        async def run() -> tuple[dict[str, int], float, int]:
+        async def run() -> tuple[dict[str, int], list[int], float, int]:
             counts = {"ok": 0, "errors": 0, "tokens": 0}
+            done = [0] * NUM_CLIENTS  # requests each client completed
             async with Client(url, timeout=120) as client:
                 await client.generate(GenerateRequest(input_ids=[1], sampling_params=SamplingParams(max_new_tokens=1)))
                 rss_before = rss_mib(pid)
                 stop_at = time.monotonic() + DURATION_S
                 peak_pages = 0
-                tasks = [asyncio.create_task(worker(client, i, stop_at, counts)) for i in range(NUM_CLIENTS)]
+                tasks = [asyncio.create_task(worker(client, i, stop_at, counts, done)) for i in range(NUM_CLIENTS)]
                 while not all(t.done() for t in tasks):
                     peak_pages = max(peak_pages, (await client.get_server_info())["num_used_pages"])
                     await asyncio.sleep(0.5)
                 await asyncio.gather(*tasks)
-                return counts, rss_mib(pid) - rss_before, peak_pages
+                return counts, done, rss_mib(pid) - rss_before, peak_pages
 
-        counts, rss_growth, peak_pages = asyncio.run(run())
+        counts, done, rss_growth, peak_pages = asyncio.run(run())
         assert counts["errors"] == 0, counts
-        assert counts["ok"] > NUM_CLIENTS  # every client completed requests
+        assert min(done) > 0, f"clients that completed no request: {[i for i, n in enumerate(done) if n == 0]}"
         assert peak_pages <= 255
         assert rss_growth < 300, f"server RSS grew {rss_growth:.0f} MiB"
         assert httpx.get(f"{url}/health_generate", timeout=60).status_code == 200

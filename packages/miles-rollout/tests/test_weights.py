@@ -37,7 +37,7 @@ def outputs(responses) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def second_model(tmp_path_factory):
-    from miles_kernels import build_tokenizer, save_random_model, tiny_config
+    from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 
     directory = tmp_path_factory.mktemp("dense-b")
     save_random_model(
@@ -176,7 +176,7 @@ def test_bad_weight_updates_are_rejected_and_the_server_keeps_serving(server, de
     asyncio.run(scenario())
 
 
-def test_update_waits_for_running_requests(server, dense_dir) -> None:
+def test_update_waits_for_running_requests(server, dense_dir, wait_for_engine) -> None:
     """A request that started on version v finishes on v: the update is applied after it, between steps."""
 
     async def scenario() -> None:
@@ -189,7 +189,7 @@ def test_update_waits_for_running_requests(server, dense_dir) -> None:
                     )
                 )
             )
-            await asyncio.sleep(0.5)
+            await wait_for_engine(server, lambda s: s["num_running"] == 1)  # the request is decoding
             update = await client.update_weights_from_disk(str(dense_dir), weight_version=version + 1)
             finished = (await long)[0]
             assert long.done() and update["weight_version"] == version + 1

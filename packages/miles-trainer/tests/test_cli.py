@@ -13,7 +13,8 @@ import torch
 from pydantic import BaseModel
 
 import miles_trainer
-from miles_kernels import KernelConfig, build_tokenizer, load_model, save_random_model, tiny_config
+from miles_kernels import KernelConfig, load_model
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_trainer.cli import COMMANDS, SFTCommand
 from miles_trainer.sft import SFTDataError, load_sft_samples
 

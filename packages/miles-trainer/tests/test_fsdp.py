@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_kernels import KernelConfig, load_model, random_model, save_model, tiny_config
+from miles_kernels import KernelConfig, load_model, save_model
+from miles_kernels.testing import random_model, tiny_config
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 TIMING = ("step_time_s", "tokens_per_s")
@@ -101,7 +102,7 @@ def test_checkpoint_resume_is_bit_exact_and_export_loads(tmp_path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "hf", dtype=torch.float32).eval()
     ids = torch.arange(1, 12)[None]
     with torch.no_grad():
-        from miles_kernels import packed_logits
+        from miles_kernels.testing import packed_logits
 
         torch.testing.assert_close(hf(ids).logits[0], packed_logits(exported, [ids[0]])[0], rtol=0, atol=1e-4)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig, random_model, tiny_config
+from miles_kernels import KernelConfig
+from miles_kernels.testing import random_model, tiny_config
 from miles_trainer import PolicyLossConfig, accumulate_policy_gradients, resolve_loss_fn
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
@@ -127,7 +128,7 @@ def test_mismatch_is_zero_on_own_logprobs_and_measured_otherwise() -> None:
 
 
 def test_kl_and_entropy_terms_follow_their_formulas() -> None:
-    from miles_kernels import packed_logits
+    from miles_kernels.testing import packed_logits
     from miles_trainer import entropy_from_logits, kl_estimate
 
     model = random_model(tiny_config("dense"), KERNEL, seed=6).train()

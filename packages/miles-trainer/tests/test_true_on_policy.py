@@ -9,16 +9,8 @@ import pytest
 import torch
 
 from miles_contracts import Sample
-from miles_kernels import (
-    KernelConfig,
-    PagedRunner,
-    RowSampling,
-    logprob_temperatures,
-    random_model,
-    sample,
-    tiny_config,
-    token_logprobs,
-)
+from miles_kernels import KernelConfig, RowSampling, logprob_temperatures, sample, token_logprobs
+from miles_kernels.testing import PagedRunner, random_model, tiny_config
 from miles_trainer.logprobs import micro_batch_logprobs, response_logprobs
 from miles_trainer.packing import pack_samples, plan_micro_batches, plan_samples
 

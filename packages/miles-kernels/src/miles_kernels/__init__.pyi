@@ -1,30 +1,16 @@
 """Types of the lazily loaded public API (lazy_loader reads the imports below; see __init__.py)."""
 
-from .buckets import (
-    BUCKET_FORMAT,
-    Bucket,
-    BucketAssembler,
-    decode_bucket,
-    encode_bucket,
-    iter_buckets,
-    plan_buckets,
-    weights_checksum,
-)
 from .config import KernelConfig
 from .hf_io import (
-    MappedSafetensors,
-    TensorSlot,
     checkpoint_tensors,
-    in_shared_memory,
     iter_checkpoint,
-    load_mapped,
     load_model,
     load_state,
     read_model_config,
-    safetensors_layout,
     save_model,
 )
-from .model import CausalLM, KVStore
+from .kv_cache import KVStore
+from .model import CausalLM
 from .model_config import ModelConfig
 from .ops.attention import (
     NULL_PAGE,
@@ -45,24 +31,36 @@ from .ops.sampling import (
     token_logprobs,
     uniform,
 )
-from .paged_runner import PagedRunner, greedy_generate, packed_logits
-from .random_model import BENCHMARK_MODEL, random_model, save_random_model, tiny_config
 from .registry import Backend, available_backends, get_backend, register_backend, registered_ops
-from .tokenizer import DEFAULT_CORPUS, build_tokenizer
-from .weight_group import (
+from .weight_sync.buckets import (
+    BUCKET_FORMAT,
+    Bucket,
+    BucketAssembler,
+    decode_bucket,
+    encode_bucket,
+    iter_buckets,
+    plan_buckets,
+)
+from .weight_sync.checksum import weights_checksum
+from .weight_sync.distributed import (
     WeightUpdateGroup,
     broadcast_tensors,
     dtype_name,
     init_weight_update_group,
     parse_dtype,
 )
+from .weight_sync.mapped_file import (
+    MappedSafetensors,
+    TensorSlot,
+    in_shared_memory,
+    load_mapped,
+    safetensors_layout,
+)
 
 __version__: str
 
 __all__ = [
-    "BENCHMARK_MODEL",
     "BUCKET_FORMAT",
-    "DEFAULT_CORPUS",
     "NULL_PAGE",
     "AttentionBatch",
     "Backend",
@@ -73,7 +71,6 @@ __all__ = [
     "KernelConfig",
     "MappedSafetensors",
     "ModelConfig",
-    "PagedRunner",
     "RowSampling",
     "TensorSlot",
     "WeightUpdateGroup",
@@ -83,7 +80,6 @@ __all__ = [
     "broadcast_tensors",
     "build_attention_batch",
     "build_packed_batch",
-    "build_tokenizer",
     "checkpoint_tensors",
     "decode_bucket",
     "dtype_name",
@@ -91,7 +87,6 @@ __all__ = [
     "experts_forward",
     "full_logprobs",
     "get_backend",
-    "greedy_generate",
     "in_shared_memory",
     "init_weight_update_group",
     "inv_frequencies",
@@ -102,10 +97,8 @@ __all__ = [
     "load_model",
     "load_state",
     "logprob_temperatures",
-    "packed_logits",
     "parse_dtype",
     "plan_buckets",
-    "random_model",
     "read_model_config",
     "register_backend",
     "registered_ops",
@@ -114,10 +107,8 @@ __all__ = [
     "safetensors_layout",
     "sample",
     "save_model",
-    "save_random_model",
     "select_experts",
     "tiled_matmul",
-    "tiny_config",
     "token_logprobs",
     "uniform",
     "weights_checksum",

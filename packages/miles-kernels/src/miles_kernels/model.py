@@ -14,7 +14,6 @@ Shapes: N tokens, H hidden, V vocab, Hq/Hkv heads, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_kernels.config import KernelConfig
+from miles_kernels.kv_cache import KVStore
 from miles_kernels.model_config import ModelConfig
 from miles_kernels.ops.attention import AttentionBatch, attention, num_pages_needed
 from miles_kernels.ops.linear import linear
@@ -29,37 +29,6 @@ from miles_kernels.ops.moe import experts_forward, select_experts
 from miles_kernels.ops.norm import rms_norm
 from miles_kernels.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 from miles_kernels.ops.sampling import token_logprobs
-
-
-@dataclass
-class KVStore:
-    """Paged K/V storage of every layer: `k[layer]`, `v[layer]` of shape (pages, Hkv, page_size, D).
-
-    Zero-initialized (page 0 is the null page), so masked slots always hold finite values.
-    """
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @classmethod
-    def allocate(
-        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
-    ) -> KVStore:
-        shape = (num_pages, config.num_key_value_heads, page_size, config.head_dim)
-        return cls(
-            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
-            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
-        )
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.k[0].shape[0]) if self.k else 0
-
-    def release(self) -> None:
-        """Free the storage (the tensors become empty); `allocate` again to use it."""
-        for tensors in (self.k, self.v):
-            for t in tensors:
-                t.data = t.new_empty(0)
 
 
 class RMSNorm(nn.Module):

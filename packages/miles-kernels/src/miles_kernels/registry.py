@@ -2,8 +2,9 @@
 
 The model, the rollout engine and the trainer call ops through this registry rather than importing a kernel
 library, so the model file stays plain torch and a faster backend (flash-attn, DeepGEMM, Transformer Engine) slots
-in behind the same op without touching it (DESIGN.md, "Engines"). The config names a backend per op, or ``"auto"``,
-which picks the best backend that is installed and usable on this hardware and says which one in the log.
+in behind the same op without touching it. The config names a backend per op, or ``"auto"``, which picks the
+best backend that is installed and usable on this hardware and says which one in the log; the kernel fingerprint
+names the resolved backends (docs/architecture.md, "Contracts between engine and trainer").
 
 A backend registers an ``is_available`` check next to its function. Checks run lazily, on the first
 `get_backend` that needs them (importing a GPU library at import time would slow down, or break, every CPU

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from miles_contracts import Sample
 from miles_kernels import KernelConfig
 from miles_orchestrator.cluster import TrainerSettings
 from miles_orchestrator.trainer_rank import TrainerRank
+from miles_orchestrator.weight_transport import post_buckets, write_shared_file
 from miles_rollout import Client, EngineConfig
 
 
@@ -119,26 +119,14 @@ class TrainerRankActor:
         return self._trainer.compute_logprobs([Sample.model_validate(s) for s in samples])
 
     def write_weights(self, directory: str) -> int:
-        """Every rank gathers the weights; rank 0 writes them (and the model's config) as a checkpoint in
-        `directory` (shared memory on the engine's node) for the engine to load. Returns the tensor bytes."""
-        target = Path(directory)
-        num_bytes = self._trainer.backend.write_weights(target / "model.safetensors", write=self.rank == 0)
-        if self.rank == 0 and not (target / "config.json").is_file():
-            shutil.copy(Path(self._trainer.model_dir) / "config.json", target / "config.json")
-        return num_bytes
+        """`weight_transport.write_shared_file` on this rank (rank 0 writes)."""
+        return write_shared_file(self._trainer, Path(directory), is_writer=self.rank == 0)
 
     def send_weight_buckets(self, url: str, admin_key: str, version: int, bucket_bytes: int) -> dict[str, Any]:
-        """Every rank gathers the weights bucket by bucket; rank 0 posts each bucket to the engine (the last one
-        applies `version`). An engine that refuses a bucket raises `RolloutClientError`."""
+        """`weight_transport.post_buckets` on this rank (rank 0 posts, with a client kept across syncs)."""
         if self.rank == 0 and self._client is None:
             self._client = Client(url, admin_key=admin_key, timeout=600)
-        result: dict[str, Any] = {"num_buckets": 0, "num_bytes": 0}
-        for data in self._trainer.backend.iter_weight_buckets(version, bucket_bytes):
-            if self._client is not None:
-                result.update(self._loop.run_until_complete(self._client.update_weights_from_tensor(data)))
-            result["num_buckets"] += 1
-            result["num_bytes"] += len(data)
-        return result
+        return post_buckets(self._trainer, self._client, self._loop, version, bucket_bytes)
 
     def weights_checksum(self) -> str:
         return self._trainer.weights_checksum()

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from miles_kernels import KernelConfig, ModelConfig, build_tokenizer, greedy_generate, save_random_model, tiny_config
+from miles_kernels import KernelConfig, ModelConfig
+from miles_kernels.testing import build_tokenizer, greedy_generate, save_random_model, tiny_config
 from miles_orchestrator import task as task_module
 from miles_orchestrator.config import RunConfig
 from miles_trainer import SFTConfig, load_sft_samples, pack_samples, run_sft

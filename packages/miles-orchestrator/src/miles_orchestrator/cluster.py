@@ -14,7 +14,6 @@ parameters and optimizer state (`FSDP2Backend.offload`). Every trainer call goes
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,29 +102,3 @@ async def start_cluster(cfg: RunConfig, model_dir: str, run_dir: Path) -> Cluste
     from miles_orchestrator.ray_cluster import RayCluster
 
     return await RayCluster.start(cfg, model_dir, run_dir)
-
-
-SHARED_MEMORY = Path("/dev/shm")
-SHM_SYNC_MAX_BYTES = 1 << 30  # `auto` syncs through shared memory up to this checkpoint size (one copy in RAM)
-
-
-def shared_sync_dir(transport: str, run_dir: Path, same_node: bool, weight_bytes: int) -> Path | None:
-    """Where weight syncs go through shared memory, or None for buckets over HTTP (`run.sync_transport`).
-
-    The directory is named after the run dir, so a resumed run reuses (and a finished run removes) the same one.
-    """
-    usable = same_node and SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK)
-    if transport == "shm" and not usable:
-        raise ValueError(
-            "run.sync_transport=shm needs the engine on trainer rank 0's node and a writable /dev/shm; "
-            "use run.sync_transport=http (or auto)"
-        )
-    if transport == "http" or (transport == "auto" and (not usable or weight_bytes > SHM_SYNC_MAX_BYTES)):
-        return None
-    directory = SHARED_MEMORY / f"miles-sync-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]}"
-    directory.mkdir(exist_ok=True)
-    return directory
-
-
-def checkpoint_bytes(model_dir: str) -> int:
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))

@@ -4,7 +4,7 @@ The loop's client of the engine is a `miles_rollout.InProcessClient`; trainer ca
 engine's own thread, between engine steps (`Engine.control`): every torch op of the run then runs on one thread,
 because a second thread that has run parallel ops keeps an OpenMP team of its own, and two teams on the same cores
 slowed both sides ~1.5-2x (measured). A weight sync is one in-memory copy of the trainer's weights into the
-engine's (`Engine.apply_named_tensors`), with no file or bucket in between. More trainer ranks need `run.cluster=
+engine's (`weight_transport.copy_in_process`), with no file or bucket in between. More trainer ranks need `run.cluster=
 ray`; the run config says so at start-up. See cluster.py for the interface.
 """
 
@@ -21,6 +21,7 @@ from miles_contracts import Sample
 from miles_orchestrator.cluster import num_threads, trainer_settings
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.trainer_rank import TrainerRank
+from miles_orchestrator.weight_transport import copy_in_process
 from miles_rollout import Engine, InProcessClient
 from miles_trainer import ensure_process_group
 
@@ -84,13 +85,7 @@ class LocalCluster:
         return await self._on_engine(lambda: self._trainer.compute_logprobs(samples))
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        def sync() -> dict[str, Any]:
-            tensors = self._trainer.backend.export_weights()
-            applied = self._engine.apply_named_tensors(tensors, version)
-            num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            return {"num_buckets": 0, "num_bytes": num_bytes, "weight_version": applied}
-
-        return await self._on_engine(sync)
+        return await self._on_engine(lambda: copy_in_process(self._trainer, self._engine, version))
 
     async def trainer_checksum(self) -> str:
         return await self._on_engine(self._trainer.weights_checksum)

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from miles_contracts import Sample, SampleStatus, SamplingParams
+from miles_contracts import Sample
 from miles_orchestrator.cluster import Cluster, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples
-from miles_orchestrator.filters import apply_filters, build_filters
+from miles_orchestrator.evaluation import evaluate_held_out
+from miles_orchestrator.filters import build_filters
 from miles_orchestrator.rewards import RewardPool, resolve_reward
-from miles_orchestrator.rollout import PromptEncoder, expand_groups, resolve_rollout_fn, run_groups, single_turn
+from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
 from miles_trainer import compute_advantages, load_advantage_estimator, resolve_loss_fn
 
@@ -49,11 +50,13 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
             await check_on_policy(cfg, cluster, version=start, log=run.log)
             await turns.engine_turn()
             if start == 0 and eval_prompts and cfg.run.eval_every:
-                run.record(0, await evaluate(cfg, cluster, rewards, eval_prompts, encode, run))
+                run.record(0, await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run))
             for step in range(start + 1, cfg.run.num_steps + 1):
                 began = time.perf_counter()
                 try:
-                    batch, metrics = await rollout(cfg, cluster, rewards, source, filters, rollout_fn, encode, run)
+                    batch, metrics = await generate_batch(
+                        cfg, cluster, rewards, source, filters, rollout_fn, encode, run
+                    )
                 except DataExhausted as end:
                     run.log(f"stopping before step {step}: {end}")
                     async with turns.trainer_turn():
@@ -70,7 +73,7 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
                         await cluster.export(run.path / "final", model_dir)
                     metrics |= await sync_weights(cfg, cluster, turns, version=step, run=run)
                 if eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                    metrics |= await evaluate(cfg, cluster, rewards, eval_prompts, encode, run)
+                    metrics |= await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run)
                 run.record(step, metrics | {"step_time_s": time.perf_counter() - began})
                 run.commit_checkpoint(step)  # only now: the step's metrics line is written
         finally:
@@ -80,10 +83,6 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
 def position(step: int, source: Any) -> dict[str, Any]:
     """What a checkpoint keeps besides the trainer's state: the step and the data source's position."""
     return {"step": step, "data": source.state_dict()}
-
-
-class DataExhausted(Exception):
-    """The data source ran out of prompts: the run ends early, normally."""
 
 
 def check_plugins(cfg: RunConfig) -> None:
@@ -178,70 +177,6 @@ class Turns:
             await self.engine_turn()
 
 
-async def rollout(
-    cfg: RunConfig, cluster: Cluster, rewards: RewardPool, source: Any, filters: Any, rollout_fn: Any,
-    encode: PromptEncoder, run: RunDir,
-) -> tuple[list[Sample], dict[str, float]]:  # fmt: skip
-    """Generate and score prompt groups until `num_prompts_per_step` pass the filters (at most
-    `filter.max_oversample_rounds` extra rounds); the batch comes back in sample-index order."""
-    r = cfg.rollout
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
-    kept: list[list[Sample]] = []
-    dropped: list[list[Sample]] = []
-    generated: list[Sample] = []
-    num_failed_groups = 0
-    reward_seconds = 0.0
-    began = time.perf_counter()
-    client = cluster.engine
-    for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
-        needed = r.num_prompts_per_step - len(kept)
-        if needed <= 0:
-            break
-        prompts = source.get_samples(needed)
-        if not prompts:
-            break  # a file source at the end of its last epoch
-        groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
-        label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
-        with run.progress(label, len(groups)) as advance:
-            groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests)
-        for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
-            run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
-            num_failed_groups += 1
-        groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
-        scoring = time.perf_counter()
-        stats = await rewards.score([s for g in groups for s in g])
-        reward_seconds += time.perf_counter() - scoring
-        if stats.num_failed:
-            run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
-                    + "; ".join(stats.errors))  # fmt: skip
-        generated += [s for g in groups for s in g]
-        result = apply_filters(groups, filters)
-        kept += result.kept
-        dropped += result.dropped
-    num_short = max(r.num_prompts_per_step - len(kept), 0)
-    kept += dropped[:num_short]  # too few groups passed the filters: train on dropped ones too (counted below)
-    batch = [s for g in sorted(kept, key=lambda g: g[0].index) for s in g]
-    if not batch and not generated and num_failed_groups == 0:
-        raise DataExhausted("the data source has no prompts left (data.num_epochs passes done)")
-    if not batch:
-        raise RuntimeError("no prompt group could be rolled out this step; see run.log for the rollout errors")
-    seconds = time.perf_counter() - began
-    lengths = [len(s.response_tokens) for s in generated]
-    return batch, {
-        "reward_mean": sum(s.reward or 0.0 for s in generated) / max(len(generated), 1),
-        "pass_rate": sum(1 for s in generated if (s.reward or 0.0) >= 1.0) / max(len(generated), 1),
-        "num_reward_failures": float(sum(1 for s in generated if s.status == SampleStatus.FAILED)),
-        "num_failed_groups": float(num_failed_groups),
-        "num_groups_filtered": float(len(dropped)),
-        "num_filtered_groups_trained": float(min(num_short, len(dropped))),
-        "response_len_mean": sum(lengths) / max(len(lengths), 1),
-        "truncated_fraction": sum(1 for s in generated if s.status == SampleStatus.TRUNCATED) / max(len(generated), 1),
-        "rollout_time_s": seconds,
-        "reward_time_s": reward_seconds,  # part of rollout_time_s
-        "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
-    }  # fmt: skip
-
-
 def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
     """Per-token advantages from the configured outcome estimator, groups by prompt."""
     rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float32)
@@ -287,33 +222,3 @@ async def sync_weights(cfg: RunConfig, cluster: Cluster, turns: Turns, version: 
         advance()
     return {"sync_time_s": time.perf_counter() - began, "sync_bytes": float(sync["num_bytes"]),
             "weight_version": float(version)}  # fmt: skip
-
-
-async def _evaluate_groups(
-    cluster: Cluster, rewards: RewardPool, groups: list[list[Sample]], params: SamplingParams, cfg: RunConfig,
-    label: str, run: RunDir,
-) -> list[list[Sample]]:  # fmt: skip
-    with run.progress(f"eval ({label})", len(groups)) as advance:
-        done = await run_groups(
-            cluster.engine, groups, params, cfg.run.seed, single_turn, advance, cfg.rollout.batch_requests
-        )
-    await rewards.score([s for g in done for s in g if s.status != SampleStatus.FAILED])
-    return done
-
-
-async def evaluate(
-    cfg: RunConfig, cluster: Cluster, rewards: RewardPool, prompts: list[Sample], encode: PromptEncoder, run: RunDir
-) -> dict[str, float]:
-    """pass@1 on the held-out prompts at `rollout.eval_temperature` (greedy by default) and, with
-    `rollout.eval_k > 1`, pass@k over k samples at the training temperature."""
-    r = cfg.rollout
-    out: dict[str, float] = {}
-    settings = [(1, r.eval_temperature, "eval_pass@1")]
-    if r.eval_k > 1:
-        settings.append((r.eval_k, r.temperature, f"eval_pass@{r.eval_k}"))
-    for n, temperature, key in settings:
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p)
-        groups = expand_groups(prompts, n, encode)
-        done = await _evaluate_groups(cluster, rewards, groups, params, cfg, key, run)
-        out[key] = sum(1.0 for g in done if any((s.reward or 0.0) >= 1.0 for s in g)) / max(len(done), 1)
-    return out

@@ -24,8 +24,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles_contracts import Sample
 from miles_orchestrator.actors import RolloutEngineActor, TrainerRankActor
-from miles_orchestrator.cluster import checkpoint_bytes, num_threads, shared_sync_dir, trainer_settings
+from miles_orchestrator.cluster import num_threads, trainer_settings
 from miles_orchestrator.config import RunConfig
+from miles_orchestrator.weight_transport import checkpoint_bytes, shared_sync_dir
 from miles_rollout import Client
 
 RAY_TEMP_MAX_CHARS = 40

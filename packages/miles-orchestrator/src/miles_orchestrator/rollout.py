@@ -1,19 +1,21 @@
-"""Rollout: step 2 of the RL data path (and the evaluation that reuses it).
+"""Rollout: steps 2-4 of the RL data path. `generate_batch` is a step's rollout phase: generate prompt groups, score
+them, filter them, and over-sample until enough groups pass (evaluation.py reuses the generation part).
 
 The driver expands each prompt of the data source into a group of `n` pending samples (sample index =
 group_index * n + i), tokenizes the prompt once (tokens in, tokens out: the trainer never re-tokenizes) and hands
 the group to the rollout function — `single_turn` by default, or a `module:function` `RolloutFn`. Groups run
 concurrently against the engine (their requests merged into one batched `/generate` by default), but results
 are kept in sample-index order, and each sample's sampling seed is `run_seed * 2**32 + index` (a request with
-n samples and seed s draws sample i with s + i, DESIGN.md), so over-sampling, filtering and a resumed run
-regenerate exactly the same batch.
+n samples and seed s draws sample i with s + i; docs/architecture.md), so over-sampling, filtering and a resumed
+run regenerate exactly the same batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_contracts import (
     GenerateClient,
@@ -24,7 +26,14 @@ from miles_contracts import (
     SamplingParams,
     load_plugin,
 )
+from miles_orchestrator.config import RunConfig
+from miles_orchestrator.filters import apply_filters
+from miles_orchestrator.rewards import RewardPool
+from miles_orchestrator.run_dir import RunDir
 from miles_rollout import CoalescingClient
+
+if TYPE_CHECKING:
+    from miles_orchestrator.cluster import Cluster
 
 SEED_STRIDE = 2**32
 
@@ -99,6 +108,74 @@ async def run_groups(
         return result
 
     return list(await asyncio.gather(*(one(g) for g in groups)))
+
+
+class DataExhausted(Exception):
+    """The data source ran out of prompts: the run ends early, normally."""
+
+
+async def generate_batch(
+    cfg: RunConfig, cluster: Cluster, rewards: RewardPool, source: Any, filters: Any, rollout_fn: Any,
+    encode: PromptEncoder, run: RunDir,
+) -> tuple[list[Sample], dict[str, float]]:  # fmt: skip
+    """Generate and score prompt groups until `num_prompts_per_step` pass the filters (at most
+    `filter.max_oversample_rounds` extra rounds); the batch comes back in sample-index order."""
+    r = cfg.rollout
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    generated: list[Sample] = []
+    num_failed_groups = 0
+    reward_seconds = 0.0
+    began = time.perf_counter()
+    client = cluster.engine
+    for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
+        needed = r.num_prompts_per_step - len(kept)
+        if needed <= 0:
+            break
+        prompts = source.get_samples(needed)
+        if not prompts:
+            break  # a file source at the end of its last epoch
+        groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
+        label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
+        with run.progress(label, len(groups)) as advance:
+            groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests)
+        for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
+            run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
+            num_failed_groups += 1
+        groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
+        scoring = time.perf_counter()
+        stats = await rewards.score([s for g in groups for s in g])
+        reward_seconds += time.perf_counter() - scoring
+        if stats.num_failed:
+            run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
+                    + "; ".join(stats.errors))  # fmt: skip
+        generated += [s for g in groups for s in g]
+        result = apply_filters(groups, filters)
+        kept += result.kept
+        dropped += result.dropped
+    num_short = max(r.num_prompts_per_step - len(kept), 0)
+    kept += dropped[:num_short]  # too few groups passed the filters: train on dropped ones too (counted below)
+    batch = [s for g in sorted(kept, key=lambda g: g[0].index) for s in g]
+    if not batch and not generated and num_failed_groups == 0:
+        raise DataExhausted("the data source has no prompts left (data.num_epochs passes done)")
+    if not batch:
+        raise RuntimeError("no prompt group could be rolled out this step; see run.log for the rollout errors")
+    seconds = time.perf_counter() - began
+    lengths = [len(s.response_tokens) for s in generated]
+    return batch, {
+        "reward_mean": sum(s.reward or 0.0 for s in generated) / max(len(generated), 1),
+        "pass_rate": sum(1 for s in generated if (s.reward or 0.0) >= 1.0) / max(len(generated), 1),
+        "num_reward_failures": float(sum(1 for s in generated if s.status == SampleStatus.FAILED)),
+        "num_failed_groups": float(num_failed_groups),
+        "num_groups_filtered": float(len(dropped)),
+        "num_filtered_groups_trained": float(min(num_short, len(dropped))),
+        "response_len_mean": sum(lengths) / max(len(lengths), 1),
+        "truncated_fraction": sum(1 for s in generated if s.status == SampleStatus.TRUNCATED) / max(len(generated), 1),
+        "rollout_time_s": seconds,
+        "reward_time_s": reward_seconds,  # part of rollout_time_s
+        "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+    }  # fmt: skip
 
 
 class PromptEncoder:

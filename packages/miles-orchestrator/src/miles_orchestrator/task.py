@@ -4,9 +4,10 @@ It sits at both ends of the RL data path for the default example: `miles_orchest
 turns its problems into prompt `Sample`s (step 1), and `verify` is the built-in `task` reward (step 3). The same
 generator also writes the supervised rows that bootstrap a tiny policy before RL (`BuiltinTask.sft_rows`).
 
-Why this task: the project tokenizer (`miles_kernels.build_tokenizer`, Qwen2 split pattern) encodes digits one at
-a time, so a tiny Qwen3 can learn the answer digit by digit; the difficulty knobs (`num_digits`, `operations`,
-`num_operands`) set how far a short SFT gets, which leaves room for RL to improve the held-out pass rate.
+Why this task: the project tokenizer (`miles_kernels.testing.build_tokenizer`, Qwen2 split pattern) encodes digits
+one at a time, so a tiny Qwen3 can learn the answer digit by digit; the difficulty knobs (`num_digits`,
+`operations`, `num_operands`) set how far a short SFT gets, which leaves room for RL to improve the held-out pass
+rate.
 
 Determinism: problem `index` of split `split` under `seed` depends only on those three values (a private
 `random.Random`, never the global RNG). Train and held-out problems are disjoint: a problem belongs to the held-out
@@ -116,10 +117,10 @@ class BuiltinTask:
         parts = [str(operands[0])]
         for op, value in zip(operators, operands[1:], strict=True):
             parts += [op, str(value)]
-        return Problem(question=f"What is {' '.join(parts)}?", answer=evaluate(operands, operators))
+        return Problem(question=f"What is {' '.join(parts)}?", answer=evaluate_expression(operands, operators))
 
 
-def evaluate(operands: list[int], operators: list[str]) -> int:
+def evaluate_expression(operands: list[int], operators: list[str]) -> int:
     """Value of `operands[0] op0 operands[1] op1 ...` with `*` binding tighter than `+` and `-`."""
     terms = [operands[0]]  # each term is a product; its sign is carried by the term itself
     for op, value in zip(operators, operands[1:], strict=True):

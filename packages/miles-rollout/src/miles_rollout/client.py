@@ -1,10 +1,11 @@
 """Async HTTP client for a rollout server that speaks SGLang's native API.
 
-Every engine in the RL data path is reached through this one client: the rollout function asks it for responses
-(step 2, `/generate`), and the orchestrator uses it to push weights after an optimizer step (step 7, the
-`update_weights_*` endpoints), to release and resume engine memory around training (step 8) and to check health.
-The embedded `miles-rollout serve` server and an SGLang server (or sglang-router in front of several) answer the
-same requests, so the orchestrator never needs to know which engine it drives.
+The orchestrator's Ray cluster reaches its engine through this client (the local cluster through `InProcessClient`,
+the same interface): the rollout function asks it for responses (step 2, `/generate`); the driver tells the engine
+to load the weight file a trainer rank wrote in /dev/shm (step 7, `/update_weights_from_disk`), or trainer rank 0
+posts weight buckets with a client of its own (`/update_weights_from_tensor`); and the driver releases and resumes
+engine memory around training and checks health. The embedded `miles-rollout serve` server and an SGLang server
+(or sglang-router in front of several) answer the same requests (docs/architecture.md, "Weight sync").
 
 Failure policy, so that a caller can reason about what happened on the server:
 

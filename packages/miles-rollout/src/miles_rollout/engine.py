@@ -1,5 +1,6 @@
 """The embedded rollout engine: the model, its weights and memory, request intake, and the thread that runs
-the scheduler (miles_rollout.scheduler: continuous batching, paged KV + radix cache, sampling, stops).
+the scheduler (scheduler.py: continuous batching, paged KV + radix cache, sampling, stops). New weights arrive
+through `Engine.weights` (weight_receiver.py).
 
 One background thread owns the model and runs scheduler steps in a loop; the asyncio side (server, in-process
 client) submits work and awaits futures. Control operations (weight updates, memory release) wait until no
@@ -24,29 +25,18 @@ from typing import Any
 import torch
 
 from miles_contracts import GenerateRequest, GenerateResponse
-from miles_kernels import (
-    BucketAssembler,
-    KernelConfig,
-    MappedSafetensors,
-    checkpoint_tensors,
-    decode_bucket,
-    in_shared_memory,
-    iter_checkpoint,
-    load_mapped,
-    load_model,
-    load_state,
-    read_model_config,
-    weights_checksum,
-)
+from miles_kernels import KernelConfig, load_model
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
 from miles_rollout.scheduler import Scheduler, ceil_div, set_exception, set_result
 from miles_rollout.sequence import Group
+from miles_rollout.weight_receiver import WeightReceiver
 
 logger = logging.getLogger("miles_rollout.engine")
 
 MEMORY_TAGS = ("weights", "kv_cache")
 ControlItem = tuple[Callable[[], Any], bool, "asyncio.Future[Any]", asyncio.AbstractEventLoop]
+Watcher = tuple[Callable[[dict[str, int]], bool], "asyncio.Future[dict[str, int]]", asyncio.AbstractEventLoop]
 
 
 class Engine:
@@ -64,14 +54,12 @@ class Engine:
         self.weight_version = 0
         self.released: set[str] = set()
         self.weights_stale = False
-        self._assemblers: dict[int, BucketAssembler] = {}
-        # The weight file a trainer on this node rewrites in place before every `/update_weights_from_disk` (in
-        # /dev/shm): kept mapped, so each update is one copy into the parameters with no page faults. A checkpoint
-        # anywhere else is unmapped after loading: a mapping would keep a deleted file's disk space in use.
-        self._weights_file = MappedSafetensors()
+        self.weights = WeightReceiver(self)  # every way new weights arrive (weight_receiver.py)
         self._incoming: list[Group] = []
         self._controls: deque[ControlItem] = deque()
         self._aborts: deque[str | None] = deque()
+        self._watchers: list[Watcher] = []
+        self._new_watcher = False
         self._lock = threading.Condition()
         self._stopped = False
         self._seed_counter = itertools.count()
@@ -86,6 +74,7 @@ class Engine:
         self._thread.start()
         self._started.wait()
         if self._setup_error is not None:
+            self._thread.join()  # the thread ends right after setup fails: none is left behind
             raise self._setup_error
 
     def _setup(self) -> None:
@@ -134,6 +123,23 @@ class Engine:
             self._lock.notify()
         return await future
 
+    async def wait_until(self, condition: Callable[[dict[str, int]], bool], timeout: float = 60.0) -> dict[str, int]:
+        """Wait for an engine event: `condition` gets the scheduler's counters (`num_waiting`, `num_running`,
+        `num_steps`, `num_generated_tokens`, ...; see `Scheduler.stats`) on the engine thread, now and after every
+        engine step, and this returns the counters that satisfied it. E.g. a request admitted and decoding:
+        `wait_until(lambda s: s["num_running"] > 0)`; a step done: `lambda s: s["num_steps"] > before`."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, int]] = loop.create_future()
+        with self._lock:
+            self._watchers.append((condition, future, loop))
+            self._new_watcher = True
+            self._lock.notify()
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            with self._lock:
+                self._watchers = [w for w in self._watchers if w[1] is not future]
+
     def is_alive(self) -> bool:
         """True while the engine thread runs."""
         return self._thread.is_alive()
@@ -146,67 +152,20 @@ class Engine:
 
     # ------------------------------------------------------------------ control operations (engine thread)
 
-    def update_weights_from_disk(self, model_path: str, version: int | None) -> int:
-        path = Path(model_path)
-        new_config = read_model_config(path)
-        if new_config.to_hf() != self.model_config.to_hf():
-            raise EngineError(f"{model_path} holds a different architecture than the served model; cannot update")
-        self._require_weights_resident()
-        if not load_mapped(self.model, self._weights_file, path):
-            self._weights_file.close()  # not a file laid out like the model: read it the general way
-            load_state(self.model, dict(iter_checkpoint(path)))
-        if not in_shared_memory(path):
-            self._weights_file.close()
-        return self._new_version(version)
-
-    def receive_bucket(self, data: bytes) -> dict[str, Any]:
-        """Take one weight bucket; apply the version when its last bucket arrives."""
-        try:
-            bucket = decode_bucket(data)
-        except ValueError as error:
-            raise EngineError(f"invalid weight bucket: {error}") from error
-        assembler = self._assemblers.setdefault(bucket.version, BucketAssembler(version=bucket.version))
-        try:
-            assembler.add(bucket)
-        except ValueError as error:
-            del self._assemblers[bucket.version]
-            raise EngineError(f"weight bucket rejected: {error}") from error
-        if not assembler.is_complete:
-            return {"complete": False, "weight_version": self.weight_version, "missing": sorted(assembler.missing)}
-        del self._assemblers[bucket.version]
-        self._require_weights_resident()
-        try:
-            load_state(self.model, assembler.tensors)
-        except ValueError as error:
-            raise EngineError(f"weight update rejected: {error}") from error
-        return {"complete": True, "weight_version": self._new_version(bucket.version)}
-
-    def apply_named_tensors(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
-        """Load a complete set of HF-named tensors (the distributed update path)."""
-        self._require_weights_resident()
-        try:
-            load_state(self.model, tensors)
-        except ValueError as error:
-            raise EngineError(f"weight update rejected: {error}") from error
-        return self._new_version(version)
-
-    def _new_version(self, version: int | None) -> int:
+    def commit_weights(self, version: int | None) -> int:
+        """New weights are loaded (by `self.weights`): serve them as `version` (the next version if None)."""
         self.weight_version = self.weight_version + 1 if version is None else version
         self.weights_stale = False
         self.scheduler.radix.reset()  # cached K/V were computed with the old weights
         return self.weight_version
 
-    def _require_weights_resident(self) -> None:
+    def require_weights_resident(self) -> None:
+        """An EngineError (409) while the weights are released."""
         if "weights" in self.released:
             raise EngineError("weights are released; call /resume_memory_occupation first", status_code=409)
 
     def flush_cache(self) -> None:
         self.scheduler.radix.reset()
-
-    def weights_checksum(self) -> str:
-        """`miles_kernels.weights_checksum` of the served weights (HF names, the engine's dtype)."""
-        self._require_weights_resident()
-        return weights_checksum(checkpoint_tensors(self.model).items())
 
     def release_memory(self, tags: list[str] | None) -> list[str]:
         for tag in tags or MEMORY_TAGS:
@@ -323,10 +282,14 @@ class Engine:
         scheduler = self.scheduler
         while True:
             with self._lock:
-                while not (self._stopped or self._incoming or self._aborts or self._controls or scheduler.has_work):
+                while not (
+                    self._stopped or self._incoming or self._aborts or self._controls or scheduler.has_work
+                    or self._new_watcher
+                ):  # fmt: skip
                     self._lock.wait()
                 if self._stopped:
                     break
+                self._new_watcher = False
                 scheduler.submit(self._incoming)
                 self._incoming = []
                 aborts = list(self._aborts)
@@ -339,6 +302,20 @@ class Engine:
             except Exception as error:  # a failing step must not take the server down: fail its requests
                 logger.exception("engine step failed")
                 scheduler.fail_all(f"engine step failed: {type(error).__name__}: {error}")
+            self._notify_watchers()
+
+    def _notify_watchers(self) -> None:
+        with self._lock:
+            watchers = list(self._watchers)
+        if not watchers:
+            return
+        stats = self.scheduler.stats()
+        for condition, future, loop in watchers:
+            try:
+                if condition(stats):
+                    loop.call_soon_threadsafe(set_result, future, dict(stats))
+            except Exception as error:  # a broken condition fails its waiter, never the engine
+                loop.call_soon_threadsafe(set_exception, future, error)
 
     def _is_draining(self) -> bool:
         return any(needs_idle for _, needs_idle, _, _ in self._controls)

@@ -16,7 +16,6 @@ from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.client import RolloutClientError
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
-from miles_rollout.weight_sync import DistributedReceiver
 
 T = TypeVar("T")
 
@@ -26,7 +25,6 @@ class InProcessClient:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._receiver = DistributedReceiver(engine)
 
     async def __aenter__(self) -> InProcessClient:
         return self
@@ -54,7 +52,7 @@ class InProcessClient:
         version = await self._call(
             "/update_weights_from_disk",
             lambda: self.engine.control(
-                lambda: self.engine.update_weights_from_disk(model_path, weight_version), needs_idle=True
+                lambda: self.engine.weights.load_from_disk(model_path, weight_version), needs_idle=True
             ),
         )
         return {"success": True, "message": f"loaded {model_path}", "weight_version": version}
@@ -62,7 +60,7 @@ class InProcessClient:
     async def update_weights_from_tensor(self, bucket: bytes) -> dict[str, Any]:
         result = await self._call(
             "/update_weights_from_tensor",
-            lambda: self.engine.control(lambda: self.engine.receive_bucket(bucket), needs_idle=True),
+            lambda: self.engine.control(lambda: self.engine.weights.add_bucket(bucket), needs_idle=True),
         )
         return {"success": True, "message": "bucket received", **result}
 
@@ -80,7 +78,7 @@ class InProcessClient:
     ) -> dict[str, Any]:  # fmt: skip
         await self._call(
             "/init_weights_update_group",
-            lambda: self._receiver.init_group(
+            lambda: self.engine.weights.init_group(
                 master_address, master_port, rank_offset, world_size, group_name, backend
             ),
         )
@@ -92,7 +90,7 @@ class InProcessClient:
     ) -> dict[str, Any]:  # fmt: skip
         version = await self._call(
             "/update_weights_from_distributed",
-            lambda: self._receiver.receive(group_name, names, dtypes, shapes, weight_version),
+            lambda: self.engine.weights.receive_distributed(group_name, names, dtypes, shapes, weight_version),
         )
         return {"success": True, "message": f"received {len(names)} tensors", "weight_version": version}
 
@@ -122,7 +120,7 @@ class InProcessClient:
 
     async def weights_checksum(self) -> str:
         result: str = await self._call(
-            "/weights_checksum", lambda: self.engine.control(self.engine.weights_checksum, needs_idle=False)
+            "/weights_checksum", lambda: self.engine.control(self.engine.weights.checksum, needs_idle=False)
         )
         return result
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from miles_rollout.kv_cache import PageAllocator
+from miles_rollout.page_allocator import PageAllocator
 
 
 @dataclass

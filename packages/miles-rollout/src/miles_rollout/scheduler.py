@@ -22,7 +22,7 @@ import torch
 from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch, full_logprobs, sample, token_logprobs
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
-from miles_rollout.kv_cache import PageAllocator
+from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.sequence import Group, Sequence, build_response, finish_reason
 

@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
-from miles_rollout.weight_sync import DistributedReceiver
 
 _RESPONSES = TypeAdapter(list[GenerateResponse])
 
@@ -120,7 +119,6 @@ def create_app(
     """The FastAPI app serving `engine`."""
     app = FastAPI(title="miles-rollout", description="SGLang-compatible rollout server of the Miles engine")
     is_loopback = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-    receiver = DistributedReceiver(engine)
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Any) -> Response:
@@ -160,7 +158,7 @@ def create_app(
         if body.abort_all_requests:
             await engine.abort(None)
         version = await engine.control(
-            lambda: engine.update_weights_from_disk(body.model_path, body.weight_version), needs_idle=True
+            lambda: engine.weights.load_from_disk(body.model_path, body.weight_version), needs_idle=True
         )
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
@@ -169,14 +167,14 @@ def create_app(
         data = await request.body()
         if not data:
             raise HTTPException(400, "empty body: send one weight bucket (safetensors bytes)")
-        result = await engine.control(lambda: engine.receive_bucket(data), needs_idle=True)
+        result = await engine.control(lambda: engine.weights.add_bucket(data), needs_idle=True)
         return {"success": True, "message": "bucket received", **result}
 
     @app.post("/init_weights_update_group")
     async def init_group(request: Request) -> dict[str, Any]:
         body: InitGroup = await _parse(request, InitGroup)
-        await receiver.init_group(body.master_address, body.master_port, body.rank_offset, body.world_size,
-                                  body.group_name, body.backend)  # fmt: skip
+        await engine.weights.init_group(body.master_address, body.master_port, body.rank_offset, body.world_size,
+                                        body.group_name, body.backend)  # fmt: skip
         return {"success": True, "message": f"joined group {body.group_name!r} as rank {body.rank_offset}"}
 
     @app.post("/update_weights_from_distributed")
@@ -184,7 +182,9 @@ def create_app(
         body: UpdateFromDistributed = await _parse(request, UpdateFromDistributed)
         if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
             raise HTTPException(400, "names, dtypes and shapes need one entry per tensor")
-        version = await receiver.receive(body.group_name, body.names, body.dtypes, body.shapes, body.weight_version)
+        version = await engine.weights.receive_distributed(
+            body.group_name, body.names, body.dtypes, body.shapes, body.weight_version
+        )
         return {"success": True, "message": f"received {len(body.names)} tensors", "weight_version": version}
 
     @app.post("/release_memory_occupation")
@@ -222,7 +222,7 @@ def create_app(
 
     @app.get("/weights_checksum")
     async def checksum() -> dict[str, Any]:
-        value = await engine.control(engine.weights_checksum, needs_idle=False)
+        value = await engine.control(engine.weights.checksum, needs_idle=False)
         return {"checksum": value, "weight_version": engine.weight_version}
 
     @app.get("/get_weight_version")

@@ -52,7 +52,7 @@ from .step import (
     resolve_loss_fn,
     token_advantages,
 )
-from .weight_export import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+from .weight_sender import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 __version__: str
 

@@ -1,4 +1,4 @@
-"""Advantage estimators: step 5 of the RL step (DESIGN.md), between the reward / filter and the train step.
+"""Advantage estimators: step 5 of the RL step (docs/architecture.md), between the reward / filter and the train step.
 
 The reward step leaves one scalar reward per sample (outcome reward) and the samples of one prompt share a
 `group_index`. These pure torch functions turn rewards into per-token advantages that `losses.policy_loss`

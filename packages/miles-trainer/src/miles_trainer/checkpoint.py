@@ -1,4 +1,4 @@
-"""Trainer checkpoints (step 9 of the data path) and conversion to / from Hugging Face directories.
+"""Trainer checkpoints (step 8 of the RL data path, docs/architecture.md) and Hugging Face conversion.
 
 A checkpoint directory holds the sharded model and optimizer (torch.distributed.checkpoint), each rank's RNG
 state (safetensors, never pickle), `config.json` of the model (so a checkpoint is self-describing for

@@ -41,7 +41,7 @@ from miles_trainer.step import (
     count_trained,
     resolve_loss_fn,
 )
-from miles_trainer.weight_export import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets, write_weights_file
+from miles_trainer.weight_sender import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets, write_weights_file
 
 
 def apply_activation_checkpointing(model: CausalLM) -> None:
@@ -226,14 +226,14 @@ class FSDP2Backend:
         return metrics
 
     def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
-        """The full weights as DESIGN.md buckets, a few buckets of extra host memory at a time (every rank
-        iterates to the end)."""
+        """The full weights as weight buckets (docs/architecture.md, "Weight sync"), a few buckets of extra host
+        memory at a time (every rank iterates to the end)."""
         self._check_onloaded()
         return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
 
     def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
         """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file (created atomically,
-        then overwritten in place: `weight_export.write_weights_file`); returns its tensor bytes. Every rank calls
+        then overwritten in place: `weight_sender.write_weights_file`); returns its tensor bytes. Every rank calls
         it (the gathers are collectives); ranks with `write=False` only join them. Holds one full copy of the
         weights in host memory while writing. A file in /dev/shm stays mapped between calls (no page faults)."""
         self._check_onloaded()
@@ -241,7 +241,7 @@ class FSDP2Backend:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The weights an engine receives (HF names, kernel dtype, full tensors on the CPU), for an engine in this
-        process to copy (`miles_rollout.Engine.apply_named_tensors`): no file, no bucket, one copy. A parameter
+        process to copy (`miles_rollout.Engine.weights.load_tensors`): no file, no bucket, one copy. A parameter
         that needs no gather or cast comes back as itself: read it, never write it. Every rank calls it."""
         self._check_onloaded()
         return dict(export_tensors(self.model, fresh=False))

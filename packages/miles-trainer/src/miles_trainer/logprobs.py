@@ -1,4 +1,4 @@
-"""The trainer's log-probs of response tokens, under the DESIGN.md log-prob contract.
+"""The trainer's log-probs of response tokens, under the log-prob contract (docs/architecture.md).
 
 `log_softmax(logits / T)` over the full vocabulary in float32, T = the rollout temperature (1 for greedy),
 computed by the same miles-kernels model and ops as the rollout engine. In deterministic mode these equal the

@@ -1,4 +1,4 @@
-"""RL and SFT loss terms: step 6 of the RL step (DESIGN.md), run on every micro-batch of the train step.
+"""RL and SFT loss terms: step 6 of the RL step (docs/architecture.md), run on every micro-batch of the train step.
 
 Inputs per micro-batch: the trainer's log-probs of the response tokens under the weights being trained
 (`logprobs_BT`, with grad), the old log-probs (`old_logprobs_BT`: the rollout's own log-probs under true on-policy,
@@ -12,7 +12,7 @@ mask. Out: one scalar to backpropagate plus detached metrics.
 - `policy_loss`: PPO clip (clip-higher, dual-clip), token or sequence (GSPO) ratio, optional IS weights.
 - `importance_weights`: TIS / MIS weights for a non-zero train/rollout mismatch, fed to `policy_loss`.
 - `kl_estimate`, `entropy_from_logits`, `entropy_bonus_loss`, `sft_loss`.
-- `train_rollout_logprob_abs_diff`: DESIGN.md's mismatch metric (exactly 0 under true on-policy).
+- `train_rollout_logprob_abs_diff`: the train/rollout mismatch metric (exactly 0 under true on-policy).
 
 Masks are bool or 0/1 (1 = the token carries loss). Metrics are detached 0-dim tensors (no host sync here),
 computed over this micro-batch's valid tokens.
@@ -368,7 +368,7 @@ def sft_loss(
 def train_rollout_logprob_abs_diff(
     train_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """DESIGN.md's mismatch metric: |train - rollout| over response tokens -> {"mean", "max", "num_tokens"}.
+    """The train/rollout mismatch metric: |train - rollout| over response tokens -> {"mean", "max", "num_tokens"}.
 
     train_logprobs are the trainer's log-probs under the weights that generated the samples (before the first
     optimizer step of the rollout), rollout_logprobs the engine's. Differences are taken and summed in float64

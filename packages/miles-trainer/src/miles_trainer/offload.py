@@ -1,4 +1,4 @@
-"""Offload / onload of a trainer's tensors between RL phases (step 8 of the data path, colocated runs).
+"""Offload / onload of a trainer's tensors between RL phases (colocated runs: docs/architecture.md, "Cluster").
 
 While the rollout engine works, the trainer gives its memory back: parameters (the local FSDP shards) and
 optimizer state move out of the device and return before the next train step (the last step's gradients are

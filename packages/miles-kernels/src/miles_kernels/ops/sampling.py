@@ -1,7 +1,7 @@
 """Token sampling and log-probs, reproducible per (sample seed, position).
 
-- Log-prob contract (DESIGN.md): a token's log-prob is `log_softmax(logits / T)` over the full vocabulary, in
-  float32, without top-k/top-p/min-p truncation; T is the request's temperature, T = 1 for greedy.
+- Log-prob contract (docs/architecture.md): a token's log-prob is `log_softmax(logits / T)` over the full
+  vocabulary, in float32, without top-k/top-p/min-p truncation; T is the request's temperature, T = 1 for greedy.
 - Greedy (T = 0) takes the first maximum. Otherwise the logits are scaled by 1/T and one uniform number per
   row picks a token by inverse CDF: over the token-id order when no filter is set, else over the descending
   stable sort (ties keep the lower token id) after top-k, then top-p, then min-p, renormalized.

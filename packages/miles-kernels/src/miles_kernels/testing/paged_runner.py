@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from miles_kernels.model import CausalLM, KVStore
+from miles_kernels.kv_cache import KVStore
+from miles_kernels.model import CausalLM
 from miles_kernels.ops.attention import build_attention_batch, build_packed_batch
 
 

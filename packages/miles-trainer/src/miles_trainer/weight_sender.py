@@ -1,6 +1,7 @@
-"""Weight export for sync (step 7 of the data path): the trainer's sharded parameters as a stream of buckets.
+"""The trainer's side of weight sync (step 7 of the data path; docs/architecture.md, "Weight sync"): its sharded
+parameters as a stream of buckets, as one safetensors file, or as plain tensors.
 
-Each bucket is a safetensors byte string in the DESIGN.md format (Hugging Face names, tied embeddings once,
+Each bucket is a safetensors byte string in the `miles_kernels` format (Hugging Face names, tied embeddings once,
 version and bucket index/count in the metadata), encoded by `miles_kernels.encode_bucket` so the engine decodes
 it with the same codec. The plan is made from the parameters' global shapes, then each bucket's tensors are
 gathered from the shards (`DTensor.full_tensor()`, a collective: every rank iterates), cast to the kernel dtype

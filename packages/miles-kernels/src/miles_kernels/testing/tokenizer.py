@@ -2,8 +2,8 @@
 
 In the RL data path the tokenizer sits at both ends of rollout: it turns a prompt (text or chat messages) into
 `input_ids` for the engine, and the reward function decodes the returned `output_ids`. The trainer never
-re-tokenizes (DESIGN.md, "Tokens in, tokens out"). Tests need a tokenizer that behaves like a real chat model's,
-so `build_tokenizer` trains one in well under a second, with the `tokenizers` library:
+re-tokenizes (docs/architecture.md, "One RL step, one sample"). Tests need a tokenizer that behaves like a real chat
+model's, so `build_tokenizer` trains one in well under a second, with the `tokenizers` library:
 
 - byte-level BPE, pre-tokenized with Qwen2's split pattern (digits one at a time, which suits arithmetic tasks),
   so any Unicode text encodes and decodes back exactly;

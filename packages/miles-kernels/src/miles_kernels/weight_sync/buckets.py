@@ -10,7 +10,7 @@ byte string:
 
 The same bytes travel over HTTP, shared memory, a ``torch.distributed`` broadcast or a file, so the transport never
 has to know about tensors. Decoding never unpickles: safetensors is a JSON header plus raw buffers, and this module
-reads nothing else (DESIGN.md, "Keys and pickle").
+reads nothing else (docs/architecture.md, "Weight sync").
 
 Sender::
 
@@ -27,10 +27,9 @@ Receiver::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -272,21 +271,3 @@ class BucketAssembler:
         for index in range(len(self._received)):
             merged.update(self._received[index])
         return merged
-
-
-def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 of a full set of weights: independent of order and of how they were split into buckets.
-
-    Each tensor contributes its name, dtype, shape and raw bytes (as the engine holds them); the trainer hashes
-    what it would send and the engine what it holds, so equal checksums mean bit-identical weights (the
-    orchestrator's true on-policy guard after the version-0 sync). Streams: one tensor's bytes at a time.
-    """
-    digests = {}
-    for name, tensor in named_tensors:
-        # A private copy: `.numpy()` on the caller's tensor would pin its storage (no resize / offload after).
-        data = tensor.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes()
-        digests[name] = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode() + data).hexdigest()
-    total = hashlib.sha256()
-    for name in sorted(digests):
-        total.update(f"{name}={digests[name]};".encode())
-    return total.hexdigest()

@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_kernels import KernelConfig, random_model, safetensors_layout, tiny_config
-from miles_trainer.weight_export import export_tensors, write_weights_file
+from miles_kernels import KernelConfig, safetensors_layout
+from miles_kernels.testing import random_model, tiny_config
+from miles_trainer.weight_sender import export_tensors, write_weights_file
 
 
 def expected(model) -> dict[str, torch.Tensor]:

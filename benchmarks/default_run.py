@@ -1,0 +1,145 @@
+"""The README's default run, measured: `miles-orchestrator run` with no arguments, timed end to end, as JSON.
+
+Runs the built-in example exactly as a user does (`miles-orchestrator run`, plus `run.run_dir`), in a subprocess,
+once per `--cluster` (the default config runs on `ray`; `local` is the same run in one process). The bootstrap
+policy is cached in `MILES_CACHE_DIR`: `--cold` empties a fresh cache first, so the first run's wall time includes
+the bootstrap SFT (the README's "fresh machine" number); later runs reuse it. For each run the JSON holds the wall
+time, the bootstrap time (from run.log), the median step time, held-out greedy pass@1 at every evaluation, and the
+largest train/rollout log-prob mismatch of any step. With two or more clusters it also says whether their metric
+lines are equal on every key but the timings (the runs are bitwise reproducible, whichever cluster runs them).
+`--baseline DIR` compares each run's metrics.jsonl with an earlier run's (a refactor must leave them identical).
+
+    uv run python benchmarks/default_run.py --cold --out benchmarks/results/default_run.json
+    uv run python benchmarks/default_run.py --cluster local --baseline runs/before   # a refactor check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TIMING_KEYS = re.compile(r"(_time_s|_per_s|^time)$")
+
+
+def metric_lines(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def without_timings(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in line.items() if not TIMING_KEYS.search(k)} for line in lines]
+
+
+def differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
+    """Where two runs' metric lines differ (timings ignored); empty when every value is equal."""
+    a, b = without_timings(a), without_timings(b)
+    if len(a) != len(b):
+        return [f"{len(a)} metric lines vs {len(b)}"]
+    out = []
+    for x, y in zip(a, b, strict=True):
+        for key in sorted(set(x) | set(y)):
+            if x.get(key) != y.get(key):
+                out.append(f"step {x.get('step')} {key}: {x.get(key)!r} vs {y.get(key)!r}")
+    return out
+
+
+def bootstrap_seconds(log: list[str]) -> float | None:
+    """From run.log's timestamps: the bootstrap SFT's first line to its last (None: the cache had the policy)."""
+    stamps = [
+        (time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")), line[20:]) for line in log if line[:2] == "20"
+    ]
+    first = next((i for i, (_, text) in enumerate(stamps) if text.startswith("bootstrapping")), None)
+    if first is None:
+        return None
+    last = first
+    while last + 1 < len(stamps) and stamps[last + 1][1].startswith(("bootstrap", "epoch")):
+        last += 1
+    return stamps[last][0] - stamps[first][0]
+
+
+def run_once(cluster: str, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    command = ["miles-orchestrator", "run", f"run.run_dir={run_dir}", f"run.cluster={cluster}"]
+    began = time.perf_counter()
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - began
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    lines = metric_lines(run_dir)
+    steps = [line for line in lines if line["step"] > 0]
+    bootstrap = bootstrap_seconds((run_dir / "run.log").read_text().splitlines())
+    return {
+        "command": " ".join(command),
+        "wall_time_s": round(wall, 1),
+        "bootstrap_time_s": bootstrap,
+        "num_steps": len(steps),
+        "median_step_time_s": round(statistics.median(line["step_time_s"] for line in steps), 3),
+        "eval_pass_at_1": {line["step"]: line["eval_pass@1"] for line in lines if "eval_pass@1" in line},
+        "max_train_rollout_logprob_abs_diff": max(
+            (line.get("train_rollout_logprob_abs_diff_max", 0.0) for line in steps), default=None
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/default_run.json", help="JSON output path")
+    parser.add_argument("--cluster", nargs="+", default=["ray", "local"], choices=["ray", "local"])
+    parser.add_argument("--cold", action="store_true", help="start from an empty bootstrap cache")
+    parser.add_argument("--keep", default=None, help="keep the run directories under this path")
+    parser.add_argument("--baseline", default=None, help="a run directory whose metrics.jsonl each run must equal")
+    args = parser.parse_args()
+
+    work = Path(args.keep or tempfile.mkdtemp(prefix="miles-default-run-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if args.cold:
+        cache = work / "cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        env["MILES_CACHE_DIR"] = str(cache)
+    runs: dict[str, Any] = {}
+    histories = {}
+    for cluster in args.cluster:
+        run_dir = work / cluster
+        shutil.rmtree(run_dir, ignore_errors=True)
+        runs[cluster] = run_once(cluster, run_dir, env)
+        histories[cluster] = metric_lines(run_dir)
+        if args.baseline:
+            diff = differences(histories[cluster], metric_lines(Path(args.baseline)))
+            runs[cluster]["equal_to_baseline"] = not diff
+            runs[cluster]["baseline_differences"] = diff[:20]
+        print(json.dumps({cluster: runs[cluster]}, indent=2))
+    result: dict[str, Any] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cold_cache_first_run": args.cold,
+        "runs": runs,
+    }
+    if len(histories) > 1:
+        first, *others = histories
+        result["clusters_equal_but_timings"] = all(
+            not differences(histories[first], histories[other]) for other in others
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The engine's KV cache: paged K/V storage of every layer, shared with the attention kernel's page layout.
+
+The rollout engine decides which sequence holds which page (`miles_rollout/page_allocator.py`, with prefix reuse in
+`miles_rollout/radix_cache.py`); this module only holds the storage that `CausalLM.forward_hidden` writes into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miles_kernels.model_config import ModelConfig
+
+
+@dataclass
+class KVStore:
+    """Paged K/V storage of every layer: `k[layer]`, `v[layer]` of shape (pages, Hkv, page_size, D).
+
+    Zero-initialized (page 0 is the null page), so masked slots always hold finite values.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> KVStore:
+        shape = (num_pages, config.num_key_value_heads, page_size, config.head_dim)
+        return cls(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.k[0].shape[0]) if self.k else 0
+
+    def release(self) -> None:
+        """Free the storage (the tensors become empty); `allocate` again to use it."""
+        for tensors in (self.k, self.v):
+            for t in tensors:
+                t.data = t.new_empty(0)

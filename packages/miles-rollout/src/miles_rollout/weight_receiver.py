@@ -1,0 +1,144 @@
+"""The engine's side of weight sync: every way new weights reach a running engine (docs/architecture.md, "Weight
+sync"), each applied between engine steps once no request is running, so no request mixes two weight versions.
+
+- `load_from_disk` (`/update_weights_from_disk`): a checkpoint directory; the same-node /dev/shm file is copied
+  through a mapping kept between syncs;
+- `add_bucket` (`/update_weights_from_tensor`): one bucket of a version (the `miles_kernels` codec); the version is
+  applied when its last bucket arrives;
+- `init_group`, `receive_distributed` (`/init_weights_update_group`, `/update_weights_from_distributed`): tensors
+  the trainer broadcasts as rank 0 of a `torch.distributed` group of their own, received off the engine thread;
+- `load_tensors` (no endpoint: the local cluster): a complete set of tensors from this process.
+
+Each path loads Hugging Face names into the served model and then commits the version (`Engine.commit_weights`:
+the radix cache is flushed, since cached K/V came from the old weights). `checksum` is what the orchestrator
+compares with the trainer's after the version-0 sync. The trainer's side is `miles_trainer/weight_sender.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from miles_kernels import (
+    BucketAssembler,
+    MappedSafetensors,
+    broadcast_tensors,
+    checkpoint_tensors,
+    decode_bucket,
+    in_shared_memory,
+    init_weight_update_group,
+    iter_checkpoint,
+    load_mapped,
+    load_state,
+    parse_dtype,
+    read_model_config,
+    weights_checksum,
+)
+from miles_rollout.engine_error import EngineError
+
+if TYPE_CHECKING:
+    from miles_rollout.engine import Engine
+
+
+class WeightReceiver:
+    """Receives weights for one `Engine` (its `weights` attribute). The loading methods run on the engine thread
+    (call them through `Engine.control(..., needs_idle=True)`); the `torch.distributed` ones are coroutines."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._assemblers: dict[int, BucketAssembler] = {}
+        self._groups: dict[str, Any] = {}
+        # The weight file a trainer on this node rewrites in place before every `/update_weights_from_disk` (in
+        # /dev/shm): kept mapped, so each update is one copy into the parameters with no page faults. A checkpoint
+        # anywhere else is unmapped after loading: a mapping would keep a deleted file's disk space in use.
+        self._weights_file = MappedSafetensors()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def load_from_disk(self, model_path: str, version: int | None) -> int:
+        """Load a Hugging Face checkpoint directory of the served architecture; returns the new version."""
+        engine, path = self.engine, Path(model_path)
+        new_config = read_model_config(path)
+        if new_config.to_hf() != engine.model_config.to_hf():
+            raise EngineError(f"{model_path} holds a different architecture than the served model; cannot update")
+        engine.require_weights_resident()
+        if not load_mapped(engine.model, self._weights_file, path):
+            self._weights_file.close()  # not a file laid out like the model: read it the general way
+            load_state(engine.model, dict(iter_checkpoint(path)))
+        if not in_shared_memory(path):
+            self._weights_file.close()
+        return engine.commit_weights(version)
+
+    def add_bucket(self, data: bytes) -> dict[str, Any]:
+        """Take one weight bucket; apply its version when the last bucket arrives."""
+        try:
+            bucket = decode_bucket(data)
+        except ValueError as error:
+            raise EngineError(f"invalid weight bucket: {error}") from error
+        assembler = self._assemblers.setdefault(bucket.version, BucketAssembler(version=bucket.version))
+        try:
+            assembler.add(bucket)
+        except ValueError as error:
+            del self._assemblers[bucket.version]
+            raise EngineError(f"weight bucket rejected: {error}") from error
+        if not assembler.is_complete:
+            return {
+                "complete": False,
+                "weight_version": self.engine.weight_version,
+                "missing": sorted(assembler.missing),
+            }
+        del self._assemblers[bucket.version]
+        return {"complete": True, "weight_version": self.load_tensors(assembler.tensors, bucket.version)}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
+        """Load a complete set of HF-named tensors; returns the new version."""
+        engine = self.engine
+        engine.require_weights_resident()
+        try:
+            load_state(engine.model, tensors)
+        except ValueError as error:
+            raise EngineError(f"weight update rejected: {error}") from error
+        return engine.commit_weights(version)
+
+    def checksum(self) -> str:
+        """`miles_kernels.weights_checksum` of the served weights (HF names, the engine's dtype)."""
+        self.engine.require_weights_resident()
+        return weights_checksum(checkpoint_tensors(self.engine.model).items())
+
+    # ------------------------------------------------------------------ torch.distributed (asyncio side)
+
+    async def init_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """Join the trainer's weight-update group `group_name` as `rank` (blocks a worker thread until all joined)."""
+        if group_name in self._groups:
+            raise EngineError(f"weight update group {group_name!r} already exists on this server")
+        try:
+            self._groups[group_name] = await asyncio.to_thread(
+                init_weight_update_group, master_address, master_port, rank, world_size, group_name, backend
+            )
+        except (ValueError, RuntimeError) as error:
+            raise EngineError(f"could not join weight update group {group_name!r}: {error}") from error
+
+    async def receive_distributed(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
+    ) -> int:
+        """Receive one broadcast of `names` into fresh buffers off the engine thread, then load the complete set
+        between engine steps; returns the new version."""
+        group = self._groups.get(group_name)
+        if group is None:
+            raise EngineError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        try:
+            buffers = [
+                torch.empty(shape, dtype=parse_dtype(dtype), device=self.engine.config.device)
+                for dtype, shape in zip(dtypes, shapes, strict=True)
+            ]
+        except ValueError as error:
+            raise EngineError(str(error)) from error
+        await asyncio.to_thread(broadcast_tensors, group, buffers, 0)
+        tensors = dict(zip(names, buffers, strict=True))
+        applied: int = await self.engine.control(lambda: self.load_tensors(tensors, version), needs_idle=True)
+        return applied
