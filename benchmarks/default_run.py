@@ -121,6 +121,7 @@ def main() -> None:
             runs[cluster]["baseline_differences"] = diff[:20]
         print(json.dumps({cluster: runs[cluster]}, indent=2))
     result: dict[str, Any] = {
+        "script_command": " ".join(["python", *sys.argv]),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),

@@ -3,7 +3,7 @@
 - the shortened default example on a cold cache (a fresh MILES_CACHE_DIR, so a broken bootstrap cannot hide
   behind a cached one): it bootstraps, trains and evaluates, the training reward rises, and the train/rollout
   mismatch is exactly 0 at every step (20 steps are too few for the held-out pass rate to rise reliably; the
-  full default run's rise is measured by hand, see docs/quickstart.md);
+  full default run's rise is measured by `benchmarks/default_run.py`, in `benchmarks/results/default_run.json`);
 - a run SIGKILLed after a checkpoint and resumed with `--resume` continues with exactly the steps of an
   uninterrupted run (metrics and final weights, bitwise);
 - a reward function that raises or hangs is contained: the samples fail, the run finishes;
