@@ -6,23 +6,28 @@ import pytest
 from pydantic import ValidationError
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
+from miles_contracts.generate import MAX_NEW_TOKENS_LIMIT
 
-# A request as slime sends it to SGLang, and a response as SGLang returns it (field names from SGLang's API).
+# A rollout request as slime sends it to SGLang (THUDM/slime, slime/rollout/sglang_rollout.py at 0044b40:
+# `GenerateState.sampling_params` and `generate`'s payload), with the fields sglang-router adds when it forwards one.
 SGLANG_REQUEST = {
     "input_ids": [151644, 872, 198],
     "sampling_params": {
-        "max_new_tokens": 64,
         "temperature": 1.0,
         "top_p": 1.0,
         "top_k": -1,
-        "stop": ["</answer>"],
-        "stop_token_ids": [151645],
+        "max_new_tokens": 64,
+        "stop": None,
+        "stop_token_ids": None,
         "skip_special_tokens": False,
         "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
         "sampling_seed": 1234,
     },
     "return_logprob": True,
-    "return_routed_experts": True,
+    "model": "default",  # the router's
+    "return_text_in_logprobs": False,
+    "log_metrics": True,
 }
 SGLANG_RESPONSE = {
     "text": " 42",
@@ -44,8 +49,46 @@ def test_sglang_request_parses() -> None:
     request = GenerateRequest.model_validate(SGLANG_REQUEST)
     assert not request.is_batch and request.batch_size == 1
     params = request.params_for(0)
-    assert params.stop_strings() == ["</answer>"] and params.sampling_seed == 1234
+    assert params.stop_strings() == [] and params.sampling_seed == 1234 and not params.spaces_between_special_tokens
+    assert GenerateRequest.ignored_keys(SGLANG_REQUEST) == ["log_metrics", "model"]
     assert GenerateRequest.model_validate_json(request.model_dump_json()) == request
+
+
+def test_sglang_nulls_take_the_defaults() -> None:
+    params = SamplingParams.model_validate({"temperature": None, "top_k": None, "repetition_penalty": None})
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (1.0, -1, 1.0)
+    assert SamplingParams.model_validate({"max_new_tokens": None}).max_new_tokens == MAX_NEW_TOKENS_LIMIT
+    request = GenerateRequest.model_validate({"text": "hi", "return_logprob": None, "logprob_start_len": None})
+    assert request.return_logprob is False and request.logprob_start_len == -1
+
+
+@pytest.mark.parametrize(
+    "field", ["image_data", "lora_path", "return_hidden_states", "return_routed_experts", "input_embeds",
+              "custom_logit_processor", "bootstrap_host", "session_params"],
+)  # fmt: skip
+def test_sglang_features_the_engine_lacks_are_refused_by_name(field: str) -> None:
+    with pytest.raises(ValidationError, match=f"{field} .* is not supported by the embedded engine"):
+        GenerateRequest.model_validate({"text": "hi", field: "x" if field != "return_routed_experts" else True})
+    assert GenerateRequest.model_validate({"text": "hi", field: None})  # absent in effect: accepted
+
+
+@pytest.mark.parametrize("field", ["json_schema", "regex", "ebnf", "logit_bias", "custom_params", "stop_regex"])
+def test_sampling_params_the_engine_lacks_are_refused_by_name(field: str) -> None:
+    value = {"1": 2.0} if field in ("logit_bias", "custom_params") else "x"
+    with pytest.raises(ValidationError, match=f"{field} .* is not supported by the embedded engine"):
+        SamplingParams.model_validate({field: value})
+
+
+def test_list_forms_of_the_logprob_options_follow_the_batch() -> None:
+    request = GenerateRequest.model_validate(
+        {"input_ids": [[1, 2], [3, 4]], "return_logprob": [True, False], "logprob_start_len": [0, -1],
+         "top_logprobs_num": [2, 0]}
+    )  # fmt: skip
+    assert [request.return_logprob_for(i) for i in range(2)] == [True, False]
+    assert [request.logprob_start_len_for(i) for i in range(2)] == [0, -1]
+    assert [request.top_logprobs_num_for(i) for i in range(2)] == [2, 0]
+    with pytest.raises(ValidationError, match="return_logprob has 1 entries for 2 prompts"):
+        GenerateRequest.model_validate({"input_ids": [[1], [2]], "return_logprob": [True]})
 
 
 def test_batch_request_shapes_are_checked() -> None:
@@ -71,6 +114,10 @@ def test_batch_request_shapes_are_checked() -> None:
         ({"n": 0}, "n"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"temprature": 0.5}, "temprature"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens"),
         ({"max_new_tokens": "many"}, "max_new_tokens"),
     ],
 )

@@ -111,7 +111,17 @@ BAD_REQUESTS = [
     (json.dumps({"text": "hi", "sampling_params": {"top_k": 0}}), "top_k must be -1"),
     (json.dumps({"text": "hi", "sampling_params": {"n": 1000}}), "n="),
     (json.dumps({"text": "hi", "logprob_start_len": 50}), "logprob_start_len"),
-    (json.dumps({"text": "hi", "unknown_field": 1}), "unknown_field"),
+    (json.dumps({"text": "hi", "sampling_params": {"temprature": 1}}), "temprature"),  # SGLang refuses these too
+    (json.dumps({"text": "hi", "image_data": "data:image/png;base64,AAAA"}), "image_data"),
+    (json.dumps({"text": "hi", "lora_path": "adapter"}), "lora_path"),
+    (json.dumps({"text": "hi", "return_routed_experts": True}), "return_routed_experts"),
+    (json.dumps({"text": "hi", "return_hidden_states": True}), "return_hidden_states"),
+    (json.dumps({"text": "hi", "sampling_params": {"json_schema": "{}"}}), "json_schema"),
+    (json.dumps({"text": "hi", "sampling_params": {"regex": "a+"}}), "regex"),
+    (json.dumps({"text": "hi", "sampling_params": {"repetition_penalty": 0}}), "repetition_penalty"),
+    (json.dumps({"text": "hi", "sampling_params": {"frequency_penalty": 9}}), "frequency_penalty"),
+    (json.dumps({"text": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}}), "min_new_tokens"),
+    (json.dumps({"input_ids": [[1], [2]], "return_logprob": [True]}), "return_logprob"),
     (json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 500, "n": 200}}), "KV pages"),
 ]
 
@@ -125,6 +135,9 @@ def test_bad_input_is_a_named_400_and_the_server_is_unchanged(dense_server: str)
         assert needle in response.json()["detail"], (body, response.json())
     assert httpx.get(f"{dense_server}/health", timeout=10).status_code == 200
     assert httpx.get(f"{dense_server}/health_generate", timeout=60).status_code == 200
+    # Keys SGLang does not know are ignored, as SGLang ignores them (sglang-router adds `model`, ...).
+    routed = post(dense_server, "/generate", {**probe, "model": "default", "log_metrics": False, "anything": 1})
+    assert routed.status_code == 200 and routed.json()["output_ids"] == before["output_ids"]
     after = post(dense_server, "/generate", probe).json()
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]

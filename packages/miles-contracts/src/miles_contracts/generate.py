@@ -1,9 +1,14 @@
 """SGLang-compatible `/generate` request and response schemas.
 
-Field names follow SGLang's native API (`sglang.srt.managers.io_struct.GenerateReqInput` and the
-`meta_info` it returns), so the same client drives the embedded Miles engine and an SGLang server.
-Requests forbid unknown fields (a typo is an error that names it); responses allow extra fields,
-because servers add their own.
+Field names follow SGLang 0.5.23's native API (`sglang.srt.managers.io_struct.GenerateReqInput`,
+`sglang.srt.sampling.sampling_params.SamplingParams` and the `meta_info` it returns), so the same client and the
+same request bodies (slime's, sglang-router's) drive the embedded Miles engine and an SGLang server:
+- top-level keys as SGLang treats them: keys it does not know are ignored (routers add their own, e.g. `model`);
+  SGLang features the embedded engine lacks (`image_data`, `lora_path`, `return_hidden_states`, ...) are refused
+  when set, naming the field, never silently ignored (`UNSUPPORTED_REQUEST_FIELDS`);
+- sampling params forbid unknown keys (SGLang does too: a typo is an error that names it); SGLang's that the engine
+  lacks are refused when set (`UNSUPPORTED_SAMPLING_FIELDS`); `null` means the default, as in SGLang.
+Responses allow extra fields, because servers add their own.
 """
 
 from __future__ import annotations
@@ -14,13 +19,35 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a request
 
+# SGLang sampling params the embedded engine does not implement: refused unless absent, null or the default.
+UNSUPPORTED_SAMPLING_FIELDS: dict[str, str] = {
+    "stop_regex": "regular-expression stops",
+    "json_schema": "structured output",
+    "regex": "structured output",
+    "ebnf": "structured output",
+    "structural_tag": "structured output",
+    "choice": "structured output",
+    "logit_bias": "logit bias",
+    "custom_params": "custom logit processors",
+    "beam_width": "beam search",
+    "stream_interval": "streaming",
+    "watermark": "watermarking",
+}
+# SGLang sampling params that take their default when sent as null (SGLang's SamplingParams.__post_init__).
+_NULL_MEANS_DEFAULT = (
+    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "min_new_tokens", "n", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+)  # fmt: skip
+
 
 class SamplingParams(BaseModel):
     """Sampling parameters of one generate request (SGLang `sampling_params`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int = Field(default=128, ge=0, le=MAX_NEW_TOKENS_LIMIT, description="Most tokens to generate.")
+    max_new_tokens: int = Field(
+        default=128, ge=0, le=MAX_NEW_TOKENS_LIMIT, description="Most tokens to generate (null: up to the context)."
+    )
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(default=-1, description="Keep the k most likely tokens; -1 disables.")
@@ -31,9 +58,54 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = Field(default=True, description="Drop special tokens from the output text.")
     no_stop_trim: bool = Field(default=False, description="Keep the matched stop string in the output text.")
     n: int = Field(default=1, ge=1, le=1024, description="Number of samples for this prompt.")
+    min_new_tokens: int = Field(
+        default=0, ge=0, le=MAX_NEW_TOKENS_LIMIT, description="No stop (EOS, stop token or string) before this many."
+    )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=2.0, description="Divide positive / multiply negative logits of generated tokens."
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="Subtract this times a token's count in the output so far."
+    )
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="Subtract this from tokens already in the output."
+    )
+    spaces_between_special_tokens: bool = Field(
+        default=True, description="Put spaces between special tokens in the output text."
+    )
     sampling_seed: int | None = Field(
         default=None, ge=0, description="Seed of sample 0; sample i uses seed + i. None: engine-chosen."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_conventions(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        refused = [key for key in UNSUPPORTED_SAMPLING_FIELDS if data.get(key) not in (None, False, {}, [], "")]
+        if refused:
+            key = refused[0]
+            raise ValueError(
+                f"{key} ({UNSUPPORTED_SAMPLING_FIELDS[key]}) is not supported by the embedded engine; remove it"
+            )
+        data = {k: v for k, v in data.items() if k not in UNSUPPORTED_SAMPLING_FIELDS}
+        for key in _NULL_MEANS_DEFAULT:
+            if key in data and data[key] is None:
+                del data[key]
+        if "max_new_tokens" in data and data["max_new_tokens"] is None:
+            data["max_new_tokens"] = MAX_NEW_TOKENS_LIMIT  # SGLang: no limit but the context length
+        return data
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
+        return self
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a penalty changes the sampling distribution (the log-probs still follow the contract)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @field_validator("top_k")
     @classmethod
@@ -56,22 +128,106 @@ class SamplingParams(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class GenerateRequest(BaseModel):
-    """A `/generate` request: one prompt or a batch, as text or token ids."""
+# SGLang request fields the embedded engine does not implement: refused unless absent, null, false, empty or 0.
+UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
+    **dict.fromkeys(("input_embeds", "positional_embed_overrides"), "input embeddings"),
+    **dict.fromkeys(
+        (
+            "image_data",
+            "video_data",
+            "audio_data",
+            "modalities",
+            "mm_hashes",
+            "mm_content_hashes",
+            "use_audio_in_video",
+            "video_config",
+        ),
+        "multimodal inputs",
+    ),
+    **dict.fromkeys(("lora_path", "lora_id"), "LoRA adapters"),
+    "custom_logit_processor": "custom logit processors",
+    "watermark": "watermarking",
+    "token_ids_logprob": "log-probs of chosen token ids",
+    **dict.fromkeys(("return_sampling_mask", "sampling_logprobs_mode"), "behaviour log-probs of the sampling support"),
+    **dict.fromkeys(("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs"), "flat top log-probs"),
+    "return_hidden_states": "hidden states",
+    **dict.fromkeys(("return_routed_experts", "routed_experts_start_len"), "routed experts (the MoE issue)"),
+    "return_indexer_topk": "indexer top-k",
+    "session_params": "sessions",
+    **dict.fromkeys(
+        (
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
+            "bootstrap_pair_key",
+            "decode_tp_size",
+            "disagg_prefill_dp_rank",
+        ),
+        "prefill/decode disaggregation",
+    ),
+    **dict.fromkeys(("require_reasoning", "max_thinking_tokens"), "reasoning budgets"),
+    "background": "background responses",
+    "return_bytes": "image generation",
+    "return_entropy": "entropy",
+    "return_prompt_token_ids": "prompt token ids without log-probs",
+    "cache_salt": "prefix-cache salting",
+    "kv_hints": "KV cache hints",
+    "images_config": "multimodal inputs",
+}
 
-    model_config = ConfigDict(extra="forbid")
+
+class GenerateRequest(BaseModel):
+    """A `/generate` request: one prompt or a batch, as text or token ids (SGLang's top-level rules: see the module
+    docstring; `ignored_keys` names what a body carries that is ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     text: str | list[str] | None = Field(default=None, description="Prompt text, or a batch of them.")
     input_ids: list[int] | list[list[int]] | None = Field(default=None, description="Prompt token ids, or a batch.")
     sampling_params: SamplingParams | list[SamplingParams] = Field(default_factory=SamplingParams)
-    return_logprob: bool = Field(default=False, description="Return log-probs of output (and input) tokens.")
-    logprob_start_len: int = Field(
-        default=-1, ge=-1, description="First prompt position whose log-prob is returned; -1: none."
+    return_logprob: bool | list[bool] = Field(
+        default=False, description="Return log-probs of output (and input) tokens; per prompt as a list."
     )
-    top_logprobs_num: int = Field(default=0, ge=0, le=1024, description="Top alternatives per position.")
-    return_routed_experts: bool = Field(default=False, description="Return MoE routing per token.")
+    logprob_start_len: int | list[int] = Field(
+        default=-1, description="First prompt position whose log-prob is returned; -1: none. Per prompt as a list."
+    )
+    top_logprobs_num: int | list[int] = Field(
+        default=0, description="Top alternatives per position (0 to 1024); per prompt as a list."
+    )
+    return_text_in_logprobs: bool = Field(default=False, description="Token text in each log-prob entry.")
     stream: bool = Field(default=False, description="Stream partial outputs (server-sent events).")
     rid: str | list[str] | None = Field(default=None, description="Request id(s), for /abort_request.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, feature in UNSUPPORTED_REQUEST_FIELDS.items():
+                if data.get(key) not in (None, False, 0, "", [], {}):
+                    raise ValueError(f"{key} ({feature}) is not supported by the embedded engine; remove it")
+            for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+                if key in data and data[key] is None:
+                    del data[key]  # SGLang: null means the default
+        return data
+
+    @classmethod
+    def ignored_keys(cls, body: dict[str, Any]) -> list[str]:
+        """The keys of a request body that are ignored: neither fields of this model nor refused SGLang fields."""
+        return sorted(set(body) - set(cls.model_fields) - set(UNSUPPORTED_REQUEST_FIELDS))
+
+    @field_validator("logprob_start_len")
+    @classmethod
+    def _start_valid(cls, value: int | list[int]) -> int | list[int]:
+        if any(v < -1 for v in (value if isinstance(value, list) else [value])):
+            raise ValueError("logprob_start_len must be -1 (no input log-probs) or a prompt position >= 0")
+        return value
+
+    @field_validator("top_logprobs_num")
+    @classmethod
+    def _top_valid(cls, value: int | list[int]) -> int | list[int]:
+        if any(not 0 <= v <= 1024 for v in (value if isinstance(value, list) else [value])):
+            raise ValueError("top_logprobs_num must be between 0 and 1024")
+        return value
 
     @field_validator("input_ids")
     @classmethod
@@ -102,6 +258,10 @@ class GenerateRequest(BaseModel):
             raise ValueError(f"sampling_params has {len(self.sampling_params)} entries for {num} prompts")
         if isinstance(self.rid, list) and len(self.rid) != num:
             raise ValueError(f"rid has {len(self.rid)} entries for {num} prompts")
+        for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+            value = getattr(self, key)
+            if isinstance(value, list) and len(value) != num:
+                raise ValueError(f"{key} has {len(value)} entries for {num} prompts")
         return self
 
     @property
@@ -124,6 +284,18 @@ class GenerateRequest(BaseModel):
     def params_for(self, i: int) -> SamplingParams:
         """Sampling parameters of prompt i."""
         return self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params
+
+    def return_logprob_for(self, i: int) -> bool:
+        """Whether prompt i returns log-probs."""
+        return self.return_logprob[i] if isinstance(self.return_logprob, list) else self.return_logprob
+
+    def logprob_start_len_for(self, i: int) -> int:
+        """The first prompt position of prompt i whose log-prob is returned (-1: none)."""
+        return self.logprob_start_len[i] if isinstance(self.logprob_start_len, list) else self.logprob_start_len
+
+    def top_logprobs_num_for(self, i: int) -> int:
+        """How many top alternatives prompt i returns per position."""
+        return self.top_logprobs_num[i] if isinstance(self.top_logprobs_num, list) else self.top_logprobs_num
 
 
 class FinishReason(BaseModel):

@@ -132,14 +132,10 @@ def _merge_key(request: GenerateRequest) -> Hashable | None:
     n_values = {request.params_for(i).n for i in range(request.batch_size)}
     if len(n_values) != 1:
         return None
-    return (
-        request.text is not None,
-        request.return_logprob,
-        request.logprob_start_len,
-        request.top_logprobs_num,
-        request.return_routed_experts,
-        n_values.pop(),
-    )
+    options = (request.return_logprob, request.logprob_start_len, request.top_logprobs_num)
+    if any(isinstance(value, list) for value in options):
+        return None  # per-prompt options: merging would need them re-split
+    return (request.text is not None, *options, request.return_text_in_logprobs, n_values.pop())
 
 
 async def _deliver(call: _Call, responses: Awaitable[list[GenerateResponse]]) -> None:

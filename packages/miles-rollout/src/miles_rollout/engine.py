@@ -229,9 +229,10 @@ class Engine:
         groups = []
         for i, prompt in enumerate(self._tokenize(request)):
             params = request.params_for(i)
-            if request.logprob_start_len >= len(prompt):
+            logprob_start_len = request.logprob_start_len_for(i)
+            if logprob_start_len >= len(prompt):
                 raise EngineError(
-                    f"logprob_start_len={request.logprob_start_len} is past the prompt ({len(prompt)} tokens); "
+                    f"logprob_start_len={logprob_start_len} is past the prompt ({len(prompt)} tokens); "
                     "use -1 for no input log-probs or a value below the prompt length"
                 )
             if len(prompt) >= self.context_length:
@@ -265,9 +266,10 @@ class Engine:
                     prompt_ids=prompt,
                     params=params,
                     seed=seed,
-                    return_logprob=request.return_logprob,
-                    logprob_start_len=request.logprob_start_len,
-                    top_logprobs_num=request.top_logprobs_num,
+                    return_logprob=request.return_logprob_for(i),
+                    logprob_start_len=logprob_start_len,
+                    top_logprobs_num=request.top_logprobs_num_for(i),
+                    return_text_in_logprobs=request.return_text_in_logprobs,
                     weight_version=self.weight_version,
                     future=loop.create_future(),
                     loop=loop,

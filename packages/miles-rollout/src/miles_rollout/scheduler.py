@@ -235,7 +235,7 @@ class Scheduler:
         rows = [i for _, i in pairs]
         row_logits = logits[torch.tensor(rows, device=logits.device)]
         settings = [s.row_sampling() for s in sequences_to_sample]
-        tokens = sample(row_logits, settings)
+        tokens = sample(self._sampling_logits(row_logits, sequences_to_sample), settings)
         temps = torch.tensor([[s.group.logprob_temperature()] for s in sequences_to_sample], device=logits.device)
         logprobs = token_logprobs(row_logits, tokens, temps)
         top = self._top_logprobs(row_logits, temps, sequences_to_sample)
@@ -317,6 +317,29 @@ class Scheduler:
         self._running += children
         return children
 
+    def _sampling_logits(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits to sample from: SGLang's penalties over each sequence's output so far and, before
+        `min_new_tokens`, no stop token. Row by row (batch-invariant). The log-probs a response returns are taken
+        from the unmodified logits (the log-prob contract)."""
+        if not any(s.group.params.has_penalties or len(s.output_ids) < s.group.params.min_new_tokens for s in seqs):
+            return row_logits
+        out = row_logits.clone()
+        for i, seq in enumerate(seqs):
+            params = seq.group.params
+            row = out[i]
+            if params.has_penalties and seq.output_ids:
+                ids, counts = torch.tensor(seq.output_ids, device=row.device).unique(return_counts=True)
+                if params.repetition_penalty != 1.0:
+                    seen = row[ids]
+                    row[ids] = torch.where(
+                        seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty
+                    )
+                row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
+            if len(seq.output_ids) < params.min_new_tokens:
+                stops = {*(params.stop_token_ids or ()), *(() if params.ignore_eos else self.eos_ids)}
+                row[torch.tensor(sorted(stops), dtype=torch.long, device=row.device)] = float("-inf")
+        return out
+
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: list[tuple[float, int]]) -> None:
         params = seq.group.params
         seq.output_ids.append(token)
@@ -327,10 +350,11 @@ class Scheduler:
         stops = params.stop_strings()
         if stops:  # the text so far is needed to match stop strings; otherwise it is decoded once, at the end
             self._decode(seq)
+        may_stop = len(seq.output_ids) >= params.min_new_tokens  # SGLang: no stop before min_new_tokens
         is_eos = token in self.eos_ids and not params.ignore_eos
-        if is_eos or (params.stop_token_ids and token in params.stop_token_ids):
+        if may_stop and (is_eos or (params.stop_token_ids and token in params.stop_token_ids)):
             self._finish(seq, finish_reason("stop", matched=token))
-        elif stops and (matched := _first_stop(seq.text, stops)) is not None:
+        elif may_stop and stops and (matched := _first_stop(seq.text, stops)) is not None:
             if not params.no_stop_trim:
                 seq.text = seq.text[: seq.text.index(matched)]
             self._finish(seq, finish_reason("stop", matched=matched))
@@ -341,8 +365,15 @@ class Scheduler:
 
     def _decode(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
-            skip_special = seq.group.params.skip_special_tokens
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=skip_special)
+            params = seq.group.params
+            seq.text = self.tokenizer.decode(
+                seq.output_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+
+    def _token_text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
 
     def _finish(self, seq: Sequence, reason: Any) -> None:
         if not seq.group.params.stop_strings():
@@ -363,7 +394,8 @@ class Scheduler:
             self._complete_group(group)
 
     def _complete_group(self, group: Group) -> None:
-        responses = [build_response(s) for s in group.sequences]
+        token_text = self._token_text if group.return_text_in_logprobs and self.tokenizer is not None else None
+        responses = [build_response(s, token_text) for s in group.sequences]
         if group.future is not None and group.loop is not None:
             group.loop.call_soon_threadsafe(set_result, group.future, responses)
 

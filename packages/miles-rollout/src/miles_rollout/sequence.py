@@ -9,6 +9,7 @@ max_new_tokens / context length / abort, and the group answers when all of them 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ class Group:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     sequences: list[Sequence] = field(default_factory=list)
     reserved_pages: int = 0
+    return_text_in_logprobs: bool = False
 
     @property
     def is_prefilled(self) -> bool:
@@ -92,9 +94,14 @@ def finish_reason(
     return FinishReason(type=kind, matched=matched, message=message, length=length)  # type: ignore[arg-type]
 
 
-def build_response(seq: Sequence) -> GenerateResponse:
-    """The SGLang-shaped response of one finished sequence."""
+def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None) -> GenerateResponse:
+    """The SGLang-shaped response of one finished sequence; `token_text` fills each log-prob entry's text (SGLang's
+    `return_text_in_logprobs`), else it is None."""
     group = seq.group
+
+    def entry(lp: float | None, tok: int) -> tuple[float | None, int, str | None]:
+        return (lp, tok, token_text(tok) if token_text is not None else None)
+
     meta: dict[str, Any] = {
         "id": seq.rid,
         "finish_reason": seq.finish,
@@ -105,15 +112,15 @@ def build_response(seq: Sequence) -> GenerateResponse:
     }
     if group.return_logprob:
         meta["output_token_logprobs"] = [
-            (lp, tok, None) for lp, tok in zip(seq.output_logprobs, seq.output_ids, strict=True)
+            entry(lp, tok) for lp, tok in zip(seq.output_logprobs, seq.output_ids, strict=True)
         ]
         if group.logprob_start_len >= 0:
             ids = group.prompt_ids[group.logprob_start_len :]
-            meta["input_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(group.input_logprobs, ids, strict=True)]
+            meta["input_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(group.input_logprobs, ids, strict=True)]
         if group.top_logprobs_num > 0:
-            meta["output_top_logprobs"] = [[(lp, tok, None) for lp, tok in top] for top in seq.output_top_logprobs]
+            meta["output_top_logprobs"] = [[entry(lp, tok) for lp, tok in top] for top in seq.output_top_logprobs]
             if group.logprob_start_len >= 0:
                 meta["input_top_logprobs"] = [
-                    None if top is None else [(lp, tok, None) for lp, tok in top] for top in group.input_top_logprobs
+                    None if top is None else [entry(lp, tok) for lp, tok in top] for top in group.input_top_logprobs
                 ]
     return GenerateResponse(text=seq.text, output_ids=list(seq.output_ids), meta_info=MetaInfo(**meta))

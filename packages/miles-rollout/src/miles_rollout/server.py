@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
+
+logger = logging.getLogger("miles_rollout.server")
 
 _RESPONSES = TypeAdapter(list[GenerateResponse])
 
@@ -102,9 +105,24 @@ async def _parse(request: Request, model: type[BaseModel], allow_empty: bool = F
     except json.JSONDecodeError as error:
         raise HTTPException(400, f"request body is not valid JSON: {error}") from error
     try:
-        return model.model_validate(payload)
+        parsed = model.model_validate(payload)
     except ValidationError as error:
         raise HTTPException(400, _describe(error)) from error
+    if model is GenerateRequest and isinstance(payload, dict):
+        _log_ignored(GenerateRequest.ignored_keys(payload))
+    return parsed
+
+
+_IGNORED_LOGGED: set[str] = set()
+
+
+def _log_ignored(keys: list[str]) -> None:
+    """SGLang ignores top-level keys it does not know (routers add their own, e.g. `model`); so does this server,
+    saying so once per key at debug level."""
+    for key in keys:
+        if key not in _IGNORED_LOGGED:
+            _IGNORED_LOGGED.add(key)
+            logger.debug("ignoring the /generate field %r, unknown to SGLang's API", key)
 
 
 # How long the server keeps an idle connection open (uvicorn's `timeout_keep_alive`). Above the idle expiry of
