@@ -74,8 +74,11 @@ def test_weight_updates_release_and_resume(server, dense_dir, second_model) -> N
             first = await client.generate(PROBE)
             assert outputs(first) == reference_a and first[0].meta_info.weight_version == 0
 
-            # From disk, no version given: previous + 1.
+            # From disk, no version given: the version stays, as in SGLang; the new weights are served.
             reply = await client.update_weights_from_disk(str(second_model))
+            assert reply["weight_version"] == 0 and await client.get_weight_version() == 0
+            assert outputs(await client.generate(PROBE)) == reference_b
+            reply = await client.update_weights_from_disk(str(second_model), weight_version=1)
             assert reply["weight_version"] == 1 and await client.get_weight_version() == 1
             after_disk = await client.generate(PROBE)
             assert outputs(after_disk) == reference_b and after_disk[0].meta_info.weight_version == 1
@@ -154,7 +157,7 @@ def test_distributed_update_over_gloo(server, second_model, dense_dir) -> None:
     asyncio.run(scenario())
 
 
-def test_bad_weight_updates_are_rejected_and_the_server_keeps_serving(server, dense_dir) -> None:
+def test_bad_weight_updates_are_rejected_and_the_server_keeps_serving(server, dense_dir, tmp_path) -> None:
     async def scenario() -> None:
         async with Client(server) as client:
             before = outputs(await client.generate(PROBE))
@@ -168,8 +171,10 @@ def test_bad_weight_updates_are_rejected_and_the_server_keeps_serving(server, de
                 RolloutClientError, match=r"unexpected tensor 'model\.layers\.99\.mlp\.up_proj\.weight'"
             ):
                 await client.update_weights_from_tensor(bad)
-            with pytest.raises(RolloutClientError, match=r"config\.json not found"):
+            with pytest.raises(RolloutClientError, match=r"HTTP 400.*'/nonexistent/dir' is not a directory"):
                 await client.update_weights_from_disk("/nonexistent/dir")
+            with pytest.raises(RolloutClientError, match=r"HTTP 400.*config\.json not found"):
+                await client.update_weights_from_disk(str(tmp_path))  # a directory, but no checkpoint
             assert await client.get_weight_version() == version
             assert outputs(await client.generate(PROBE)) == before
 

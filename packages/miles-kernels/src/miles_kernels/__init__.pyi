@@ -45,6 +45,7 @@ from .weight_sync.checksum import weights_checksum
 from .weight_sync.distributed import (
     WeightUpdateGroup,
     broadcast_tensors,
+    destroy_weight_update_group,
     dtype_name,
     init_weight_update_group,
     parse_dtype,
@@ -82,6 +83,7 @@ __all__ = [
     "build_packed_batch",
     "checkpoint_tensors",
     "decode_bucket",
+    "destroy_weight_update_group",
     "dtype_name",
     "encode_bucket",
     "experts_forward",

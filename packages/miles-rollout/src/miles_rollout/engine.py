@@ -35,6 +35,7 @@ from miles_rollout.weight_receiver import WeightReceiver
 logger = logging.getLogger("miles_rollout.engine")
 
 MEMORY_TAGS = ("weights", "kv_cache")
+PAUSE_MODES = ("abort", "retract", "in_place")
 ControlItem = tuple[Callable[[], Any], bool, "asyncio.Future[Any]", asyncio.AbstractEventLoop]
 Watcher = tuple[Callable[[dict[str, int]], bool], "asyncio.Future[dict[str, int]]", asyncio.AbstractEventLoop]
 
@@ -54,6 +55,10 @@ class Engine:
         self.weight_version = 0
         self.released: set[str] = set()
         self.weights_stale = False
+        # Nothing is generated while paused (`/pause_generation`: the mode) or inside a weight-update bracket
+        # (`/begin_weight_update` .. `/end_weight_update`); requests that arrive meanwhile wait.
+        self.paused: str | None = None
+        self.updating_weights = False
         self.weights = WeightReceiver(self)  # every way new weights arrive (weight_receiver.py)
         self._incoming: list[Group] = []
         self._controls: deque[ControlItem] = deque()
@@ -153,8 +158,10 @@ class Engine:
     # ------------------------------------------------------------------ control operations (engine thread)
 
     def commit_weights(self, version: int | None) -> int:
-        """New weights are loaded (by `self.weights`): serve them as `version` (the next version if None)."""
-        self.weight_version = self.weight_version + 1 if version is None else version
+        """New weights are loaded (by `self.weights`): serve them as `version` (None: the version stays, as SGLang
+        keeps it when an update names none)."""
+        if version is not None:
+            self.weight_version = self.scheduler.weight_version = version
         self.weights_stale = False
         self.scheduler.radix.reset()  # cached K/V were computed with the old weights
         return self.weight_version
@@ -165,7 +172,46 @@ class Engine:
             raise EngineError("weights are released; call /resume_memory_occupation first", status_code=409)
 
     def flush_cache(self) -> None:
+        """Empty the radix cache; refused (409) while requests are queued or running, as SGLang refuses it."""
+        if self.scheduler.has_work:
+            raise EngineError("the cache is in use by queued or running requests; flush it when they are done")
         self.scheduler.radix.reset()
+
+    def pause_generation(self, mode: str) -> int:
+        """Stop generating until `continue_generation` (SGLang's `/pause_generation`): `abort` finishes every
+        request in flight with `abort`; `retract` takes them out of the batch and frees their KV (they recompute
+        it and continue after `continue_generation`); `in_place` keeps them, KV and all, where they are. Returns
+        the number of requests paused (aborted for `abort`)."""
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"unknown pause mode {mode!r}; use one of {list(PAUSE_MODES)}")
+        scheduler = self.scheduler
+        if mode == "abort":
+            count = scheduler.num_in_flight
+            scheduler.process_aborts([None])
+        elif mode == "retract":
+            count = scheduler.retract()
+        else:
+            count = scheduler.num_in_flight
+        self.paused = mode
+        return count
+
+    def continue_generation(self) -> None:
+        """Generate again after `pause_generation`."""
+        self.paused = None
+
+    def begin_weight_update(self) -> None:
+        """Open a weight update made of several calls (SGLang's `/begin_weight_update`): no request runs until
+        `end_weight_update`, so none sees a half-updated model. The weights are updated in place: no second copy
+        is held."""
+        self.require_weights_resident()
+        self.updating_weights = True
+
+    def end_weight_update(self, version: int | None) -> int:
+        """Close the weight update: serve the new weights (as `version` when given)."""
+        if not self.updating_weights:
+            raise EngineError("no weight update is open; call /begin_weight_update first", 409)
+        self.updating_weights = False
+        return self.commit_weights(version)
 
     def release_memory(self, tags: list[str] | None) -> list[str]:
         for tag in tags or MEMORY_TAGS:
@@ -274,6 +320,7 @@ class Engine:
                     future=loop.create_future(),
                     loop=loop,
                     reserved_pages=pages,
+                    total_pages=pages,
                 )
             )
         return groups
@@ -285,8 +332,8 @@ class Engine:
         while True:
             with self._lock:
                 while not (
-                    self._stopped or self._incoming or self._aborts or self._controls or scheduler.has_work
-                    or self._new_watcher
+                    self._stopped or self._incoming or self._aborts or self._controls or self._new_watcher
+                    or (scheduler.has_work and self.may_generate)
                 ):  # fmt: skip
                     self._lock.wait()
                 if self._stopped:
@@ -299,7 +346,7 @@ class Engine:
             try:
                 scheduler.process_aborts(aborts)
                 self._run_controls()
-                if scheduler.has_work:
+                if scheduler.has_work and self.may_generate:
                     scheduler.step(may_admit=not self._is_draining())
             except Exception as error:  # a failing step must not take the server down: fail its requests
                 logger.exception("engine step failed")
@@ -319,6 +366,11 @@ class Engine:
             except Exception as error:  # a broken condition fails its waiter, never the engine
                 loop.call_soon_threadsafe(set_exception, future, error)
 
+    @property
+    def may_generate(self) -> bool:
+        """False while paused or inside a weight-update bracket."""
+        return self.paused is None and not self.updating_weights
+
     def _is_draining(self) -> bool:
         return any(needs_idle for _, needs_idle, _, _ in self._controls)
 
@@ -326,6 +378,13 @@ class Engine:
         while self._controls:
             fn, needs_idle, future, loop = self._controls[0]
             if needs_idle and self.scheduler.is_busy:
+                if not self.may_generate:  # the requests holding KV will not run until continued: refuse
+                    with self._lock:
+                        self._controls.popleft()
+                    loop.call_soon_threadsafe(set_exception, future, EngineError(
+                        f"generation is paused {self.paused or 'for a weight update'} with requests holding KV; "
+                        "call /continue_generation first, or pause with mode abort or retract", 409))  # fmt: skip
+                    continue
                 return
             with self._lock:
                 self._controls.popleft()
@@ -342,31 +401,71 @@ class Engine:
     # ------------------------------------------------------------------ info
 
     def model_info(self) -> dict[str, Any]:
+        """SGLang's `/model_info` fields (plus the architecture's vocabulary size)."""
+        hf = self.model_config.to_hf()
         return {
             "model_path": self.model_path,
+            "served_model_name": self.model_path,
             "tokenizer_path": self.model_path if self.tokenizer is not None else None,
             "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "load_format": "safetensors",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": hf.get("model_type"),
+            "architectures": hf.get("architectures"),
             "architecture": self.model_config.architecture,
             "vocab_size": self.model_config.vocab_size,
-            "weight_version": self.weight_version,
         }
 
     def server_info(self) -> dict[str, Any]:
+        """SGLang's `/server_info`: the server's arguments as SGLang names them (one device: tp/dp/pp/ep size 1),
+        then the engine's own settings and live counters."""
         return {
             "model_path": self.model_path,
-            "kernel_config": self.kernel.describe(torch.device(self.config.device).type),
-            "num_kv_pages": self.config.num_kv_pages,
+            "served_model_name": self.model_path,
+            "version": _version(),
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
             "page_size": self.page_size,
             "max_running_requests": self.config.max_running_requests,
             "max_prefill_tokens": self.config.max_prefill_tokens,
             "context_length": self.context_length,
+            "random_seed": self.config.seed,
             "device": self.config.device,
+            "enable_deterministic_inference": self.kernel.is_deterministic,
+            "kernel_config": self.kernel.describe(torch.device(self.config.device).type),
+            "num_kv_pages": self.config.num_kv_pages,
             "weight_version": self.weight_version,
             "released_memory": sorted(self.released),
+            "paused": self.paused,
+            "updating_weights": self.updating_weights,
             **self.scheduler.stats(),
             "pid": os.getpid(),
             "time": time.time(),
         }
+
+    def load(self) -> dict[str, Any]:
+        """What a router balances on (SGLang's `/get_load`): requests running and waiting, KV pages in use."""
+        stats = self.scheduler.stats()
+        return {
+            "dp_rank": 0,
+            "num_reqs": stats["num_running"] + stats["num_prefilling"] + stats["num_retracted"],
+            "num_waiting_reqs": stats["num_waiting"],
+            "num_tokens": stats["num_used_pages"] * self.page_size,
+        }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("miles-rollout")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _load_tokenizer(model_path: str) -> Any:

@@ -52,8 +52,13 @@ class Scheduler:
         self._waiting: deque[Group] = deque()
         self._prefilling: list[Group] = []
         self._running: list[Sequence] = []
+        # Retracted sequences (`retract`): their KV was freed; they wait for pages, then recompute it (`_refilling`)
+        # up to `seq.resume_at` tokens and rejoin the running batch where they left it.
+        self._retracted: deque[Sequence] = deque()
+        self._refilling: list[Sequence] = []
         self._reserved = 0
         self.num_steps = 0
+        self.weight_version = 0  # the engine's, kept current by `Engine.commit_weights`
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
 
@@ -65,12 +70,48 @@ class Scheduler:
 
     @property
     def is_busy(self) -> bool:
-        """Requests hold KV pages (prefilling or decoding)."""
-        return bool(self._prefilling or self._running)
+        """Requests hold KV pages (prefilling, recomputing a retracted sequence's KV, or decoding)."""
+        return bool(self._prefilling or self._refilling or self._running)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._running)
+        return bool(self._waiting or self._retracted or self._prefilling or self._refilling or self._running)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests (prompt groups) not finished yet."""
+        groups = {id(s.group) for s in (*self._running, *self._retracted, *self._refilling)}
+        return len(self._waiting) + len(self._prefilling) + len(groups)
+
+    def retract(self) -> int:
+        """Take every request out of the batch and free its KV pages (SGLang's `retract` pause): a prefilling
+        prompt starts its prefill again, a decoding sequence keeps its tokens and recomputes their KV when it is
+        admitted again, then continues where it stopped (the same tokens in deterministic mode: the KV of a
+        recomputed prefix has the same bits). Full pages go to the radix cache, so a re-admitted request reuses
+        them while they are cached. Returns the number of requests retracted."""
+        count = self.num_in_flight - len(self._waiting)
+        for group in reversed(self._prefilling):
+            self._cache_pages(group.prompt_ids[: group.num_computed], group.prefill_pages)
+            group.prefill_pages, group.num_computed, group.cached_tokens = [], 0, 0
+            self._reserved -= group.reserved_pages
+            group.reserved_pages = group.total_pages
+            self._waiting.appendleft(group)
+        self._prefilling = []
+        for seq in [*self._refilling, *self._running]:
+            seq.resume_at = max(seq.resume_at, seq.num_computed)
+            self._cache_pages(seq.tokens[: seq.num_computed], seq.pages)
+            seq.pages, seq.num_computed = [], 0
+            self._reserved -= seq.reserved_pages
+            seq.reserved_pages = 0
+            self._retracted.append(seq)
+        self._refilling, self._running = [], []
+        return count
+
+    def _cache_pages(self, tokens: list[int], pages: list[int]) -> None:
+        """Hand a request's pages to the radix cache (full pages of `tokens` stay cached) and drop its hold."""
+        if pages:
+            self.radix.insert(tokens, pages)
+            self.allocator.release(pages)
 
     def submit(self, groups: list[Group]) -> None:
         self._waiting.extend(groups)
@@ -90,6 +131,7 @@ class Scheduler:
             "num_running": len(self._running),
             "num_prefilling": len(self._prefilling),
             "num_waiting": len(self._waiting),
+            "num_retracted": len(self._retracted) + len(self._refilling),
             "num_used_pages": self.allocator.num_used,
             "num_cached_pages": self.radix.num_cached_pages,
             "num_steps": self.num_steps,
@@ -114,14 +156,23 @@ class Scheduler:
                 for seq in group.sequences:
                     seq.finish = finish_reason("abort", message="aborted during prefill")
                 self._complete_group(group)
+            for seq in [s for s in self._retracted if rid is None or s.group.rid == rid or s.rid == rid]:
+                self._retracted.remove(seq)
+                self._finish(seq, finish_reason("abort", message="aborted"))
+            for seq in [s for s in self._refilling if rid is None or s.group.rid == rid or s.rid == rid]:
+                self._refilling.remove(seq)
+                self._finish(seq, finish_reason("abort", message="aborted"))
             for seq in [s for s in self._running if rid is None or s.group.rid == rid or s.rid == rid]:
                 self._finish(seq, finish_reason("abort", message="aborted"))
 
     def fail_all(self, message: str) -> None:
-        groups = {id(g): g for g in [*self._waiting, *self._prefilling, *(s.group for s in self._running)]}
+        sequences = [*self._running, *self._retracted, *self._refilling]
+        groups = {id(g): g for g in [*self._waiting, *self._prefilling, *(s.group for s in sequences)]}
         self._waiting.clear()
         self._prefilling.clear()
         self._running.clear()
+        self._retracted.clear()
+        self._refilling.clear()
         self.radix.reset()
         self.allocator.reset()
         self._reserved = 0
@@ -130,9 +181,11 @@ class Scheduler:
                 group.loop.call_soon_threadsafe(set_exception, group.future, EngineError(message, 500))
 
     def _admit(self) -> None:
-        while self._waiting:
+        self._admit_retracted()
+        while self._waiting and not self._retracted:
             group = self._waiting[0]
-            if len(self._running) + len(self._prefilling) + group.params.n > self.config.max_running_requests:
+            in_batch = len(self._running) + len(self._prefilling) + len(self._refilling)
+            if in_batch + group.params.n > self.config.max_running_requests:
                 return
             limit = len(group.prompt_ids) - 1
             if group.needs_input_logprobs:
@@ -144,11 +197,33 @@ class Scheduler:
                 self.allocator.release(matched)
                 return  # admission waits for pages
             self._waiting.popleft()
+            group.weight_version = self.weight_version  # the weights it is computed with
             group.reserved_pages = needed
             self._reserved += needed
             group.prefill_pages = matched
             group.num_computed = group.cached_tokens = len(matched) * self.page_size
             self._prefilling.append(group)
+
+    def _admit_retracted(self) -> None:
+        """Re-admit retracted sequences first, in order, when sequences and pages allow."""
+        while self._retracted:
+            seq = self._retracted[0]
+            in_batch = len(self._running) + len(self._prefilling) + len(self._refilling)
+            if in_batch + 1 > self.config.max_running_requests:
+                return
+            matched = self.radix.match(seq.tokens[: seq.resume_at])
+            max_tokens = min(len(seq.group.prompt_ids) + seq.group.params.max_new_tokens, self.context_length)
+            needed = ceil_div(max_tokens, self.page_size) - len(matched)
+            if needed > self.allocator.num_free + self.radix.num_evictable() - self._reserved:
+                self.allocator.release(matched)
+                return
+            self._retracted.popleft()
+            if seq.version_starts[-1][0] != self.weight_version:  # weights were updated while it was retracted
+                seq.version_starts.append((self.weight_version, len(seq.output_ids)))
+            seq.pages, seq.num_computed = matched, len(matched) * self.page_size
+            seq.reserved_pages = needed
+            self._reserved += needed
+            (self._running if seq.num_computed == seq.resume_at else self._refilling).append(seq)
 
     def _take_pages(self, count: int) -> list[int]:
         if count > self.allocator.num_free:
@@ -160,7 +235,7 @@ class Scheduler:
         """Admit (unless draining), then run one forward over decode tokens and prompt chunks, and sample."""
         if may_admit:
             self._admit()
-        if not (self._prefilling or self._running):
+        if not self.is_busy:
             return
         ids: list[int] = []
         query_lens: list[int] = []
@@ -179,6 +254,21 @@ class Scheduler:
             prefix_lens.append(seq.num_computed)
             tables.append(seq.pages)
         budget = max(self.config.max_prefill_tokens - len(ids), 1)
+        for seq in self._refilling:
+            if budget <= 0:
+                break
+            chunk = seq.tokens[seq.num_computed : min(seq.resume_at, seq.num_computed + budget)]
+            budget -= len(chunk)
+            extra = ceil_div(seq.num_computed + len(chunk), self.page_size) - len(seq.pages)
+            if extra > 0:
+                seq.pages += self._take_pages(extra)
+                seq.reserved_pages -= extra
+            owners.append(("refill", seq, len(ids)))
+            ids += chunk
+            self.num_prefill_tokens += len(chunk)
+            query_lens.append(len(chunk))
+            prefix_lens.append(seq.num_computed)
+            tables.append(seq.pages)
         for group in self._prefilling:
             if budget <= 0:
                 break
@@ -210,6 +300,12 @@ class Scheduler:
             if kind == "decode":
                 owner.num_computed += 1
                 sample_rows.append((owner, start))
+                continue
+            if kind == "refill":  # a retracted sequence's KV recomputed: it decodes again from the next step
+                owner.num_computed += length
+                if owner.num_computed == owner.resume_at:
+                    self._refilling.remove(owner)
+                    self._running.append(owner)
                 continue
             group: Group = owner
             first_position = group.num_computed
@@ -291,7 +387,8 @@ class Scheduler:
         children = []
         copies: list[int] = []  # pages that receive a copy of the partial page
         for i in range(group.params.n):
-            seq = Sequence(group=group, sample_index=i, seed=group.seed + i, num_computed=length)
+            seq = Sequence(group=group, sample_index=i, seed=group.seed + i, num_computed=length,
+                           version_starts=[(group.weight_version, 0)])  # fmt: skip
             shared = group.prefill_pages[:num_full]
             self.allocator.retain(shared)
             if partial and i == 0:

@@ -32,6 +32,10 @@ class Sequence:
     text: str = ""
     finish: FinishReason | None = None
     reserved_pages: int = 0  # admission reservation not yet allocated
+    resume_at: int = 0  # retracted: tokens whose KV to recompute before decoding again
+    # (weight version, first output token generated with it): more than one when the weights were updated while
+    # the sequence was retracted; the response reports them as SGLang's `weight_versions` spans.
+    version_starts: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -74,6 +78,7 @@ class Group:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     sequences: list[Sequence] = field(default_factory=list)
     reserved_pages: int = 0
+    total_pages: int = 0  # pages the whole generation needs (a retracted prefill reserves them again)
     return_text_in_logprobs: bool = False
 
     @property
@@ -110,6 +115,12 @@ def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None
         "cached_tokens": group.cached_tokens,
         "weight_version": group.weight_version,
     }
+    if len(seq.version_starts) > 1:
+        ends = [start for _, start in seq.version_starts[1:]] + [len(seq.output_ids)]
+        meta["weight_versions"] = [
+            {"version": str(version), "start": start, "end": end}
+            for (version, start), end in zip(seq.version_starts, ends, strict=True)
+        ]
     if group.return_logprob:
         meta["output_token_logprobs"] = [
             entry(lp, tok) for lp, tok in zip(seq.output_logprobs, seq.output_ids, strict=True)

@@ -10,16 +10,18 @@ over HTTP is unpickled: weight buckets are safetensors bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
-from typing import Any
+import time
+from typing import Any, Literal
 
 import torch
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_rollout.engine import Engine
@@ -34,19 +36,56 @@ ADMIN_PATHS = {
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
     "/init_weights_update_group",
+    "/destroy_weights_update_group",
     "/update_weights_from_distributed",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
     "/release_memory_occupation",
     "/resume_memory_occupation",
     "/flush_cache",
     "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
 }
+
+BUSY_COUNTERS = ("num_running", "num_prefilling", "num_waiting", "num_retracted")
+HEALTH_PATHS = {"/health", "/health_generate"}
+Version = int | None  # a weight version: the orchestrator's step; SGLang's clients send it as a string of digits
+LOAD_FORMATS = (None, "auto", "safetensors")
+
+
+def _no_draft(selector: str) -> str:
+    if selector == "draft":
+        raise ValueError("selector=draft: this server has no draft model (speculative decoding lands with miles-spec)")
+    return selector
 
 
 class UpdateFromDisk(BaseModel):
+    """SGLang's `UpdateWeightFromDiskReqInput`, each field honoured or refused."""
+
     model_config = ConfigDict(extra="forbid")
     model_path: str = Field(min_length=1)
-    weight_version: int | None = Field(default=None, ge=0)
+    weight_version: Version = Field(default=None, ge=0)
     abort_all_requests: bool = False
+    load_format: str | None = None
+    flush_cache: bool = True  # the radix cache is always flushed: cached K/V came from the old weights
+    is_async: bool = False
+    keep_pause: bool = False
+    torch_empty_cache: bool = False  # accepted: no CUDA caching allocator to empty on this engine's CPU path
+    recapture_cuda_graph: bool = False  # accepted: no CUDA graphs
+    token_step: int = 0  # accepted: SGLang's bookkeeping only
+    manifest: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> UpdateFromDisk:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r}: this server loads safetensors checkpoints (auto)")
+        if self.is_async:
+            raise ValueError("is_async=true is not supported: the update is applied before the reply")
+        if self.manifest:
+            raise ValueError("manifest is not supported: give a checkpoint directory")
+        return self
 
 
 class InitGroup(BaseModel):
@@ -56,17 +95,61 @@ class InitGroup(BaseModel):
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
-    backend: str = "gloo"
+    backend: str | None = Field(default=None, description="gloo or nccl; default: nccl on a GPU, gloo on the CPU")
+
+
+class GroupName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = "weight_update_group"
 
 
 class UpdateFromDistributed(BaseModel):
+    """SGLang's `UpdateWeightsFromDistributedReqInput`: one call may carry any subset of the weights."""
+
     model_config = ConfigDict(extra="forbid")
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
-    weight_version: int | None = Field(default=None, ge=0)
-    flush_cache: bool = True
+    weight_version: Version = Field(default=None, ge=0)
+    flush_cache: bool = True  # the radix cache is always flushed: cached K/V came from the old weights
+    abort_all_requests: bool = False
+    load_format: str | None = None
+    selector: str = "all"
+
+    @model_validator(mode="after")
+    def _supported(self) -> UpdateFromDistributed:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r}: tensors are loaded as they are sent (auto)")
+        _no_draft(self.selector)
+        return self
+
+
+class WeightUpdateBracket(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    selector: str = "all"
+    weight_version: Version = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _supported(self) -> WeightUpdateBracket:
+        _no_draft(self.selector)
+        return self
+
+
+class NewWeightVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    new_version: int = Field(ge=0, description="The orchestrator's step (a string of digits is accepted).")
+    abort_all_requests: bool = True
+
+
+class PauseGeneration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGeneration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    torch_empty_cache: bool = True  # accepted: nothing to empty on this engine's CPU path
 
 
 class MemoryTags(BaseModel):
@@ -147,6 +230,8 @@ def create_app(
                 return JSONResponse({"detail": "this endpoint needs the admin key (Authorization: Bearer ...)"}, 401)
         elif is_admin_path and not is_loopback:
             return JSONResponse({"detail": "admin endpoints are disabled: no admin key and not a loopback bind"}, 403)
+        elif request.url.path in HEALTH_PATHS:
+            pass  # routers probe health without a key, as SGLang lets them
         elif api_key is not None and not (
             hmac.compare_digest(token, api_key) or (admin_key is not None and hmac.compare_digest(token, admin_key))
         ):
@@ -178,7 +263,10 @@ def create_app(
         version = await engine.control(
             lambda: engine.weights.load_from_disk(body.model_path, body.weight_version), needs_idle=True
         )
-        return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
+        if body.keep_pause and engine.paused is None:
+            await engine.control(lambda: engine.pause_generation("in_place"), needs_idle=False)
+        return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version,
+                "num_paused_requests": 0}  # fmt: skip
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: Request) -> dict[str, Any]:
@@ -191,8 +279,9 @@ def create_app(
     @app.post("/init_weights_update_group")
     async def init_group(request: Request) -> dict[str, Any]:
         body: InitGroup = await _parse(request, InitGroup)
+        backend = body.backend or ("nccl" if str(engine.config.device).startswith("cuda") else "gloo")
         await engine.weights.init_group(body.master_address, body.master_port, body.rank_offset, body.world_size,
-                                        body.group_name, body.backend)  # fmt: skip
+                                        body.group_name, backend)  # fmt: skip
         return {"success": True, "message": f"joined group {body.group_name!r} as rank {body.rank_offset}"}
 
     @app.post("/update_weights_from_distributed")
@@ -200,10 +289,52 @@ def create_app(
         body: UpdateFromDistributed = await _parse(request, UpdateFromDistributed)
         if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
             raise HTTPException(400, "names, dtypes and shapes need one entry per tensor")
+        if body.abort_all_requests:
+            await engine.abort(None)
         version = await engine.weights.receive_distributed(
             body.group_name, body.names, body.dtypes, body.shapes, body.weight_version
         )
         return {"success": True, "message": f"received {len(body.names)} tensors", "weight_version": version}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(request: Request) -> dict[str, Any]:
+        body: GroupName = await _parse(request, GroupName, allow_empty=True)
+        await engine.weights.destroy_group(body.group_name)
+        return {"success": True, "message": f"left group {body.group_name!r}"}
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> dict[str, Any]:
+        await _parse(request, WeightUpdateBracket, allow_empty=True)
+        await engine.control(engine.begin_weight_update, needs_idle=True)
+        return {"success": True, "message": "weight update open: generation waits until /end_weight_update"}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request) -> dict[str, Any]:
+        body: WeightUpdateBracket = await _parse(request, WeightUpdateBracket, allow_empty=True)
+        version = await engine.control(lambda: engine.end_weight_update(body.weight_version), needs_idle=False)
+        return {"success": True, "message": "weight update closed", "weight_version": version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        body: NewWeightVersion = await _parse(request, NewWeightVersion)
+        if body.abort_all_requests:
+            await engine.abort(None)
+        await engine.control(lambda: engine.commit_weights(body.new_version), needs_idle=True)
+        return {"success": True, "message": f"weight version updated to {body.new_version}",
+                "new_version": body.new_version}  # fmt: skip
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict[str, Any]:
+        body: PauseGeneration = await _parse(request, PauseGeneration, allow_empty=True)
+        count = await engine.control(lambda: engine.pause_generation(body.mode), needs_idle=False)
+        return {"message": "Generation paused successfully.", "status": "ok", "mode": body.mode,
+                "num_paused_requests": count}  # fmt: skip
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> dict[str, Any]:
+        await _parse(request, ContinueGeneration, allow_empty=True)
+        await engine.control(engine.continue_generation, needs_idle=False)
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.post("/release_memory_occupation")
     async def release(request: Request) -> dict[str, Any]:
@@ -218,7 +349,11 @@ def create_app(
         return {"success": True, "message": "resumed", "released": released}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> dict[str, Any]:
+    async def flush_cache(timeout: float = Query(0.0, ge=0.0)) -> dict[str, Any]:
+        """SGLang's: a 400 while requests are queued or running, unless they finish within `timeout` seconds."""
+        if timeout > 0:
+            with contextlib.suppress(TimeoutError):
+                await engine.wait_until(lambda stats: not any(stats[k] for k in BUSY_COUNTERS), timeout)
         await engine.control(engine.flush_cache, needs_idle=False)
         return {"success": True, "message": "cache flushed"}
 
@@ -230,13 +365,23 @@ def create_app(
         await engine.abort(None if body.abort_all else body.rid)
         return {"success": True, "message": "abort requested"}
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return engine.model_info()
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         return engine.server_info()
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        return [engine.load()]
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        return {"timestamp": time.time(), "version": engine.server_info()["version"], "loads": [engine.load()]}
 
     @app.get("/weights_checksum")
     async def checksum() -> dict[str, Any]:
@@ -249,10 +394,14 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.is_alive() else 503)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if not engine.is_alive():
+            return Response(status_code=503)
+        if not engine.may_generate:  # paused on purpose: healthy, and a probe would wait for /continue_generation
+            return Response(status_code=200)
         probe = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
         await engine.generate(probe)
         return Response(status_code=200)

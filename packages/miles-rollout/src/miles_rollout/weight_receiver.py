@@ -28,6 +28,7 @@ from miles_kernels import (
     broadcast_tensors,
     checkpoint_tensors,
     decode_bucket,
+    destroy_weight_update_group,
     in_shared_memory,
     init_weight_update_group,
     iter_checkpoint,
@@ -59,15 +60,24 @@ class WeightReceiver:
     # ------------------------------------------------------------------ engine thread
 
     def load_from_disk(self, model_path: str, version: int | None) -> int:
-        """Load a Hugging Face checkpoint directory of the served architecture; returns the new version."""
+        """Load a Hugging Face checkpoint directory of the served architecture; returns the weight version."""
         engine, path = self.engine, Path(model_path)
-        new_config = read_model_config(path)
+        if not path.is_dir():
+            raise EngineError(f"model_path {model_path!r} is not a directory on the server: give a Hugging Face "
+                              "checkpoint directory (config.json + safetensors) the server can read")  # fmt: skip
+        try:
+            new_config = read_model_config(path)
+        except (FileNotFoundError, ValueError) as error:
+            raise EngineError(f"model_path {model_path!r}: {error}") from error
         if new_config.to_hf() != engine.model_config.to_hf():
             raise EngineError(f"{model_path} holds a different architecture than the served model; cannot update")
         engine.require_weights_resident()
         if not load_mapped(engine.model, self._weights_file, path):
             self._weights_file.close()  # not a file laid out like the model: read it the general way
-            load_state(engine.model, dict(iter_checkpoint(path)))
+            try:
+                load_state(engine.model, dict(iter_checkpoint(path)))
+            except (FileNotFoundError, ValueError) as error:
+                raise EngineError(f"model_path {model_path!r}: {error}") from error
         if not in_shared_memory(path):
             self._weights_file.close()
         return engine.commit_weights(version)
@@ -93,12 +103,13 @@ class WeightReceiver:
         del self._assemblers[bucket.version]
         return {"complete": True, "weight_version": self.load_tensors(assembler.tensors, bucket.version)}
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
-        """Load a complete set of HF-named tensors; returns the new version."""
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int | None, partial: bool = False) -> int:
+        """Load a complete set of HF-named tensors (`partial`: any subset, one bucket of a larger update); returns
+        the weight version."""
         engine = self.engine
         engine.require_weights_resident()
         try:
-            load_state(engine.model, tensors)
+            load_state(engine.model, iter(tensors.items()) if partial else tensors)
         except ValueError as error:
             raise EngineError(f"weight update rejected: {error}") from error
         return engine.commit_weights(version)
@@ -123,11 +134,20 @@ class WeightReceiver:
         except (ValueError, RuntimeError) as error:
             raise EngineError(f"could not join weight update group {group_name!r}: {error}") from error
 
+    async def destroy_group(self, group_name: str) -> None:
+        """Leave the weight-update group `group_name` (SGLang's `/destroy_weights_update_group`)."""
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            raise EngineError(f"no weight update group {group_name!r} on this server")
+        await asyncio.to_thread(destroy_weight_update_group, group)
+
     async def receive_distributed(
         self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
     ) -> int:
-        """Receive one broadcast of `names` into fresh buffers off the engine thread, then load the complete set
-        between engine steps; returns the new version."""
+        """Receive one broadcast of `names` into fresh buffers off the engine thread, then load them between
+        engine steps; returns the weight version. As in SGLang, a call may carry any subset of the weights (one
+        bucket of a larger update): bracket a multi-call update with `/begin_weight_update` and
+        `/end_weight_update` so that no request runs on a half-updated model."""
         group = self._groups.get(group_name)
         if group is None:
             raise EngineError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
@@ -140,5 +160,7 @@ class WeightReceiver:
             raise EngineError(str(error)) from error
         await asyncio.to_thread(broadcast_tensors, group, buffers, 0)
         tensors = dict(zip(names, buffers, strict=True))
-        applied: int = await self.engine.control(lambda: self.load_tensors(tensors, version), needs_idle=True)
+        applied: int = await self.engine.control(
+            lambda: self.load_tensors(tensors, version, partial=True), needs_idle=True
+        )
         return applied

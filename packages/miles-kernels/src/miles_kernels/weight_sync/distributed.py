@@ -72,3 +72,14 @@ def broadcast_tensors(group: WeightUpdateGroup, tensors: list[torch.Tensor], src
     options.rootRank = src
     for tensor in tensors:
         group.group.broadcast([tensor], options).wait()
+
+
+def destroy_weight_update_group(group: WeightUpdateGroup) -> None:
+    """Leave a weight-update group: shut its process group down where the backend can (NCCL aborts its
+    communicators); the store and the group are freed when the last reference goes."""
+    shutdown = getattr(group.group, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except RuntimeError:  # a backend without shutdown support: dropping it is enough
+            pass
