@@ -125,8 +125,10 @@ def test_release_frees_storage_in_process(dense_dir) -> None:
 
 def test_distributed_update_over_gloo(server, second_model, dense_dir) -> None:
     reference_b = fresh_engine_outputs(second_model)
+    reference_a = fresh_engine_outputs(dense_dir)
     tensors = checkpoint_tensors(load_model(second_model))
-    names = list(tensors)
+    tensors_a = checkpoint_tensors(load_model(dense_dir))
+    names, names_a = list(tensors), list(tensors_a)
     master_port = free_port()
 
     async def scenario() -> None:
@@ -153,6 +155,34 @@ def test_distributed_update_over_gloo(server, second_model, dense_dir) -> None:
             assert outputs(await client.generate(PROBE)) == reference_b
             with pytest.raises(RolloutClientError, match="no weight update group 'nope'"):
                 await client.update_weights_from_distributed(names[:1], ["float32"], [[1]], group_name="nope")
+
+            # slime's bucketed update (sglang_engine.py at 03b32d8: one call per bucket, flush_cache=False,
+            # weight_version as a string), bracketed so that no request runs on a half-updated model.
+            raw = httpx.AsyncClient(base_url=server, timeout=120)
+
+            async def post_json(path: str, body: dict) -> dict:
+                response = await raw.post(path, json=body)
+                assert response.status_code == 200, response.text
+                return response.json()  # type: ignore[no-any-return]
+
+            assert (await post_json("/pause_generation", {}))["status"] == "ok"
+            await post_json("/begin_weight_update", {})
+            for bucket in (names_a[: len(names_a) // 2], names_a[len(names_a) // 2 :]):
+                sender = threading.Thread(
+                    target=lambda b=bucket: broadcast_tensors(holder["group"], [tensors_a[n] for n in b], src=0)  # type: ignore[arg-type]
+                )
+                sender.start()
+                await post_json("/update_weights_from_distributed", {
+                    "names": bucket, "dtypes": [dtype_name(tensors_a[n].dtype) for n in bucket],
+                    "shapes": [list(tensors_a[n].shape) for n in bucket], "group_name": "weight_update_group",
+                    "flush_cache": False,
+                })  # fmt: skip
+                sender.join(timeout=60)
+            assert (await post_json("/end_weight_update", {"weight_version": "8"}))["weight_version"] == 8
+            await post_json("/continue_generation", {})
+            assert outputs(await client.generate(PROBE)) == reference_a
+            await post_json("/destroy_weights_update_group", {"group_name": "weight_update_group"})
+            await raw.aclose()
 
     asyncio.run(scenario())
 
