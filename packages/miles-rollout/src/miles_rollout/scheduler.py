@@ -425,7 +425,7 @@ class Scheduler:
             params = seq.group.params
             row = out[i]
             if params.has_penalties and seq.output_ids:
-                ids, counts = torch.tensor(seq.output_ids, device=row.device).unique(return_counts=True)
+                ids, counts = torch.unique(torch.tensor(seq.output_ids, device=row.device), return_counts=True)
                 if params.repetition_penalty != 1.0:
                     seen = row[ids]
                     row[ids] = torch.where(
