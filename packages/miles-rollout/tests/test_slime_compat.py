@@ -80,4 +80,7 @@ def test_bad_weight_update_bodies_are_named_4xx(server, tmp_path) -> None:
     assert post(server, "/pause_generation", {"mode": "sideways"}).status_code == 400
     assert post(server, "/end_weight_update").status_code == 409  # nothing open
     assert post(server, "/destroy_weights_update_group", {"group_name": "none"}).status_code == 400
+    pickled = post(server, "/update_weights_from_tensor",  # slime's payload shape; never unpickled
+                   {"serialized_named_tensors": ["gASV"], "load_format": None, "flush_cache": False})  # fmt: skip
+    assert pickled.status_code == 400 and "never unpickles" in pickled.json()["detail"]
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200

@@ -273,6 +273,11 @@ def create_app(
         data = await request.body()
         if not data:
             raise HTTPException(400, "empty body: send one weight bucket (safetensors bytes)")
+        if data.lstrip()[:1] == b"{":  # SGLang's JSON body: `serialized_named_tensors`, pickled tensors
+            raise HTTPException(400, "this server never unpickles network data, so SGLang's serialized_named_tensors "
+                                "body is refused: send one safetensors weight bucket as the body (miles_kernels."
+                                "encode_bucket, Content-Type application/octet-stream), or use "
+                                "/update_weights_from_distributed or /update_weights_from_disk")  # fmt: skip
         result = await engine.control(lambda: engine.weights.add_bucket(data), needs_idle=True)
         return {"success": True, "message": "bucket received", **result}
 
