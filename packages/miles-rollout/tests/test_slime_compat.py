@@ -69,7 +69,7 @@ def test_weight_update_from_disk_between_pause_and_continue(server, dense_dir) -
     assert update.status_code == 200 and update.json()["success"], update.text
     assert post(server, "/continue_generation").json()["status"] == "ok"
     after = rollout(server)
-    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == 3
+    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "3"
 
 
 def test_bad_weight_update_bodies_are_named_4xx(server, tmp_path) -> None:

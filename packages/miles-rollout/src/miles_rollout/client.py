@@ -100,6 +100,13 @@ def _server_message(response: httpx.Response) -> str:
     return message[:_MAX_MESSAGE_CHARS]
 
 
+def _int_version(reply: dict[str, Any]) -> dict[str, Any]:
+    """A weight-update reply with its `weight_version` (a string on the wire, as in SGLang) as int | None."""
+    if "weight_version" in reply:
+        reply["weight_version"] = _parse_version(reply["weight_version"])
+    return reply
+
+
 def _parse_version(value: Any) -> int | None:
     # SGLang keeps versions as strings and reports "default" before the first named update; that is "unknown".
     if isinstance(value, bool):
@@ -316,7 +323,7 @@ class Client:
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
         """POST /update_weights_from_disk: load a Hugging Face checkpoint directory as weight `weight_version`."""
         body = {"model_path": model_path, "weight_version": _version_field(weight_version)}
-        return await self._call("POST", "/update_weights_from_disk", json=body, admin=True)
+        return _int_version(await self._call("POST", "/update_weights_from_disk", json=body, admin=True))
 
     async def update_weights_from_tensor(self, bucket: bytes) -> dict[str, Any]:
         """POST /update_weights_from_tensor with one safetensors weight bucket as the raw body (miles engine only).
@@ -326,13 +333,14 @@ class Client:
         """
         if not isinstance(bucket, bytes | bytearray | memoryview):
             raise TypeError(f"a weight bucket is bytes (miles_kernels.encode_bucket), got {type(bucket).__name__}")
-        return await self._call(
+        reply = await self._call(
             "POST",
             "/update_weights_from_tensor",
             content=bytes(bucket),
             headers={"Content-Type": "application/octet-stream"},
             admin=True,
         )
+        return _int_version(reply)
 
     async def update_weights_from_buckets(self, buckets: Iterable[bytes]) -> dict[str, Any]:
         """Send each bucket in order (consuming a lazy iterator one bucket at a time); return the last reply."""
@@ -386,7 +394,7 @@ class Client:
             "weight_version": _version_field(weight_version),
             "flush_cache": flush_cache,
         }
-        return await self._call("POST", "/update_weights_from_distributed", json=body, admin=True)
+        return _int_version(await self._call("POST", "/update_weights_from_distributed", json=body, admin=True))
 
     async def weights_checksum(self) -> str:
         """GET /weights_checksum (admin; miles engines): `miles_kernels.weights_checksum` of the served weights."""

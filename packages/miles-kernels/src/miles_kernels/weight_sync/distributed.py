@@ -8,6 +8,7 @@ receive into fresh buffers. gloo on CPU, NCCL on GPU. Used by miles-rollout's `/
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -79,7 +80,5 @@ def destroy_weight_update_group(group: WeightUpdateGroup) -> None:
     communicators); the store and the group are freed when the last reference goes."""
     shutdown = getattr(group.group, "shutdown", None)
     if callable(shutdown):
-        try:
+        with contextlib.suppress(RuntimeError):  # a backend without shutdown support: dropping it is enough
             shutdown()
-        except RuntimeError:  # a backend without shutdown support: dropping it is enough
-            pass
