@@ -169,6 +169,11 @@ def test_an_infinite_logprob_is_written_as_sglang_writes_it() -> None:
     assert GenerateResponse.model_validate_json(text).meta_info.output_token_logprobs == [(None, 220, None)]
 
 
+def test_a_response_without_text_parses() -> None:  # SGLang started with --skip-tokenizer-init
+    body = {key: value for key, value in SGLANG_RESPONSE.items() if key != "text"}
+    assert GenerateResponse.model_validate(body).text == ""
+
+
 def test_responses_are_written_in_sglangs_shape() -> None:
     response = GenerateResponse.model_validate(SGLANG_RESPONSE)
     meta = json.loads(response.model_dump_json())["meta_info"]

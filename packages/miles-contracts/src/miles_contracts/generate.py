@@ -383,6 +383,6 @@ class GenerateResponse(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # JSON writes a non-finite log-prob as null, as SGLang (orjson) does
 
-    text: str
+    text: str = ""  # absent from a server started with --skip-tokenizer-init
     output_ids: list[int]
     meta_info: MetaInfo
