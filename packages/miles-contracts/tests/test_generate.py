@@ -159,14 +159,29 @@ def test_sglang_response_parses_and_round_trips() -> None:
     assert numbered.meta_info.weight_version == 7
 
 
-def test_an_infinite_logprob_survives_json() -> None:
-    # A token the policy gives zero probability has log-prob -inf: JSON carries it as -Infinity (as Python's json
-    # module writes it), not as null, which would read back as "no log-prob".
+def test_an_infinite_logprob_is_written_as_sglang_writes_it() -> None:
+    # SGLang serializes responses with orjson, which writes a non-finite float as null; so does this schema (a
+    # sampled token's log-prob is never -inf: it was sampled, so its probability is not 0).
     meta = {**SGLANG_RESPONSE["meta_info"], "output_token_logprobs": [(float("-inf"), 220, None)]}
     response = GenerateResponse.model_validate({**SGLANG_RESPONSE, "meta_info": meta})
     text = response.model_dump_json()
-    assert "-Infinity" in text
-    assert GenerateResponse.model_validate_json(text).meta_info.output_token_logprobs == [(float("-inf"), 220, None)]
+    assert json.loads(text)["meta_info"]["output_token_logprobs"] == [[None, 220, None]]
+    assert GenerateResponse.model_validate_json(text).meta_info.output_token_logprobs == [(None, 220, None)]
+
+
+def test_a_response_without_text_parses() -> None:  # SGLang started with --skip-tokenizer-init
+    body = {key: value for key, value in SGLANG_RESPONSE.items() if key != "text"}
+    assert GenerateResponse.model_validate(body).text == ""
+
+
+def test_responses_are_written_in_sglangs_shape() -> None:
+    response = GenerateResponse.model_validate(SGLANG_RESPONSE)
+    meta = json.loads(response.model_dump_json())["meta_info"]
+    assert meta["weight_version"] == "default" and "input_token_logprobs" not in meta  # no null keys
+    assert meta["finish_reason"] == {"type": "stop", "matched": 151645}
+    numbered = response.model_copy(update={"meta_info": response.meta_info.model_copy(update={"weight_version": 3})})
+    assert json.loads(numbered.model_dump_json())["meta_info"]["weight_version"] == "3"
+    assert numbered.model_dump()["meta_info"]["weight_version"] == 3  # Python dumps keep the int
 
 
 def test_finish_reason_type_is_checked() -> None:

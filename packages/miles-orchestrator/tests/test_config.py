@@ -83,11 +83,16 @@ def test_unknown_yaml_key_names_the_file(tmp_path: Path) -> None:
         ("rollout.rollout_fn=mymodule", r"rollout\.rollout_fn: 'mymodule' must be a 'package\.module:function'"),
         ("trainer.loss.dual_clip=0.5", r"trainer\.loss\.dual_clip: Input should be greater than 1"),
         ("rollout.temperature=0", r"rollout: .*set rollout\.temperature>0 .*or rollout\.allow_greedy=true"),
+        ("rollout.top_p=0.9", r"rollout\.top_p=0\.9 samples from a truncated distribution.*kernel\.mode=fast"),
     ],
 )
 def test_invalid_values_name_the_field(override: str, expected: str) -> None:
     with pytest.raises(ValueError, match=expected):
         load_config(None, [override])
+
+
+def test_truncated_sampling_is_allowed_off_true_on_policy() -> None:
+    assert load_config(None, ["rollout.top_p=0.9", "kernel.mode=fast"]).rollout.top_p == 0.9
 
 
 def test_task_knobs_are_checked_by_the_task() -> None:

@@ -100,6 +100,7 @@ class FakeEngine:
 
     requests: list[Recorded] = field(default_factory=list)
     weight_version: Any = "default"
+    busy: bool = False
     is_healthy: bool = True
     generate_delay: float = 0.0
     assembler: BucketAssembler = field(default_factory=BucketAssembler)
@@ -129,7 +130,8 @@ def make_app(engine: FakeEngine) -> FastAPI:
 
     async def record(request: Request) -> bytes:
         body = await request.body()
-        engine.requests.append(Recorded(request.method, request.url.path, dict(request.headers), body))
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        engine.requests.append(Recorded(request.method, path, dict(request.headers), body))
         return body
 
     @app.post("/generate")
@@ -187,6 +189,9 @@ def make_app(engine: FakeEngine) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
+        if engine.busy:  # SGLang: requests queued or running
+            await record(request)
+            return PlainTextResponse("Flush cache failed: there are running requests.\n", status_code=400)
         await record(request)
         return PlainTextResponse("Cache flushed.\n")  # SGLang answers this one in plain text
 
@@ -195,20 +200,16 @@ def make_app(engine: FakeEngine) -> FastAPI:
         await record(request)
         return Response(status_code=200)  # and this one with an empty body
 
-    @app.get("/get_model_info")
-    async def get_model_info(request: Request) -> Response:
+    @app.get("/model_info")  # SGLang 0.5.23: the weight version is reported here (no /get_weight_version)
+    async def model_info(request: Request) -> Response:
         await record(request)
-        return JSONResponse({"model_path": "/models/tiny", "is_generation": True})
+        return JSONResponse({"model_path": "/models/tiny", "is_generation": True,
+                             "weight_version": engine.weight_version})  # fmt: skip
 
-    @app.get("/get_server_info")
-    async def get_server_info(request: Request) -> Response:
+    @app.get("/server_info")
+    async def server_info(request: Request) -> Response:
         await record(request)
-        return JSONResponse({"kernel_config_hash": "abc123", "version": "0.1.0"})
-
-    @app.get("/get_weight_version")
-    async def get_weight_version(request: Request) -> Response:
-        await record(request)
-        return JSONResponse({"weight_version": engine.weight_version})
+        return JSONResponse({"kernel_config_hash": "abc123", "version": "0.1.0", "tp_size": 1, "dp_size": 1})
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -11,7 +11,7 @@ import torch
 
 from miles_contracts import GenerateClient, GenerateRequest, GenerateResponse, SamplingParams
 from miles_kernels import decode_bucket, encode_bucket, iter_buckets
-from miles_rollout.client import Client
+from miles_rollout.client import Client, RolloutClientError
 
 BASE_URL = "http://engine.test"
 
@@ -75,7 +75,7 @@ async def test_api_key_on_every_request_and_admin_key_on_admin_endpoints(client:
     auth = {r.path: r.headers.get("authorization") for r in engine.requests}
     assert auth == {
         "/generate": "Bearer user-key",
-        "/get_model_info": "Bearer user-key",
+        "/model_info": "Bearer user-key",
         "/health": "Bearer user-key",
         "/flush_cache": "Bearer admin-key",
         "/update_weights_from_disk": "Bearer admin-key",
@@ -94,7 +94,7 @@ async def test_admin_endpoints_fall_back_to_api_key_and_no_key_sends_no_header(
         await c.flush_cache()
         await c.get_model_info()
     assert "authorization" not in engine.last("/flush_cache").headers
-    assert "authorization" not in engine.last("/get_model_info").headers
+    assert "authorization" not in engine.last("/model_info").headers
 
 
 # -- weights, memory, control ------------------------------------------------------------------------------------
@@ -153,8 +153,7 @@ async def test_bucket_upload_refuses_non_bytes(client: Client) -> None:
                 "rank_offset": 1,
                 "world_size": 3,
                 "group_name": "weight_update_group",
-                "backend": "gloo",
-            },
+            },  # no backend: the server chooses (SGLang: NCCL)
         ),
         (
             lambda c: c.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 4]], weight_version=5),
@@ -187,6 +186,13 @@ async def test_admin_calls_send_sglang_bodies(
 async def test_text_and_empty_replies_become_dicts(client: Client) -> None:
     assert await client.flush_cache() == {"message": "Cache flushed."}
     assert await client.abort_request(abort_all=True) == {}
+
+
+async def test_a_busy_flush_is_a_client_error_with_sglangs_message(client: Client, engine: Any) -> None:
+    engine.busy = True
+    with pytest.raises(RolloutClientError, match=r"HTTP 400.*running requests"):
+        await client.flush_cache(timeout=2.5)
+    assert engine.requests[-1].path == "/flush_cache?timeout=2.5"
 
 
 async def test_bad_arguments_fail_before_sending(client: Client, engine: Any) -> None:

@@ -93,8 +93,8 @@ def test_a_weight_update_while_paused_in_place_is_refused_not_deadlocked(dense_d
         assert len(responses) == 6
         for r in responses:  # retracted on version 0, continued on version 3: SGLang's per-token spans say so
             (first, second) = r.meta_info.weight_versions
-            assert (first["version"], first["start"], second["version"], second["end"]) == ("0", 0, "3", 60)
-            assert first["end"] == second["start"] > 0 and r.meta_info.weight_version == 0
+            assert (first["version"], first["start"], second["version"], second["end"]) == ("default", 0, "3", 60)
+            assert first["end"] == second["start"] > 0 and r.meta_info.weight_version is None
 
     asyncio.run(scenario())
 

@@ -32,7 +32,7 @@ def test_generate_text_and_ids(dense_server: str) -> None:
     body = text.json()
     meta = body["meta_info"]
     assert meta["completion_tokens"] == len(body["output_ids"]) == 6
-    assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == 0
+    assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "default"
     assert [entry[1] for entry in meta["output_token_logprobs"]] == body["output_ids"]
     assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
     assert all(len(top) == 3 for top in meta["output_top_logprobs"])
@@ -73,8 +73,7 @@ def test_stop_handling(dense_server: str, dense_dir) -> None:
         {**base, "sampling_params": {**base["sampling_params"], "stop_token_ids": [stop_token]}},
     ).json()
     assert stopped["output_ids"] == output[: at + 1]  # the stop token is part of the output
-    expected = {"type": "stop", "matched": stop_token, "message": None, "length": None}
-    assert stopped["meta_info"]["finish_reason"] == expected
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}  # SGLang's keys only
     stop_text = tokenizer.decode(free_run["output_ids"][2:4])
     if stop_text.strip():
         by_string = post(
@@ -140,7 +139,7 @@ def test_bad_input_is_a_named_400_and_the_server_is_unchanged(dense_server: str)
     assert routed.status_code == 200 and routed.json()["output_ids"] == before["output_ids"]
     after = post(dense_server, "/generate", probe).json()
     assert after["output_ids"] == before["output_ids"]
-    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert after["meta_info"].get("output_token_logprobs") == before["meta_info"].get("output_token_logprobs")
 
 
 def test_info_endpoints(dense_server: str) -> None:
@@ -148,7 +147,7 @@ def test_info_endpoints(dense_server: str) -> None:
     assert info["kernel_config"]["mode"] == "deterministic" and len(info["kernel_config"]["fingerprint"]) == 16
     model = httpx.get(f"{dense_server}/get_model_info", timeout=10).json()
     assert model["is_generation"] and model["architecture"] == "Qwen3ForCausalLM"
-    assert httpx.get(f"{dense_server}/get_weight_version", timeout=10).json() == {"weight_version": 0}
+    assert httpx.get(f"{dense_server}/get_weight_version", timeout=10).json() == {"weight_version": "default"}
 
 
 def test_prefix_cache_reuse_and_flush(dense_server: str) -> None:

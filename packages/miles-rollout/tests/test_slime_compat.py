@@ -69,7 +69,7 @@ def test_weight_update_from_disk_between_pause_and_continue(server, dense_dir) -
     assert update.status_code == 200 and update.json()["success"], update.text
     assert post(server, "/continue_generation").json()["status"] == "ok"
     after = rollout(server)
-    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == 3
+    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "3"
 
 
 def test_bad_weight_update_bodies_are_named_4xx(server, tmp_path) -> None:
@@ -84,3 +84,23 @@ def test_bad_weight_update_bodies_are_named_4xx(server, tmp_path) -> None:
                    {"serialized_named_tensors": ["gASV"], "load_format": None, "flush_cache": False})  # fmt: skip
     assert pickled.status_code == 400 and "never unpickles" in pickled.json()["detail"]
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_health_is_503_once_the_engine_thread_is_gone_and_needs_no_key(dense_dir) -> None:
+    import asyncio
+
+    from miles_kernels import KernelConfig
+    from miles_rollout import Engine, EngineConfig, create_app
+
+    engine = Engine(str(dense_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=32))
+    app = create_app(engine, api_key="user-key")
+
+    async def probe() -> tuple[int, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return (await client.get("/health")).status_code, (await client.get("/health_generate")).status_code
+
+    try:
+        assert asyncio.run(probe()) == (200, 200)  # a router probes without the API key
+    finally:
+        engine.shutdown()
+    assert asyncio.run(probe()) == (503, 503)

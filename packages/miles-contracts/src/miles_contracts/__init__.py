@@ -14,6 +14,7 @@ from miles_contracts.generate import (
     LogprobEntry,
     MetaInfo,
     SamplingParams,
+    version_string,
 )
 from miles_contracts.plugins import (
     DataSource,
@@ -51,4 +52,5 @@ __all__ = [
     "SamplingParams",
     "is_plugin_path",
     "load_plugin",
+    "version_string",
 ]

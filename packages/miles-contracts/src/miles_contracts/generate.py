@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a request
 
@@ -299,7 +308,8 @@ class GenerateRequest(BaseModel):
 
 
 class FinishReason(BaseModel):
-    """Why generation ended: `stop` (EOS, stop string/token; `matched` says which), `length`, `abort`."""
+    """Why generation ended: `stop` (EOS, stop string/token; `matched` says which), `length`, `abort` (with
+    SGLang's `message`, `status_code`, `err_type`). Serialized as SGLang writes it: keys without a value left out."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -307,6 +317,13 @@ class FinishReason(BaseModel):
     matched: int | str | None = None
     message: str | None = None
     length: int | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _sglang_shape(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if v is not None} if info.mode_is_json() else data
 
 
 LogprobEntry = tuple[float | None, int, str | None]
@@ -316,14 +333,20 @@ LogprobEntry = tuple[float | None, int, str | None]
 class MetaInfo(BaseModel):
     """`meta_info` of a generate response."""
 
-    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")  # -inf log-probs stay -Infinity
+    model_config = ConfigDict(extra="allow")  # JSON writes a non-finite log-prob as null, as SGLang (orjson) does
 
     id: str
     finish_reason: FinishReason | None = None
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     cached_tokens: int = Field(default=0, ge=0)
-    weight_version: int | None = Field(default=None, description="Policy version of the weights that generated.")
+    e2e_latency: float | None = Field(default=None, description="Seconds from arrival to the last token.")
+    weight_version: int | None = Field(
+        default=None, description='Policy version of the weights that generated (SGLang: a string, "default" unset).'
+    )
+    weight_versions: list[dict[str, Any]] | None = Field(
+        default=None, description="Per-token version spans {version, start, end} when the weights changed mid-way."
+    )
     output_token_logprobs: list[LogprobEntry] | None = None
     input_token_logprobs: list[LogprobEntry] | None = None
     output_top_logprobs: list[list[LogprobEntry] | None] | None = None
@@ -338,12 +361,28 @@ class MetaInfo(BaseModel):
             return int(value) if value.lstrip("-").isdigit() else None
         return value
 
+    @model_serializer(mode="wrap")
+    def _sglang_shape(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """In JSON, as SGLang 0.5.23 writes meta_info: keys without a value left out, the weight version a string
+        (Python dumps keep the model's types)."""
+        data: dict[str, Any] = handler(self)
+        if not info.mode_is_json():
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        data["weight_version"] = version_string(self.weight_version)
+        return data
+
+
+def version_string(version: int | None) -> str:
+    """A weight version as SGLang's API carries it: digits, or "default" before the first named update."""
+    return "default" if version is None else str(version)
+
 
 class GenerateResponse(BaseModel):
     """One generated sequence. A batch or `n > 1` request returns a list of these."""
 
-    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")  # -inf log-probs stay -Infinity
+    model_config = ConfigDict(extra="allow")  # JSON writes a non-finite log-prob as null, as SGLang (orjson) does
 
-    text: str
+    text: str = ""  # absent from a server started with --skip-tokenizer-init
     output_ids: list[int]
     meta_info: MetaInfo

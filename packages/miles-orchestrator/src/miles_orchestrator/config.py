@@ -282,6 +282,13 @@ class RunConfig(_Section):
                 f"{self.rollout.temperature}: the trainer's log-probs must use the rollout's temperature; drop "
                 "trainer.loss.temperature (it follows rollout.temperature) or set both"
             )
+        if self.kernel.is_deterministic and self.rollout.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} samples from a truncated distribution, while true on-policy "
+                "(kernel.mode=deterministic) trains on the log-prob contract's full one (log_softmax(logits / T)): "
+                "the samples would not follow the log-probs the trainer uses; set rollout.top_p=1, or run "
+                "kernel.mode=fast"
+            )
         if self.run.cluster == "local" and self.trainer.num_ranks > 1:
             raise ValueError(
                 f"run.cluster=local runs one trainer rank in this process, not trainer.num_ranks="

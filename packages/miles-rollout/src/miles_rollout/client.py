@@ -100,6 +100,13 @@ def _server_message(response: httpx.Response) -> str:
     return message[:_MAX_MESSAGE_CHARS]
 
 
+def _int_version(reply: dict[str, Any]) -> dict[str, Any]:
+    """A weight-update reply with its `weight_version` (a string on the wire, as in SGLang) as int | None."""
+    if "weight_version" in reply:
+        reply["weight_version"] = _parse_version(reply["weight_version"])
+    return reply
+
+
 def _parse_version(value: Any) -> int | None:
     # SGLang keeps versions as strings and reports "default" before the first named update; that is "unknown".
     if isinstance(value, bool):
@@ -201,6 +208,7 @@ class Client:
         json: Any = None,
         content: bytes | None = None,
         headers: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
         admin: bool = False,
         retry: bool = False,
     ) -> httpx.Response:
@@ -215,7 +223,7 @@ class Client:
                 # bytes, or an in-process ASGI app, would never trip it. This deadline does.
                 async with asyncio.timeout(self._timeout):
                     response = await self._http.request(
-                        method, endpoint, json=json, content=content, headers=request_headers
+                        method, endpoint, json=json, content=content, headers=request_headers, params=params
                     )
             except _CONNECT_ERRORS as exc:
                 if attempt < num_attempts:
@@ -316,7 +324,7 @@ class Client:
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
         """POST /update_weights_from_disk: load a Hugging Face checkpoint directory as weight `weight_version`."""
         body = {"model_path": model_path, "weight_version": _version_field(weight_version)}
-        return await self._call("POST", "/update_weights_from_disk", json=body, admin=True)
+        return _int_version(await self._call("POST", "/update_weights_from_disk", json=body, admin=True))
 
     async def update_weights_from_tensor(self, bucket: bytes) -> dict[str, Any]:
         """POST /update_weights_from_tensor with one safetensors weight bucket as the raw body (miles engine only).
@@ -326,13 +334,14 @@ class Client:
         """
         if not isinstance(bucket, bytes | bytearray | memoryview):
             raise TypeError(f"a weight bucket is bytes (miles_kernels.encode_bucket), got {type(bucket).__name__}")
-        return await self._call(
+        reply = await self._call(
             "POST",
             "/update_weights_from_tensor",
             content=bytes(bucket),
             headers={"Content-Type": "application/octet-stream"},
             admin=True,
         )
+        return _int_version(reply)
 
     async def update_weights_from_buckets(self, buckets: Iterable[bytes]) -> dict[str, Any]:
         """Send each bucket in order (consuming a lazy iterator one bucket at a time); return the last reply."""
@@ -350,17 +359,19 @@ class Client:
         rank_offset: int,
         world_size: int,
         group_name: str = "weight_update_group",
-        backend: str = "gloo",
+        backend: str | None = None,
     ) -> dict[str, Any]:
-        """POST /init_weights_update_group: join the trainer's process group for broadcast weight updates."""
-        body = {
+        """POST /init_weights_update_group: join the trainer's process group for broadcast weight updates.
+        `backend` None lets the server choose: SGLang takes NCCL (GPU tensors), a CPU miles engine gloo."""
+        body: dict[str, Any] = {
             "master_address": master_address,
             "master_port": master_port,
             "rank_offset": rank_offset,
             "world_size": world_size,
             "group_name": group_name,
-            "backend": backend,
         }
+        if backend is not None:
+            body["backend"] = backend
         return await self._call("POST", "/init_weights_update_group", json=body, admin=True)
 
     async def update_weights_from_distributed(
@@ -386,7 +397,7 @@ class Client:
             "weight_version": _version_field(weight_version),
             "flush_cache": flush_cache,
         }
-        return await self._call("POST", "/update_weights_from_distributed", json=body, admin=True)
+        return _int_version(await self._call("POST", "/update_weights_from_distributed", json=body, admin=True))
 
     async def weights_checksum(self) -> str:
         """GET /weights_checksum (admin; miles engines): `miles_kernels.weights_checksum` of the served weights."""
@@ -394,8 +405,9 @@ class Client:
         return str(body["checksum"])
 
     async def get_weight_version(self) -> int | None:
-        """GET /get_weight_version; None while the server has no numbered version (SGLang's "default")."""
-        body = await self._call("GET", "/get_weight_version", retry=True)
+        """The served weight version, from GET /model_info (SGLang 0.5.23 reports it there); None while the server
+        has no numbered version (SGLang's "default")."""
+        body = await self._call("GET", "/model_info", retry=True)
         return _parse_version(body.get("weight_version"))
 
     # -- memory and cache ------------------------------------------------------------------------------------
@@ -408,19 +420,22 @@ class Client:
         """POST /resume_memory_occupation: take back what `release_memory_occupation` freed."""
         return await self._call("POST", "/resume_memory_occupation", json={"tags": tags}, admin=True)
 
-    async def flush_cache(self) -> dict[str, Any]:
-        """POST /flush_cache: drop the prefix cache (stale after a weight update)."""
-        return await self._call("POST", "/flush_cache", admin=True, retry=True)
+    async def flush_cache(self, timeout: float = 0.0) -> dict[str, Any]:
+        """POST /flush_cache: drop the prefix cache (stale after a weight update). SGLang refuses (HTTP 400) while
+        requests are queued or running unless they finish within `timeout` seconds; that raises
+        `RolloutClientError`."""
+        params = {"timeout": timeout} if timeout > 0 else None
+        return await self._call("POST", "/flush_cache", params=params, admin=True, retry=True)
 
     # -- info and health -------------------------------------------------------------------------------------
 
     async def get_model_info(self) -> dict[str, Any]:
-        """GET /get_model_info."""
-        return await self._call("GET", "/get_model_info", retry=True)
+        """GET /model_info (SGLang 0.5.23's name; `/get_model_info` is its deprecated alias)."""
+        return await self._call("GET", "/model_info", retry=True)
 
     async def get_server_info(self) -> dict[str, Any]:
-        """GET /get_server_info (the miles engine reports its kernel config and fingerprint here)."""
-        return await self._call("GET", "/get_server_info", retry=True)
+        """GET /server_info (the miles engine reports its kernel config and fingerprint here)."""
+        return await self._call("GET", "/server_info", retry=True)
 
     async def health(self) -> bool:
         """GET /health: True on 200; False on any other status or when the server cannot be reached."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from miles_contracts import GenerateRequest, GenerateResponse
+from miles_contracts import GenerateRequest, GenerateResponse, version_string
 from miles_kernels import KernelConfig, load_model
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
@@ -52,7 +52,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.page_size = self.kernel.page_size
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.weight_version = 0
+        self.weight_version: int | None = None  # SGLang's "default" until an update names a version
         self.released: set[str] = set()
         self.weights_stale = False
         # Nothing is generated while paused (`/pause_generation`: the mode) or inside a weight-update bracket
@@ -157,7 +157,7 @@ class Engine:
 
     # ------------------------------------------------------------------ control operations (engine thread)
 
-    def commit_weights(self, version: int | None) -> int:
+    def commit_weights(self, version: int | None) -> int | None:
         """New weights are loaded (by `self.weights`): serve them as `version` (None: the version stays, as SGLang
         keeps it when an update names none)."""
         if version is not None:
@@ -206,7 +206,7 @@ class Engine:
         self.require_weights_resident()
         self.updating_weights = True
 
-    def end_weight_update(self, version: int | None) -> int:
+    def end_weight_update(self, version: int | None) -> int | None:
         """Close the weight update: serve the new weights (as `version` when given)."""
         if not self.updating_weights:
             raise EngineError("no weight update is open; call /begin_weight_update first", 409)
@@ -409,7 +409,7 @@ class Engine:
             "tokenizer_path": self.model_path if self.tokenizer is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
+            "weight_version": version_string(self.weight_version),
             "load_format": "safetensors",
             "has_image_understanding": False,
             "has_audio_understanding": False,
@@ -439,7 +439,7 @@ class Engine:
             "enable_deterministic_inference": self.kernel.is_deterministic,
             "kernel_config": self.kernel.describe(torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
-            "weight_version": self.weight_version,
+            "weight_version": version_string(self.weight_version),
             "released_memory": sorted(self.released),
             "paused": self.paused,
             "updating_weights": self.updating_weights,

@@ -58,7 +58,7 @@ class Scheduler:
         self._refilling: list[Sequence] = []
         self._reserved = 0
         self.num_steps = 0
-        self.weight_version = 0  # the engine's, kept current by `Engine.commit_weights`
+        self.weight_version: int | None = None  # the engine's, kept current by `Engine.commit_weights`
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
 

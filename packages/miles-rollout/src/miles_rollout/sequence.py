@@ -9,11 +9,12 @@ max_new_tokens / context length / abort, and the group answers when all of them 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_contracts import FinishReason, GenerateResponse, MetaInfo, SamplingParams
+from miles_contracts import FinishReason, GenerateResponse, MetaInfo, SamplingParams, version_string
 from miles_kernels import RowSampling
 
 
@@ -35,7 +36,7 @@ class Sequence:
     resume_at: int = 0  # retracted: tokens whose KV to recompute before decoding again
     # (weight version, first output token generated with it): more than one when the weights were updated while
     # the sequence was retracted; the response reports them as SGLang's `weight_versions` spans.
-    version_starts: list[tuple[int, int]] = field(default_factory=list)
+    version_starts: list[tuple[int | None, int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -68,7 +69,7 @@ class Group:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
-    weight_version: int
+    weight_version: int | None
     future: asyncio.Future[list[GenerateResponse]] | None
     loop: asyncio.AbstractEventLoop | None
     prefill_pages: list[int] = field(default_factory=list)
@@ -79,6 +80,7 @@ class Group:
     sequences: list[Sequence] = field(default_factory=list)
     reserved_pages: int = 0
     total_pages: int = 0  # pages the whole generation needs (a retracted prefill reserves them again)
+    arrived_at: float = field(default_factory=time.perf_counter)  # for SGLang's e2e_latency
     return_text_in_logprobs: bool = False
 
     @property
@@ -114,11 +116,12 @@ def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None
         "completion_tokens": len(seq.output_ids),
         "cached_tokens": group.cached_tokens,
         "weight_version": group.weight_version,
+        "e2e_latency": time.perf_counter() - group.arrived_at,
     }
     if len(seq.version_starts) > 1:
         ends = [start for _, start in seq.version_starts[1:]] + [len(seq.output_ids)]
         meta["weight_versions"] = [
-            {"version": str(version), "start": start, "end": end}
+            {"version": version_string(version), "start": start, "end": end}
             for (version, start), end in zip(seq.version_starts, ends, strict=True)
         ]
     if group.return_logprob:

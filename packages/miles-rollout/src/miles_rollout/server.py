@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
+from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
 
@@ -265,7 +265,7 @@ def create_app(
         )
         if body.keep_pause and engine.paused is None:
             await engine.control(lambda: engine.pause_generation("in_place"), needs_idle=False)
-        return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version,
+        return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version_string(version),
                 "num_paused_requests": 0}  # fmt: skip
 
     @app.post("/update_weights_from_tensor")
@@ -279,7 +279,8 @@ def create_app(
                                 "encode_bucket, Content-Type application/octet-stream), or use "
                                 "/update_weights_from_distributed or /update_weights_from_disk")  # fmt: skip
         result = await engine.control(lambda: engine.weights.add_bucket(data), needs_idle=True)
-        return {"success": True, "message": "bucket received", **result}
+        return {"success": True, "message": "bucket received", **result,
+                "weight_version": version_string(result["weight_version"])}  # fmt: skip
 
     @app.post("/init_weights_update_group")
     async def init_group(request: Request) -> dict[str, Any]:
@@ -299,7 +300,8 @@ def create_app(
         version = await engine.weights.receive_distributed(
             body.group_name, body.names, body.dtypes, body.shapes, body.weight_version
         )
-        return {"success": True, "message": f"received {len(body.names)} tensors", "weight_version": version}
+        return {"success": True, "message": f"received {len(body.names)} tensors",
+                "weight_version": version_string(version)}  # fmt: skip
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: Request) -> dict[str, Any]:
@@ -317,7 +319,7 @@ def create_app(
     async def end_weight_update(request: Request) -> dict[str, Any]:
         body: WeightUpdateBracket = await _parse(request, WeightUpdateBracket, allow_empty=True)
         version = await engine.control(lambda: engine.end_weight_update(body.weight_version), needs_idle=False)
-        return {"success": True, "message": "weight update closed", "weight_version": version}
+        return {"success": True, "message": "weight update closed", "weight_version": version_string(version)}
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> dict[str, Any]:
@@ -326,7 +328,7 @@ def create_app(
             await engine.abort(None)
         await engine.control(lambda: engine.commit_weights(body.new_version), needs_idle=True)
         return {"success": True, "message": f"weight version updated to {body.new_version}",
-                "new_version": body.new_version}  # fmt: skip
+                "new_version": version_string(body.new_version)}  # fmt: skip
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict[str, Any]:
@@ -391,11 +393,11 @@ def create_app(
     @app.get("/weights_checksum")
     async def checksum() -> dict[str, Any]:
         value = await engine.control(engine.weights.checksum, needs_idle=False)
-        return {"checksum": value, "weight_version": engine.weight_version}
+        return {"checksum": value, "weight_version": version_string(engine.weight_version)}
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict[str, Any]:
-        return {"weight_version": engine.weight_version}
+        return {"weight_version": version_string(engine.weight_version)}
 
     @app.get("/health")
     async def health() -> Response:
@@ -413,6 +415,7 @@ def create_app(
 
     @app.get("/")
     async def root() -> dict[str, Any]:
-        return {"name": "miles-rollout", "torch": torch.__version__, "weight_version": engine.weight_version}
+        return {"name": "miles-rollout", "torch": torch.__version__,
+                "weight_version": version_string(engine.weight_version)}  # fmt: skip
 
     return app

@@ -59,7 +59,7 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ engine thread
 
-    def load_from_disk(self, model_path: str, version: int | None) -> int:
+    def load_from_disk(self, model_path: str, version: int | None) -> int | None:
         """Load a Hugging Face checkpoint directory of the served architecture; returns the weight version."""
         engine, path = self.engine, Path(model_path)
         if not path.is_dir():
@@ -103,7 +103,7 @@ class WeightReceiver:
         del self._assemblers[bucket.version]
         return {"complete": True, "weight_version": self.load_tensors(assembler.tensors, bucket.version)}
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int | None, partial: bool = False) -> int:
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int | None, partial: bool = False) -> int | None:
         """Load a complete set of HF-named tensors (`partial`: any subset, one bucket of a larger update); returns
         the weight version."""
         engine = self.engine
@@ -143,7 +143,7 @@ class WeightReceiver:
 
     async def receive_distributed(
         self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
-    ) -> int:
+    ) -> int | None:
         """Receive one broadcast of `names` into fresh buffers off the engine thread, then load them between
         engine steps; returns the weight version. As in SGLang, a call may carry any subset of the weights (one
         bucket of a larger update): bracket a multi-call update with `/begin_weight_update` and
@@ -160,7 +160,7 @@ class WeightReceiver:
             raise EngineError(str(error)) from error
         await asyncio.to_thread(broadcast_tensors, group, buffers, 0)
         tensors = dict(zip(names, buffers, strict=True))
-        applied: int = await self.engine.control(
+        applied: int | None = await self.engine.control(
             lambda: self.load_tensors(tensors, version, partial=True), needs_idle=True
         )
         return applied
