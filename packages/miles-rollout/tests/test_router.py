@@ -55,7 +55,7 @@ def test_sglang_router_in_front_of_two_servers(dense_dir, start_server) -> None:
         responses = []
         for i in range(104):
             body = {"input_ids": [*PREFIXES[i % 4], i], "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 3, "temperature": 0}}  # fmt: skip
+                    "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}  # fmt: skip
             response = httpx.post(f"{url}/generate", json=body, timeout=120)
             assert response.status_code == 200, response.text
             responses.append(response.json())
@@ -68,10 +68,44 @@ def test_sglang_router_in_front_of_two_servers(dense_dir, start_server) -> None:
         with router(first, second, policy="round_robin") as spread:
             before = generated(first, second)
             for i in range(8):
-                body = {"input_ids": [i + 1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+                params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+                body = {"input_ids": [i + 1, 2, 3], "sampling_params": params}
                 assert httpx.post(f"{spread}/generate", json=body, timeout=120).status_code == 200
             assert [b - a for a, b in zip(before, generated(first, second), strict=True)] == [8, 8]  # 4 each
 
 
 def generated(*workers: str) -> list[int]:
     return [httpx.get(f"{w}/server_info", timeout=10).json()["num_generated_tokens"] for w in workers]
+
+
+def test_one_command_starts_engines_behind_the_router(dense_dir) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "miles_rollout.cli", "serve", "--model-path", str(dense_dir), "--port", str(port),
+               "--dp-size", "2", "--deterministic", "--page-size", "16", "--num-kv-pages", "256",
+               "--log-level", "warning"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            with contextlib.suppress(httpx.HTTPError, KeyError):
+                workers = httpx.get(f"{url}/workers", timeout=2).json()["workers"]
+                if len(workers) == 2 and all(w["is_healthy"] for w in workers):
+                    break
+            assert time.monotonic() < deadline, "the router did not come up with two engines"
+            time.sleep(0.3)
+        engines = [w["url"] for w in workers]
+        for i in range(6):
+            body = {
+                "input_ids": [*PREFIXES[i % 2], i],
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+            }
+            assert httpx.post(f"{url}/generate", json=body, timeout=120).status_code == 200
+        assert sum(generated(*engines)) == 12
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    for engine in engines:  # stopping the command stopped its engines too
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{engine}/health", timeout=2)

@@ -55,6 +55,10 @@ def parse_serve(argv: list[str]) -> ServeConfig:
 
 
 def serve(config: ServeConfig) -> int:
+    if config.dp_size > 1:
+        from miles_rollout.serve_many import serve_behind_router
+
+        return serve_behind_router(config)
     if not _is_loopback(config.host) and not config.admin_key:
         print(
             f"refusing to bind {config.host} without --admin-key: the weight and memory endpoints would be open "

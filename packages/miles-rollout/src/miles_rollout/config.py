@@ -54,3 +54,11 @@ class ServeConfig(BaseModel):
         "batch-invariant outputs and log-probs (true on-policy; a run config defaults to it).",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="How the engine runs.")
+    dp_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Engines on this machine, each a process on a free 127.0.0.1 port, behind sglang-router "
+        "(cache-aware) on host:port (as `python -m sglang_router.launch_server --dp-size N` does for SGLang; needs "
+        "`pip install sglang-router`).",
+    )

@@ -1,0 +1,115 @@
+"""`miles-rollout serve --dp-size N`: N engines on one machine behind sglang-router, one command.
+
+Each engine is a `miles-rollout serve` process of its own (one engine thread and KV cache each) on a free
+127.0.0.1 port, with the same model, kernels and engine settings; sglang-router (`pip install sglang-router`, the
+router SGLang and slime deploy) listens on `--host`/`--port` with the cache-aware policy, so prompts that share a
+prefix go to the engine that caches it. Requests go to the router; weight updates and other admin calls go to each
+engine (the router's `/workers` lists them, and they are printed at start-up). If an engine or the router exits,
+the rest are stopped and the command fails; SIGINT / SIGTERM stop them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from miles_rollout.config import ServeConfig
+from miles_rollout.launch import free_port
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+def _serve_one(config: ServeConfig) -> None:
+    from miles_rollout.cli import serve
+
+    sys.exit(serve(config))
+
+
+def _wait_healthy(url: str, alive: Any, what: str) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if not alive():
+            raise RuntimeError(f"{what} exited during start-up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not healthy after {STARTUP_TIMEOUT_S:.0f} s")
+        time.sleep(0.3)
+
+
+def serve_behind_router(config: ServeConfig) -> int:
+    """Start `config.dp_size` engines and sglang-router in front of them; return when one of them exits."""
+    try:
+        import sglang_router  # noqa: F401  (checked here, run as a subprocess below)
+    except ImportError:
+        print("miles-rollout serve --dp-size needs sglang-router: pip install sglang-router (or serve one engine "
+              "with --dp-size 1)", file=sys.stderr)  # fmt: skip
+        return 2
+    if config.api_key or config.admin_key:
+        message = (
+            "miles-rollout serve --dp-size does not pass keys through the router yet: serve without "
+            "--api-key / --admin-key on a loopback host, or start the engines and the router yourself"
+        )
+        print(message, file=sys.stderr)
+        return 2
+    from miles_rollout.cli import _is_loopback
+
+    if not _is_loopback(config.host):
+        print(f"refusing to bind the router to {config.host}: without keys, bind 127.0.0.1", file=sys.stderr)
+        return 2
+    spawn = multiprocessing.get_context("spawn")  # the config crosses to each child by local pickling, no network
+    engines = []
+    for _ in range(config.dp_size):
+        engine_config = config.model_copy(update={"host": "127.0.0.1", "port": free_port(), "dp_size": 1})
+        process = spawn.Process(target=_serve_one, args=(engine_config,), daemon=False)
+        process.start()
+        engines.append((process, f"http://127.0.0.1:{engine_config.port}"))
+    router: subprocess.Popen[bytes] | None = None
+    stopping = False
+
+    def stop(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        for i, (process, url) in enumerate(engines):
+            _wait_healthy(url, process.is_alive, f"engine {i} ({url})")
+            print(f"engine {i}: {url}", flush=True)
+        urls = [url for _, url in engines]
+        router = subprocess.Popen([
+            sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", config.host,
+            "--port", str(config.port), "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()), "--log-level", "warn" if config.log_level == "warning" else config.log_level,
+        ])  # fmt: skip
+        print(f"sglang-router on http://{config.host}:{config.port} in front of {len(urls)} engines", flush=True)
+        while not stopping:
+            if router.poll() is not None or not all(process.is_alive() for process, _ in engines):
+                print("an engine or the router exited: stopping the others", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    except RuntimeError as error:
+        print(f"miles-rollout serve --dp-size: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                router.wait(timeout=30)
+        for process, _ in engines:
+            if process.is_alive():
+                process.terminate()
+        for process, _ in engines:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
