@@ -86,10 +86,11 @@ def serve_behind_router(config: ServeConfig) -> int:
             _wait_healthy(url, process.is_alive, f"engine {i} ({url})")
             print(f"engine {i}: {url}", flush=True)
         urls = [url for _, url in engines]
+        log_level = "warn" if config.log_level == "warning" else config.log_level  # the router's spelling
         router = subprocess.Popen([
             sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", config.host,
             "--port", str(config.port), "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(free_port()), "--log-level", "warn" if config.log_level == "warning" else config.log_level,
+            "--prometheus-port", str(free_port()), "--log-level", log_level,
         ])  # fmt: skip
         print(f"sglang-router on http://{config.host}:{config.port} in front of {len(urls)} engines", flush=True)
         while not stopping:
