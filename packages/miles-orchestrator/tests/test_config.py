@@ -219,6 +219,12 @@ def test_options_that_were_unreachable_are_set_from_the_run_config() -> None:
     assert cfg.kernel.linear_tile == 32 and cfg.rollout.engine.max_prefill_tokens == 512
 
 
+def test_dr_grpo_length_follows_the_rollout() -> None:
+    cfg = load_config(None, ["rollout.max_new_tokens=48", "trainer.loss.agg_mode=seq-mean-token-sum-norm"])
+    assert cfg.trainer.loss.max_response_len == 48
+    assert load_config(None, ["trainer.loss.max_response_len=64"]).trainer.loss.max_response_len == 64
+
+
 def test_loss_temperature_follows_the_rollout() -> None:
     assert load_config(None, ["rollout.temperature=0.7"]).trainer.loss.temperature == 0.7
     both = load_config(None, ["rollout.temperature=0.7", "trainer.loss.temperature=0.7"])

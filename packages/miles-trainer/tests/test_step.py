@@ -10,7 +10,7 @@ import torch
 from miles_contracts import Sample
 from miles_kernels import KernelConfig
 from miles_kernels.testing import random_model, tiny_config
-from miles_trainer import PolicyLossConfig, accumulate_policy_gradients, resolve_loss_fn
+from miles_trainer import AGGREGATION_MODES, PolicyLossConfig, accumulate_policy_gradients, resolve_loss_fn
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 
@@ -43,11 +43,13 @@ def gradients(model, samples, advantages, config, budget) -> tuple[dict[str, tor
     )
 
 
-@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("agg_mode", AGGREGATION_MODES)
 def test_gradient_is_invariant_to_micro_batch_split(agg_mode: str) -> None:
+    """Every aggregation mode through the train step's gradient accumulation (Dr.GRPO's included: L is the
+    configured maximum response length, so each micro-batch divides by the same constant)."""
     model = random_model(tiny_config("moe"), KERNEL, seed=1).train()
     samples, advantages = make_samples(1)
-    config = PolicyLossConfig(agg_mode=agg_mode, clip_low=0.2, clip_high=0.28)
+    config = PolicyLossConfig(agg_mode=agg_mode, clip_low=0.2, clip_high=0.28, max_response_len=16)
     whole, whole_loss = gradients(model, samples, advantages, config, budget=10_000)
     # [0, 1], [2], [3], [4]: group 1 is cut, its prompt packed twice
     split, split_loss = gradients(model, samples, advantages, config, budget=20)
@@ -55,6 +57,13 @@ def test_gradient_is_invariant_to_micro_batch_split(agg_mode: str) -> None:
     assert whole.keys() == split.keys() and len(whole) > 0
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_dr_grpo_needs_its_constant_length() -> None:
+    model = random_model(tiny_config("dense"), KERNEL, seed=1).train()
+    samples, advantages = make_samples(1)
+    with pytest.raises(ValueError, match=r"set PolicyLossConfig\.max_response_len"):
+        gradients(model, samples, advantages, PolicyLossConfig(agg_mode="seq-mean-token-sum-norm"), budget=10_000)
 
 
 def test_masked_tokens_do_not_train_and_inputs_are_checked() -> None:

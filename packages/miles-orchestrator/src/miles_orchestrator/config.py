@@ -274,6 +274,8 @@ class RunConfig(_Section):
     def _cross_section(self) -> RunConfig:
         check_batch_identity(self)
         loss = self.trainer.loss
+        if "max_response_len" not in loss.model_fields_set:  # Dr.GRPO's constant L: the longest response
+            self.trainer.loss = loss = loss.model_copy(update={"max_response_len": self.rollout.max_new_tokens})
         if "temperature" not in loss.model_fields_set:  # the log-prob contract: the rollout's temperature
             self.trainer.loss = loss.model_copy(update={"temperature": self.rollout.temperature})
         elif loss.temperature != self.rollout.temperature:

@@ -84,6 +84,12 @@ class PolicyLossConfig(_Config):
     )
     ratio_type: RatioType = Field(default="token", description="'token': PPO's ratio; 'sequence': GSPO's.")
     agg_mode: AggregationMode = Field(default="token-mean", description="How token losses aggregate.")
+    max_response_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="L of seq-mean-token-sum-norm (Dr.GRPO: each sequence's token sum / (N_seq * L)): the longest "
+        "response the rollout may produce, a constant. A run config sets it from rollout.max_new_tokens.",
+    )
     temperature: float = Field(
         default=1.0,
         ge=0,

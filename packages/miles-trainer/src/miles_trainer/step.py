@@ -198,7 +198,13 @@ def accumulate_policy_gradients(
     stats = StepStats()
     if global_tokens == 0 or not samples:
         return stats  # no token trains (every loss mask is zero): no gradient
-    counts = {"global_num_tokens": global_tokens, "global_num_seqs": global_seqs}
+    if config.agg_mode == "seq-mean-token-sum-norm" and config.max_response_len is None:
+        raise ValueError(
+            "agg_mode=seq-mean-token-sum-norm divides by a constant L: set PolicyLossConfig.max_response_len (the "
+            "longest response the rollout may produce; a run config sets it from rollout.max_new_tokens)"
+        )
+    counts = {"global_num_tokens": global_tokens, "global_num_seqs": global_seqs,
+              "max_response_len": config.max_response_len}  # fmt: skip
     micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
