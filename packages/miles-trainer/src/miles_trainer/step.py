@@ -42,7 +42,8 @@ class PolicyLossFn(Protocol):
     """A policy-loss plug-in, called like `miles_trainer.losses.policy_loss` (which is the default):
 
     `loss_fn(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, clip_low, clip_high, dual_clip, ratio_type,
-    agg_mode, global_num_tokens, global_num_seqs, is_weights_BT) -> (scalar loss, {name: 0-dim tensor})`.
+    agg_mode, global_num_tokens, global_num_seqs, max_response_len, is_weights_BT) -> (scalar loss, {name: 0-dim
+    tensor})`.
     Normalize with `aggregate_loss(..., global_num_tokens=..., global_num_seqs=...)` so gradients stay
     invariant to the micro-batch split; metrics are averaged over tokens (a key ending in `_max`: maximum).
     """
