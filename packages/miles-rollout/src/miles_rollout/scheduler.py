@@ -241,49 +241,37 @@ class Scheduler:
         query_lens: list[int] = []
         prefix_lens: list[int] = []
         tables: list[list[int]] = []
-        owners: list[tuple[str, Any, int]] = []  # ("decode", seq, start) | ("prefill", group, start)
-        for seq in self._running:
-            total = seq.num_computed + 1
-            extra = ceil_div(total, self.page_size) - len(seq.pages)
+        owners: list[tuple[str, Any, int]] = []  # (kind, seq or group, first row): "decode" | "refill" | "prefill"
+
+        def add(kind: str, owner: Any, chunk: list[int], pages: list[int]) -> None:
+            """Rows for `chunk`, the next tokens of `owner`; its page list (`pages`, grown in place) covers them."""
+            extra = ceil_div(owner.num_computed + len(chunk), self.page_size) - len(pages)
             if extra > 0:
-                seq.pages += self._take_pages(extra)
-                seq.reserved_pages -= extra
-            owners.append(("decode", seq, len(ids)))
-            ids.append(seq.tokens[-1])
-            query_lens.append(1)
-            prefix_lens.append(seq.num_computed)
-            tables.append(seq.pages)
+                pages += self._take_pages(extra)
+                owner.reserved_pages -= extra
+            owners.append((kind, owner, len(ids)))
+            ids.extend(chunk)
+            query_lens.append(len(chunk))
+            prefix_lens.append(owner.num_computed)
+            tables.append(pages)
+
+        for seq in self._running:
+            add("decode", seq, seq.tokens[-1:], seq.pages)
         budget = max(self.config.max_prefill_tokens - len(ids), 1)
         for seq in self._refilling:
             if budget <= 0:
                 break
             chunk = seq.tokens[seq.num_computed : min(seq.resume_at, seq.num_computed + budget)]
             budget -= len(chunk)
-            extra = ceil_div(seq.num_computed + len(chunk), self.page_size) - len(seq.pages)
-            if extra > 0:
-                seq.pages += self._take_pages(extra)
-                seq.reserved_pages -= extra
-            owners.append(("refill", seq, len(ids)))
-            ids += chunk
             self.num_prefill_tokens += len(chunk)
-            query_lens.append(len(chunk))
-            prefix_lens.append(seq.num_computed)
-            tables.append(seq.pages)
+            add("refill", seq, chunk, seq.pages)
         for group in self._prefilling:
             if budget <= 0:
                 break
             chunk = group.prompt_ids[group.num_computed : group.num_computed + budget]
             budget -= len(chunk)
-            extra = ceil_div(group.num_computed + len(chunk), self.page_size) - len(group.prefill_pages)
-            if extra > 0:
-                group.prefill_pages += self._take_pages(extra)
-                group.reserved_pages -= extra
-            owners.append(("prefill", group, len(ids)))
-            ids += chunk
             self.num_prefill_tokens += len(chunk)
-            query_lens.append(len(chunk))
-            prefix_lens.append(group.num_computed)
-            tables.append(group.prefill_pages)
+            add("prefill", group, chunk, group.prefill_pages)
         device = self.config.device
         batch = build_attention_batch(
             query_lens, prefix_lens, tables, self.page_size, self.kernel.attention_query_tile, device
