@@ -12,6 +12,8 @@ parameters and the last step's metrics to OUT_DIR. Modes:
 - `bf16-logprobs`: bf16 kernel: the sharded trainer's log-probs vs an unsharded bf16 model's (bitwise).
 
 MILES_TEST_DEVICE=cuda runs the rank on the GPU (NCCL for device tensors, gloo for host ones).
+MILES_TEST_CRITIC=separate|value_head adds PPO's critic: every step also trains it on fixed returns, and the
+metrics carry the sum of its values over the whole batch afterwards (`critic_values_sum`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import miles_trainer.checkpoint
 from miles_contracts import Sample
 from miles_kernels import BucketAssembler, KernelConfig, load_model
 from miles_trainer import (
+    CriticConfig,
     FSDP2Backend,
     FSDP2Config,
     OptimizerConfig,
@@ -90,21 +93,36 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         torch.cuda.set_device(int(os.environ["RANK"]))
     dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    critic_kind = os.environ.get("MILES_TEST_CRITIC")
     kernel = KernelConfig(**{**KERNEL.model_dump(), "dtype": "bfloat16"}) if mode == "bf16-logprobs" else KERNEL
     backend = FSDP2Backend(
         model_dir, kernel, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
         PolicyLossConfig(agg_mode="seq-mean-token-mean"),
         FSDP2Config(max_tokens_per_micro_batch=24, device=device), offload_dir=out_dir,
+        critic=CriticConfig(kind=critic_kind, optimizer=OptimizerConfig(lr=1e-2)) if critic_kind else None,
     )  # fmt: skip
     samples, advantages = batch()
     mine, my_advantages = samples[rank::world], advantages[rank::world]
+
+    def train_step(advantages: list[float], **kwargs) -> dict[str, float]:
+        if critic_kind:  # returns: the sample's reward on every token, discounted from the end
+            kwargs["old_values"] = backend.compute_values(mine)
+            kwargs["returns"] = [[s.reward * 0.9 ** (len(s.response_tokens) - 1 - t)
+                                  for t in range(len(s.response_tokens))] for s in mine]  # fmt: skip
+        step_metrics = backend.train_step(mine, advantages, **kwargs)
+        if critic_kind:
+            total = torch.tensor([sum(sum(row) for row in backend.compute_values(mine))], dtype=torch.float64)
+            dist.all_reduce(total)
+            step_metrics["critic_values_sum"] = float(total)
+        return step_metrics
+
     metrics: dict[str, float] = {}
     torch.manual_seed(1000 + rank)
     if mode == "resume":
         torch.manual_seed(7)  # overwritten by the checkpoint's RNG state
         load_checkpoint(backend, checkpoint)
     elif mode in ("step", "two-steps", "kill", "offload"):
-        metrics = backend.train_step(mine, my_advantages, measure_mismatch=True)
+        metrics = train_step(my_advantages, measure_mismatch=True)
         torch.rand(3)  # the run draws random numbers between steps: the checkpoint must capture the RNG
     if mode in ("two-steps", "kill"):
         save_checkpoint(backend, checkpoint, extra={"data_position": 8})
@@ -119,7 +137,7 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         backend.onload()
     if mode in ("two-steps", "kill", "resume", "offload"):
         advantages = [-a for a in advantages]  # a different second step
-        metrics = backend.train_step(mine, advantages[rank::world])
+        metrics = train_step(advantages[rank::world])
         metrics["rng_draw"] = float(torch.rand(1))
         metrics.update(offload_metrics)
     if mode == "kill":

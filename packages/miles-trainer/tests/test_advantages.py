@@ -40,7 +40,7 @@ def test_grpo_singleton_and_constant_groups_get_zero() -> None:
 def test_dr_grpo_hand_values_and_equivalence_with_grpo() -> None:
     expected = torch.tensor([-1.0, -1.0, 0.0, 0.0, 1.0, 1.0])
     torch.testing.assert_close(dr_grpo_advantages(REWARDS, GROUPS), expected)
-    torch.testing.assert_close(grpo_advantages(REWARDS, GROUPS, normalize_by_std=False), expected)
+    torch.testing.assert_close(grpo_advantages(REWARDS, GROUPS, scale_rewards="none"), expected)
     # GRPO = Dr.GRPO / (std + eps), group by group
     std = torch.tensor([1.0, math.sqrt(2.0), 1.0, 1.0, math.sqrt(2.0), 1.0])
     torch.testing.assert_close(grpo_advantages(REWARDS, GROUPS, epsilon=0.0) * std, expected)

@@ -382,8 +382,8 @@ def test_importance_weights_bad_arguments() -> None:
         importance_weights(old, rollout, mask, mode="clip")
     with pytest.raises(ValueError, match="'token', 'sequence'"):
         importance_weights(old, rollout, mask, level="geometric")
-    with pytest.raises(ValueError, match="only used by mode='mask'"):
-        importance_weights(old, rollout, mask, threshold_low=0.5)
+    with pytest.raises(ValueError, match="threshold_low <= threshold"):
+        importance_weights(old, rollout, mask, threshold=2.0, threshold_low=3.0)
     with pytest.raises(ValueError, match="threshold"):
         importance_weights(old, rollout, mask, threshold=0.0)
 
@@ -415,8 +415,21 @@ def test_k3_is_non_negative_clamped_and_matches_trl() -> None:
     in_range = trl <= 10
     torch.testing.assert_close(k3[in_range], trl[in_range])
     assert kl_estimate(torch.tensor([0.0]), torch.tensor([30.0]), "k3").item() == 10.0
+    assert torch.equal(kl_estimate(logp, ref, "low_var_kl"), k3)  # verl's name
     with pytest.raises(ValueError, match="low_var_kl"):
-        kl_estimate(logp, ref, "low_var_kl")
+        kl_estimate(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1+", "k3+", "low_var_kl+", "abs+"])
+def test_straight_through_kl_has_the_estimators_value_and_k2s_gradient(kind: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    ref = torch.randn(50, generator=gen)
+    logp = torch.randn(50, generator=gen).requires_grad_(True)
+    value = kl_estimate(logp, ref, kind)
+    torch.testing.assert_close(value, kl_estimate(logp, ref, kind.removesuffix("+")), rtol=0, atol=1e-6)
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    torch.testing.assert_close(grad, (logp - ref).detach())  # d/dx x^2 / 2
+    assert torch.equal(kl_estimate(logp, ref, "abs"), (logp - ref).abs())
 
 
 def test_entropy_from_logits() -> None:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_trainer.config import ADVANTAGE_ESTIMATOR_NAMES
+from miles_trainer.config import ADVANTAGE_ESTIMATOR_NAMES, SCALE_REWARDS, AdvantageConfig
 from miles_trainer.plugins import load_checked_plugin
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "AdvantageEstimator",
     "compute_advantages",
     "dr_grpo_advantages",
+    "estimator_kwargs",
     "expand_to_tokens",
     "gae_advantages",
     "grpo_advantages",
@@ -100,25 +101,33 @@ def grpo_advantages(
     group_index_N: torch.Tensor,
     *,
     epsilon: float = 1e-6,
-    normalize_by_std: bool = True,
+    scale_rewards: str = "group",
 ) -> torch.Tensor:
     """GRPO advantage of each sample, shape (N,).
 
-        A_i = (r_i - mean_g) / (std_g + epsilon)      (normalize_by_std=True, GRPO)
-        A_i = r_i - mean_g                            (normalize_by_std=False, Dr.GRPO)
+        A_i = (r_i - mean_g) / (std_g + epsilon)      (scale_rewards="group", GRPO)
+        A_i = (r_i - mean_g) / (std_B + epsilon)      (scale_rewards="batch", TRL's scale_rewards="batch")
+        A_i = r_i - mean_g                            (scale_rewards="none", Dr.GRPO)
 
-    mean_g and std_g are over the samples of i's group g; std_g is the unbiased std, sqrt(sum (r - mean_g)^2 /
-    (n_g - 1)), as verl's `compute_grpo_outcome_advantage` (TRL uses the same std with epsilon 1e-4).
-    A group of one sample gets A = 0 (verl gives r / (1 + epsilon) there). A group whose rewards are all equal
-    gets A = 0 for every sample.
+    mean_g and std_g are over the samples of i's group g, std_B over every reward of the batch; both are unbiased
+    stds, sqrt(sum (r - mean)^2 / (n - 1)), as verl's `compute_grpo_outcome_advantage` and TRL's `nanstd` (TRL's
+    epsilon is 1e-4). A group of one sample gets A = 0 (verl gives r / (1 + epsilon) there). A group whose rewards
+    are all equal gets A = 0 for every sample.
     """
     _check_rewards(rewards_N, group_index_N)
     if epsilon < 0:
         raise ValueError(f"epsilon must be >= 0 (it keeps the division finite for zero-std groups), got {epsilon}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; choose one of {list(SCALE_REWARDS)}")
     mean_N, std_N, count_N = _group_mean_std_count(rewards_N, group_index_N)
     adv_N = rewards_N.to(torch.float64) - mean_N
-    if normalize_by_std:
+    if scale_rewards == "group":
         adv_N = adv_N / (std_N + epsilon)
+    elif scale_rewards == "batch":
+        batch_std = (
+            rewards_N.to(torch.float64).std() if rewards_N.numel() > 1 else torch.zeros((), dtype=torch.float64)
+        )
+        adv_N = adv_N / (batch_std + epsilon)
     adv_N = torch.where(count_N > 1, adv_N, torch.zeros_like(adv_N))
     return adv_N.to(_out_dtype(rewards_N))
 
@@ -128,7 +137,7 @@ def dr_grpo_advantages(rewards_N: torch.Tensor, group_index_N: torch.Tensor) -> 
 
     Dr.GRPO also changes the loss aggregation (`seq-mean-token-sum-norm` in `losses.aggregate_loss`).
     """
-    return grpo_advantages(rewards_N, group_index_N, normalize_by_std=False)
+    return grpo_advantages(rewards_N, group_index_N, scale_rewards="none")
 
 
 def rloo_advantages(rewards_N: torch.Tensor, group_index_N: torch.Tensor) -> torch.Tensor:
@@ -348,6 +357,16 @@ def compute_advantages(
             "(GAE needs a critic: call gae_advantages directly)"
         )
     return estimator(rewards_N, group_index_N, response_mask_NT, **kwargs)
+
+
+def estimator_kwargs(name: str, config: AdvantageConfig) -> dict[str, Any]:
+    """The keyword arguments of the outcome estimator `name` that `config` sets (`trainer.advantage` of a run
+    config); a knob an estimator does not use is not passed, and a plug-in gets none."""
+    if name == "grpo":
+        return {"epsilon": config.std_epsilon, "scale_rewards": config.scale_rewards}
+    if name == "reinforce_plus_plus":
+        return {"gamma": config.gamma, "whiten": config.whiten}
+    return {}
 
 
 def load_advantage_estimator(path: str) -> AdvantageEstimator:

@@ -1,6 +1,7 @@
 """Trainer checkpoints (step 8 of the RL data path, docs/architecture.md) and Hugging Face conversion.
 
-A checkpoint directory holds the sharded model and optimizer (torch.distributed.checkpoint), each rank's RNG
+A checkpoint directory holds the sharded model and optimizer (torch.distributed.checkpoint; PPO's critic and its
+optimizer too, under their own keys), each rank's RNG
 state (safetensors, never pickle), `config.json` of the model (so a checkpoint is self-describing for
 `miles-trainer convert`) and `trainer_state.json` (step, scheduler, the caller's `extra`, e.g. the data position).
 
@@ -76,13 +77,17 @@ def save_checkpoint(
     # gradients made the save lack the state that the load (of a fresh backend, no gradients) expects.
     backend.optimizer.zero_grad(set_to_none=True)
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))  # type: ignore[attr-defined]
+    dcp.save(  # type: ignore[attr-defined]
+        {"model": model_state, "optim": optim_state, **_critic_state(backend)}, checkpoint_id=str(staging)
+    )
     save_file(rng_state(), str(staging / _rng_file(rank)))
     if rank == 0:
         state = {
             "step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {},
             "world_size": dist.get_world_size(), "kernel": backend.kernel.fingerprint(),
         }  # fmt: skip
+        if backend.critic_config is not None:
+            state["critic"] = {"kind": backend.critic_config.kind, "scheduler": backend.critic_scheduler.state_dict()}
         (staging / MODEL_CONFIG).write_text(json.dumps(backend.model.config.to_hf(dtype="float32"), indent=2))
         (staging / TRAINER_STATE).write_text(json.dumps(state))
     dist.barrier()
@@ -98,6 +103,21 @@ def save_checkpoint(
     return final
 
 
+def _critic_module(backend: FSDP2Backend) -> torch.nn.Module:
+    module = backend.critic_model if backend.critic_model is not None else backend.value_head
+    assert module is not None
+    return module
+
+
+def _critic_state(backend: FSDP2Backend) -> dict[str, Any]:
+    """The critic's model and optimizer state, under their own keys of the checkpoint (none without a critic)."""
+    if backend.critic_config is None:
+        return {}
+    backend.critic_optimizer.zero_grad(set_to_none=True)
+    model_state, optim_state = get_state_dict(_critic_module(backend), backend.critic_optimizer)
+    return {"critic_model": model_state, "critic_optim": optim_state}
+
+
 def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, step and RNG from `save_checkpoint`; returns the saved `extra`."""
     path = resolve_checkpoint(directory)
@@ -106,11 +126,27 @@ def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) ->
     state_dict: dict[str, Any] = {"model": model_state}
     if state.get("has_optimizer", True):
         state_dict["optim"] = optim_state
+    critic = backend.critic_config
+    saved_critic = state.get("critic")
+    if critic is not None:
+        if saved_critic is None or saved_critic["kind"] != critic.kind:
+            saved = "no critic" if saved_critic is None else f"a {saved_critic['kind']!r} critic"
+            raise ValueError(
+                f"{path} holds {saved}, the trainer a {critic.kind!r} one: resume with the critic settings the run "
+                "started with"
+            )
+        state_dict |= _critic_state(backend)
     dcp.load(state_dict, checkpoint_id=str(path))  # type: ignore[attr-defined]
     set_state_dict(
         backend.model, backend.optimizer, model_state_dict=state_dict["model"],
         optim_state_dict=state_dict.get("optim", {}),
     )  # fmt: skip
+    if critic is not None:
+        set_state_dict(
+            _critic_module(backend), backend.critic_optimizer, model_state_dict=state_dict["critic_model"],
+            optim_state_dict=state_dict["critic_optim"],
+        )  # fmt: skip
+        backend.critic_scheduler.load_state_dict(saved_critic["scheduler"])
     if "scheduler" in state:
         backend.scheduler.load_state_dict(state["scheduler"])
     backend.step_count = int(state["step"])

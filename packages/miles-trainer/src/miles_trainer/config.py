@@ -11,16 +11,21 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from miles_contracts import PluginPath
 
 AdvantageEstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AggregationMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"
+]
 RatioType = Literal["token", "sequence"]
-KLEstimator = Literal["k1", "k2", "k3"]
+# k1 / k2 / k3 / abs and their verl names; a "+" suffix: the value of the estimator, the gradient of k2
+KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "kl", "mse", "low_var_kl", "low_var_kl+"]
 ISLevel = Literal["token", "sequence"]
 ISMode = Literal["truncate", "mask"]
+ISRejected = Literal["counted", "excluded"]
+ScaleRewards = Literal["group", "batch", "none"]
 
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimatorName)
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
@@ -28,6 +33,8 @@ RATIO_TYPES: tuple[str, ...] = get_args(RatioType)
 KL_KINDS: tuple[str, ...] = get_args(KLEstimator)
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
 IS_MODES: tuple[str, ...] = get_args(ISMode)
+IS_REJECTED: tuple[str, ...] = get_args(ISRejected)
+SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
 
 
 class _Config(BaseModel):
@@ -83,12 +90,18 @@ class PolicyLossConfig(_Config):
         default=None, gt=1, description="Dual-clip constant c > 1 for negative advantages; null: off."
     )
     ratio_type: RatioType = Field(default="token", description="'token': PPO's ratio; 'sequence': GSPO's.")
-    agg_mode: AggregationMode = Field(default="token-mean", description="How token losses aggregate.")
+    agg_mode: AggregationMode = Field(
+        default="token-mean",
+        description="How token losses aggregate (N_tok tokens, N_seq sequences of the batch, L = max_response_len): "
+        "token-mean: sum / N_tok; seq-mean-token-mean: mean over sequences of each one's token mean; "
+        "seq-mean-token-sum: sum / N_seq; seq-mean-token-sum-norm: sum / (N_seq * L) (Dr.GRPO as TRL's dr_grpo and "
+        "verl >= 0.8); token-sum-norm: sum / L (Dr.GRPO as verl <= 0.7); token-sum: the plain sum.",
+    )
     max_response_len: int | None = Field(
         default=None,
         ge=1,
-        description="L of seq-mean-token-sum-norm (Dr.GRPO: each sequence's token sum / (N_seq * L)): the longest "
-        "response the rollout may produce, a constant. A run config sets it from rollout.max_new_tokens.",
+        description="L of seq-mean-token-sum-norm / token-sum-norm (Dr.GRPO's constant): the longest response the "
+        "rollout may produce. A run config sets it from rollout.max_new_tokens.",
     )
     temperature: float = Field(
         default=1.0,
@@ -98,14 +111,98 @@ class PolicyLossConfig(_Config):
     )
     entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight (0: entropy only reported).")
     kl_coef: float = Field(default=0.0, ge=0, description="KL penalty weight against the initial policy (0: off).")
-    kl_estimator: KLEstimator = Field(default="k3", description="KL estimator.")
+    kl_estimator: KLEstimator = Field(
+        default="k3",
+        description="KL estimator: k1 (verl 'kl'), k2 ('mse'), k3 ('low_var_kl', TRL's), abs; with a '+' suffix "
+        "(k1+, k3+, low_var_kl+, abs+) the value is the estimator's and the gradient k2's (verl's straight-through).",
+    )
     is_mode: ISMode | None = Field(
         default=None, description="Mismatch correction when not true on-policy: TIS ('truncate'), MIS ('mask')."
     )
     is_level: ISLevel = Field(default="token", description="Importance weights per token or per sequence.")
-    is_threshold: float = Field(default=2.0, gt=0, description="TIS truncation / MIS masking threshold.")
+    is_threshold: float = Field(
+        default=2.0, gt=0, description="Upper bound C: TIS truncates weights above it, MIS rejects them."
+    )
+    is_threshold_low: float | None = Field(
+        default=None,
+        ge=0,
+        description="Lower bound: MIS rejects weights below it (null: 1 / is_threshold, verl's default); TIS "
+        "raises weights below it to it (TRL's clip_min; null: no lower bound).",
+    )
+    is_rejected: ISRejected = Field(
+        default="counted",
+        description="Tokens MIS rejects (weight 0): 'counted' stay in the aggregation's token / sequence counts "
+        "(TRL); 'excluded' leave them, as a loss mask would (verl's rejection sampling).",
+    )
+    is_batch_normalize: bool = Field(
+        default=False,
+        description="Divide the weights by their mean over the whole batch, so they average 1 (verl's "
+        "rollout_is_batch_normalize; per token, or per sequence with is_level=sequence).",
+    )
     loss_fn: PluginPath | None = Field(
         default=None, description="'module:function' PolicyLossFn replacing PPO-clip; null: the built-in loss."
+    )
+
+    @model_validator(mode="after")
+    def _is_bounds(self) -> PolicyLossConfig:
+        if self.is_threshold_low is not None and self.is_threshold_low > self.is_threshold:
+            raise ValueError(
+                f"is_threshold_low={self.is_threshold_low} is above is_threshold={self.is_threshold}; the lower "
+                "bound of the importance weights must not exceed the upper one"
+            )
+        return self
+
+
+class AdvantageConfig(_Config):
+    """Knobs of the advantage estimators (`miles_trainer.advantages`); each applies to the estimators it names."""
+
+    scale_rewards: ScaleRewards = Field(
+        default="group",
+        description="grpo: divide (reward - group mean) by the group's std ('group', GRPO), the whole batch's std "
+        "('batch', TRL's scale_rewards=batch) or nothing ('none': Dr.GRPO's advantage).",
+    )
+    std_epsilon: float = Field(
+        default=1e-6, ge=0, description="grpo: added to the std before dividing (verl 1e-6, TRL 1e-4)."
+    )
+    gamma: float = Field(default=1.0, ge=0, le=1, description="reinforce_plus_plus, gae: discount factor.")
+    lam: float = Field(default=1.0, ge=0, le=1, description="gae: the GAE lambda.")
+    whiten: bool = Field(
+        default=True, description="reinforce_plus_plus, gae: whiten the advantages over the batch's valid tokens."
+    )
+
+
+CriticKind = Literal["separate", "value_head"]
+
+
+def _critic_optimizer() -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-4)
+
+
+class CriticConfig(_Config):
+    """PPO's critic (`miles_trainer.critic`): the value model, its clipped value loss and its own optimizer."""
+
+    kind: CriticKind = Field(
+        default="separate",
+        description="'separate': a critic initialized from the policy's checkpoint, trained alone (verl, "
+        "OpenRLHF); 'value_head': a value head on the policy's hidden states, its loss joining the policy's.",
+    )
+    optimizer: OptimizerConfig = Field(
+        default_factory=_critic_optimizer,
+        description="The critic's own AdamW and schedule (here lr defaults to 1e-4); with kind=value_head it "
+        "updates the head only (the trunk follows the policy's optimizer).",
+    )
+    value_clip: float | None = Field(
+        default=0.5, gt=0, description="Clip of the value update around the old values (verl's cliprange_value)."
+    )
+    vf_coef: float = Field(
+        default=0.5, gt=0, description="kind=value_head: weight of the value loss in the joint loss."
+    )
+    agg_mode: AggregationMode = Field(default="token-mean", description="How the value loss aggregates.")
+    warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Optimizer steps that train the critic alone before the policy starts moving (verl's "
+        "critic_warmup).",
     )
 
 

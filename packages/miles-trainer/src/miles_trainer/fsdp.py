@@ -29,16 +29,19 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, load_model, weights_checksum
-from miles_trainer.config import FSDP2Config, OptimizerConfig, PolicyLossConfig
-from miles_trainer.logprobs import response_logprobs
+from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
+from miles_trainer.logprobs import micro_batch_forward, response_logprobs
 from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
-from miles_trainer.packing import pack_samples, plan_samples
+from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
 from miles_trainer.step import (
     PerSample,
     StepStats,
     accumulate_policy_gradients,
     accumulate_sft_gradients,
+    add_is_metrics,
     count_trained,
+    mismatch_weights,
     resolve_loss_fn,
 )
 from miles_trainer.weight_sender import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets, write_weights_file
@@ -62,23 +65,26 @@ def _needs_fsdp(kernel: KernelConfig) -> bool:
     return dist.get_world_size() > 1 or kernel.torch_dtype != torch.float32
 
 
-def _shard(model: CausalLM, kernel: KernelConfig) -> None:
+def _shard(model: CausalLM, kernel: KernelConfig, root: torch.nn.Module | None = None) -> None:
+    """Shard each decoder layer, then `root` (the module whose forward the caller runs: `model` itself, or the
+    critic's `ValueModel` around it)."""
     if not _needs_fsdp(kernel):
         return
     policy = MixedPrecisionPolicy(param_dtype=kernel.torch_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    top = fully_shard(model if root is None else root, mp_policy=policy)
     if model.config.is_moe and dist.get_world_size() > 1:
         # Experts that no token of this rank chose still join the gradient reduction.
-        if not hasattr(model, "set_reduce_scatter_unused_params"):
+        if not hasattr(top, "set_reduce_scatter_unused_params"):
             raise RuntimeError(
                 f"sharding an MoE model over ranks needs FSDP2's set_reduce_scatter_unused_params, which torch "
                 f"{torch.__version__} lacks (2.14 has it, 2.11 does not): install the torch of uv.lock"
             )
-        model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-    register_fsdp_forward_method(model, "forward_hidden")
-    register_fsdp_forward_method(model, "logits")
+        top.set_reduce_scatter_unused_params(True)
+    if root is None:
+        register_fsdp_forward_method(model, "forward_hidden")
+        register_fsdp_forward_method(model, "logits")
 
 
 class FSDP2Backend:
@@ -95,9 +101,11 @@ class FSDP2Backend:
         *,
         keep_reference: bool | None = None,
         offload_dir: str | os.PathLike[str] | None = None,
+        critic: CriticConfig | None = None,
     ) -> None:
         """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
-        `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir)."""
+        `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir). `critic`: PPO's
+        value model (`miles_trainer.critic`), trained with its own optimizer by `train_step`."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
@@ -117,12 +125,24 @@ class FSDP2Backend:
         if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
             self.reference = load_model(model_dir, kernel, device, dtype=torch.float32).eval().requires_grad_(False)
             _shard(self.reference, kernel)
-        adam = self.optimizer_config
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=adam.lr, betas=adam.betas, eps=adam.eps,
-            weight_decay=adam.weight_decay, fused=True,  # one fused kernel per step (CPU and CUDA): ~6x faster
-        )  # fmt: skip
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, adam.lr_factor)
+        self.optimizer, self.scheduler = _adamw(self.model.parameters(), self.optimizer_config)
+        self.critic_config = critic
+        self.critic_model: ValueModel | None = None  # kind="separate"
+        self.value_head: ValueHead | None = None  # kind="value_head"
+        if critic is not None:
+            if critic.optimizer.schedule == "cosine" and critic.optimizer.total_steps is None:
+                raise ValueError("critic optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
+            if critic.kind == "separate":
+                backbone = load_model(model_dir, kernel, device, dtype=torch.float32).train()
+                if self.config.activation_checkpointing:
+                    apply_activation_checkpointing(backbone)
+                self.critic_model = ValueModel(backbone)
+                _shard(backbone, kernel, root=self.critic_model)
+                critic_params = list(self.critic_model.parameters())
+            else:
+                self.value_head = ValueHead(self.model.config.hidden_size, device)
+                critic_params = list(self.value_head.parameters())
+            self.critic_optimizer, self.critic_scheduler = _adamw(critic_params, critic.optimizer)
         self.step_count = 0
         store: OffloadStore = FileStore(offload_dir) if device == "cpu" else HostStore()
         self._offloader = Offloader(store)
@@ -152,6 +172,27 @@ class FSDP2Backend:
                     out[i] = row.tolist()
         return out
 
+    @torch.no_grad()
+    def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """The critic's value V(s_t) of each response token of each sample (`miles_trainer.critic`): the old
+        values of GAE and of the clipped value loss. Every rank calls it with its share."""
+        self._check_onloaded()
+        num_passes = self._num_passes(samples)
+        if self.critic_model is not None:
+            return critic_values(self.critic_model, samples, self.kernel, self.max_tokens, num_passes)
+        head = self.value_head
+        if head is None:
+            raise ValueError("this backend has no critic: create it with critic=CriticConfig(...)")
+        model = self.model
+
+        def values(micro: MicroBatch) -> torch.Tensor:
+            _, _, hidden_KH = micro_batch_forward(model, micro, with_hidden=True)
+            assert hidden_KH is not None
+            out: torch.Tensor = head(hidden_KH)
+            return out
+
+        return critic_values(values, samples, self.kernel, self.max_tokens, num_passes)
+
     def train_step(
         self,
         samples: Sequence[Sample],
@@ -159,37 +200,98 @@ class FSDP2Backend:
         *,
         old_logprobs: Sequence[Sequence[float]] | None = None,
         ref_logprobs: Sequence[Sequence[float]] | None = None,
+        returns: Sequence[Sequence[float]] | None = None,
+        old_values: Sequence[Sequence[float]] | None = None,
         measure_mismatch: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on this rank's samples (every rank calls it with its share of the batch).
 
         See `accumulate_policy_gradients` for the arguments; with `kl_coef > 0` and no `ref_logprobs`, the
-        reference model computes them. Returns global metrics (identical on every rank).
+        reference model computes them. With a critic, `returns` (GAE's value targets) and `old_values`
+        (`compute_values` before the step) train it too, with its own optimizer; during its first
+        `warmup_steps` steps only the critic moves. Returns global metrics (identical on every rank).
         """
         if not samples:
             raise ValueError("every rank needs at least one sample per step")
+        if (self.critic_config is None) != (returns is None and old_values is None):
+            raise ValueError(
+                "returns and old_values train the critic: pass both with a critic (PPO, advantage estimator gae), "
+                "neither without one"
+            )
         self._check_onloaded()
         start = time.perf_counter()
-        if self.loss_config.kl_coef > 0 and ref_logprobs is None:
+        loss = self.loss_config
+        if loss.kl_coef > 0 and ref_logprobs is None:
             ref_logprobs = self.compute_logprobs(samples, reference=True)
-        local = torch.tensor(count_trained(samples), dtype=torch.int64)
+        is_weights: list[list[float]] | None = None
+        is_metrics: dict[str, torch.Tensor] = {}
+        if loss.is_mode is not None:  # before the counts: MIS may take rejected tokens out of them
+            is_weights, is_metrics = mismatch_weights(samples, old_logprobs, loss, all_reduce=_sum_over_ranks)
+        exclude_rejected = loss.is_mode == "mask" and loss.is_rejected == "excluded"
+        local = torch.tensor(count_trained(samples, is_weights if exclude_rejected else None), dtype=torch.int64)
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
         self.optimizer.zero_grad(set_to_none=True)
-        stats = accumulate_policy_gradients(
-            self.model, samples, advantages, self.kernel, self.loss_config, self.max_tokens,
-            global_num_tokens=global_tokens, global_num_seqs=global_seqs,
-            loss_scale=dist.get_world_size(),  # FSDP2 averages gradients over ranks; the global loss wants a sum
-            num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            measure_mismatch=measure_mismatch,
-        )  # fmt: skip
+        critic, is_warmup = self.critic_config, False
+        joint_value = None
+        critic_stats: dict[str, float] = {}
+        if critic is not None:
+            assert returns is not None and old_values is not None
+            is_warmup = self.step_count < critic.warmup_steps
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            if self.critic_model is not None:
+                critic_tokens, critic_seqs = count_trained(samples)
+                counts = torch.tensor([critic_tokens, critic_seqs], dtype=torch.int64)
+                dist.all_reduce(counts)
+                critic_stats = accumulate_value_gradients(
+                    self.critic_model, samples, returns, old_values, self.kernel, critic, self.max_tokens,
+                    global_num_tokens=int(counts[0]), global_num_seqs=int(counts[1]),
+                    max_response_len=loss.max_response_len, loss_scale=dist.get_world_size(),
+                    num_micro_batches=self._num_passes(samples),
+                )  # fmt: skip
+            else:
+                assert self.value_head is not None
+                joint_value = JointValueLoss(self.value_head, returns, old_values, critic)
+        if is_warmup and joint_value is None:
+            stats = StepStats()  # the separate critic warms up alone: no policy pass
+        else:
+            stats = accumulate_policy_gradients(
+                self.model, samples, advantages, self.kernel, loss, self.max_tokens,
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs,
+                loss_scale=dist.get_world_size(),  # FSDP2 averages gradients over ranks; the global loss wants a sum
+                num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                is_weights=is_weights, joint_value=joint_value, measure_mismatch=measure_mismatch,
+            )  # fmt: skip
+            add_is_metrics(stats, is_metrics, samples)
+        if critic_stats:
+            num_tokens = critic_stats.pop("num_tokens")
+            stats.add("vf_loss", critic_stats.pop("vf_loss"))
+            for name, total in critic_stats.items():
+                stats.add_mean(name, total / max(num_tokens, 1.0), num_tokens)
+        critic_metrics = self._critic_step() if critic is not None else {}
         _add_batch_stats(stats, samples, advantages)
         # A batch whose advantages are all zero (every group's rewards equal) has no policy-gradient signal; an
         # AdamW step would still move the weights along stale momentum, so the update is skipped.
         signal = torch.tensor([float(any(_nonzero(a) for a in advantages))])
         dist.all_reduce(signal, op=dist.ReduceOp.MAX)
-        has_signal = bool(signal.item()) or self.loss_config.kl_coef > 0 or self.loss_config.entropy_coef > 0
-        return self._finish_step(stats, start, skip_update=not has_signal)
+        has_signal = bool(signal.item()) or loss.kl_coef > 0 or loss.entropy_coef > 0
+        metrics = self._finish_step(stats, start, skip_update=is_warmup or not has_signal)
+        return metrics | critic_metrics
+
+    def _critic_step(self) -> dict[str, float]:
+        """Clip and apply the critic's gradients (a value head outside FSDP averages its own over ranks)."""
+        assert self.critic_config is not None
+        params = list((self.critic_model or self.value_head).parameters())  # type: ignore[union-attr]
+        if self.value_head is not None and dist.get_world_size() > 1:
+            for param in params:
+                if param.grad is not None:
+                    dist.all_reduce(param.grad)
+                    param.grad /= dist.get_world_size()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.critic_config.optimizer.max_grad_norm)
+        self.critic_optimizer.step()
+        self.critic_scheduler.step()
+        norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        return {"critic_grad_norm": norm, "critic_lr": float(self.critic_scheduler.get_last_lr()[0])}
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One optimizer step of the SFT loss (token-mean NLL of the loss-masked tokens) on this rank's samples."""
@@ -262,18 +364,23 @@ class FSDP2Backend:
         return state
 
     def _offload_targets(self) -> Iterator[torch.Tensor]:
-        """Parameters (the reference's too) and optimizer state; gradients are dropped by `offload`, not moved."""
-        for model in (self.model, self.reference):
+        """Parameters (the reference's and the critic's too) and optimizer states; gradients are dropped by
+        `offload`, not moved."""
+        for model in (self.model, self.reference, self.critic_model, self.value_head):
             if model is not None:
                 yield from model.parameters()
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic_config is not None else [])
+        for optimizer in optimizers:
+            for state in optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def offload(self) -> int:
         """Free parameters and optimizer state (to host memory on GPU, to a file on CPU) while the engine works;
         returns the bytes freed on this rank. `onload()` brings them back bit for bit. The last step's gradients
         are dropped, not kept: every step starts from `zero_grad(set_to_none=True)` anyway."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_config is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
         return self._offloader.offload(self._offload_targets())
 
     def onload(self) -> int:
@@ -287,6 +394,20 @@ class FSDP2Backend:
     def _check_onloaded(self) -> None:
         if self._offloader.is_offloaded:
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
+
+
+def _sum_over_ranks(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor)
+
+
+def _adamw(
+    params: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter], config: OptimizerConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+        fused=True,  # one fused kernel per step (CPU and CUDA): ~6x faster
+    )  # fmt: skip
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
 
 
 def _nonzero(advantage: float | Sequence[float]) -> bool:

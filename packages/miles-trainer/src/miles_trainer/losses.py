@@ -11,7 +11,9 @@ mask. Out: one scalar to backpropagate plus detached metrics.
   rank's loss by the data-parallel size (verl's `dp_size`) or reduce with a sum.
 - `policy_loss`: PPO clip (clip-higher, dual-clip), token or sequence (GSPO) ratio, optional IS weights.
 - `importance_weights`: TIS / MIS weights for a non-zero train/rollout mismatch, fed to `policy_loss`.
+- `importance_weight_sums` / `normalize_importance_weights`: verl's batch normalization of those weights.
 - `kl_estimate`, `entropy_from_logits`, `entropy_bonus_loss`, `sft_loss`.
+- `value_loss` (PPO's clipped critic loss) and `explained_variance` (how well the critic predicts the returns).
 - `train_rollout_logprob_abs_diff`: the train/rollout mismatch metric (exactly 0 under true on-policy).
 
 Masks are bool or 0/1 (1 = the token carries loss). Metrics are detached 0-dim tensors (no host sync here),
@@ -30,11 +32,15 @@ __all__ = [
     "aggregate_loss",
     "entropy_bonus_loss",
     "entropy_from_logits",
+    "explained_variance",
+    "importance_weight_sums",
     "importance_weights",
     "kl_estimate",
+    "normalize_importance_weights",
     "policy_loss",
     "sft_loss",
     "train_rollout_logprob_abs_diff",
+    "value_loss",
 ]
 
 
@@ -43,6 +49,9 @@ _MAX_LOG_RATIO = 20.0
 _MAX_SEQ_LOG_RATIO = 10.0
 
 Count = int | float | torch.Tensor
+
+# Aggregation modes that divide by the constant L (max_response_len), Dr.GRPO's normalizers
+_NORM_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
 
 
 def _check_same_shape(**tensors: torch.Tensor) -> torch.Size:
@@ -78,14 +87,17 @@ def aggregate_loss(
         seq-mean-token-mean:      sum_i (sum_t l m / n_i) / N_seq
         seq-mean-token-sum:       sum_i (sum_t l m) / N_seq
         seq-mean-token-sum-norm:  sum_i (sum_t l m) / (N_seq * L)      (Dr.GRPO: a constant L, no length bias)
+        token-sum-norm:           sum_{i,t} l m / L                    (Dr.GRPO, divided by L alone)
+        token-sum:                sum_{i,t} l m
 
     N_tok = global_num_tokens and N_seq = global_num_seqs when given (counts over the whole batch: then summing the
     micro-batch results gives the full-batch loss exactly), else the local counts: valid tokens, and sequences with
     at least one valid token (an all-masked row adds nothing and is not counted, as in recent verl; TRL's "grpo"
     counts every row: pass global_num_seqs=B to match). L = max_response_len, else this micro-batch's T (verl's
     default, `loss_mask.shape[-1]`); pass the configured maximum response length so L stays constant.
-    verl before its global-batch rework divided seq-mean-token-sum-norm by L only (no N_seq), so its loss was
-    N_seq times larger; this module follows the name (a mean over sequences), recent verl and TRL's "dr_grpo".
+    Dr.GRPO's two normalizers: verl 0.4-0.7 (`core_algos.agg_loss`) divide seq-mean-token-sum-norm by L alone
+    (here: token-sum-norm); verl 0.9.1 and TRL 1.16's loss_type="dr_grpo" divide by N_seq * L (here:
+    seq-mean-token-sum-norm; TRL's N_seq counts every row of the batch).
     """
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {list(AGGREGATION_MODES)}")
@@ -94,10 +106,14 @@ def aggregate_loss(
     _check_count("global_num_seqs", global_num_seqs)
     if max_response_len is not None and max_response_len <= 0:
         raise ValueError(f"max_response_len must be > 0, got {max_response_len}")
-    if mode == "seq-mean-token-sum-norm" and global_num_seqs is not None and max_response_len is None:
+    if (
+        mode in _NORM_MODES
+        and (global_num_seqs is not None or global_num_tokens is not None)
+        and (max_response_len is None)
+    ):
         raise ValueError(
-            "seq-mean-token-sum-norm with global_num_seqs also needs max_response_len (the configured maximum "
-            "response length); the micro-batch's padded length changes from one micro-batch to the next"
+            f"{mode} with global counts also needs max_response_len (the configured maximum response length); the "
+            "micro-batch's padded length changes from one micro-batch to the next"
         )
     is_valid = mask_BT.bool()
     # where, not a multiply: padding may hold inf / nan (e.g. -log 0), and 0 * inf would poison the sum
@@ -106,12 +122,16 @@ def aggregate_loss(
     if mode == "token-mean":
         num_tokens = num_valid_B.sum().clamp(min=1) if global_num_tokens is None else global_num_tokens
         return token_sums_B.sum() / num_tokens
+    length = loss_BT.shape[-1] if max_response_len is None else max_response_len
+    if mode == "token-sum":
+        return token_sums_B.sum()
+    if mode == "token-sum-norm":
+        return token_sums_B.sum() / length
     num_seqs = (num_valid_B > 0).sum().clamp(min=1) if global_num_seqs is None else global_num_seqs
     if mode == "seq-mean-token-mean":
         return (token_sums_B / num_valid_B.clamp(min=1)).sum() / num_seqs
     if mode == "seq-mean-token-sum":
         return token_sums_B.sum() / num_seqs
-    length = loss_BT.shape[-1] if max_response_len is None else max_response_len
     return token_sums_B.sum() / (num_seqs * length)
 
 
@@ -231,13 +251,15 @@ def importance_weights(
 
         level "token":    w_t = exp(old_t - rollout_t)
         level "sequence": w_t = exp(sum_{t valid} (old_t - rollout_t))     (the same value on every token)
-        mode "truncate" (TIS):  w = min(w, C)                    C = threshold
+        mode "truncate" (TIS):  w = clamp(w, low, C)             C = threshold, low = threshold_low (default: none)
         mode "mask" (MIS):      w = w if low <= w <= C else 0    low = threshold_low, default 1 / C
 
     Masked tokens get weight 0. Under true on-policy old == rollout and every weight is exactly 1. Pass the
     result as `policy_loss(..., is_weights_BT=w)`, which multiplies it into the per-token loss after clipping.
-    An MIS-rejected token still counts in the aggregation denominator; to drop it from the counts as well, use
-    `mask & (w > 0)` as the loss mask (and in the global counts).
+    An MIS-rejected token still counts in the aggregation denominator (TRL); to drop it from the counts as well
+    (verl's rejection sampling), use `mask & (w > 0)` as the loss mask (and in the global counts).
+    The lower bounds follow the references: TRL 1.16 clamps TIS weights to [clip_min, clip_max] and MIS keeps
+    [clip_min, clip_max] (no lower bound by default); verl 0.6's MIS defaults its lower bound to 1 / C.
 
     Metrics (over valid tokens; a sequence weight counts once per token): mean (of the returned weights),
     raw_max, raw_min, fraction_high (raw w > C), fraction_low (raw w < low), fraction_modified (weights changed
@@ -250,11 +272,8 @@ def importance_weights(
         raise ValueError(f"unknown importance-weight mode {mode!r}; choose one of {list(IS_MODES)}")
     if threshold <= 0:
         raise ValueError(f"threshold (the upper bound C on the weights) must be > 0, got {threshold}")
-    if threshold_low is not None:
-        if mode == "truncate":
-            raise ValueError("threshold_low is only used by mode='mask' (TIS truncates from above only); drop it")
-        if not 0 <= threshold_low <= threshold:
-            raise ValueError(f"need 0 <= threshold_low <= threshold, got {threshold_low} and {threshold}")
+    if threshold_low is not None and not 0 <= threshold_low <= threshold:
+        raise ValueError(f"need 0 <= threshold_low <= threshold, got {threshold_low} and {threshold}")
     low = 1.0 / threshold if threshold_low is None else threshold_low
 
     with torch.no_grad():
@@ -263,7 +282,7 @@ def importance_weights(
         log_w_BT = diff_BT if level == "token" else diff_BT.sum(dim=-1, keepdim=True).expand_as(diff_BT)
         raw_BT = torch.exp(log_w_BT.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).masked_fill(~is_valid, 0.0)
         if mode == "truncate":
-            weights_BT = raw_BT.clamp(max=threshold)
+            weights_BT = raw_BT.clamp(min=threshold_low, max=threshold)
         else:
             is_kept = (raw_BT >= low) & (raw_BT <= threshold)
             weights_BT = torch.where(is_kept, raw_BT, torch.zeros_like(raw_BT))
@@ -278,6 +297,30 @@ def importance_weights(
             "fraction_modified": _masked_mean((weights_BT != raw_BT).float(), is_valid),
         }
     return weights_BT, metrics
+
+
+def importance_weight_sums(
+    weights_BT: torch.Tensor, mask_BT: torch.Tensor, level: str = "token"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of the weights whose ratio is their batch mean, for verl's batch normalization: over valid
+    tokens (level "token"), or one weight per sequence with a valid token (level "sequence"). Sum these over
+    micro-batches and ranks, then pass sum / count to `normalize_importance_weights`."""
+    _check_same_shape(weights_BT=weights_BT, mask_BT=mask_BT)
+    is_valid = mask_BT.bool()
+    weights = torch.where(is_valid, weights_BT.double(), torch.zeros_like(weights_BT, dtype=torch.float64))
+    if level == "token":
+        return weights.sum(), is_valid.sum().double()
+    has_valid_B = is_valid.any(dim=-1)
+    # a sequence weight is the same on every valid token: its mean over them
+    per_seq_B = weights.sum(dim=-1) / is_valid.sum(dim=-1).clamp(min=1)
+    return per_seq_B.sum(), has_valid_B.sum().double()
+
+
+def normalize_importance_weights(weights_BT: torch.Tensor, batch_mean: float | torch.Tensor) -> torch.Tensor:
+    """Weights divided by their batch mean so they average 1 (verl 0.9.1 `rollout_corr_helper.
+    compute_rollout_correction_weights`, rollout_is_batch_normalize); a mean <= 1e-8 leaves them as they are."""
+    mean = float(batch_mean)
+    return weights_BT / mean if mean > 1e-8 else weights_BT
 
 
 def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
@@ -313,16 +356,24 @@ def entropy_bonus_loss(
     )
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+# verl's names of the KL estimators (`core_algos.kl_penalty_forward`, verl 0.9.1)
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+"}
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence", 2020).
 
     With x = log pi(y) - log pi_ref(y) = logprobs - ref_logprobs:
 
-        k1 = x                          unbiased, can be negative        (verl "kl")
-        k2 = x^2 / 2                    biased, >= 0                     (verl "mse")
-        k3 = exp(-x) - (-x) - 1         unbiased, >= 0, low variance     (verl "low_var_kl", TRL's GRPO KL)
-             i.e. exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to [-20, 20] and k3 to [-10, 10]
-             as verl does.
+        k1  = x                          unbiased, can be negative        (verl "kl")
+        k2  = x^2 / 2                    biased, >= 0                     (verl "mse")
+        k3  = exp(-x) - (-x) - 1         unbiased, >= 0, low variance     (verl "low_var_kl", TRL's GRPO KL)
+              i.e. exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to [-20, 20] and k3 to [-10, 10]
+              as verl does.
+        abs = |x|                        (verl "abs")
+        k1+, k3+ (verl "low_var_kl+"), abs+: straight-through: the value of k1 / k3 / abs, the gradient of k2,
+              k2 + sg[k - k2]. k1 and k3 estimate KL's value without bias but not its gradient; k2's gradient is
+              the unbiased one (verl's `core_algos.kl_penalty`).
 
     As a loss term: aggregate_loss(beta * kl, mask, mode) (gradient flows through `logprobs`). As a reward
     penalty: token_rewards - beta * kl_estimate(...).detach(). Same shape as the inputs.
@@ -332,17 +383,27 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
             f"logprobs and ref_logprobs must have one shape, got {tuple(logprobs.shape)} and "
             f"{tuple(ref_logprobs.shape)}"
         )
-    if kind == "k1":
-        return logprobs - ref_logprobs
-    if kind == "k2":
-        return 0.5 * (logprobs - ref_logprobs).square()
-    if kind == "k3":
-        ref_minus_logp = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(
-        f"unknown KL estimator {kind!r}; choose one of {list(KL_KINDS)} (verl's 'kl' / 'mse' / 'low_var_kl' are "
-        "k1 / k2 / k3)"
-    )
+    kind = _KL_ALIASES.get(kind, kind)
+    if kind not in KL_KINDS:
+        raise ValueError(
+            f"unknown KL estimator {kind!r}; choose one of {list(KL_KINDS)} (verl's 'kl' / 'mse' / 'low_var_kl' are "
+            "k1 / k2 / k3)"
+        )
+    base = kind.removesuffix("+")
+    x = logprobs - ref_logprobs
+    if base == "k1":
+        value = x
+    elif base == "k2":
+        value = 0.5 * x.square()
+    elif base == "abs":
+        value = x.abs()
+    else:
+        ref_minus_logp = (-x).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        value = (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-10.0, 10.0)
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * x.square()
+    return k2 - k2.detach() + value.detach()
 
 
 def sft_loss(
@@ -363,6 +424,67 @@ def sft_loss(
         global_num_seqs=global_num_seqs,
         max_response_len=max_response_len,
     )
+
+
+def value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip: float | None = 0.5,
+    agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss (verl 0.9.1 `core_algos.compute_value_loss`, itself TRL's PPO value loss):
+
+        V_clip = clamp(V, V_old - clip, V_old + clip)
+        loss_t = max((V - R)^2, (V_clip - R)^2)
+        loss   = 0.5 * aggregate_loss(loss_t, mask, agg_mode)
+
+    V = values (with grad), V_old = the values the critic gave when the batch was made, R = the returns (GAE's
+    targets). clip=None: the plain squared error. Metrics: vf_clip_fraction (share of valid tokens where the
+    clipped branch is the larger, verl's vf_clipfrac) and value_mean (mean of V).
+    """
+    _check_same_shape(values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT, mask_BT=mask_BT)
+    if clip is not None and clip <= 0:
+        raise ValueError(f"clip (the value clip range) must be > 0 or None, got {clip}")
+    is_valid = mask_BT.bool()
+    zeros = torch.zeros_like(values_BT)
+    returns = torch.where(is_valid, returns_BT.detach(), zeros)
+    old = torch.where(is_valid, old_values_BT.detach(), zeros)
+    unclipped_BT = (values_BT - returns).square()
+    loss_BT = unclipped_BT
+    clipped_BT = unclipped_BT
+    if clip is not None:
+        clipped_BT = (torch.maximum(torch.minimum(values_BT, old + clip), old - clip) - returns).square()
+        loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    loss = 0.5 * aggregate_loss(
+        loss_BT,
+        mask_BT,
+        agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        max_response_len=max_response_len,
+    )
+    with torch.no_grad():
+        metrics = {
+            "vf_clip_fraction": _masked_mean((clipped_BT > unclipped_BT).float(), is_valid),
+            "value_mean": _masked_mean(values_BT.detach().float(), is_valid),
+        }
+    return loss, metrics
+
+
+def explained_variance(values_N: torch.Tensor, returns_N: torch.Tensor) -> float:
+    """1 - Var(R - V) / (Var(R) + 1e-5) over the valid tokens given (flattened; unbiased variances): 1 is a perfect
+    critic, 0 no better than a constant, negative worse (verl 0.9.1 `metric_utils.compute_data_metrics`,
+    critic/vf_explained_var). nan for fewer than 2 values."""
+    values, returns = values_N.double().flatten(), returns_N.double().flatten()
+    if returns.numel() < 2:
+        return float("nan")
+    return float(1.0 - (returns - values).var() / (returns.var() + 1e-5))
 
 
 def train_rollout_logprob_abs_diff(

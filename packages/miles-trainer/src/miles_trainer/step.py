@@ -13,7 +13,7 @@ Shapes: K response tokens, B samples of a micro-batch, T the longest response in
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -22,12 +22,15 @@ import torch.distributed as dist
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.config import PolicyLossConfig
+from miles_trainer.critic import JointValueLoss, value_loss_part
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import (
     aggregate_loss,
     entropy_bonus_loss,
+    importance_weight_sums,
     importance_weights,
     kl_estimate,
+    normalize_importance_weights,
     policy_loss,
     sft_loss,
     train_rollout_logprob_abs_diff,
@@ -36,6 +39,7 @@ from miles_trainer.packing import MicroBatch, pack_samples
 from miles_trainer.plugins import load_checked_plugin
 
 PerSample = Sequence[float | Sequence[float]]
+PerToken = Sequence[Sequence[float]]
 
 
 class PolicyLossFn(Protocol):
@@ -73,12 +77,14 @@ class StepStats:
     """Per-step metrics accumulated over micro-batches, then over ranks (`all_reduce`).
 
     Three kinds: sums (loss parts, already globally normalized, and counts), token-weighted means (clip
-    fractions, entropy, KL, mismatch mean) and maxima (keys ending in `_max`).
+    fractions, entropy, KL, mismatch mean; each over the tokens it was measured on) and maxima (keys ending in
+    `_max`).
     """
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = defaultdict(float)
         self.weighted: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
         self.maxima: dict[str, float] = {}
 
     def add(self, name: str, value: float) -> None:
@@ -86,6 +92,7 @@ class StepStats:
 
     def add_mean(self, name: str, mean: float, num_tokens: float) -> None:
         self.weighted[name] += mean * num_tokens
+        self.weights[name] += num_tokens
 
     def add_max(self, name: str, value: float) -> None:
         self.maxima[name] = max(self.maxima.get(name, float("-inf")), value)
@@ -94,7 +101,8 @@ class StepStats:
         """Combine every rank's stats (all ranks must hold the same keys: they run the same config)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        for table, op in ((self.sums, dist.ReduceOp.SUM), (self.weighted, dist.ReduceOp.SUM)):
+        for table, op in ((self.sums, dist.ReduceOp.SUM), (self.weighted, dist.ReduceOp.SUM),
+                          (self.weights, dist.ReduceOp.SUM)):  # fmt: skip
             keys = sorted(table)
             values = torch.tensor([table[k] for k in keys], dtype=torch.float64)
             dist.all_reduce(values, op=op)
@@ -105,9 +113,8 @@ class StepStats:
         self.maxima.update(zip(keys, maxima.tolist(), strict=True))
 
     def summary(self) -> dict[str, float]:
-        num_tokens = max(self.sums.get("num_tokens", 0.0), 1.0)
         out = dict(self.sums)
-        out.update({name: total / num_tokens for name, total in self.weighted.items()})
+        out.update({name: total / max(self.weights[name], 1.0) for name, total in self.weighted.items()})
         out.update(self.maxima)
         return out
 
@@ -124,9 +131,48 @@ def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tens
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True).to(device)
 
 
-def count_trained(samples: Sequence[Sample]) -> tuple[int, int]:
-    """(trained tokens, sequences with at least one trained token): the normalizers of the losses."""
-    return sum(sum(s.effective_loss_mask()) for s in samples), sum(1 for s in samples if any(s.effective_loss_mask()))
+def count_trained(samples: Sequence[Sample], is_weights: PerToken | None = None) -> tuple[int, int]:
+    """(trained tokens, sequences with at least one trained token): the normalizers of the losses. With
+    `is_weights` (MIS with `is_rejected="excluded"`), a token whose weight is 0 does not train."""
+    masks = [s.effective_loss_mask() for s in samples]
+    if is_weights is not None:
+        masks = [
+            [m and w > 0 for m, w in zip(mask, ws, strict=True)] for mask, ws in zip(masks, is_weights, strict=True)
+        ]
+    return sum(sum(mask) for mask in masks), sum(1 for mask in masks if any(mask))
+
+
+def mismatch_weights(
+    samples: Sequence[Sample],
+    old_logprobs: PerToken | None,
+    config: PolicyLossConfig,
+    all_reduce: Callable[[torch.Tensor], None] | None = None,
+) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """TIS / MIS importance weights (`losses.importance_weights`, as `config` sets them) of every response token of
+    `samples`, and their metrics over the valid tokens. `old_logprobs` None: the rollout's (weights exactly 1).
+    With `config.is_batch_normalize` the weights are divided by their mean over the batch; `all_reduce` (a sum
+    over data-parallel ranks, e.g. `torch.distributed.all_reduce`) makes that the global batch's mean."""
+    if config.is_mode is None:
+        raise ValueError("mismatch_weights needs PolicyLossConfig.is_mode ('truncate' or 'mask')")
+    rollout = [s.rollout_logprobs or [] for s in samples]
+    cpu = torch.device("cpu")
+    rollout_NT = _padded(rollout, cpu)
+    old_NT = rollout_NT if old_logprobs is None else _padded(old_logprobs, cpu)
+    mask_NT = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(s.effective_loss_mask(), dtype=torch.bool) for s in samples], batch_first=True
+    )
+    weights_NT, metrics = importance_weights(
+        old_NT, rollout_NT, mask_NT, level=config.is_level, mode=config.is_mode, threshold=config.is_threshold,
+        threshold_low=config.is_threshold_low,
+    )  # fmt: skip
+    if config.is_batch_normalize:
+        sums = torch.stack(importance_weight_sums(weights_NT, mask_NT, config.is_level))
+        if all_reduce is not None:
+            all_reduce(sums)
+        batch_mean = sums[0] / sums[1].clamp(min=1)
+        weights_NT = normalize_importance_weights(weights_NT, batch_mean)
+        metrics["batch_norm_factor"] = batch_mean
+    return [weights_NT[i, : len(s.response_tokens)].tolist() for i, s in enumerate(samples)], metrics
 
 
 def token_advantages(samples: Sequence[Sample], advantages: PerSample) -> list[list[float]]:
@@ -169,13 +215,19 @@ def accumulate_policy_gradients(
     num_micro_batches: int | None = None,
     old_logprobs: Sequence[Sequence[float]] | None = None,
     ref_logprobs: Sequence[Sequence[float]] | None = None,
+    is_weights: PerToken | None = None,
+    joint_value: JointValueLoss | None = None,
     measure_mismatch: bool = False,
 ) -> StepStats:
     """Forward + backward over all micro-batches (gradients accumulate in `model`); returns the step's stats.
 
     `advantages`: a scalar per sample or one value per response token. `old_logprobs`: the trainer's recomputed
     log-probs under the rollout weights (fast mode); None uses the rollout log-probs (true on-policy).
-    `ref_logprobs`: the reference policy's, needed when `config.kl_coef > 0`. `measure_mismatch`: report
+    `ref_logprobs`: the reference policy's, needed when `config.kl_coef > 0`. `is_weights`: the TIS / MIS weights
+    of `mismatch_weights` when `config.is_mode` is set (None: computed here, batch-normalized over `samples`;
+    pass them, and counts that leave out rejected tokens, when the batch spans ranks). `joint_value`: a value
+    head's clipped value loss, times its `vf_coef`, joins the loss (PPO with `CriticConfig.kind="value_head"`).
+    `measure_mismatch`: report
     `train_rollout_logprob_abs_diff` (the recomputed old log-probs, else this forward's, against the rollout's —
     meaningful while the weights are still those that generated the samples).
     With data parallelism, pass the token / sequence counts of the whole global batch (all ranks) and reduce
@@ -193,15 +245,20 @@ def accumulate_policy_gradients(
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the responses)")
     loss_fn = resolve_loss_fn(config.loss_fn)
-    local_tokens, local_seqs = count_trained(samples)
+    is_metrics: dict[str, torch.Tensor] = {}
+    if config.is_mode is not None and is_weights is None:
+        is_weights, is_metrics = mismatch_weights(samples, old_logprobs, config)
+    _check_per_token("is_weights", samples, is_weights)
+    exclude_rejected = config.is_mode == "mask" and config.is_rejected == "excluded"
+    local_tokens, local_seqs = count_trained(samples, is_weights if exclude_rejected else None)
     global_tokens = global_num_tokens if global_num_tokens is not None else local_tokens
     global_seqs = global_num_seqs if global_num_seqs is not None else local_seqs
     stats = StepStats()
     if global_tokens == 0 or not samples:
         return stats  # no token trains (every loss mask is zero): no gradient
-    if config.agg_mode == "seq-mean-token-sum-norm" and config.max_response_len is None:
+    if config.agg_mode in ("seq-mean-token-sum-norm", "token-sum-norm") and config.max_response_len is None:
         raise ValueError(
-            "agg_mode=seq-mean-token-sum-norm divides by a constant L: set PolicyLossConfig.max_response_len (the "
+            f"agg_mode={config.agg_mode} divides by a constant L: set PolicyLossConfig.max_response_len (the "
             "longest response the rollout may produce; a run config sets it from rollout.max_new_tokens)"
         )
     counts = {"global_num_tokens": global_tokens, "global_num_seqs": global_seqs,
@@ -210,7 +267,9 @@ def accumulate_policy_gradients(
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_K, entropy_K = micro_batch_forward(model, micro, config.temperature, with_entropy=True)
+        logprobs_K, entropy_K, hidden_KH = micro_batch_forward(
+            model, micro, config.temperature, with_entropy=True, with_hidden=joint_value is not None
+        )
         assert entropy_K is not None
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         device = logprobs_BT.device
@@ -218,11 +277,9 @@ def accumulate_policy_gradients(
         rollout_BT = _padded([samples[i].rollout_logprobs or [] for i in rows], device)
         old_BT = rollout_BT if old_logprobs is None else _padded([old_logprobs[i] for i in rows], device)
         advantages_BT = _padded([per_token_adv[i] for i in rows], device)
-        is_weights_BT, is_metrics = None, dict[str, torch.Tensor]()
-        if config.is_mode is not None:
-            is_weights_BT, is_metrics = importance_weights(
-                old_BT, rollout_BT, mask_BT, level=config.is_level, mode=config.is_mode, threshold=config.is_threshold
-            )
+        is_weights_BT = None if is_weights is None else _padded([is_weights[i] for i in rows], device)
+        if is_weights_BT is not None and exclude_rejected:
+            mask_BT = mask_BT & (is_weights_BT > 0)
         pg_loss, pg_metrics = loss_fn(
             logprobs_BT, old_BT, advantages_BT, mask_BT,
             clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
@@ -239,6 +296,15 @@ def accumulate_policy_gradients(
             kl_BT = kl_estimate(logprobs_BT, _padded([ref_logprobs[i] for i in rows], device), config.kl_estimator)
             if config.kl_coef > 0:
                 parts["kl_loss"] = config.kl_coef * aggregate_loss(kl_BT, mask_BT, config.agg_mode, **counts)
+        vf_metrics: dict[str, torch.Tensor] = {}
+        if joint_value is not None:
+            assert hidden_KH is not None
+            vf_loss, vf_metrics, _ = value_loss_part(
+                joint_value.head(hidden_KH), micro, joint_value.returns, joint_value.old_values, joint_value.config,
+                counts,
+            )  # fmt: skip
+            parts["vf_loss_term"] = joint_value.config.vf_coef * vf_loss
+            vf_metrics["vf_loss"] = vf_loss
         loss = torch.stack(list(parts.values())).sum()
         (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
         if weight == 0.0:
@@ -246,6 +312,10 @@ def accumulate_policy_gradients(
         num_valid = float(mask_BT.sum())
         stats.add("num_tokens", num_valid)
         stats.add("loss", float(loss.detach()))
+        if vf_metrics:
+            stats.add("vf_loss", float(vf_metrics.pop("vf_loss").detach()))
+            for name, value in vf_metrics.items():
+                stats.add_mean(name, float(value), num_valid)
         for name, part in parts.items():
             stats.add(name, float(part.detach()))
         with torch.no_grad():
@@ -253,10 +323,10 @@ def accumulate_policy_gradients(
             stats.add_mean("entropy", float(entropy_BT[is_valid].mean()) if num_valid else 0.0, num_valid)
             if kl_BT is not None:
                 stats.add_mean("kl", float(kl_BT.detach()[is_valid].mean()) if num_valid else 0.0, num_valid)
-            for name, value in {**pg_metrics, **{f"is_weight_{k}": v for k, v in is_metrics.items()}}.items():
+            for name, value in pg_metrics.items():
                 if name.endswith("_max"):
                     stats.add_max(name, float(value))
-                elif not name.startswith("is_weight_raw"):
+                else:
                     stats.add_mean(name, float(value), num_valid)
             if measure_mismatch:
                 diff = train_rollout_logprob_abs_diff(
@@ -264,7 +334,19 @@ def accumulate_policy_gradients(
                 )
                 stats.add_mean("train_rollout_logprob_abs_diff", float(diff["mean"]), num_valid)
                 stats.add_max("train_rollout_logprob_abs_diff_max", float(diff["max"]))
+    add_is_metrics(stats, is_metrics, samples)
     return stats
+
+
+def add_is_metrics(stats: StepStats, metrics: dict[str, torch.Tensor], samples: Sequence[Sample]) -> None:
+    """`mismatch_weights`' metrics as `is_weight_*` step stats (means over the samples' valid tokens; raw_max a
+    maximum; raw_min left out: the all-reduce keeps maxima only)."""
+    num_valid = float(sum(sum(s.effective_loss_mask()) for s in samples))
+    for name, value in metrics.items():
+        if name == "raw_max":
+            stats.add_max(f"is_weight_{name}", float(value))
+        elif name != "raw_min":
+            stats.add_mean(f"is_weight_{name}", float(value), num_valid)
 
 
 def accumulate_sft_gradients(
@@ -293,7 +375,7 @@ def accumulate_sft_gradients(
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_K, _ = micro_batch_forward(model, micro)
+        logprobs_K, _, _ = micro_batch_forward(model, micro)
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
         (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
