@@ -160,3 +160,20 @@ def test_the_local_cluster_runs_the_same_steps_as_ray(cold_run, tmp_path) -> Non
             else:
                 assert have.get(key) == want.get(key), (want["step"], key)
     assert "synced via an in-process copy and verified" in (run_dir / "run.log").read_text()
+
+
+@pytest.mark.timeout(600)
+def test_the_ppo_example_trains_its_critic(cold_run, tmp_path) -> None:
+    """examples/ppo_gae.yaml, shortened (3 steps on the local cluster, the bootstrapped policy): the critic warms
+    up, then policy and critic train together, and its metrics are logged."""
+    _, cache = cold_run
+    run_dir = tmp_path / "ppo"
+    example = Path(__file__).parents[2] / "examples" / "ppo_gae.yaml"
+    result = cli("--config", str(example), f"model.path={policy_dir(cache)}", *SMALL, "run.cluster=local",
+                 "run.num_steps=3", "run.eval_every=0", f"run.run_dir={run_dir}", cache=cache)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = history(run_dir)
+    assert [r["skipped_update"] for r in rows] == [1.0, 1.0, 0.0]  # critic warm-up: 2 steps
+    assert all(r["vf_loss"] > 0 and "critic_explained_variance" in r for r in rows)
+    assert rows[0]["critic_value_mean"] == 0.0 != rows[2]["critic_value_mean"]
+

@@ -65,3 +65,35 @@ def test_the_loop_runs_on_the_local_cluster_and_resumes_exactly(policy, tmp_path
     log = (stopped / "run.log").read_text()
     assert "resuming from" in log and "synced via an in-process copy and verified" in log
     assert json.loads((stopped / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+
+
+PPO = [
+    "trainer.advantage_estimator=gae", "trainer.critic.warmup_steps=1", "trainer.critic.optimizer.lr=1e-3",
+    "trainer.loss.kl_coef=0.05", "rollout.eval_k=2", "run.eval_every=3", "reward.name=orchestrator_plugins:behaves",
+]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_ppo_with_a_critic_and_a_kl_reference_runs_end_to_end_and_resumes_exactly(
+    policy, tmp_path, monkeypatch
+) -> None:
+    """`trainer.advantage_estimator=gae`: GAE on the critic's values, the critic warms up alone for one step, the
+    KL term against the frozen reference is live once the policy moves, pass@k is evaluated, and a run stopped
+    after a checkpoint (critic included) resumes with exactly the uninterrupted run's steps. The reward is the
+    response length (the random policy never solves the task), so the returns vary."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    straight = run(policy, tmp_path / "straight", *PPO, "run.num_steps=3")
+    trained = [r for r in straight if r["step"] > 0]
+    assert [r["skipped_update"] for r in trained] == [1.0, 0.0, 0.0]  # the critic's warm-up step
+    for row in trained:
+        assert row["vf_loss"] > 0 and 0 <= row["vf_clip_fraction"] <= 1 and row["critic_lr"] > 0
+        assert {"critic_explained_variance", "critic_value_mean", "critic_return_mean"} <= set(row)
+    assert trained[0]["critic_value_mean"] == 0.0 != trained[1]["critic_value_mean"]  # the value head starts at 0
+    assert trained[1]["kl"] == 0.0 < trained[2]["kl"]  # the reference is the initial policy; step 2 moved it
+    assert trained[2]["kl_loss"] > 0
+    assert "eval_pass@2" in straight[0] and "eval_pass@2" in straight[-1]
+
+    stopped = tmp_path / "stopped"
+    run(policy, stopped, *PPO, "run.num_steps=2")
+    resumed = run(policy, stopped, *PPO, "run.num_steps=3")
+    assert deterministic(resumed) == deterministic(straight)

@@ -21,7 +21,7 @@ import torch
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig
-from miles_orchestrator.cluster import TrainerSettings
+from miles_orchestrator.cluster import CriticTargets, TrainerSettings
 from miles_orchestrator.trainer_rank import TrainerRank
 from miles_orchestrator.weight_transport import post_buckets, write_shared_file
 from miles_rollout import Client, EngineConfig
@@ -110,13 +110,17 @@ class TrainerRankActor:
         return self.trainer
 
     def train(
-        self, samples: list[dict[str, Any]], advantages: list[list[float]], old_logprobs: Any, measure_mismatch: bool
-    ) -> dict[str, float]:
+        self, samples: list[dict[str, Any]], advantages: list[list[float]], old_logprobs: Any, measure_mismatch: bool,
+        critic: CriticTargets | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         batch = [Sample.model_validate(s) for s in samples]
-        return self._trainer.train(batch, advantages, old_logprobs, measure_mismatch)
+        return self._trainer.train(batch, advantages, old_logprobs, measure_mismatch, critic)
 
     def compute_logprobs(self, samples: list[dict[str, Any]]) -> list[list[float]]:
         return self._trainer.compute_logprobs([Sample.model_validate(s) for s in samples])
+
+    def compute_values(self, samples: list[dict[str, Any]]) -> list[list[float]]:
+        return self._trainer.compute_values([Sample.model_validate(s) for s in samples])
 
     def write_weights(self, directory: str) -> int:
         """`weight_transport.write_shared_file` on this rank (rank 0 writes)."""

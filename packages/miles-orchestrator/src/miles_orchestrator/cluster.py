@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from miles_contracts import Sample
 from miles_kernels.config import KernelConfig
 from miles_orchestrator.config import RunConfig
-from miles_trainer.config import FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
 
 
 class EngineClient(Protocol):
@@ -50,12 +50,16 @@ class Cluster(Protocol):
 
     async def train(
         self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,
-        measure: bool,
+        measure: bool, critic: CriticTargets | None = None,
     ) -> dict[str, float]:  # fmt: skip
-        """One optimizer step on `samples` (rank r takes samples r, r + R, ...); metrics are global."""
+        """One optimizer step on `samples` (rank r takes samples r, r + R, ...); metrics are global. `critic`:
+        PPO's value targets, which train the critic in the same call."""
 
     async def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The trainer's log-probs of each sample's response tokens (fast mode's old log-probs)."""
+
+    async def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        """The critic's value of each sample's response tokens (PPO)."""
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
         """The trainer's weights to the engine as `version` (the engine's memory must be resumed)."""
@@ -70,6 +74,17 @@ class Cluster(Protocol):
 
 
 @dataclass(frozen=True)
+class CriticTargets:
+    """What trains PPO's critic on a batch: GAE's returns and the values the critic gave (one list per sample)."""
+
+    returns: list[list[float]]
+    old_values: list[list[float]]
+
+    def part(self, rows: slice) -> CriticTargets:
+        return CriticTargets(self.returns[rows], self.old_values[rows])
+
+
+@dataclass(frozen=True)
 class TrainerSettings:
     """Everything a trainer rank is built from, resolved from the run config (the same on every cluster)."""
 
@@ -78,14 +93,21 @@ class TrainerSettings:
     loss: PolicyLossConfig
     backend: FSDP2Config
     offload_dir: str
+    critic: CriticConfig | None = None
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
     """The trainer's models from the run config; an optimizer with no `total_steps` spans the whole run."""
-    optimizer = cfg.trainer.optimizer
-    if optimizer.total_steps is None:
-        optimizer = optimizer.model_copy(update={"total_steps": cfg.run.num_steps * cfg.trainer.steps_per_rollout})
-    return TrainerSettings(cfg.kernel, optimizer, cfg.trainer.loss, cfg.trainer.backend, str(run_dir / "offload"))
+    total = cfg.run.num_steps * cfg.trainer.steps_per_rollout
+
+    def spanning(optimizer: OptimizerConfig) -> OptimizerConfig:
+        return optimizer if optimizer.total_steps is not None else optimizer.model_copy(update={"total_steps": total})
+
+    critic = None
+    if cfg.trainer.uses_critic:
+        critic = cfg.trainer.critic.model_copy(update={"optimizer": spanning(cfg.trainer.critic.optimizer)})
+    return TrainerSettings(cfg.kernel, spanning(cfg.trainer.optimizer), cfg.trainer.loss, cfg.trainer.backend,
+                           str(run_dir / "offload"), critic)  # fmt: skip
 
 
 def num_threads(cfg: RunConfig) -> int:

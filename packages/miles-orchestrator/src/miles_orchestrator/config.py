@@ -26,7 +26,14 @@ from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
 from miles_kernels.config import KernelConfig
 from miles_orchestrator.task import BuiltinTask
 from miles_rollout.config import EngineConfig
-from miles_trainer.config import ADVANTAGE_ESTIMATOR_NAMES, FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer.config import (
+    ADVANTAGE_ESTIMATOR_NAMES,
+    AdvantageConfig,
+    CriticConfig,
+    FSDP2Config,
+    OptimizerConfig,
+    PolicyLossConfig,
+)
 
 __all__ = ["RunConfig", "check_batch_identity", "config_help", "dump_config", "load_config"]
 
@@ -175,7 +182,18 @@ class TrainerSection(_Section):
     steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
     num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
     advantage_estimator: str = Field(
-        default="grpo", description=f"One of {list(ADVANTAGE_ESTIMATOR_NAMES)}, or a 'module:function' plug-in."
+        default="grpo",
+        description=f"One of {list(ADVANTAGE_ESTIMATOR_NAMES)}, 'gae' (PPO with a critic: trainer.critic), or a "
+        "'module:function' plug-in.",
+    )
+    advantage: AdvantageConfig = Field(
+        default_factory=AdvantageConfig,
+        description="Knobs of the estimators (miles_trainer.config.AdvantageConfig): GRPO's scale_rewards and "
+        "std epsilon, the discount and GAE lambda, whitening.",
+    )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig,
+        description="PPO's critic (miles_trainer.config.CriticConfig), used when advantage_estimator=gae.",
     )
     optimizer: OptimizerConfig = Field(
         default_factory=_run_optimizer,
@@ -194,12 +212,17 @@ class TrainerSection(_Section):
     @field_validator("advantage_estimator")
     @classmethod
     def _estimator(cls, value: str) -> str:
-        if value in ADVANTAGE_ESTIMATOR_NAMES or is_plugin_path(value):
+        if value in (*ADVANTAGE_ESTIMATOR_NAMES, "gae") or is_plugin_path(value):
             return value
         raise ValueError(
-            f"trainer.advantage_estimator={value!r}: use one of {list(ADVANTAGE_ESTIMATOR_NAMES)} or a "
+            f"trainer.advantage_estimator={value!r}: use one of {[*ADVANTAGE_ESTIMATOR_NAMES, 'gae']} or a "
             "'module:function' advantage plug-in"
         )
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO: GAE needs the critic's values."""
+        return self.advantage_estimator == "gae"
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSection:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from miles_contracts import Sample
-from miles_orchestrator.cluster import num_threads, trainer_settings
+from miles_orchestrator.cluster import CriticTargets, num_threads, trainer_settings
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.trainer_rank import TrainerRank
 from miles_orchestrator.weight_transport import copy_in_process
@@ -77,12 +77,15 @@ class LocalCluster:
 
     async def train(
         self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,
-        measure: bool,
+        measure: bool, critic: CriticTargets | None = None,
     ) -> dict[str, float]:  # fmt: skip
-        return await self._on_engine(lambda: self._trainer.train(samples, advantages, old_logprobs, measure))
+        return await self._on_engine(lambda: self._trainer.train(samples, advantages, old_logprobs, measure, critic))
 
     async def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         return await self._on_engine(lambda: self._trainer.compute_logprobs(samples))
+
+    async def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        return await self._on_engine(lambda: self._trainer.compute_values(samples))
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
         return await self._on_engine(lambda: copy_in_process(self._trainer, self._engine, version))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from miles_contracts import Sample
-from miles_orchestrator.cluster import Cluster, start_cluster
+from miles_orchestrator.cluster import Cluster, CriticTargets, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples
 from miles_orchestrator.evaluation import evaluate_held_out
@@ -27,7 +27,14 @@ from miles_orchestrator.filters import build_filters
 from miles_orchestrator.rewards import RewardPool, resolve_reward
 from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
-from miles_trainer import compute_advantages, load_advantage_estimator, resolve_loss_fn
+from miles_trainer import (
+    compute_advantages,
+    estimator_kwargs,
+    explained_variance,
+    gae_advantages,
+    load_advantage_estimator,
+    resolve_loss_fn,
+)
 
 
 def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]]:
@@ -63,9 +70,16 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
                         await cluster.save(run.checkpoint_dir(step - 1), position(step - 1, source))
                         await cluster.export(run.path / "final", model_dir)
                     break
-                advantages = group_advantages(cfg, batch)
+                critic = None
+                if not cfg.trainer.uses_critic:
+                    advantages = group_advantages(cfg, batch)
                 async with turns.trainer_turn():
-                    metrics |= await train(cfg, cluster, batch, advantages, run)
+                    if cfg.trainer.uses_critic:  # PPO: GAE on the critic's values of this batch
+                        advantages, critic, critic_metrics = gae_targets(
+                            cfg, batch, await cluster.compute_values(batch)
+                        )
+                        metrics |= critic_metrics
+                    metrics |= await train(cfg, cluster, batch, advantages, run, critic)
                     is_last = step == cfg.run.num_steps
                     if is_last or (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
                         await cluster.save(run.pending_checkpoint_dir(step), position(step, source))
@@ -177,21 +191,60 @@ class Turns:
             await self.engine_turn()
 
 
-def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
-    """Per-token advantages from the configured outcome estimator, groups by prompt."""
-    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float32)
-    groups = torch.tensor([s.group_index for s in batch])
+def loss_masks(batch: list[Sample]) -> torch.Tensor:
+    """The samples' loss masks (tool output and other untrained tokens are 0), right-padded: (N, T) float32."""
     mask = torch.zeros(len(batch), max(len(s.response_tokens) for s in batch))
     for i, s in enumerate(batch):
-        mask[i, : len(s.response_tokens)] = 1.0
-    adv = compute_advantages(cfg.trainer.advantage_estimator, rewards, groups, mask)
+        mask[i, : len(s.response_tokens)] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
+    return mask
+
+
+def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
+    """Per-token advantages from the configured outcome estimator, groups by prompt. Token-level estimators
+    (REINFORCE++) see the loss masks: untrained tokens neither carry a return nor join the whitening."""
+    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float32)
+    groups = torch.tensor([s.group_index for s in batch])
+    name = cfg.trainer.advantage_estimator
+    adv = compute_advantages(name, rewards, groups, loss_masks(batch), **estimator_kwargs(name, cfg.trainer.advantage))
     return [adv[i, : len(s.response_tokens)].tolist() for i, s in enumerate(batch)]
 
 
+def gae_targets(
+    cfg: RunConfig, batch: list[Sample], values: list[list[float]]
+) -> tuple[list[list[float]], CriticTargets, dict[str, float]]:
+    """PPO: GAE advantages and returns from each sample's outcome reward (on its last trained token) and the
+    critic's values, and the critic's metrics over the batch's trained tokens (explained variance, value and
+    return means)."""
+    mask = loss_masks(batch)
+    width = mask.shape[1]
+    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float64)
+    values_NT = torch.tensor([row + [0.0] * (width - len(row)) for row in values], dtype=torch.float64)
+    positions = torch.arange(width).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).amax(dim=1)
+    token_rewards = torch.zeros_like(values_NT)
+    rows = torch.nonzero(last >= 0).flatten()
+    token_rewards[rows, last[rows]] = rewards[rows]
+    knobs = cfg.trainer.advantage
+    adv, returns = gae_advantages(
+        token_rewards, values_NT, mask, gamma=knobs.gamma, lam=knobs.lam, whiten=knobs.whiten
+    )
+    is_valid = mask > 0
+    metrics = {
+        "critic_explained_variance": explained_variance(values_NT[is_valid], returns[is_valid]),
+        "critic_value_mean": float(values_NT[is_valid].mean()),
+        "critic_return_mean": float(returns[is_valid].mean()),
+    }
+    lengths = [len(s.response_tokens) for s in batch]
+    per_sample = [adv[i, :n].tolist() for i, n in enumerate(lengths)]
+    return per_sample, CriticTargets([returns[i, :n].tolist() for i, n in enumerate(lengths)], values), metrics
+
+
 async def train(
-    cfg: RunConfig, cluster: Cluster, batch: list[Sample], advantages: list[list[float]], run: RunDir
-) -> dict[str, float]:
-    """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs)."""
+    cfg: RunConfig, cluster: Cluster, batch: list[Sample], advantages: list[list[float]], run: RunDir,
+    critic: CriticTargets | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs); with
+    `critic`, each step trains PPO's critic on its part of the batch too."""
     began = time.perf_counter()
     metrics: dict[str, float] = {}
     old_logprobs = None if cfg.kernel.is_deterministic else await cluster.compute_logprobs(batch)
@@ -200,7 +253,10 @@ async def train(
         for k in range(cfg.trainer.steps_per_rollout):
             part = slice(k * size, (k + 1) * size)
             old = None if old_logprobs is None else old_logprobs[part]
-            step_metrics = batch_keys(await cluster.train(batch[part], advantages[part], old, measure=k == 0))
+            targets = None if critic is None else critic.part(part)
+            step_metrics = batch_keys(
+                await cluster.train(batch[part], advantages[part], old, measure=k == 0, critic=targets)
+            )
             # the mismatch is defined under the rollout weights: keep the first step's measurement
             metrics |= {key: v for key, v in step_metrics.items() if k == 0 or "logprob_abs_diff" not in key}
             advance()

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles_contracts import Sample
 from miles_orchestrator.actors import RolloutEngineActor, TrainerRankActor
-from miles_orchestrator.cluster import num_threads, trainer_settings
+from miles_orchestrator.cluster import CriticTargets, num_threads, trainer_settings
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.weight_transport import checkpoint_bytes, shared_sync_dir
 from miles_rollout import Client
@@ -114,21 +114,29 @@ class RayCluster:
 
     async def train(
         self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,
-        measure: bool,
+        measure: bool, critic: CriticTargets | None = None,
     ) -> dict[str, float]:  # fmt: skip
         world = len(self.trainers)
         calls = [
             trainer.train.remote(
-                share, advantages[rank::world], None if old_logprobs is None else old_logprobs[rank::world], measure
+                share, advantages[rank::world], None if old_logprobs is None else old_logprobs[rank::world], measure,
+                None if critic is None else critic.part(slice(rank, None, world)),
             )
             for rank, (trainer, share) in enumerate(zip(self.trainers, self._shares(samples), strict=True))
-        ]
+        ]  # fmt: skip
         results: list[dict[str, float]] = await asyncio.gather(*calls)
         return results[0]
 
     async def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        return await self._gathered("compute_logprobs", samples)
+
+    async def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        return await self._gathered("compute_values", samples)
+
+    async def _gathered(self, method: str, samples: list[Sample]) -> list[list[float]]:
+        """Per-sample rows each rank computes for its share, back in the batch's order."""
         world = len(self.trainers)
-        shares = await self._sharded("compute_logprobs", self._shares(samples))
+        shares = await self._sharded(method, self._shares(samples))
         out: list[list[float]] = [[] for _ in samples]
         for rank, share in enumerate(shares):
             out[rank::world] = share

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_contracts import Sample
-from miles_orchestrator.cluster import TrainerSettings
+from miles_orchestrator.cluster import CriticTargets, TrainerSettings
 from miles_trainer import FSDP2Backend, export_hf, load_checkpoint, save_checkpoint
 
 
@@ -22,20 +22,25 @@ class TrainerRank:
         self.model_dir = model_dir
         self.kernel = settings.kernel
         self.backend = FSDP2Backend(model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
-                                    offload_dir=settings.offload_dir)  # fmt: skip
+                                    offload_dir=settings.offload_dir, critic=settings.critic)  # fmt: skip
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's)."""
         return self.kernel.fingerprint(next(self.backend.model.parameters()).device.type)
 
     def train(
-        self, samples: Sequence[Sample], advantages: list[list[float]], old_logprobs: Any, measure_mismatch: bool
-    ) -> dict[str, float]:
-        return self.backend.train_step(samples, advantages, old_logprobs=old_logprobs,
-                                       measure_mismatch=measure_mismatch)  # fmt: skip
+        self, samples: Sequence[Sample], advantages: list[list[float]], old_logprobs: Any, measure_mismatch: bool,
+        critic: CriticTargets | None = None,
+    ) -> dict[str, float]:  # fmt: skip
+        returns, old_values = (None, None) if critic is None else (critic.returns, critic.old_values)
+        return self.backend.train_step(samples, advantages, old_logprobs=old_logprobs, returns=returns,
+                                       old_values=old_values, measure_mismatch=measure_mismatch)  # fmt: skip
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         return self.backend.compute_logprobs(samples)
+
+    def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
+        return self.backend.compute_values(samples)
 
     def weights_checksum(self) -> str:
         return self.backend.weights_checksum()
