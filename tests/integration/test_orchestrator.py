@@ -176,4 +176,3 @@ def test_the_ppo_example_trains_its_critic(cold_run, tmp_path) -> None:
     assert [r["skipped_update"] for r in rows] == [1.0, 1.0, 0.0]  # critic warm-up: 2 steps
     assert all(r["vf_loss"] > 0 and "critic_explained_variance" in r for r in rows)
     assert rows[0]["critic_value_mean"] == 0.0 != rows[2]["critic_value_mean"]
-

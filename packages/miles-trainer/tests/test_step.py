@@ -10,7 +10,14 @@ import torch
 from miles_contracts import Sample
 from miles_kernels import KernelConfig
 from miles_kernels.testing import random_model, tiny_config
-from miles_trainer import AGGREGATION_MODES, PolicyLossConfig, accumulate_policy_gradients, resolve_loss_fn
+from miles_trainer import (
+    AGGREGATION_MODES,
+    PolicyLossConfig,
+    accumulate_policy_gradients,
+    count_trained,
+    mismatch_weights,
+    resolve_loss_fn,
+)
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 
@@ -193,3 +200,74 @@ def test_custom_loss_plugin_is_loaded_and_checked(tmp_path, monkeypatch) -> None
         PolicyLossConfig(loss_fn="my_losses")
     with pytest.raises(ValueError, match=r"agg_mode\n.*Input should be 'token-mean', 'seq-mean-token-mean'"):
         PolicyLossConfig(agg_mode="mean")
+
+
+def _shifted_old_logprobs(samples: list[Sample], seed: int) -> list[list[float]]:
+    """Recomputed old log-probs that differ from the rollout's by up to ±0.5 (weights in [0.6, 1.65])."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[v + float(torch.rand(1, generator=generator)) - 0.5 for v in s.rollout_logprobs or []] for s in samples]
+
+
+def test_mis_rejected_tokens_excluded_train_like_a_loss_mask() -> None:
+    """is_rejected=excluded: a token MIS rejects leaves the counts, exactly as if its loss mask were 0 (verl's
+    rejection sampling); counted (TRL) keeps it in the token-mean's denominator, so the loss is smaller."""
+    model = random_model(tiny_config("dense"), KERNEL, seed=7).train()
+    samples, advantages = make_samples(7)
+    old = _shifted_old_logprobs(samples, seed=7)
+    config = PolicyLossConfig(is_mode="mask", is_threshold=1.3, is_threshold_low=0.8, is_rejected="excluded")
+    weights, _ = mismatch_weights(samples, old, config)
+    rejected = [[m == 1 and w == 0.0 for m, w in zip(s.effective_loss_mask(), ws, strict=True)]
+                for s, ws in zip(samples, weights, strict=True)]  # fmt: skip
+    assert 0 < sum(map(sum, rejected)) < sum(len(r) for r in rejected)
+    masked = [s.model_copy(update={"loss_mask": [int(m and not r) for m, r in zip(s.effective_loss_mask(), rs,
+                                                                                   strict=True)]})
+              for s, rs in zip(samples, rejected, strict=True)]  # fmt: skip
+    assert count_trained(samples, weights) == count_trained(masked)
+
+    def grads(batch, cfg):
+        model.zero_grad(set_to_none=True)
+        stats = accumulate_policy_gradients(model, batch, advantages, KERNEL, cfg, 20, old_logprobs=old).summary()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats["loss"]
+
+    excluded, loss_excluded = grads(samples, config)
+    as_mask, loss_as_mask = grads(masked, config)
+    for name in excluded:
+        torch.testing.assert_close(excluded[name], as_mask[name], rtol=1e-5, atol=1e-8, msg=name)
+    _, loss_counted = grads(samples, config.model_copy(update={"is_rejected": "counted"}))
+    assert loss_excluded == pytest.approx(loss_as_mask, rel=1e-6)
+    assert abs(loss_counted) < abs(loss_excluded)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batch_normalized_weights_average_one(level: str) -> None:
+    samples, _ = make_samples(8)
+    old = _shifted_old_logprobs(samples, seed=8)
+    config = PolicyLossConfig(is_mode="truncate", is_level=level, is_threshold=50.0, is_batch_normalize=True)
+    weights, metrics = mismatch_weights(samples, old, config)
+    plain, _ = mismatch_weights(samples, old, config.model_copy(update={"is_batch_normalize": False}))
+    masks = [s.effective_loss_mask() for s in samples]
+    if level == "token":
+        kept = [w for ws, ms in zip(weights, masks, strict=True) for w, m in zip(ws, ms, strict=True) if m]
+        assert sum(kept) / len(kept) == pytest.approx(1.0, rel=1e-6)
+    else:  # one weight per sequence with a trained token
+        per_seq = [next(w for w, m in zip(ws, ms, strict=True) if m) for ws, ms in zip(weights, masks, strict=True)]
+        assert sum(per_seq) / len(per_seq) == pytest.approx(1.0, rel=1e-6)
+    factor = float(metrics["batch_norm_factor"])
+    assert factor != 1.0
+    for ws, ps in zip(weights, plain, strict=True):
+        assert ws == pytest.approx([p / factor for p in ps], rel=1e-6)
+
+
+def test_truncation_lower_bound_and_config_checks() -> None:
+    """TRL's clip_min: TIS with is_threshold_low raises weights below it to it; a lower bound above the upper
+    one is refused by the config."""
+    samples, _ = make_samples(9)
+    old = _shifted_old_logprobs(samples, seed=9)
+    weights, _ = mismatch_weights(samples, old, PolicyLossConfig(is_mode="truncate", is_threshold_low=0.9))
+    trained = [w for ws, s in zip(weights, samples, strict=True) for w, m in zip(ws, s.effective_loss_mask(),
+                                                                                  strict=True) if m]  # fmt: skip
+    assert min(trained) == pytest.approx(0.9) and max(trained) <= 2.0
+    with pytest.raises(ValueError, match=r"is_threshold_low=3\.0 is above is_threshold=2\.0"):
+        PolicyLossConfig(is_mode="mask", is_threshold_low=3.0)
+    with pytest.raises(ValueError, match=r"needs PolicyLossConfig\.is_mode"):
+        mismatch_weights(samples, old, PolicyLossConfig())
