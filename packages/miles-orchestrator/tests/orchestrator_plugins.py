@@ -10,8 +10,12 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from miles_contracts import Sample
+
+if TYPE_CHECKING:  # the reward workers import this module: keep it light
+    from miles_orchestrator.config import DataSection
 
 
 def behaves(sample: Sample) -> float:
@@ -66,3 +70,56 @@ def filter_raises(samples: Sequence[Sample]) -> bool:
 def filter_returns_number(samples: Sequence[Sample]) -> bool:
     """A broken SampleFilter: returns a float instead of a bool."""
     return 0.5  # type: ignore[return-value]
+
+
+class CountingSource:
+    """A DataSource plug-in (data.source=orchestrator_plugins:CountingSource): the prompts 'count N' for N = start,
+    start + step, ... (data.source_args), `num_prompts` of them (None: endless), resumable from its state."""
+
+    def __init__(self, cfg: DataSection, *, start: int = 0, step: int = 1, num_prompts: int | None = None) -> None:
+        self.seed, self.start, self.step, self.num_prompts = cfg.seed, start, step, num_prompts
+        self.next_index = 0
+
+    def get_samples(self, num_prompts: int) -> list[Sample]:
+        if self.num_prompts is not None:
+            num_prompts = min(num_prompts, self.num_prompts - self.next_index)
+        indices = range(self.next_index, self.next_index + num_prompts)
+        self.next_index += num_prompts
+        values = [self.start + self.step * k for k in indices]
+        return [
+            Sample(index=k, group_index=k, prompt=f"count {v}", label=str(v), metadata={"seed": self.seed})
+            for k, v in zip(indices, values, strict=True)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_index": self.next_index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_index = int(state["next_index"])
+
+
+class SourceWithoutResume:
+    """Not a DataSource: it cannot resume (no load_state_dict)."""
+
+    def __init__(self, cfg: DataSection) -> None:
+        self.next_index = 0
+
+    def get_samples(self, num_prompts: int) -> list[Sample]:
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class RestartingSource(CountingSource):
+    """A broken DataSource: every call starts its group indices from 0 again."""
+
+    def get_samples(self, num_prompts: int) -> list[Sample]:
+        return [s.model_copy(update={"group_index": k}) for k, s in enumerate(super().get_samples(num_prompts))]
+
+
+class UnsavableSource(CountingSource):
+    """A broken DataSource: its state is not JSON."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_index": {self.next_index}}

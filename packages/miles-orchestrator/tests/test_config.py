@@ -4,6 +4,7 @@ and validates without importing torch."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,14 @@ def test_unknown_yaml_key_names_the_file(tmp_path: Path) -> None:
         ("rollout.engine.num_kv_pages=1", r"rollout\.engine\.num_kv_pages: Input should be greater than or equal"),
         ("run.cluster=k8s", r"run\.cluster: Input should be 'ray' or 'local'"),
         ("trainer.advantage_estimator=ppo", r"trainer\.advantage_estimator: .*use one of \['grpo'"),
-        ("data.source=prompts.csv", r"data\.source: 'prompts\.csv' is neither 'builtin' nor"),
+        (
+            "data.source=prompts.csv",
+            r"data\.source: 'prompts\.csv' is neither 'builtin', a \.jsonl / \.parquet file, ",
+        ),
+        ("data.eval_path=my_data:Source", r"data\.eval_path: 'my_data:Source' is neither .* for data\.source only"),
+        ("data.source_args={n: 1}", r"data: data\.source_args=\{'n': 1\} are keyword arguments of a 'module:Class'"),
+        ("reward.name=http", r"reward: reward\.name=http needs reward\.url, the endpoint"),
+        ("reward.url=http://localhost:8000/r", r"reward: reward\.url / reward\.health_url are for reward\.name=http"),
         ("reward.name=accuracy", r"reward\.name: reward\.name='accuracy': use one of"),
         ("rollout.rollout_fn=mymodule", r"rollout\.rollout_fn: 'mymodule' must be a 'package\.module:function'"),
         ("trainer.loss.dual_clip=0.5", r"trainer\.loss\.dual_clip: Input should be greater than 1"),
@@ -89,6 +97,29 @@ def test_unknown_yaml_key_names_the_file(tmp_path: Path) -> None:
 def test_invalid_values_name_the_field(override: str, expected: str) -> None:
     with pytest.raises(ValueError, match=expected):
         load_config(None, [override])
+
+
+def test_data_and_reward_plugins_are_accepted_in_every_form_and_refused_with_the_fix() -> None:
+    plugin = load_config(None, ["data.source=my_data:Source", "data.source_args={split: dev, limit: 5}"]).data
+    assert plugin.source == "my_data:Source" and plugin.source_args == {"split": "dev", "limit": 5}
+    hf = load_config(None, ["data.source=hf:/data/gsm8k", "data.eval_path=hf:/data/gsm8k", "data.hf_split=dev"]).data
+    assert (hf.source, hf.eval_path, hf.hf_split, hf.hf_eval_split) == (
+        "hf:/data/gsm8k",
+        "hf:/data/gsm8k",
+        "dev",
+        "test",
+    )
+    http = load_config(None, ["reward.name=http", "reward.url=https://rm.example:8443/score", "reward.is_group=true"])
+    assert http.reward.url == "https://rm.example:8443/score" and http.reward.max_retries == 3
+    for url in ("localhost:8000/reward", "ftp://rm.example/score", "http://", "http://rm.example:99999/"):
+        with pytest.raises(ValueError, match=rf"reward\.url: reward\.url='{re.escape(url)}' is not an http\(s\) URL"):
+            load_config(None, ["reward.name=http", f"reward.url={url}"])
+    with pytest.raises(ValueError, match=r"reward\.health_url: reward\.health_url='health' is not an http\(s\) URL"):
+        load_config(None, ["reward.name=http", "reward.url=http://h/r", "reward.health_url=health"])
+    with pytest.raises(ValueError, match=r"reward\.max_backoff_s=1 is below reward\.backoff_s=2; raise max_backoff_s"):
+        load_config(
+            None, ["reward.name=http", "reward.url=http://h/r", "reward.backoff_s=2", "reward.max_backoff_s=1"]
+        )
 
 
 def test_truncated_sampling_is_allowed_off_true_on_policy() -> None:

@@ -1,5 +1,6 @@
 """Docs tier: the Python examples of docs/plugins.md, run as written — loaded by path through the same checks
-as a run, and called (the rollout function against an in-process embedded engine)."""
+as a run, and called (the rollout function against an in-process embedded engine, the reward server's app under
+uvicorn on 127.0.0.1 through the http reward, the data source through a resume)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 from miles_contracts import RolloutFn, Sample, SampleFilter, SampleStatus, SamplingParams, load_plugin
 from miles_kernels import KernelConfig
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
-from miles_orchestrator.rewards import resolve_reward
+from miles_orchestrator.config import DataSection, RewardSection
+from miles_orchestrator.data import build_data_source
+from miles_orchestrator.rewards import RewardPool, resolve_reward
 from miles_orchestrator.rollout import PromptEncoder, expand_groups, run_groups
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
@@ -23,7 +26,7 @@ GUIDE = Path(__file__).resolve().parents[3] / "docs" / "plugins.md"
 @pytest.fixture(scope="module")
 def my_plugins(tmp_path_factory):
     blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
-    assert len(blocks) >= 3, "the guide lost its examples"
+    assert len(blocks) >= 5, "the guide lost its examples"
     directory = tmp_path_factory.mktemp("plugins")
     (directory / "my_plugins.py").write_text("\n\n".join(blocks))
     import sys
@@ -67,3 +70,36 @@ def test_rollout_function_example(my_plugins, tmp_path) -> None:
     for s in done:
         assert len(s.rollout_logprobs or []) == len(s.response_tokens) > 0
         assert "\n" not in s.response
+
+
+async def test_reward_server_example(my_plugins) -> None:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(my_plugins.app, host="127.0.0.1", port=0, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        samples = [sample(0, "5", 1), sample(1, "7", 1)]
+        section = RewardSection(name="http", url=f"http://127.0.0.1:{port}/reward", max_retries=0)
+        pool = await asyncio.to_thread(RewardPool.from_config, section)  # its start-up check blocks: off the loop
+        with pool:
+            stats = await pool.score(samples)
+    finally:
+        server.should_exit = True
+        await serving
+    assert [s.reward for s in samples] == [1.0, 0.0] and stats.num_failed == 0
+
+
+def test_data_source_example(my_plugins) -> None:
+    cfg = DataSection(source="my_plugins:Multiplications", source_args={"max_factor": 20}, seed=1)
+    expected = build_data_source(cfg).get_samples(6)
+    for s in expected:
+        a, b = (int(x) for x in str(s.prompt).removeprefix("What is ").removesuffix("?").split(" * "))
+        assert s.label == str(a * b) and 2 <= a <= 20 and 2 <= b <= 20
+    first = build_data_source(cfg)
+    first.get_samples(4)
+    resumed = build_data_source(cfg)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.get_samples(2) == expected[4:]

@@ -18,9 +18,18 @@ import difflib
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
 from miles_kernels.config import KernelConfig
@@ -38,7 +47,9 @@ from miles_trainer.config import (
 __all__ = ["RunConfig", "check_batch_identity", "config_help", "dump_config", "load_config"]
 
 BUILTIN_REWARD_NAMES = ("exact_match", "math", "task")
+HTTP_REWARD = "http"  # the built-in remote reward (miles_orchestrator.http_reward)
 DATA_SUFFIXES = (".jsonl", ".parquet")
+HF_PREFIX = "hf:"  # a local Hugging Face dataset (miles_orchestrator.hf_data); reserved, so never a plug-in path
 CLUSTERS = ("ray", "local")
 
 
@@ -88,26 +99,76 @@ class TaskSection(_Section):
         )
 
 
+DataSourceKind = Literal["builtin", "file", "hf", "plugin"]
+
+
+def data_source_kind(value: str) -> DataSourceKind | None:
+    """What a `data.source` / `data.eval_path` value names (None: nothing valid), by shape only."""
+    if value == "builtin":
+        return "builtin"
+    if value.startswith(HF_PREFIX):
+        return "hf" if value.removeprefix(HF_PREFIX).strip() else None
+    if value.endswith(DATA_SUFFIXES):
+        return "file"
+    return "plugin" if is_plugin_path(value) else None
+
+
 class DataSection(_Section):
     """Where prompts come from (step 1 of the data path)."""
 
-    source: str = Field(default="builtin", description="'builtin' (the arithmetic task) or a .jsonl / .parquet file.")
+    source: str = Field(
+        default="builtin",
+        description="'builtin' (the arithmetic task), a .jsonl / .parquet file, 'hf:PATH' (a local Hugging Face "
+        "dataset: a save_to_disk directory, a folder of data files, or one .json/.jsonl/.parquet/.csv/.arrow file; "
+        "needs the hf extra), or a 'module:Class' DataSource plug-in.",
+    )
+    source_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of a 'module:Class' data.source, built as Class(data_section, **source_args).",
+    )
+    hf_split: str = Field(default="train", description="Split of an 'hf:' data.source that has several.")
     prompt_key: str = Field(default="prompt", description="Row key of the prompt (text or chat messages).")
     label_key: str = Field(default="label", description="Row key of the reference answer.")
     apply_chat_template: bool = Field(default=False, description="Send the prompt as a user chat message.")
     shuffle: bool = Field(default=True, description="Shuffle rows each epoch (file sources).")
     seed: int = Field(default=0, ge=0, description="Seed of the shuffle and of the built-in task's problems.")
     num_epochs: int = Field(default=1, ge=1, description="Passes over a file source; the built-in task never ends.")
-    eval_path: str | None = Field(default=None, description="Held-out .jsonl / .parquet; null: the task's held-out.")
+    eval_path: str | None = Field(
+        default=None, description="Held-out .jsonl / .parquet file or 'hf:PATH'; null: the task's held-out."
+    )
+    hf_eval_split: str = Field(default="test", description="Split of an 'hf:' data.eval_path that has several.")
     num_eval_prompts: int = Field(default=200, ge=0, description="Held-out prompts per evaluation (0: no evaluation).")
     task: TaskSection = Field(default_factory=TaskSection, description="The built-in task's difficulty.")
 
-    @field_validator("source", "eval_path")
+    @field_validator("source")
     @classmethod
-    def _known_format(cls, value: str | None) -> str | None:
-        if value is None or value == "builtin" or value.endswith(DATA_SUFFIXES):
+    def _known_source(cls, value: str) -> str:
+        if data_source_kind(value) is not None:
             return value
-        raise ValueError(f"{value!r} is neither 'builtin' nor a {' / '.join(DATA_SUFFIXES)} file; convert it first")
+        raise ValueError(
+            f"{value!r} is neither 'builtin', a {' / '.join(DATA_SUFFIXES)} file, 'hf:PATH' (a local Hugging Face "
+            "dataset, e.g. hf:data/gsm8k or hf:train.csv) nor a 'package.module:Class' DataSource plug-in; give one "
+            "of these"
+        )
+
+    @field_validator("eval_path")
+    @classmethod
+    def _known_eval_path(cls, value: str | None) -> str | None:
+        if value is None or data_source_kind(value) in ("file", "hf"):
+            return value
+        raise ValueError(
+            f"{value!r} is neither a {' / '.join(DATA_SUFFIXES)} file nor 'hf:PATH' (a local Hugging Face dataset); "
+            "null evaluates on the built-in task's held-out problems, and a plug-in is for data.source only"
+        )
+
+    @model_validator(mode="after")
+    def _source_args_need_a_plugin(self) -> DataSection:
+        if self.source_args and data_source_kind(self.source) != "plugin":
+            raise ValueError(
+                f"data.source_args={self.source_args!r} are keyword arguments of a 'module:Class' data.source, but "
+                f"data.source={self.source!r}; drop data.source_args or name a plug-in class"
+            )
+        return self
 
 
 class RolloutSection(_Section):
@@ -146,19 +207,93 @@ class RolloutSection(_Section):
 
 
 class RewardSection(_Section):
-    """How responses are scored (step 3); user code runs in worker processes with a timeout."""
+    """How responses are scored (step 3): user code runs in worker processes with a timeout; the http reward asks a
+    server."""
 
-    name: str = Field(default="task", description="'exact_match', 'math', 'task', or a 'module:function' path.")
+    name: str = Field(
+        default="task",
+        description="'exact_match', 'math', 'task', 'http' (a reward server at reward.url), or a 'module:function' "
+        "path.",
+    )
     is_group: bool = Field(default=False, description="The function scores a whole prompt group at once.")
-    timeout_s: float = Field(default=10.0, gt=0, description="Seconds per reward call before it counts as failed.")
-    num_workers: int = Field(default=2, ge=1, le=256, description="Reward worker processes.")
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="Seconds per reward call (http: per attempt) before it counts as failed."
+    )
+    num_workers: int = Field(
+        default=2, ge=1, le=256, description="Reward worker processes (unused by reward.name=http)."
+    )
+    url: str | None = Field(
+        default=None,
+        description="The http reward's endpoint, e.g. http://127.0.0.1:8000/reward: each call POSTs the sample(s) as "
+        "JSON there.",
+    )
+    health_url: str | None = Field(
+        default=None,
+        description="http reward: a URL that must answer GET with 2xx at start-up; null: a GET of reward.url must "
+        "get any answer but 404.",
+    )
+    max_retries: int = Field(
+        default=3, ge=0, le=20,
+        description="http reward: extra attempts of a call after a connection error, a timeout, a 5xx or a 429 "
+        "(never after another 4xx).",
+    )  # fmt: skip
+    backoff_s: float = Field(
+        default=0.5, gt=0, description="http reward: wait before the first retry; doubles per retry."
+    )
+    max_backoff_s: float = Field(default=8.0, gt=0, description="http reward: the longest wait between retries.")
+    max_concurrency: int = Field(
+        default=32, ge=1, le=4096, description="http reward: most requests in flight at once."
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="http reward: environment variable holding an API key, sent as 'Authorization: Bearer KEY' "
+        "(the key itself stays out of config files); null: no key.",
+    )
 
     @field_validator("name")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value in BUILTIN_REWARD_NAMES or is_plugin_path(value):
+        if value in BUILTIN_REWARD_NAMES or value == HTTP_REWARD or is_plugin_path(value):
             return value
-        raise ValueError(f"reward.name={value!r}: use one of {list(BUILTIN_REWARD_NAMES)} or a 'module:function' path")
+        raise ValueError(
+            f"reward.name={value!r}: use one of {[*BUILTIN_REWARD_NAMES, HTTP_REWARD]} or a 'module:function' path"
+        )
+
+    @field_validator("url", "health_url")
+    @classmethod
+    def _http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme in ("http", "https") and parts.hostname and not any(c.isspace() for c in value):
+            try:
+                _ = parts.port  # an out-of-range or non-numeric port raises here
+                return value
+            except ValueError:
+                pass
+        raise ValueError(
+            f"reward.{info.field_name}={value!r} is not an http(s) URL with a host; give e.g. "
+            "http://127.0.0.1:8000/reward"
+        )
+
+    @model_validator(mode="after")
+    def _http_settings(self) -> RewardSection:
+        if self.name == HTTP_REWARD and self.url is None:
+            raise ValueError(
+                "reward.name=http needs reward.url, the endpoint that scores samples (e.g. "
+                "reward.url=http://127.0.0.1:8000/reward)"
+            )
+        if self.name != HTTP_REWARD and (self.url is not None or self.health_url is not None):
+            raise ValueError(
+                f"reward.url / reward.health_url are for reward.name=http, not reward.name={self.name!r}; set "
+                "reward.name=http or drop them"
+            )
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(
+                f"reward.max_backoff_s={self.max_backoff_s:g} is below reward.backoff_s={self.backoff_s:g}; raise "
+                "max_backoff_s or lower backoff_s"
+            )
+        return self
 
 
 class FilterSection(_Section):
@@ -335,7 +470,7 @@ class RunConfig(_Section):
         if self.reward.is_group and self.reward.name in BUILTIN_REWARD_NAMES:
             raise ValueError(
                 f"reward.name={self.reward.name!r} scores one sample at a time; set reward.is_group=false, or give "
-                "a 'module:function' GroupRewardFn as reward.name"
+                "a 'module:function' GroupRewardFn (or http) as reward.name"
             )
         return self
 

@@ -5,11 +5,14 @@ expands a prompt into its group of n samples with `index = group_index * n + i`.
 equals its `group_index` until then. With `apply_chat_template` a text prompt becomes one user `ChatMessage`, which
 the rollout renders with the tokenizer's chat template; otherwise the text goes to the engine as it is.
 
-- `FileSource`: rows of a local .jsonl or .parquet file, shuffled per epoch from a seed, for `num_epochs` passes.
-  When the passes are used up it returns fewer prompts than asked (then none): the loop ends the run there.
+- `FileSource`: rows of a local .jsonl or .parquet file, or of a local Hugging Face dataset ('hf:PATH', read by
+  hf_data.py), shuffled per epoch from a seed, for `num_epochs` passes. When the passes are used up it returns
+  fewer prompts than asked (then none): the loop ends the run there.
 - `BuiltinTaskSource`: the built-in arithmetic task's train split, never exhausted.
+- `PluginSource` (plugin_source.py): a user's 'module:Class' DataSource, built from the `data` section, whose
+  prompts are checked against the invariants above as they come.
 
-Both resume exactly: a source restored from `state_dict()` returns the same next prompts as one that never stopped.
+All resume exactly: a source restored from `state_dict()` returns the same next prompts as one that never stopped.
 Held-out prompts for evaluation come from `load_eval_samples` / `BuiltinTaskSource.eval_samples`.
 """
 
@@ -24,22 +27,47 @@ import pyarrow.parquet as pq
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from miles_contracts import ChatMessage, DataSource, Sample
-from miles_orchestrator.config import DataSection
+from miles_orchestrator.config import HF_PREFIX, DataSection, data_source_kind
+from miles_orchestrator.hf_data import hf_records, import_datasets, local_dataset_path
+from miles_orchestrator.plugin_source import PluginSource, load_source_class
 from miles_orchestrator.task import BuiltinTask
 
-__all__ = ["BuiltinTaskSource", "FileSource", "build_data_source", "build_eval_samples", "load_eval_samples"]
+__all__ = [
+    "BuiltinTaskSource",
+    "FileSource",
+    "PluginSource",
+    "build_data_source",
+    "build_eval_samples",
+    "check_data_source",
+    "load_eval_samples",
+]
 
 _MESSAGES = TypeAdapter(list[ChatMessage])
 _JSON = TypeAdapter(JsonValue)
 
 
-def read_rows(path: str | Path, prompt_key: str, label_key: str, apply_chat_template: bool) -> list[Sample]:
-    """Every row of a .jsonl / .parquet file as a prompt `Sample` (group_index = row number), checked row by row.
+def read_rows(
+    path: str | Path, prompt_key: str, label_key: str, apply_chat_template: bool, *, split: str = "train"
+) -> list[Sample]:
+    """Every row of a .jsonl / .parquet file, or of the local Hugging Face dataset 'hf:PATH' (its `split` when it has
+    several), as a prompt `Sample` (group_index = row number), checked row by row.
 
     Keys other than the prompt and the label go to `Sample.metadata`. A bad row raises ValueError naming the file,
-    the line (JSONL) or row (Parquet) and the problem.
+    the line (JSONL) or row (Parquet, datasets) and the problem.
     """
-    path = Path(path)
+    if isinstance(path, str) and path.startswith(HF_PREFIX):
+        records, where = hf_records(path, split)
+    else:
+        records, where = _file_records(Path(path))
+    if not records:
+        raise ValueError(f"{path} has no rows; give a file with at least one prompt")
+    return [
+        _row_sample(row, at, i, prompt_key, label_key, apply_chat_template)
+        for i, (row, at) in enumerate(zip(records, where, strict=True))
+    ]
+
+
+def _file_records(path: Path) -> tuple[list[Any], list[str]]:
     if not path.is_file():
         raise ValueError(f"data file {str(path)!r} does not exist; check data.source / data.eval_path")
     if path.suffix == ".parquet":
@@ -47,25 +75,19 @@ def read_rows(path: str | Path, prompt_key: str, label_key: str, apply_chat_temp
             records: list[Any] = pq.read_table(path).to_pylist()
         except Exception as error:  # pyarrow raises several types for a corrupt file
             raise ValueError(f"{path}: cannot read it as Parquet ({error})") from error
-        where = [f"{path} row {i}" for i in range(len(records))]
-    elif path.suffix == ".jsonl":
-        records, where = [], []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path} line {number}: not valid JSON ({error.msg})") from error
-            where.append(f"{path} line {number}")
-    else:
+        return records, [f"{path} row {i}" for i in range(len(records))]
+    if path.suffix != ".jsonl":
         raise ValueError(f"{path}: unknown data format {path.suffix!r}; use a .jsonl or .parquet file")
-    if not records:
-        raise ValueError(f"{path} has no rows; give a file with at least one prompt")
-    return [
-        _row_sample(row, at, i, prompt_key, label_key, apply_chat_template)
-        for i, (row, at) in enumerate(zip(records, where, strict=True))
-    ]
+    records, where = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} line {number}: not valid JSON ({error.msg})") from error
+        where.append(f"{path} line {number}")
+    return records, where
 
 
 def _row_sample(row: Any, at: str, i: int, prompt_key: str, label_key: str, apply_chat_template: bool) -> Sample:
@@ -101,7 +123,8 @@ def _row_sample(row: Any, at: str, i: int, prompt_key: str, label_key: str, appl
 
 
 class FileSource:
-    """Prompts from a .jsonl / .parquet file, shuffled per epoch (`random.Random(seed * 1_000_003 + epoch)`)."""
+    """Prompts from a .jsonl / .parquet file or a local Hugging Face dataset ('hf:PATH', its `split`), shuffled per
+    epoch (`random.Random(seed * 1_000_003 + epoch)`)."""
 
     def __init__(
         self,
@@ -113,11 +136,12 @@ class FileSource:
         shuffle: bool = True,
         seed: int = 0,
         num_epochs: int = 1,
+        split: str = "train",
     ) -> None:
         if num_epochs < 1:
             raise ValueError(f"num_epochs={num_epochs}: a file source needs at least one pass (data.num_epochs)")
         self.path = str(path)
-        self._rows = read_rows(path, prompt_key, label_key, apply_chat_template)
+        self._rows = read_rows(path, prompt_key, label_key, apply_chat_template, split=split)
         self.shuffle, self.seed, self.num_epochs = shuffle, seed, num_epochs
         self.epoch = 0  # position: the next prompt is row _order[offset] of this epoch
         self.offset = 0
@@ -224,16 +248,21 @@ def load_eval_samples(
     label_key: str = "label",
     apply_chat_template: bool = True,
     num_prompts: int | None = None,
+    split: str = "test",
 ) -> list[Sample]:
-    """The first `num_prompts` rows (all when None) of a held-out file, in file order, group_index = row number."""
-    rows = read_rows(path, prompt_key, label_key, apply_chat_template)
+    """The first `num_prompts` rows (all when None) of a held-out file or 'hf:PATH' dataset (its `split` when it has
+    several), in file order, group_index = row number."""
+    rows = read_rows(path, prompt_key, label_key, apply_chat_template, split=split)
     return rows if num_prompts is None else rows[:num_prompts]
 
 
 def build_data_source(cfg: DataSection) -> DataSource:
     """The training source that `data` names."""
-    if cfg.source == "builtin":
+    kind = data_source_kind(cfg.source)
+    if kind == "builtin":
         return _builtin_source(cfg)
+    if kind == "plugin":
+        return PluginSource(cfg)
     return FileSource(
         cfg.source,
         prompt_key=cfg.prompt_key,
@@ -242,7 +271,21 @@ def build_data_source(cfg: DataSection) -> DataSource:
         shuffle=cfg.shuffle,
         seed=cfg.seed,
         num_epochs=cfg.num_epochs,
+        split=cfg.hf_split,
     )
+
+
+def check_data_source(cfg: DataSection) -> None:
+    """The start-up check of `data.source`, before anything is built: the file or local dataset exists (and the hf
+    extra is installed), or the plug-in class imports, has the DataSource methods and accepts its arguments."""
+    kind = data_source_kind(cfg.source)
+    if kind == "file" and not Path(cfg.source).is_file():
+        raise ValueError(f"data file {cfg.source!r} does not exist; give an existing .jsonl / .parquet file")
+    if kind == "hf":
+        local_dataset_path(cfg.source)
+        import_datasets()
+    if kind == "plugin":
+        load_source_class(cfg.source, cfg)
 
 
 def build_eval_samples(cfg: DataSection) -> list[Sample]:
@@ -256,6 +299,7 @@ def build_eval_samples(cfg: DataSection) -> list[Sample]:
             label_key=cfg.label_key,
             apply_chat_template=cfg.apply_chat_template,
             num_prompts=cfg.num_eval_prompts,
+            split=cfg.hf_eval_split,
         )
     if cfg.source == "builtin":
         return _builtin_source(cfg).eval_samples(cfg.num_eval_prompts)

@@ -21,10 +21,10 @@ import torch
 from miles_contracts import Sample
 from miles_orchestrator.cluster import Cluster, CriticTargets, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
-from miles_orchestrator.data import build_data_source, build_eval_samples
+from miles_orchestrator.data import build_data_source, build_eval_samples, check_data_source
 from miles_orchestrator.evaluation import evaluate_held_out
 from miles_orchestrator.filters import build_filters
-from miles_orchestrator.rewards import RewardPool, resolve_reward
+from miles_orchestrator.rewards import RewardPool, check_reward
 from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
 from miles_trainer import (
@@ -48,8 +48,7 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
     encode = PromptEncoder(model_dir)
     rollout_fn, filters = resolve_rollout_fn(cfg.rollout.rollout_fn), build_filters(cfg.filter)
-    r = cfg.reward
-    with RewardPool(r.name, is_group=r.is_group, timeout_s=r.timeout_s, num_workers=r.num_workers) as rewards:
+    with RewardPool.from_config(cfg.reward) as rewards:
         cluster = await start_cluster(cfg, model_dir, run.path)
         turns = Turns(cluster, is_colocated=cfg.run.colocate)
         try:
@@ -100,10 +99,11 @@ def position(step: int, source: Any) -> dict[str, Any]:
 
 
 def check_plugins(cfg: RunConfig) -> None:
-    """Import and check every plug-in the config names (reward, rollout function, filters, loss, advantage), so a
-    wrong path or signature fails at start-up with the field named."""
+    """Import and check every plug-in the config names (data source, reward, rollout function, filters, loss,
+    advantage; the http reward's server), so a wrong path or signature fails at start-up with the field named."""
     checks: list[tuple[str, str | None, Callable[[], object]]] = [
-        ("reward.name", cfg.reward.name, lambda: resolve_reward(cfg.reward.name, is_group=cfg.reward.is_group)),
+        ("data.source", cfg.data.source, lambda: check_data_source(cfg.data)),
+        ("reward.name", cfg.reward.name, lambda: check_reward(cfg.reward)),
         ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
         ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
         ("trainer.loss.loss_fn", cfg.trainer.loss.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss.loss_fn)),

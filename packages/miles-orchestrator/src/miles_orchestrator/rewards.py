@@ -2,7 +2,8 @@
 
 - Built-ins, by name: `exact_match` (normalized string compare), `math` (`math-verify`), `task` (the built-in
   arithmetic task's verifier). Anything else is a `module:function` `RewardFn` (or `GroupRewardFn` with
-  `is_group`), checked at start-up with `miles_contracts.load_plugin`.
+  `is_group`), checked at start-up with `miles_contracts.load_plugin`. `http` asks a reward server instead
+  (http_reward.py: no worker processes, the same failure semantics).
 - `RewardPool` runs the reward in spawned worker processes, one call per sample (or per prompt group), each with a
   timeout; a step's calls reach each worker as one chunk and the replies stream back one by one. Samples cross to
   a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as pickles. A call that
@@ -34,12 +35,14 @@ from typing import Any, Literal
 
 from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
 from miles_orchestrator import task
-from miles_orchestrator.config import BUILTIN_REWARD_NAMES
+from miles_orchestrator.config import BUILTIN_REWARD_NAMES, HTTP_REWARD, RewardSection
+from miles_orchestrator.http_reward import CallResult, HttpReward
 
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardPool",
     "RewardStats",
+    "check_reward",
     "exact_match",
     "math_reward",
     "resolve_reward",
@@ -96,11 +99,21 @@ def resolve_reward(name: str, *, is_group: bool = False) -> RewardFn | GroupRewa
         if is_group:
             raise ValueError(f"reward {name!r} scores one sample; set reward.is_group=false")
         return BUILTIN_REWARDS[name]
+    if name == HTTP_REWARD:
+        raise ValueError("the http reward is a server, not a function; build it with RewardPool.from_config")
     if ":" not in name:
         raise ValueError(f"reward {name!r}: use one of {sorted(BUILTIN_REWARDS)} or a 'module:function' path")
     if is_group:
         return load_plugin(name, GroupRewardFn)  # type: ignore[type-abstract]
     return load_plugin(name, RewardFn)  # type: ignore[type-abstract]
+
+
+def check_reward(cfg: RewardSection) -> None:
+    """The start-up check of `reward`: a plug-in imports and fits its Protocol; the http reward's server answers."""
+    if cfg.name == HTTP_REWARD:
+        HttpReward(cfg).check_reachable()
+    else:
+        resolve_reward(cfg.name, is_group=cfg.is_group)
 
 
 @dataclass
@@ -121,9 +134,6 @@ class RewardStats:
         }
 
 
-CallResult = tuple[list[float] | None, str | None, bool]  # (rewards, error, timed out)
-
-
 @dataclass
 class _Worker:
     process: BaseProcess
@@ -131,9 +141,11 @@ class _Worker:
 
 
 class RewardPool:
-    """Runs a reward function in `num_workers` worker processes, each call under `timeout_s`.
+    """Runs a reward function in `num_workers` worker processes, each call under `timeout_s`; or, given `remote`
+    (the http reward), sends each call to its server instead.
 
-    Use as `async with RewardPool("task") as pool: stats = await pool.score(samples)` (or `with`, or `close()`).
+    Use as `async with RewardPool("task") as pool: stats = await pool.score(samples)` (or `with`, or `close()`);
+    `RewardPool.from_config(cfg.reward)` builds the pool a run config's `reward` section names.
     `score` fills `reward` (and on failure `status` / `error`) of the given samples in place.
     """
 
@@ -145,11 +157,16 @@ class RewardPool:
         timeout_s: float = 10.0,
         num_workers: int = 2,
         start_method: Literal["spawn", "forkserver"] = "spawn",
+        remote: HttpReward | None = None,
     ) -> None:
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"timeout_s={timeout_s}, num_workers={num_workers}: both must be positive")
-        resolve_reward(name, is_group=is_group)  # fail here, in the caller, on a bad name or signature
         self.name, self.is_group, self.timeout_s, self.num_workers = name, is_group, timeout_s, num_workers
+        self.remote = remote
+        if remote is not None:
+            remote.check_reachable()
+        else:
+            resolve_reward(name, is_group=is_group)  # fail here, in the caller, on a bad name or signature
         self._context: SpawnContext | ForkServerContext = (
             multiprocessing.get_context("spawn")
             if start_method == "spawn"
@@ -160,7 +177,8 @@ class RewardPool:
         self.num_restarts = 0
         self.total_failed = 0
         self._closed = False
-        pending = [self._spawn() for _ in range(num_workers)]  # start all, then wait: the imports overlap
+        # Start all, then wait: the imports overlap. The http reward has no workers: the calls go to its server.
+        pending = [self._spawn() for _ in range(num_workers if remote is None else 0)]
         try:
             for worker in pending:
                 self._idle.put(self._wait_ready(worker))
@@ -168,6 +186,13 @@ class RewardPool:
             for worker in pending:
                 self._stop(worker)
             raise
+
+    @classmethod
+    def from_config(cls, cfg: RewardSection) -> RewardPool:
+        """The pool that a run config's `reward` section names (the http reward's server checked on the way)."""
+        remote = HttpReward(cfg) if cfg.name == HTTP_REWARD else None
+        return cls(cfg.name, is_group=cfg.is_group, timeout_s=cfg.timeout_s, num_workers=cfg.num_workers,
+                   remote=remote)  # fmt: skip
 
     async def score(self, samples: Sequence[Sample]) -> RewardStats:
         """Score `samples` in place (per sample, or per `group_index` group when `is_group`) and summarize."""
@@ -181,13 +206,7 @@ class RewardPool:
             calls = list(groups.values())
         else:
             calls = [[sample] for sample in samples]
-        # One chunk of calls per worker: one request each way per chunk, not per sample (replies stream back, so
-        # every call still has its own timeout and a failure costs only its own call).
-        size = -(-len(calls) // self.num_workers) if calls else 1
-        chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
-        loop = asyncio.get_running_loop()
-        done = await asyncio.gather(*(loop.run_in_executor(self._threads, self._run_chunk, c) for c in chunks))
-        results = [result for chunk in done for result in chunk]
+        results = await (self.remote.score_calls(calls) if self.remote is not None else self._score_in_workers(calls))
         stats = RewardStats(num_samples=len(samples))
         for call, (rewards, error, timed_out) in zip(calls, results, strict=True):
             if rewards is not None:
@@ -227,6 +246,15 @@ class RewardPool:
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    async def _score_in_workers(self, calls: list[list[Sample]]) -> list[CallResult]:
+        # One chunk of calls per worker: one request each way per chunk, not per sample (replies stream back, so
+        # every call still has its own timeout and a failure costs only its own call).
+        size = -(-len(calls) // self.num_workers) if calls else 1
+        chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
+        loop = asyncio.get_running_loop()
+        done = await asyncio.gather(*(loop.run_in_executor(self._threads, self._run_chunk, c) for c in chunks))
+        return [result for chunk in done for result in chunk]
 
     def _run_chunk(self, calls: list[list[Sample]]) -> list[CallResult]:
         """Per call, (rewards, None, False) on success, else (None, error, timed_out). Runs on a pool thread.

@@ -1,0 +1,160 @@
+"""The built-in remote reward (`reward.name=http`): step 3 of the RL data path, scored by a server over HTTP.
+
+`RewardPool` (rewards.py) hands its calls here instead of to worker processes; the results go back through the
+pool's own bookkeeping, so a failed call means what it means for a local reward: its sample(s) `failed`, reward
+0.0, `error` saying why, the run going on.
+
+The wire format (JSON both ways; nothing is ever unpickled):
+
+- one sample (`reward.is_group=false`): `POST reward.url` `{"sample": SAMPLE}` → `{"reward": 1.0}`;
+- a prompt group (`reward.is_group=true`): `{"samples": [SAMPLE, ...]}` → `{"rewards": [1.0, 0.0, ...]}`, one per
+  sample, in order;
+
+where SAMPLE is `Sample.model_dump(mode="json")`: every field (`prompt`, `response`, `label`, `metadata`, the
+token ids, ...). A reward must be a finite number (`true` / `false` count 1 / 0, as for a local reward).
+
+Each attempt runs under `reward.timeout_s`; a connection error, a timeout, a 5xx or a 429 is retried up to
+`reward.max_retries` times after `reward.backoff_s`, doubling, at most `reward.max_backoff_s`; any other 4xx or a
+malformed answer fails the call at once (asking again would get the same answer). At most
+`reward.max_concurrency` requests are in flight. At start-up `check_reachable` GETs `reward.health_url` (a 2xx
+is required) or else `reward.url` itself (any answer but 404: a POST-only route answers 405), so a wrong or
+unreachable server is a ValueError naming the field before any rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from miles_contracts import Sample
+from miles_orchestrator.config import RewardSection
+
+__all__ = ["CallResult", "HttpReward"]
+
+CallResult = tuple[list[float] | None, str | None, bool]  # (rewards, error, timed out): one reward call's outcome
+_MAX_BODY_SHOWN = 200  # characters of an error answer kept in the sample's error
+
+
+class _Retryable(Exception):
+    """An attempt that may succeed if made again (connection error, timeout, 5xx, 429)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class HttpReward:
+    """Scores reward calls by POSTing them to `reward.url` (see the module docstring for the contract)."""
+
+    def __init__(self, cfg: RewardSection) -> None:
+        assert cfg.url is not None, "RewardSection requires reward.url for reward.name=http"
+        self.url, self.health_url, self.is_group = cfg.url, cfg.health_url, cfg.is_group
+        self.timeout_s, self.max_retries, self.max_concurrency = cfg.timeout_s, cfg.max_retries, cfg.max_concurrency
+        self.backoff_s, self.max_backoff_s = cfg.backoff_s, cfg.max_backoff_s
+        self.headers: dict[str, str] = {}
+        if cfg.api_key_env is not None:
+            key = os.environ.get(cfg.api_key_env, "")
+            if not key:
+                raise ValueError(
+                    f"reward.api_key_env={cfg.api_key_env!r}: that environment variable is not set (or empty); "
+                    f"export {cfg.api_key_env}=YOUR_KEY, or set reward.api_key_env=null"
+                )
+            self.headers["Authorization"] = f"Bearer {key}"
+
+    def backoff(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (1, 2, ...): backoff_s doubling, capped at max_backoff_s."""
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1)))
+
+    def check_reachable(self) -> None:
+        """Raise ValueError naming reward.url (or reward.health_url) unless the server answers (see the module
+        docstring); connection errors and timeouts are retried like a reward call."""
+        field, url = ("reward.health_url", self.health_url) if self.health_url else ("reward.url", self.url)
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff(attempt))
+            try:
+                response = httpx.get(url, headers=self.headers, timeout=self.timeout_s)
+                break
+            except httpx.HTTPError as error:
+                problem = f"{type(error).__name__}: {error}"
+        else:
+            raise ValueError(
+                f"{field}={url!r}: no reward server answers there ({problem}; {self.max_retries + 1} attempt(s)); "
+                "start it, or fix the host and port"
+            )
+        if self.health_url and not response.is_success:
+            raise ValueError(
+                f"reward.health_url={url!r} answered {response.status_code} {response.reason_phrase}, not 2xx; "
+                "is the reward server healthy?"
+            )
+        if response.status_code == 404:
+            raise ValueError(
+                f"reward.url={url!r}: the server answers 404 Not Found there; fix the path of the scoring endpoint"
+            )
+
+    async def score_calls(self, calls: Sequence[list[Sample]]) -> list[CallResult]:
+        """One result per call (one sample, or one prompt group), in order; never raises for a failed call."""
+        # One client (one connection pool) and one limit per batch: the loop scores one batch at a time.
+        limit = asyncio.Semaphore(self.max_concurrency)
+        limits = httpx.Limits(max_connections=self.max_concurrency)
+        async with httpx.AsyncClient(headers=self.headers, timeout=self.timeout_s, limits=limits) as client:
+            return list(await asyncio.gather(*(self._call(client, limit, call) for call in calls)))
+
+    async def _call(self, client: httpx.AsyncClient, limit: asyncio.Semaphore, call: list[Sample]) -> CallResult:
+        samples = [s.model_dump(mode="json") for s in call]
+        body = {"samples": samples} if self.is_group else {"sample": samples[0]}
+        failure = _Retryable("no attempt made")
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff(attempt))  # outside the limit: a waiting call holds no slot
+            try:
+                async with limit:
+                    response = await self._post(client, body)
+                return self._rewards(response, len(call)), None, False
+            except _Retryable as retryable:
+                failure = retryable
+            except ValueError as error:  # a 4xx or a malformed answer: asking again gets the same
+                return None, f"http reward at {self.url}: {error}", False
+        attempts = f"{self.max_retries + 1} attempt(s)"
+        return None, f"http reward at {self.url}: {failure} ({attempts})", failure.timed_out
+
+    async def _post(self, client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+        try:
+            async with asyncio.timeout(self.timeout_s):  # the whole attempt, not each phase of it
+                response = await client.post(self.url, json=body)
+        except (TimeoutError, httpx.TimeoutException) as error:
+            raise _Retryable(f"timed out after {self.timeout_s:g}s", timed_out=True) from error
+        except httpx.HTTPError as error:
+            raise _Retryable(f"request failed ({type(error).__name__}: {error})") from error
+        if response.status_code >= 500 or response.status_code == 429:
+            raise _Retryable(f"the server answered {response.status_code}: {_excerpt(response)}")
+        return response
+
+    def _rewards(self, response: httpx.Response, num_samples: int) -> list[float]:
+        if response.status_code >= 400:
+            raise ValueError(f"the server answered {response.status_code}: {_excerpt(response)}")
+        try:
+            answer = response.json()
+        except ValueError as error:
+            raise ValueError(f"the answer is not JSON ({_excerpt(response)})") from error
+        key = "rewards" if self.is_group else "reward"
+        if not isinstance(answer, dict) or key not in answer:
+            raise ValueError(f'expected a JSON object {{"{key}": ...}}, got {_excerpt(response)}')
+        values = answer[key] if self.is_group else [answer[key]]
+        if not isinstance(values, list) or len(values) != num_samples:
+            raise ValueError(f'"rewards" must be a list of {num_samples} numbers, one per sample, got {values!r}')
+        for value in values:
+            if not isinstance(value, int | float) or not math.isfinite(value):  # bool is an int, as locally
+                raise ValueError(f"a reward must be a finite number, got {value!r}")
+        return [float(v) for v in values]
+
+
+def _excerpt(response: httpx.Response) -> str:
+    text = response.text.strip()
+    return repr(text[:_MAX_BODY_SHOWN] + ("..." if len(text) > _MAX_BODY_SHOWN else ""))
