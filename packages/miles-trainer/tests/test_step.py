@@ -170,6 +170,36 @@ def test_kl_and_entropy_terms_follow_their_formulas() -> None:
         accumulate_policy_gradients(model, samples, advantages, KERNEL, config, 20)
 
 
+def test_kl_ratio_correction_keeps_the_value_and_adds_k3_times_grad_logp() -> None:
+    """TRL's use_bias_correction_kl on policy (old = the current log-probs): the ratio is 1, so the KL value is the
+    same, but its gradient is d(k3) + k3 * d(logp): checked against the gradients of the two terms separately."""
+    model = random_model(tiny_config("dense"), KERNEL, seed=10).train()
+    samples, _ = make_samples(10)
+    samples = [s.model_copy(update={"loss_mask": None}) for s in samples]
+    own = _response_logprobs(model, samples)
+    on_policy = [s.model_copy(update={"rollout_logprobs": lp}) for s, lp in zip(samples, own, strict=True)]
+    ref = [[v - 0.1 * ((k + i) % 3) for k, v in enumerate(lp)] for i, lp in enumerate(own)]
+    zero = [0.0] * len(samples)  # no policy-gradient term: only the KL moves the weights
+
+    def run(config):
+        model.zero_grad(set_to_none=True)
+        stats = accumulate_policy_gradients(model, on_policy, zero, KERNEL, config, 10_000, ref_logprobs=ref)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats.summary()
+
+    plain, plain_stats = run(PolicyLossConfig(kl_coef=1.0))
+    corrected, corrected_stats = run(PolicyLossConfig(kl_coef=1.0, kl_ratio_correction=True))
+    assert corrected_stats["kl_loss"] == pytest.approx(plain_stats["kl_loss"], rel=1e-6)
+    # k3 * d(logp), token-mean: the gradient of a policy loss whose advantage is -k3 on each token, ratio 1
+    k3 = [[float(torch.exp(torch.tensor(r - v)) - (r - v) - 1) for v, r in zip(lp, rf, strict=True)]
+          for lp, rf in zip(own, ref, strict=True)]  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    accumulate_policy_gradients(model, on_policy, [[-x for x in row] for row in k3], KERNEL, PolicyLossConfig(),
+                                10_000)  # fmt: skip
+    extra = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for name in plain:
+        torch.testing.assert_close(corrected[name], plain[name] + extra[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
 def test_custom_loss_plugin_is_loaded_and_checked(tmp_path, monkeypatch) -> None:
     (tmp_path / "my_losses.py").write_text(
         "from miles_trainer import aggregate_loss\n"

@@ -198,8 +198,9 @@ def reinforce_plus_plus_advantages(
 
     then, with whiten=True (as verl does), A = (G - mean) / sqrt(var + epsilon), mean and unbiased var over all
     valid tokens of the batch; masked tokens get 0. Masked tokens inside a response (e.g. tool output in a
-    multi-turn sample) are skipped: the return passes through them undiscounted. verl instead resets the return
-    at every masked token, which matches this for right-padded responses and cuts the credit at mask holes.
+    multi-turn sample) are skipped: the return passes through them undiscounted, as in verl 0.9.1; verl <= 0.7
+    reset the return at every masked token, which matches this for right-padded responses and cuts the credit at
+    mask holes.
     """
     _check_rewards(rewards_N)
     _check_mask(response_mask_NT, rewards_N.shape[0])

@@ -116,6 +116,11 @@ class PolicyLossConfig(_Config):
         description="KL estimator: k1 (verl 'kl'), k2 ('mse'), k3 ('low_var_kl', TRL's), abs; with a '+' suffix "
         "(k1+, k3+, low_var_kl+, abs+) the value is the estimator's and the gradient k2's (verl's straight-through).",
     )
+    kl_ratio_correction: bool = Field(
+        default=False,
+        description="Multiply the per-token KL by the token ratio pi / pi_old (with its gradient: the unbiased "
+        "reverse-KL gradient for samples of pi_old; TRL's use_bias_correction_kl, on by default there).",
+    )
     is_mode: ISMode | None = Field(
         default=None, description="Mismatch correction when not true on-policy: TIS ('truncate'), MIS ('mask')."
     )

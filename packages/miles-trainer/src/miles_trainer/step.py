@@ -294,6 +294,10 @@ def accumulate_policy_gradients(
         kl_BT = None
         if ref_logprobs is not None:
             kl_BT = kl_estimate(logprobs_BT, _padded([ref_logprobs[i] for i in rows], device), config.kl_estimator)
+            if (
+                config.kl_ratio_correction
+            ):  # TRL's use_bias_correction_kl: KL under pi_old's samples, times pi / pi_old
+                kl_BT = kl_BT * torch.exp(torch.where(mask_BT, logprobs_BT - old_BT, 0.0).clamp(-20.0, 20.0))
             if config.kl_coef > 0:
                 parts["kl_loss"] = config.kl_coef * aggregate_loss(kl_BT, mask_BT, config.agg_mode, **counts)
         vf_metrics: dict[str, torch.Tensor] = {}
