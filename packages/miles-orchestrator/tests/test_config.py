@@ -206,7 +206,7 @@ def test_every_field_is_documented_in_help(leaf_fields) -> None:
     # Defaults are the run's: a nested component model shows what its section starts from.
     assert "  trainer.optimizer.lr (float, default 0.0002): AdamW peak learning rate." in text
     assert "  rollout.engine.max_running_requests (int, default 64): " in text
-    modes = "{token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm}"
+    modes = "{token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-sum, token-sum-norm}"
     assert f"  trainer.loss.agg_mode ({modes}, default token-mean)" in text
     assert "  kernel.mode ({deterministic, fast}, default deterministic): " in text
     assert "  model.path (str | None, default null): " in text

@@ -585,7 +585,10 @@ def _check_key(model: type[BaseModel], prefix: str, key: str, *, source: str) ->
         return
     valid = list(model.model_fields)
     close = difflib.get_close_matches(key, valid, n=1)
-    elsewhere = MOVED.get(prefix + key) or ", ".join(_fields_named(RunConfig, key))
+    named = _fields_named(RunConfig, key)
+    # the shallowest namesakes: trainer.lr moved to trainer.optimizer.lr, not to trainer.critic.optimizer.lr
+    nearest = [name for name in named if name.count(".") == min(n.count(".") for n in named)]
+    elsewhere = MOVED.get(prefix + key) or ", ".join(nearest)
     hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (now {elsewhere})" if elsewhere else ""
     where = prefix.rstrip(".") or "the top level"
     raise ValueError(f"{source}: unknown key {prefix + key!r}{hint}; valid keys of {where}: {', '.join(valid)}")
