@@ -8,9 +8,13 @@ time, the bootstrap time (from run.log), the median step time, held-out greedy p
 largest train/rollout log-prob mismatch of any step. With two or more clusters it also says whether their metric
 lines are equal on every key but the timings (the runs are bitwise reproducible, whichever cluster runs them).
 `--baseline DIR` compares each run's metrics.jsonl with an earlier run's (a refactor must leave them identical).
+`--config FILE` runs an example config instead (`miles-orchestrator run --config FILE`); a PPO run's JSON adds the
+critic's explained variance (mean over the first and the last 10 steps) and its value loss.
 
     uv run python benchmarks/default_run.py --cold --out benchmarks/results/default_run.json
     uv run python benchmarks/default_run.py --cluster local --baseline runs/before   # a refactor check
+    uv run python benchmarks/default_run.py --cluster ray --config examples/ppo_gae.yaml \
+        --out benchmarks/results/ppo_example.json
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ def bootstrap_seconds(log: list[str]) -> float | None:
     return stamps[last][0] - stamps[first][0]
 
 
-def run_once(cluster: str, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
-    command = ["miles-orchestrator", "run", f"run.run_dir={run_dir}", f"run.cluster={cluster}"]
+def run_once(cluster: str, run_dir: Path, env: dict[str, str], config: str | None = None) -> dict[str, Any]:
+    command = ["miles-orchestrator", "run", *(["--config", config] if config else []), f"run.run_dir={run_dir}",
+               f"run.cluster={cluster}"]  # fmt: skip
     began = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - began
@@ -79,7 +84,16 @@ def run_once(cluster: str, run_dir: Path, env: dict[str, str]) -> dict[str, Any]
     lines = metric_lines(run_dir)
     steps = [line for line in lines if line["step"] > 0]
     bootstrap = bootstrap_seconds((run_dir / "run.log").read_text().splitlines())
-    return {
+    critic = {}
+    if any("critic_explained_variance" in line for line in steps):
+        variance = [line["critic_explained_variance"] for line in steps]
+        critic = {
+            "critic_explained_variance_first_10_steps": round(statistics.mean(variance[:10]), 4),
+            "critic_explained_variance_last_10_steps": round(statistics.mean(variance[-10:]), 4),
+            "vf_loss_first_step": steps[0]["vf_loss"], "vf_loss_last_step": steps[-1]["vf_loss"],
+            "reward_mean_last_10_steps": round(statistics.mean(line["reward_mean"] for line in steps[-10:]), 4),
+        }  # fmt: skip
+    return critic | {
         "command": " ".join(command),
         "wall_time_s": round(wall, 1),
         "bootstrap_time_s": bootstrap,
@@ -99,6 +113,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="start from an empty bootstrap cache")
     parser.add_argument("--keep", default=None, help="keep the run directories under this path")
     parser.add_argument("--baseline", default=None, help="a run directory whose metrics.jsonl each run must equal")
+    parser.add_argument("--config", default=None, help="a run config to run instead of the defaults")
     args = parser.parse_args()
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="miles-default-run-"))
@@ -113,7 +128,7 @@ def main() -> None:
     for cluster in args.cluster:
         run_dir = work / cluster
         shutil.rmtree(run_dir, ignore_errors=True)
-        runs[cluster] = run_once(cluster, run_dir, env)
+        runs[cluster] = run_once(cluster, run_dir, env, args.config)
         histories[cluster] = metric_lines(run_dir)
         if args.baseline:
             diff = differences(histories[cluster], metric_lines(Path(args.baseline)))

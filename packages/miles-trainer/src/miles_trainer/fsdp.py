@@ -31,7 +31,7 @@ from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, load_model, weights_checksum
 from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
-from miles_trainer.logprobs import micro_batch_forward, response_logprobs
+from miles_trainer.logprobs import response_logprobs
 from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
 from miles_trainer.step import (
@@ -185,10 +185,10 @@ class FSDP2Backend:
             raise ValueError("this backend has no critic: create it with critic=CriticConfig(...)")
         model = self.model
 
-        def values(micro: MicroBatch) -> torch.Tensor:
-            _, _, hidden_KH = micro_batch_forward(model, micro, with_hidden=True)
-            assert hidden_KH is not None
-            out: torch.Tensor = head(hidden_KH)
+        def values(micro: MicroBatch) -> torch.Tensor:  # hidden states only: no logits
+            device = next(head.parameters()).device
+            hidden = model.forward_hidden(micro.input_ids_N.to(device), micro.batch)
+            out: torch.Tensor = head(hidden[micro.score_rows_K.to(device)])
             return out
 
         return critic_values(values, samples, self.kernel, self.max_tokens, num_passes)
