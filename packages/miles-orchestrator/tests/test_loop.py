@@ -127,3 +127,35 @@ def test_colocated_turns_switch_once_each_way() -> None:
     asyncio.run(separate.engine_turn())
     asyncio.run(step(separate, with_sync=True))
     assert calls == ["train", "sync"]
+
+
+def test_advantages_follow_the_loss_masks() -> None:
+    """A multi-turn sample's tool output (loss mask 0) gets no advantage and does not join REINFORCE++'s
+    whitening; GAE's outcome reward sits on the last trained token."""
+    from miles_contracts import Sample
+    from miles_orchestrator.config import load_config
+    from miles_orchestrator.loop import gae_targets, group_advantages
+
+    def sample(i: int, mask: list[int], reward: float) -> Sample:
+        tokens = list(range(len(mask)))
+        return Sample(index=i, group_index=i // 2, prompt="", prompt_tokens=[1, 2], response_tokens=tokens,
+                      loss_mask=mask, reward=reward)  # fmt: skip
+
+    batch = [sample(0, [1, 1, 0, 0, 0, 1], 1.0), sample(1, [1, 1, 1], 0.0), sample(2, [1, 0, 1, 0], 1.0),
+             sample(3, [1, 1], 0.0)]  # fmt: skip
+    cfg = load_config(None, ["trainer.advantage_estimator=reinforce_plus_plus", "trainer.global_batch_size=16",
+                             "rollout.num_prompts_per_step=2", "rollout.n_samples_per_prompt=8"])  # fmt: skip
+    advantages = group_advantages(cfg, batch)
+    trained = [a for s, adv in zip(batch, advantages, strict=True) for a, m in zip(adv, s.loss_mask, strict=True) if m]
+    untrained = [a for s, adv in zip(batch, advantages, strict=True) for a, m in zip(adv, s.loss_mask, strict=True)
+                 if not m]  # fmt: skip
+    assert all(a == 0.0 for a in untrained)
+    assert sum(trained) / len(trained) == pytest.approx(0.0, abs=1e-6)  # whitened over trained tokens only
+    gae_cfg = load_config(None, ["trainer.advantage_estimator=gae", "trainer.advantage.whiten=false",
+                                 "trainer.global_batch_size=16", "rollout.num_prompts_per_step=2",
+                                 "rollout.n_samples_per_prompt=8"])  # fmt: skip
+    values = [[0.0] * len(s.response_tokens) for s in batch]
+    advantages, targets, metrics = gae_targets(gae_cfg, batch, values)
+    assert advantages[2] == [1.0, 0.0, 1.0, 0.0]  # the reward on token 2, the last trained one; gamma = lam = 1
+    assert targets.returns[0] == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0] and targets.old_values is values
+    assert metrics["critic_value_mean"] == 0.0
