@@ -34,7 +34,8 @@ def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
 
 
 def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model's tensors under their HF checkpoint names (tied embeddings once, as HF stores them)."""
+    """The model's tensors under their HF checkpoint names (tied embeddings once, as HF stores them; each MTP
+    module's copies of the embedding and LM head under its own names, as DeepSeek-V3 / GLM-4.5 store them)."""
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -73,7 +74,9 @@ def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[t
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    copies = model.mtp_copy_names()
     seen = set()
+    copied: dict[str, torch.Tensor] = {}  # MTP copies of a trunk tensor, checked against it once all are loaded
     with torch.no_grad():
         for name, tensor in items:
             if name not in params:
@@ -85,10 +88,21 @@ def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[t
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
-            target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+            value = tensor.to(dtype=target.dtype, device=target.device)
+            if name in copies and isinstance(tensors, Mapping) and copies[name] in tensors:
+                copied[name] = value
+                continue
+            target.copy_(value)
+            seen.add(name)
+        for name, value in copied.items():
+            if not torch.equal(value, params[name]):
+                raise ValueError(
+                    f"tensor {name!r} differs from {copies[name]!r}: an MTP module shares the trunk's embedding and "
+                    "LM head (DeepSeek-V3 / GLM-4.5), so their checkpoint copies must be equal"
+                )
             seen.add(name)
     if isinstance(tensors, Mapping):
-        required = set(checkpoint_tensors(model))
+        required = set(checkpoint_tensors(model)) - set(copies)  # a checkpoint may leave the MTP copies out
         missing = sorted(required - seen)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -132,7 +146,12 @@ def save_model(
                 config[key] = getattr(tokenizer, key)
         tokenizer.save_pretrained(out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    tensors = {name: t.contiguous().cpu() for name, t in checkpoint_tensors(model).items()}
+    tensors, written = {}, set()
+    for name, t in checkpoint_tensors(model).items():
+        tensor = t.contiguous().cpu()
+        # safetensors refuses two names on one storage: an MTP module's copy of a trunk tensor is written as a copy
+        tensors[name] = tensor.clone() if tensor.data_ptr() in written else tensor
+        written.add(tensor.data_ptr())
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():

@@ -169,13 +169,41 @@ class DecoderLayer(nn.Module):
         return out
 
 
-class Backbone(nn.Module):
-    """`model.*` in the HF checkpoint: embeddings, decoder layers, final norm."""
+class SharedHead(nn.Module):
+    """An MTP module's output head: its own final norm, and the trunk's LM head (`shared_head.head`, tied)."""
 
     def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
         super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size, False, kernel)
+
+
+class MTPLayer(DecoderLayer):
+    """One MTP (multi-token prediction) module, DeepSeek-V3 / GLM-4.5 form, at `model.layers.{L + i}` (L trunk
+    layers): its decoder layer's weights sit directly under it, next to `enorm`, `hnorm`, `eh_proj` and
+    `shared_head.norm`. `embed_tokens` and `shared_head.head` are the trunk's embedding and LM head, tied (those
+    families' checkpoints store copies under the MTP layer; `CausalLM.mtp_hidden` has the formula)."""
+
+    def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
+        super().__init__(config, kernel, layer)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, False, kernel)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, kernel, i) for i in range(config.num_hidden_layers))
+        self.shared_head = SharedHead(config, kernel)
+
+
+class Backbone(nn.Module):
+    """`model.*` in the HF checkpoint: embeddings, decoder layers (then the MTP modules, if any), final norm."""
+
+    def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
+        super().__init__()
+        trunk = config.num_hidden_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, kernel, i) for i in range(trunk)]
+            + [MTPLayer(config, kernel, trunk + i) for i in range(config.num_nextn_predict_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -191,9 +219,33 @@ class CausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the LM head with the embeddings when the config ties them (again after `to_empty`)."""
+        """Share the LM head with the embeddings when the config ties them, and both with every MTP module's
+        copies (again after `to_empty`)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)
+        for mtp in self.mtp_layers:
+            mtp.embed_tokens.weight = self.model.embed_tokens.weight
+            mtp.shared_head.head.weight = self.lm_head.weight
+
+    def mtp_copy_names(self) -> dict[str, str]:
+        """Each MTP module's checkpoint copy of a trunk tensor -> the trunk tensor's name (they are one tensor)."""
+        trunk = self.config.num_hidden_layers
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        out = {}
+        for i in range(self.config.num_nextn_predict_layers):
+            out[f"model.layers.{trunk + i}.embed_tokens.weight"] = "model.embed_tokens.weight"
+            out[f"model.layers.{trunk + i}.shared_head.head.weight"] = head
+        return out
+
+    @property
+    def trunk_layers(self) -> list[DecoderLayer]:
+        """The decoder layers of the trunk (the MTP modules excluded)."""
+        return cast(list[DecoderLayer], list(self.model.layers)[: self.config.num_hidden_layers])
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        """The MTP modules, in order (empty for a model without them)."""
+        return cast(list[MTPLayer], list(self.model.layers)[self.config.num_hidden_layers :])
 
     def forward_hidden(
         self, input_ids_N: torch.Tensor, batch: AttentionBatch, kv_store: KVStore | None = None
@@ -209,7 +261,7 @@ class CausalLM(nn.Module):
         if kv_store is None:
             shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
             empty = x.new_zeros(shape)
-        for index, layer in enumerate(cast(list[DecoderLayer], self.model.layers)):
+        for index, layer in enumerate(self.trunk_layers):
             if kv_store is None:
                 k_pages, v_pages, is_persistent = empty, empty, False
             else:
@@ -217,6 +269,42 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, batch, k_pages, v_pages, is_persistent)
         normed: torch.Tensor = self.model.norm(x)
         return normed
+
+    def mtp_hidden(
+        self, hidden_NH: torch.Tensor, next_ids_N: torch.Tensor, batch: AttentionBatch, module: int = 0
+    ) -> torch.Tensor:
+        """Output hidden states (N, H) of MTP module `module`, whose `logits` predict one token further.
+
+        Row t of the batch, with h_t the previous depth's output at t (the trunk's final-norm hidden state for
+        module 0, module i - 1's output for module i) and x_{t+1} the token after t (`next_ids_N`, the input of
+        row t + 1; its last row of a sequence predicts nothing and may hold any id):
+
+            e_t = eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)])        (a concatenation, 2H -> H)
+            out_t = shared_head.norm(decoder_layer(e_t))             (attention over the sequence's rows <= t)
+
+        so `logits(out_t)` scores token t + 2 + module. Attention runs on the batch's positions with a temporary
+        KV (as the trainer's trunk forward does); the same kernels as the trunk.
+        """
+        layers = self.mtp_layers
+        if not 0 <= module < len(layers):
+            raise ValueError(
+                f"MTP module {module} does not exist: the model has {len(layers)} (num_nextn_predict_layers)"
+            )
+        mtp = layers[module]
+        if next_ids_N.shape[0] != batch.num_tokens or hidden_NH.shape[0] != batch.num_tokens:
+            raise ValueError(
+                f"got {hidden_NH.shape[0]} hidden states and {next_ids_N.shape[0]} next ids for a batch of "
+                f"{batch.num_tokens} tokens"
+            )
+        embedded = mtp.enorm(mtp.embed_tokens(next_ids_N))
+        x = mtp.eh_proj(torch.cat([embedded, mtp.hnorm(hidden_NH.to(embedded.dtype))], dim=-1))
+        batch = batch.to(x.device)
+        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, x.device)
+        cos, sin = rope_cos_sin(batch.positions_N, inv_freq, x.dtype)
+        shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
+        empty = x.new_zeros(shape)
+        out: torch.Tensor = mtp.shared_head.norm(mtp(x, cos, sin, batch, empty, empty, False))
+        return out
 
     def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
         """LM-head logits (N, V) in float32 (computed in the model dtype, then widened)."""
@@ -241,6 +329,6 @@ class CausalLM(nn.Module):
         """Expert ids (N, K) chosen by each MoE layer in the last forward (empty for dense models)."""
         return [
             layer.mlp.last_routing
-            for layer in self.model.layers
+            for layer in self.trunk_layers
             if isinstance(layer.mlp, SparseMoE) and layer.mlp.last_routing is not None
         ]

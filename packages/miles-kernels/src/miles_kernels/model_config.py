@@ -35,6 +35,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    # MTP (multi-token prediction) modules after the trunk, DeepSeek-V3 / GLM-4.5 style (0: none)
+    num_nextn_predict_layers: int = 0
     # Token ids (may be None in a bare config)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -50,6 +52,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
@@ -117,6 +121,7 @@ class ModelConfig:
             "bos_token_id": hf.get("bos_token_id"),
             "eos_token_id": hf.get("eos_token_id"),
             "pad_token_id": hf.get("pad_token_id"),
+            "num_nextn_predict_layers": hf.get("num_nextn_predict_layers") or 0,
         }
         if model_type == "qwen3_moe":
             values |= {
@@ -150,5 +155,7 @@ class ModelConfig:
                 "decoder_sparse_step", "mlp_only_layers",
             ):  # fmt: skip
                 continue
+            if key == "num_nextn_predict_layers" and not value:
+                continue  # a model without MTP modules keeps the plain Qwen3 config
             hf[key] = list(value) if isinstance(value, tuple) else value
         return hf

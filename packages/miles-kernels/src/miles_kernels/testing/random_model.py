@@ -63,12 +63,17 @@ def tiny_config(kind: Literal["dense", "moe"] = "dense", **overrides: Any) -> Mo
 def random_model(
     config: ModelConfig, kernel: KernelConfig | None = None, seed: int = 0, std: float = 0.05
 ) -> CausalLM:
-    """A `CausalLM` with reproducible random weights (same seed -> same bits on any machine's CPU)."""
+    """A `CausalLM` with reproducible random weights (same seed -> same bits on any machine's CPU). MTP modules
+    draw theirs after the trunk's, so adding them leaves the trunk's bits as they were."""
     kernel = kernel or KernelConfig()
     model = CausalLM(config, kernel)
     generator = torch.Generator().manual_seed(seed)
+    mtp_prefixes = tuple(
+        f"model.layers.{config.num_hidden_layers + i}." for i in range(config.num_nextn_predict_layers)
+    )
+    named = sorted(model.named_parameters(), key=lambda item: item[0].startswith(mtp_prefixes))  # stable
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in named:
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(".bias"):

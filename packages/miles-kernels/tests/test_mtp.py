@@ -1,0 +1,137 @@
+"""MTP (multi-token prediction) modules, DeepSeek-V3 / GLM-4.5 form: the forward equals the formula (with a
+`transformers` Qwen3 layer as the independent reference for the decoder layer), checkpoints round-trip with the
+MTP copies of the embedding and LM head, a model without MTP still loads, the trunk is untouched, and the MTP
+forward is batch-invariant like the trunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from miles_kernels import KernelConfig, build_packed_batch, load_model, save_model
+from miles_kernels.testing import random_model, tiny_config
+
+KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def hf_layer_model(model, module: int, directory):
+    """A one-layer `transformers` model whose layer is MTP module `module`'s decoder layer and whose final norm
+    is its shared_head.norm (written by miles' `save_model`, read by `from_pretrained`): run on inputs_embeds = e,
+    its last hidden state is shared_head.norm(decoder_layer(e))."""
+    from dataclasses import replace
+
+    from miles_kernels import CausalLM
+
+    one = CausalLM(replace(model.config, num_hidden_layers=1, num_nextn_predict_layers=0), KERNEL)
+    prefix = f"model.layers.{model.config.num_hidden_layers + module}."
+    source = model.state_dict()
+    state = {name: source[name.replace("model.layers.0.", prefix)] for name in one.state_dict()
+             if name.startswith("model.layers.0.")}  # fmt: skip
+    state |= {"model.norm.weight": source[prefix + "shared_head.norm.weight"],
+              "model.embed_tokens.weight": source["model.embed_tokens.weight"],
+              "lm_head.weight": source["lm_head.weight"]}  # fmt: skip
+    one.load_state_dict(state)
+    save_model(one, directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_mtp_forward_is_the_formula(tmp_path, kind: str) -> None:
+    config = tiny_config(kind, num_nextn_predict_layers=2, tie_word_embeddings=kind == "dense")
+    model = random_model(config, KERNEL, seed=5)
+    generator = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (7, 13)]
+    batch = build_packed_batch([len(s) for s in seqs], KERNEL.page_size, KERNEL.attention_query_tile)
+    ids = torch.cat(seqs)
+    next_ids = torch.cat([torch.roll(s, -1) for s in seqs])  # the token after each row (the last one: any id)
+    with torch.no_grad():
+        hidden = model.forward_hidden(ids, batch)
+        for module in range(2):
+            out = model.mtp_hidden(hidden, next_ids, batch, module)
+            mtp = model.mtp_layers[module]
+            eps = config.rms_norm_eps
+            e = torch.cat([rms_norm(model.model.embed_tokens.weight[next_ids], mtp.enorm.weight, eps),
+                           rms_norm(hidden, mtp.hnorm.weight, eps)], dim=-1) @ mtp.eh_proj.weight.T  # fmt: skip
+            hf = hf_layer_model(model, module, tmp_path / f"layer{module}")
+            for rows in torch.split(torch.arange(len(ids)), [len(s) for s in seqs]):
+                want = hf.model(inputs_embeds=e[rows][None]).last_hidden_state[0]
+                torch.testing.assert_close(out[rows], want, rtol=0, atol=1e-5)
+            # module i + 1 reads module i's output: the chain
+            hidden = out
+    assert model.logits(out).shape == (len(ids), config.vocab_size)
+    with pytest.raises(ValueError, match="MTP module 2 does not exist"):
+        model.mtp_hidden(hidden, next_ids, batch, 2)
+
+
+def test_the_trunk_is_untouched_by_mtp_modules() -> None:
+    """The same seed gives the same trunk bits with or without MTP modules, and the same logits."""
+    plain = random_model(tiny_config("dense"), KERNEL, seed=6)
+    with_mtp = random_model(tiny_config("dense", num_nextn_predict_layers=1), KERNEL, seed=6)
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(with_mtp.state_dict()[name], tensor), name
+    ids = torch.arange(1, 12)
+    batch = build_packed_batch([11], KERNEL.page_size, KERNEL.attention_query_tile)
+    with torch.no_grad():
+        assert torch.equal(plain.forward_hidden(ids, batch), with_mtp.forward_hidden(ids, batch))
+    assert with_mtp.trunk_layers == list(with_mtp.model.layers)[:2] and len(with_mtp.mtp_layers) == 1
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_checkpoints_round_trip_with_the_mtp_copies(tmp_path, tied: bool) -> None:
+    config = tiny_config("dense", num_nextn_predict_layers=1, tie_word_embeddings=tied)
+    model = random_model(config, KERNEL, seed=7)
+    save_model(model, tmp_path / "a")
+    saved = load_file(tmp_path / "a" / "model.safetensors")
+    trunk = config.num_hidden_layers
+    # the DeepSeek-V3 / GLM-4.5 layout: the MTP module's copies of the embedding and the LM head under its name
+    assert torch.equal(saved[f"model.layers.{trunk}.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    head = saved["model.embed_tokens.weight"] if tied else saved["lm_head.weight"]
+    assert torch.equal(saved[f"model.layers.{trunk}.shared_head.head.weight"], head)
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "self_attn.q_proj.weight",
+    ):
+        assert f"model.layers.{trunk}.{name}" in saved, name
+    loaded = load_model(tmp_path / "a", KERNEL)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    save_model(loaded, tmp_path / "b")
+    again = load_file(tmp_path / "b" / "model.safetensors")
+    assert again.keys() == saved.keys() and all(torch.equal(again[k], v) for k, v in saved.items())
+    # a checkpoint without the copies loads (they are the trunk's tensors); a copy that differs is refused
+    save_file({k: v for k, v in saved.items() if "embed_tokens" not in k or k.startswith("model.embed")},
+              str(tmp_path / "a" / "model.safetensors"))  # fmt: skip
+    assert torch.equal(load_model(tmp_path / "a", KERNEL).model.embed_tokens.weight, model.model.embed_tokens.weight)
+    changed = dict(saved)
+    changed[f"model.layers.{trunk}.shared_head.head.weight"] = head + 1.0
+    save_file(changed, str(tmp_path / "a" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"shared_head\.head\.weight' differs from"):
+        load_model(tmp_path / "a", KERNEL)
+
+
+def test_mtp_forward_is_batch_invariant() -> None:
+    """Deterministic kernels: a sequence's MTP rows have the same bits alone and packed with others."""
+    config = tiny_config("moe", num_nextn_predict_layers=1)
+    model = random_model(config, KERNEL, seed=8)
+    generator = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (9, 4, 17)]
+
+    def mtp_rows(batch_seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+        batch = build_packed_batch([len(s) for s in batch_seqs], KERNEL.page_size, KERNEL.attention_query_tile)
+        next_ids = torch.cat([torch.roll(s, -1) for s in batch_seqs])
+        with torch.no_grad():
+            hidden = model.forward_hidden(torch.cat(batch_seqs), batch)
+            return list(torch.split(model.mtp_hidden(hidden, next_ids, batch), [len(s) for s in batch_seqs]))
+
+    together = mtp_rows(seqs)
+    for s, rows in zip(seqs, together, strict=True):
+        assert torch.equal(mtp_rows([s])[0], rows)
