@@ -82,6 +82,24 @@ def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verify_shaped_steps_equal_one_token_decode(kind: str, seed: int) -> None:
+    """Speculative decoding's verify forward: k + 1 new tokens per sequence after a cached prefix, next to
+    sequences decoding one token, give every row the bits of the packed forward (so of one-token decode too)."""
+    model = make_model(kind, seed)
+    vocab = model.config.vocab_size
+    prompts = random_seqs(vocab, [13, 8, 21, 5], seed)
+    drafts = random_seqs(vocab, [4, 1, 3, 4], seed + 50)  # k + 1 = 4, 1 (plain decode), 3, 4 rows
+    full = [torch.cat([p, d]) for p, d in zip(prompts, drafts, strict=True)]
+    reference = packed_logits(model, full)
+    driver = PagedRunner(model)
+    driver.step(dict(enumerate(prompts)))
+    verified = driver.step(dict(enumerate(drafts)))
+    for seq in range(len(full)):
+        assert_rows_equal(verified[seq], reference[seq][len(prompts[seq]) :], f"verify rows, seq {seq}")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_decode_batch_sizes_1_to_64(kind: str) -> None:
     model = make_model(kind, seed=3)
     vocab = model.config.vocab_size
