@@ -192,6 +192,23 @@ class MTPLayer(DecoderLayer):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.shared_head = SharedHead(config, kernel)
 
+    def forward(  # type: ignore[override]
+        self,
+        embedded_NH: torch.Tensor,
+        hidden_NH: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        is_persistent: bool,
+    ) -> torch.Tensor:
+        """shared_head.norm(decoder_layer(eh_proj([enorm(embedded) ; hnorm(hidden)]))): all of the module's own
+        weights are used inside its forward (a sharded module gathers them there)."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded_NH), self.hnorm(hidden_NH.to(embedded_NH.dtype))], dim=-1))
+        out: torch.Tensor = self.shared_head.norm(super().forward(x, cos, sin, batch, k_pages, v_pages, is_persistent))
+        return out
+
 
 class Backbone(nn.Module):
     """`model.*` in the HF checkpoint: embeddings, decoder layers (then the MTP modules, if any), final norm."""
@@ -271,7 +288,12 @@ class CausalLM(nn.Module):
         return normed
 
     def mtp_hidden(
-        self, hidden_NH: torch.Tensor, next_ids_N: torch.Tensor, batch: AttentionBatch, module: int = 0
+        self,
+        hidden_NH: torch.Tensor,
+        next_ids_N: torch.Tensor,
+        batch: AttentionBatch,
+        module: int = 0,
+        detach_trunk: bool = False,
     ) -> torch.Tensor:
         """Output hidden states (N, H) of MTP module `module`, whose `logits` predict one token further.
 
@@ -283,7 +305,8 @@ class CausalLM(nn.Module):
             out_t = shared_head.norm(decoder_layer(e_t))             (attention over the sequence's rows <= t)
 
         so `logits(out_t)` scores token t + 2 + module. Attention runs on the batch's positions with a temporary
-        KV (as the trainer's trunk forward does); the same kernels as the trunk.
+        KV (as the trainer's trunk forward does); the same kernels as the trunk. `detach_trunk`: the embedding
+        (shared with the trunk) and `hidden_NH` enter detached, so a loss on the output trains the MTP module only.
         """
         layers = self.mtp_layers
         if not 0 <= module < len(layers):
@@ -296,15 +319,23 @@ class CausalLM(nn.Module):
                 f"got {hidden_NH.shape[0]} hidden states and {next_ids_N.shape[0]} next ids for a batch of "
                 f"{batch.num_tokens} tokens"
             )
-        embedded = mtp.enorm(mtp.embed_tokens(next_ids_N))
-        x = mtp.eh_proj(torch.cat([embedded, mtp.hnorm(hidden_NH.to(embedded.dtype))], dim=-1))
-        batch = batch.to(x.device)
-        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, x.device)
-        cos, sin = rope_cos_sin(batch.positions_N, inv_freq, x.dtype)
+        weight = self.model.embed_tokens.weight
+        embedded = F.embedding(next_ids_N, weight.detach() if detach_trunk else weight)
+        if detach_trunk:
+            hidden_NH = hidden_NH.detach()
+        batch = batch.to(embedded.device)
+        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, embedded.device)
+        cos, sin = rope_cos_sin(batch.positions_N, inv_freq, embedded.dtype)
         shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
-        empty = x.new_zeros(shape)
-        out: torch.Tensor = mtp.shared_head.norm(mtp(x, cos, sin, batch, empty, empty, False))
+        empty = embedded.new_zeros(shape)
+        out: torch.Tensor = mtp(embedded, hidden_NH, cos, sin, batch, empty, empty, False)
         return out
+
+    def mtp_logits(self, hidden_NH: torch.Tensor, detach_trunk: bool = False) -> torch.Tensor:
+        """LM-head logits (N, V, float32) of MTP outputs; `detach_trunk`: the shared LM head enters detached."""
+        weight = self.lm_head.weight
+        logits = linear(hidden_NH, weight.detach() if detach_trunk else weight, self.kernel)
+        return logits.to(torch.float32)
 
     def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
         """LM-head logits (N, V) in float32 (computed in the model dtype, then widened)."""

@@ -78,7 +78,8 @@ def save_checkpoint(
     backend.optimizer.zero_grad(set_to_none=True)
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
     dcp.save(  # type: ignore[attr-defined]
-        {"model": model_state, "optim": optim_state, **_critic_state(backend)}, checkpoint_id=str(staging)
+        {"model": model_state, "optim": optim_state, **_critic_state(backend), **_aux_state(backend)},
+        checkpoint_id=str(staging),
     )
     save_file(rng_state(), str(staging / _rng_file(rank)))
     if rank == 0:
@@ -88,6 +89,11 @@ def save_checkpoint(
         }  # fmt: skip
         if backend.critic_config is not None:
             state["critic"] = {"kind": backend.critic_config.kind, "scheduler": backend.critic_scheduler.state_dict()}
+        if backend.aux_params:
+            state["aux"] = {
+                "losses": [a.name for a in backend.aux_losses],
+                "scheduler": backend.aux_scheduler.state_dict(),
+            }
         (staging / MODEL_CONFIG).write_text(json.dumps(backend.model.config.to_hf(dtype="float32"), indent=2))
         (staging / TRAINER_STATE).write_text(json.dumps(state))
     dist.barrier()
@@ -118,6 +124,15 @@ def _critic_state(backend: FSDP2Backend) -> dict[str, Any]:
     return {"critic_model": model_state, "critic_optim": optim_state}
 
 
+def _aux_state(backend: FSDP2Backend) -> dict[str, Any]:
+    """The auxiliary losses' optimizer state (e.g. the MTP draft's AdamW), under its own key (none without)."""
+    if not backend.aux_params:
+        return {}
+    backend.aux_optimizer.zero_grad(set_to_none=True)
+    _, optim_state = get_state_dict(backend.model, backend.aux_optimizer)
+    return {"aux_optim": optim_state}
+
+
 def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, step and RNG from `save_checkpoint`; returns the saved `extra`."""
     path = resolve_checkpoint(directory)
@@ -136,6 +151,9 @@ def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) ->
                 "started with"
             )
         state_dict |= _critic_state(backend)
+    saved_aux = state.get("aux") if backend.aux_params else None  # none saved: the auxiliary AdamW starts afresh
+    if saved_aux is not None:
+        state_dict |= _aux_state(backend)
     dcp.load(state_dict, checkpoint_id=str(path))  # type: ignore[attr-defined]
     set_state_dict(
         backend.model, backend.optimizer, model_state_dict=state_dict["model"],
@@ -147,6 +165,10 @@ def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) ->
             optim_state_dict=state_dict["critic_optim"],
         )  # fmt: skip
         backend.critic_scheduler.load_state_dict(saved_critic["scheduler"])
+    if saved_aux is not None:
+        set_state_dict(backend.model, backend.aux_optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["aux_optim"])  # fmt: skip
+        backend.aux_scheduler.load_state_dict(saved_aux["scheduler"])
     if "scheduler" in state:
         backend.scheduler.load_state_dict(state["scheduler"])
     backend.step_count = int(state["step"])

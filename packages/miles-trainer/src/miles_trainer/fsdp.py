@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, load_model, weights_checksum
+from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
 from miles_trainer.logprobs import response_logprobs
@@ -102,10 +103,14 @@ class FSDP2Backend:
         keep_reference: bool | None = None,
         offload_dir: str | os.PathLike[str] | None = None,
         critic: CriticConfig | None = None,
+        aux_losses: Sequence[AuxLoss] = (),
+        aux_optimizer: OptimizerConfig | None = None,
     ) -> None:
         """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
         `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir). `critic`: PPO's
-        value model (`miles_trainer.critic`), trained with its own optimizer by `train_step`."""
+        value model (`miles_trainer.critic`), trained with its own optimizer by `train_step`. `aux_losses`:
+        auxiliary losses (`miles_trainer.auxiliary`, e.g. miles-spec's MTP loss) trained in the same step; their
+        parameters get their own AdamW (`aux_optimizer`, default: the policy's settings) and clipping."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
@@ -125,7 +130,15 @@ class FSDP2Backend:
         if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
             self.reference = load_model(model_dir, kernel, device, dtype=torch.float32).eval().requires_grad_(False)
             _shard(self.reference, kernel)
-        self.optimizer, self.scheduler = _adamw(self.model.parameters(), self.optimizer_config)
+        self.aux_losses = list(aux_losses)
+        aux_ids = {id(p) for aux in self.aux_losses for p in aux.parameters(self.model)}
+        # the policy's parameters, in the model's order: its optimizer and its clipping see exactly these
+        self.policy_params = [p for p in self.model.parameters() if id(p) not in aux_ids]
+        self.aux_params = [p for p in self.model.parameters() if id(p) in aux_ids]
+        self.optimizer, self.scheduler = _adamw(self.policy_params, self.optimizer_config)
+        self.aux_optimizer_config = aux_optimizer or self.optimizer_config
+        if self.aux_params:
+            self.aux_optimizer, self.aux_scheduler = _adamw(self.aux_params, self.aux_optimizer_config)
         self.critic_config = critic
         self.critic_model: ValueModel | None = None  # kind="separate"
         self.value_head: ValueHead | None = None  # kind="value_head"
@@ -231,7 +244,10 @@ class FSDP2Backend:
         local = torch.tensor(count_trained(samples, is_weights if exclude_rejected else None), dtype=torch.int64)
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
+        aux_counts = self._aux_counts(samples)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.aux_params:
+            self.aux_optimizer.zero_grad(set_to_none=True)
         critic, is_warmup = self.critic_config, False
         joint_value = None
         critic_stats: dict[str, float] = {}
@@ -260,7 +276,8 @@ class FSDP2Backend:
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs,
                 loss_scale=dist.get_world_size(),  # FSDP2 averages gradients over ranks; the global loss wants a sum
                 num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                is_weights=is_weights, joint_value=joint_value, measure_mismatch=measure_mismatch,
+                is_weights=is_weights, joint_value=joint_value, aux_losses=self.aux_losses, aux_counts=aux_counts,
+                measure_mismatch=measure_mismatch,
             )  # fmt: skip
             add_is_metrics(stats, is_metrics, samples)
         if critic_stats:
@@ -269,6 +286,7 @@ class FSDP2Backend:
             for name, total in critic_stats.items():
                 stats.add_mean(name, total / max(num_tokens, 1.0), num_tokens)
         critic_metrics = self._critic_step() if critic is not None else {}
+        critic_metrics |= self._aux_step()
         _add_batch_stats(stats, samples, advantages)
         # A batch whose advantages are all zero (every group's rewards equal) has no policy-gradient signal; an
         # AdamW step would still move the weights along stale momentum, so the update is skipped.
@@ -277,6 +295,28 @@ class FSDP2Backend:
         has_signal = bool(signal.item()) or loss.kl_coef > 0 or loss.entropy_coef > 0
         metrics = self._finish_step(stats, start, skip_update=is_warmup or not has_signal)
         return metrics | critic_metrics
+
+    def _aux_counts(self, samples: Sequence[Sample]) -> list[list[int]]:
+        """Each auxiliary loss's normalizers over the global batch (summed over ranks)."""
+        counts = [aux.counts(self.model, samples) for aux in self.aux_losses]
+        flat = torch.tensor([c for group in counts for c in group], dtype=torch.int64)
+        if flat.numel():
+            dist.all_reduce(flat)
+        values, out = flat.tolist(), []
+        for group in counts:
+            out.append([int(v) for v in values[: len(group)]])
+            values = values[len(group) :]
+        return out
+
+    def _aux_step(self) -> dict[str, float]:
+        """Clip and apply the auxiliary losses' gradients with their own optimizer (never the policy's)."""
+        if not self.aux_params:
+            return {}
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.aux_params, self.aux_optimizer_config.max_grad_norm)
+        self.aux_optimizer.step()
+        self.aux_scheduler.step()
+        norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        return {"aux_grad_norm": norm, "aux_lr": float(self.aux_scheduler.get_last_lr()[0])}
 
     def _critic_step(self) -> dict[str, float]:
         """Clip and apply the critic's gradients (a value head outside FSDP averages its own over ranks)."""
@@ -310,7 +350,7 @@ class FSDP2Backend:
         return self._finish_step(stats, start)
 
     def _finish_step(self, stats: StepStats, start: float, skip_update: bool = False) -> dict[str, float]:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer_config.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy_params, self.optimizer_config.max_grad_norm)
         if not skip_update:
             self.optimizer.step()
             self.scheduler.step()
@@ -370,6 +410,7 @@ class FSDP2Backend:
             if model is not None:
                 yield from model.parameters()
         optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic_config is not None else [])
+        optimizers += [self.aux_optimizer] if self.aux_params else []
         for optimizer in optimizers:
             for state in optimizer.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
@@ -381,6 +422,8 @@ class FSDP2Backend:
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic_config is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
+        if self.aux_params:
+            self.aux_optimizer.zero_grad(set_to_none=True)
         return self._offloader.offload(self._offload_targets())
 
     def onload(self) -> int:

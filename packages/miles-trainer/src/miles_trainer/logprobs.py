@@ -24,16 +24,15 @@ def micro_batch_forward(
     with_hidden: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """float32 log-prob of each response token of the micro-batch (K,) and, when asked, the entropy of
-    softmax(logits / T) on the row that predicts it (K,) and that row's final-norm hidden state (K, H), which a
-    value head reads."""
+    softmax(logits / T) on the row that predicts it (K,) and the final-norm hidden states of every packed row
+    (N, H), which a value head or an auxiliary loss reads."""
     device = _device(model)
     hidden = model.forward_hidden(micro.input_ids_N.to(device), micro.batch)
-    hidden_KH = hidden[micro.score_rows_K.to(device)]
-    logits_KV = model.logits(hidden_KH)
+    logits_KV = model.logits(hidden[micro.score_rows_K.to(device)])
     temps = logits_KV.new_full((logits_KV.shape[0], 1), 1.0 if temperature == 0.0 else temperature)
     logprobs = token_logprobs(logits_KV, micro.target_ids_K.to(device), temps)
     entropy = entropy_from_logits(logits_KV / temps) if with_entropy else None
-    return logprobs, entropy, hidden_KH if with_hidden else None
+    return logprobs, entropy, hidden if with_hidden else None
 
 
 def micro_batch_logprobs(model: CausalLM, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,9 @@ class MicroBatch:
     target_ids_K: torch.Tensor  # the response token
     loss_mask_K: torch.Tensor  # bool: the token trains (the sample's loss mask)
     response_lens: list[int]  # K split per sample (in `sample_indices` order)
+    # per sample, the packed rows of its whole sequence (prompt + response, the last token excluded), in order:
+    # row p holds token p (a shared prompt's rows are the prompt's, once for the group)
+    sequence_rows: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +100,7 @@ def build_micro_batch(
     rows: list[int] = []
     targets: list[int] = []
     trains: list[bool] = []
+    sequence_rows: list[list[int]] = []
 
     def add_sequence(tokens: list[int], parent: int | None = None) -> int:
         start = len(ids)
@@ -118,6 +122,7 @@ def build_micro_batch(
             sample = samples[group[0]]
             start = add_sequence(prompt + sample.response_tokens[:-1])
             rows += range(start + len(prompt) - 1, start + sample.num_tokens - 1)
+            sequence_rows.append(list(range(start, start + sample.num_tokens - 1)))
         else:  # the prompt once, then each response continues it
             prompt_last_row = add_sequence(prompt) + len(prompt) - 1
             prompt_seq = len(seq_lens) - 1
@@ -125,6 +130,8 @@ def build_micro_batch(
                 response = samples[i].response_tokens
                 start = add_sequence(response[:-1], prompt_seq)
                 rows += [prompt_last_row, *range(start, start + len(response) - 1)]
+                prompt_rows = range(prompt_last_row - len(prompt) + 1, prompt_last_row + 1)
+                sequence_rows.append([*prompt_rows, *range(start, start + len(response) - 1)])
         for i in group:
             targets += samples[i].response_tokens
             trains += [m == 1 for m in samples[i].effective_loss_mask()]
@@ -136,6 +143,7 @@ def build_micro_batch(
         target_ids_K=torch.tensor(targets, dtype=torch.int64),
         loss_mask_K=torch.tensor(trains, dtype=torch.bool),
         response_lens=[len(samples[i].response_tokens) for i in indices],
+        sequence_rows=sequence_rows,
     )
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
+from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, value_loss_part
 from miles_trainer.logprobs import micro_batch_forward
@@ -217,6 +218,8 @@ def accumulate_policy_gradients(
     ref_logprobs: Sequence[Sequence[float]] | None = None,
     is_weights: PerToken | None = None,
     joint_value: JointValueLoss | None = None,
+    aux_losses: Sequence[AuxLoss] = (),
+    aux_counts: Sequence[Sequence[int]] | None = None,
     measure_mismatch: bool = False,
 ) -> StepStats:
     """Forward + backward over all micro-batches (gradients accumulate in `model`); returns the step's stats.
@@ -227,6 +230,9 @@ def accumulate_policy_gradients(
     of `mismatch_weights` when `config.is_mode` is set (None: computed here, batch-normalized over `samples`;
     pass them, and counts that leave out rejected tokens, when the batch spans ranks). `joint_value`: a value
     head's clipped value loss, times its `vf_coef`, joins the loss (PPO with `CriticConfig.kind="value_head"`).
+    `aux_losses` (`miles_trainer.auxiliary.AuxLoss`, e.g. the MTP draft's) join the backward on the same forward,
+    normalized by `aux_counts` (the global batch's, one list per loss; default: this batch's); they are reported as
+    `<name>_loss` and not added to `loss`.
     `measure_mismatch`: report
     `train_rollout_logprob_abs_diff` (the recomputed old log-probs, else this forward's, against the rollout's —
     meaningful while the weights are still those that generated the samples).
@@ -250,6 +256,8 @@ def accumulate_policy_gradients(
         is_weights, is_metrics = mismatch_weights(samples, old_logprobs, config)
     _check_per_token("is_weights", samples, is_weights)
     exclude_rejected = config.is_mode == "mask" and config.is_rejected == "excluded"
+    if aux_counts is None:
+        aux_counts = [aux.counts(model, samples) for aux in aux_losses]
     local_tokens, local_seqs = count_trained(samples, is_weights if exclude_rejected else None)
     global_tokens = global_num_tokens if global_num_tokens is not None else local_tokens
     global_seqs = global_num_seqs if global_num_seqs is not None else local_seqs
@@ -267,8 +275,12 @@ def accumulate_policy_gradients(
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_K, entropy_K, hidden_KH = micro_batch_forward(
-            model, micro, config.temperature, with_entropy=True, with_hidden=joint_value is not None
+        logprobs_K, entropy_K, hidden_NH = micro_batch_forward(
+            model,
+            micro,
+            config.temperature,
+            with_entropy=True,
+            with_hidden=joint_value is not None or bool(aux_losses),
         )
         assert entropy_K is not None
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
@@ -302,20 +314,31 @@ def accumulate_policy_gradients(
                 parts["kl_loss"] = config.kl_coef * aggregate_loss(kl_BT, mask_BT, config.agg_mode, **counts)
         vf_metrics: dict[str, torch.Tensor] = {}
         if joint_value is not None:
-            assert hidden_KH is not None
+            assert hidden_NH is not None
             vf_loss, vf_metrics, _ = value_loss_part(
-                joint_value.head(hidden_KH), micro, joint_value.returns, joint_value.old_values, joint_value.config,
-                counts,
+                joint_value.head(hidden_NH[micro.score_rows_K.to(device)]), micro, joint_value.returns,
+                joint_value.old_values, joint_value.config, counts,
             )  # fmt: skip
             parts["vf_loss_term"] = joint_value.config.vf_coef * vf_loss
             vf_metrics["vf_loss"] = vf_loss
         loss = torch.stack(list(parts.values())).sum()
-        (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
+        aux_parts = {}
+        for aux, aux_count in zip(aux_losses, aux_counts, strict=True):
+            assert hidden_NH is not None
+            aux_parts[aux.name] = aux(model, micro, hidden_NH, samples, aux_count)
+        total = loss
+        for part, _ in aux_parts.values():  # detached from the policy: its gradients are unchanged
+            total = total + part
+        (total * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
         if weight == 0.0:
             continue
         num_valid = float(mask_BT.sum())
         stats.add("num_tokens", num_valid)
         stats.add("loss", float(loss.detach()))
+        for name, (part, aux_metrics) in aux_parts.items():
+            stats.add(f"{name}_loss", float(part.detach()))
+            for metric, value in aux_metrics.items():
+                stats.add_mean(metric, float(value), num_valid)
         if vf_metrics:
             stats.add("vf_loss", float(vf_metrics.pop("vf_loss").detach()))
             for name, value in vf_metrics.items():
