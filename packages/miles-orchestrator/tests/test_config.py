@@ -289,3 +289,12 @@ def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "1e-06", result.stderr
+
+
+def test_the_spec_section_refuses_what_cannot_run() -> None:
+    with pytest.raises(ValueError, match=r"spec\.mode=frozen drafts with an untrained MTP head"):
+        load_config(None, ["spec.mode=frozen"])
+    with pytest.raises(ValueError, match="the built-in policy has none yet"):
+        load_config(None, ["spec.mode=online"])
+    cfg = load_config(None, ["spec.mode=online", "model.path=/models/with-mtp", "spec.mtp_loss_coef=0.3"])
+    assert cfg.spec.mode == "online" and cfg.spec.optimizer.lr == 1e-4 and cfg.spec.mtp_loss_coef == 0.3

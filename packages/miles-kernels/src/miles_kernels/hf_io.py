@@ -33,12 +33,16 @@ def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(path.read_text()))
 
 
-def checkpoint_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: CausalLM, mtp_copies: bool = True) -> dict[str, torch.Tensor]:
     """The model's tensors under their HF checkpoint names (tied embeddings once, as HF stores them; each MTP
-    module's copies of the embedding and LM head under its own names, as DeepSeek-V3 / GLM-4.5 store them)."""
+    module's copies of the embedding and LM head under its own names, as DeepSeek-V3 / GLM-4.5 store them, unless
+    `mtp_copies=False`: then every tensor once, as weight sync sends them)."""
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if not mtp_copies:
+        for name in model.mtp_copy_names():
+            state.pop(name, None)
     return state
 
 

@@ -80,13 +80,15 @@ def _run(args: argparse.Namespace) -> int:
     """Check everything a config can get wrong (ValueError: exit 2), then run; an error from then on is the run's
     (RunFailed, with the original error chained)."""
     cfg = resolve(args)
-    from miles_orchestrator.loop import check_plugins
+    from miles_orchestrator.loop import check_model, check_plugins
     from miles_orchestrator.run_dir import RunDir
 
     log = cfg.run.log
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise ValueError(f"model.path={cfg.model.path}: no config.json there; give a Hugging Face model directory")
     check_plugins(cfg)  # a wrong plug-in path fails now, before any bootstrap or cluster start
+    if cfg.model.path is not None:
+        check_model(cfg, cfg.model.path)
     run = RunDir(cfg.run.run_dir, tensorboard=log.tensorboard, wandb_project=log.wandb_project if log.wandb else None,
                  quiet=args.quiet)  # fmt: skip
     if not args.resume and run.latest_checkpoint() is not None:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from miles_contracts import Sample
 from miles_kernels.config import KernelConfig
 from miles_orchestrator.config import RunConfig
+from miles_spec.config import SpecConfig
 from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
 
 
@@ -94,6 +95,7 @@ class TrainerSettings:
     backend: FSDP2Config
     offload_dir: str
     critic: CriticConfig | None = None
+    spec: SpecConfig | None = None  # the MTP draft trains online (spec.mode=online)
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
@@ -106,8 +108,11 @@ def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
     critic = None
     if cfg.trainer.uses_critic:
         critic = cfg.trainer.critic.model_copy(update={"optimizer": spanning(cfg.trainer.critic.optimizer)})
+    spec = None
+    if cfg.spec.mode == "online":
+        spec = cfg.spec.model_copy(update={"optimizer": spanning(cfg.spec.optimizer)})
     return TrainerSettings(cfg.kernel, spanning(cfg.trainer.optimizer), cfg.trainer.loss, cfg.trainer.backend,
-                           str(run_dir / "offload"), critic)  # fmt: skip
+                           str(run_dir / "offload"), critic, spec)  # fmt: skip
 
 
 def num_threads(cfg: RunConfig) -> int:

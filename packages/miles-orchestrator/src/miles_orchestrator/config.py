@@ -35,6 +35,7 @@ from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
 from miles_kernels.config import KernelConfig
 from miles_orchestrator.task import BuiltinTask
 from miles_rollout.config import EngineConfig
+from miles_spec.config import SpecConfig
 from miles_trainer.config import (
     ADVANTAGE_ESTIMATOR_NAMES,
     AdvantageConfig,
@@ -426,6 +427,10 @@ class RunConfig(_Section):
     reward: RewardSection = Field(default_factory=RewardSection, description="How responses are scored.")
     filter: FilterSection = Field(default_factory=FilterSection, description="Which prompt groups train.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="The policy update.")
+    spec: SpecConfig = Field(
+        default_factory=SpecConfig,
+        description="The MTP draft (miles_spec.config.SpecConfig): trained online on the rollouts, or not.",
+    )
     run: RunSection = Field(default_factory=RunSection, description="Steps, seeds, outputs and logging.")
 
     @model_validator(mode="after")
@@ -448,6 +453,11 @@ class RunConfig(_Section):
                 "(kernel.mode=deterministic) trains on the log-prob contract's full one (log_softmax(logits / T)): "
                 "the samples would not follow the log-probs the trainer uses; set rollout.top_p=1, or run "
                 "kernel.mode=fast"
+            )
+        if self.spec.mode == "online" and self.model.path is None:
+            raise ValueError(
+                "spec.mode=online trains the policy's MTP draft, and the built-in policy has none yet; set model.path "
+                "to a checkpoint with MTP layers (num_nextn_predict_layers >= 1), or spec.mode=off"
             )
         if self.run.cluster == "local" and self.trainer.num_ranks > 1:
             raise ValueError(
@@ -585,8 +595,9 @@ def _check_key(model: type[BaseModel], prefix: str, key: str, *, source: str) ->
         return
     valid = list(model.model_fields)
     close = difflib.get_close_matches(key, valid, n=1)
-    named = _fields_named(RunConfig, key)
-    # the shallowest namesakes: trainer.lr moved to trainer.optimizer.lr, not to trainer.critic.optimizer.lr
+    # namesakes in the same section first, then the shallowest: trainer.lr moved to trainer.optimizer.lr, not to
+    # trainer.critic.optimizer.lr or spec.optimizer.lr
+    named = [n for n in _fields_named(RunConfig, key) if n.startswith(prefix)] or _fields_named(RunConfig, key)
     nearest = [name for name in named if name.count(".") == min(n.count(".") for n in named)]
     elsewhere = MOVED.get(prefix + key) or ", ".join(nearest)
     hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (now {elsewhere})" if elsewhere else ""

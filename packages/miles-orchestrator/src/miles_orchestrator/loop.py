@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from miles_contracts import Sample
+from miles_kernels import read_model_config
 from miles_orchestrator.cluster import Cluster, CriticTargets, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples, check_data_source
@@ -45,6 +46,7 @@ def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]
 
 async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     check_batch_identity(cfg)
+    check_model(cfg, model_dir)
     source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
     encode = PromptEncoder(model_dir)
     rollout_fn, filters = resolve_rollout_fn(cfg.rollout.rollout_fn), build_filters(cfg.filter)
@@ -114,6 +116,15 @@ def check_plugins(cfg: RunConfig) -> None:
             check()
         except (ValueError, TypeError) as error:
             raise ValueError(f"{field}={value!r}: {error}") from error
+
+
+def check_model(cfg: RunConfig, model_dir: str) -> None:
+    """What the run asks of the model's architecture: MTP modules when the draft trains online (spec.mode)."""
+    if cfg.spec.mode == "online" and read_model_config(model_dir).num_nextn_predict_layers == 0:
+        raise ValueError(
+            f"spec.mode=online trains the policy's MTP draft, but {model_dir} has no MTP modules "
+            "(num_nextn_predict_layers = 0 in its config.json); use a checkpoint with MTP layers, or spec.mode=off"
+        )
 
 
 def _check_estimator(cfg: RunConfig) -> None:

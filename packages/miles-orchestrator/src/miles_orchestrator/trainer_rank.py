@@ -12,6 +12,7 @@ from typing import Any
 
 from miles_contracts import Sample
 from miles_orchestrator.cluster import CriticTargets, TrainerSettings
+from miles_spec import MTPLoss
 from miles_trainer import FSDP2Backend, export_hf, load_checkpoint, save_checkpoint
 
 
@@ -21,8 +22,11 @@ class TrainerRank:
     def __init__(self, model_dir: str, settings: TrainerSettings) -> None:
         self.model_dir = model_dir
         self.kernel = settings.kernel
+        spec = settings.spec
+        aux_losses = [] if spec is None else [MTPLoss(spec.mtp_loss_coef)]
         self.backend = FSDP2Backend(model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
-                                    offload_dir=settings.offload_dir, critic=settings.critic)  # fmt: skip
+                                    offload_dir=settings.offload_dir, critic=settings.critic, aux_losses=aux_losses,
+                                    aux_optimizer=None if spec is None else spec.optimizer)  # fmt: skip
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's)."""

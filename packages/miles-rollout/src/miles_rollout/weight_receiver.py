@@ -115,9 +115,10 @@ class WeightReceiver:
         return engine.commit_weights(version)
 
     def checksum(self) -> str:
-        """`miles_kernels.weights_checksum` of the served weights (HF names, the engine's dtype)."""
+        """`miles_kernels.weights_checksum` of the served weights (HF names, the engine's dtype; every tensor once,
+        as weight sync sends them: an MTP module's copies of the trunk's tensors are not counted twice)."""
         self.engine.require_weights_resident()
-        return weights_checksum(checkpoint_tensors(self.engine.model).items())
+        return weights_checksum(checkpoint_tensors(self.engine.model, mtp_copies=False).items())
 
     # ------------------------------------------------------------------ torch.distributed (asyncio side)
 

@@ -118,10 +118,11 @@ class MappedSafetensors:
 def load_mapped(model: CausalLM, mapping: MappedSafetensors, model_dir: str | os.PathLike[str]) -> bool:
     """Copy a single-file checkpoint into the model's parameters straight from a kept mapping (one copy, no
     safetensors tensors in between). Only when the file holds exactly the model's checkpoint tensors with their
-    dtypes and shapes (and the parameters are contiguous): then returns True after copying; otherwise returns
-    False having changed nothing (load with `load_state(model, dict(iter_checkpoint(...)))`)."""
+    dtypes and shapes, MTP copies left out as weight sync writes it (and the parameters are contiguous): then
+    returns True after copying; otherwise returns False having changed nothing (load with
+    `load_state(model, dict(iter_checkpoint(...)))`)."""
     file = Path(model_dir) / SINGLE_FILE
-    targets = checkpoint_tensors(model)
+    targets = checkpoint_tensors(model, mtp_copies=False)
     if not file.is_file() or not all(t.is_contiguous() for t in targets.values()):
         return False
     try:
