@@ -118,3 +118,44 @@ def test_policy_update_is_bitwise_the_same_with_and_without_mtp_training(tmp_pat
     initial = random_model(tiny_config(kind, num_nextn_predict_layers=1), seed=9).state_dict()
     moved = [n for n in plain if n.startswith(mtp_prefix) and not torch.equal(trained[n], initial[n])]
     assert moved and all(torch.equal(plain[n], initial[n]) for n in plain if n.startswith(mtp_prefix))
+
+
+def test_two_gloo_ranks_train_the_draft_like_one(tmp_path) -> None:
+    """FSDP2 over 2 real ranks (the MTP modules sharded like the trunk's layers): the MTP loss, the policy's loss
+    and the trained weights agree with one rank to float32 rounding (AdamW at lr 5e-2 turns the different
+    summation order of two ranks into differences of up to ~1e-5 in two steps)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    model_dir = tmp_path / "model"
+    save_model(random_model(tiny_config("dense", num_nextn_predict_layers=1), seed=11), model_dir)
+    results = {}
+    for world in (1, 2):
+        out = tmp_path / f"world{world}"
+        out.mkdir()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        worker = Path(__file__).with_name("spec_worker.py")
+        processes = [
+            subprocess.Popen([sys.executable, str(worker), str(model_dir), str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
+            for r in range(world)
+        ]  # fmt: skip
+        for process in processes:
+            output, _ = process.communicate(timeout=240)
+            assert process.returncode == 0, output
+        results[world] = (json.loads((out / "metrics.json").read_text()), load_file(out / "params.safetensors"))
+    (one, one_params), (two, two_params) = results[1], results[2]
+    assert two["mtp_loss"] == pytest.approx(one["mtp_loss"], rel=1e-5)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for name, tensor in one_params.items():
+        torch.testing.assert_close(two_params[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -10,7 +10,7 @@ from .hf_io import (
     save_model,
 )
 from .kv_cache import KVStore
-from .model import CausalLM
+from .model import CausalLM, MTPLayer
 from .model_config import ModelConfig
 from .ops.attention import (
     NULL_PAGE,
@@ -70,6 +70,7 @@ __all__ = [
     "CausalLM",
     "KVStore",
     "KernelConfig",
+    "MTPLayer",
     "MappedSafetensors",
     "ModelConfig",
     "RowSampling",

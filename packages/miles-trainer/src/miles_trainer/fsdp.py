@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, load_model, weights_checksum
+from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, MTPLayer, load_model, weights_checksum
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
@@ -60,6 +60,16 @@ def apply_activation_checkpointing(model: CausalLM) -> None:
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
+def use_deterministic_backward() -> None:
+    """torch's deterministic algorithms, for the whole process: with several threads some CPU backward kernels
+    (the embedding's gradient, which adds the rows of repeated token ids) otherwise accumulate in an order that
+    changes from run to run, so one step's gradients differed in their last bits between runs of one config
+    (benchmarks/README.md, "Bitwise reproducibility"). The forward ops are unaffected (the engine's and the trainer's
+    bits stay equal). Uninitialized memory is not filled: that costs time and no op here reads it."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+
+
 def _needs_fsdp(kernel: KernelConfig) -> bool:
     """One float32 rank has nothing to shard, reduce or cast: the model stays a plain module (FSDP2's hooks cost
     ~15 ms per step of the 3.2M-parameter policy on 2 cores, about an eighth of the step)."""
@@ -72,8 +82,10 @@ def _shard(model: CausalLM, kernel: KernelConfig, root: torch.nn.Module | None =
     if not _needs_fsdp(kernel):
         return
     policy = MixedPrecisionPolicy(param_dtype=kernel.torch_dtype, reduce_dtype=torch.float32)
+    # an MTP module's embedding and LM head are the trunk's (tied): the root's group manages them, not the module's
+    tied = {cast(torch.nn.Parameter, model.model.embed_tokens.weight), model.lm_head.weight}
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, ignored_params=tied if isinstance(layer, MTPLayer) else None)
     top = fully_shard(model if root is None else root, mp_policy=policy)
     if model.config.is_moe and dist.get_world_size() > 1:
         # Experts that no token of this rank chose still join the gradient reduction.
@@ -84,8 +96,8 @@ def _shard(model: CausalLM, kernel: KernelConfig, root: torch.nn.Module | None =
             )
         top.set_reduce_scatter_unused_params(True)
     if root is None:
-        register_fsdp_forward_method(model, "forward_hidden")
-        register_fsdp_forward_method(model, "logits")
+        for method in ("forward_hidden", "logits", "mtp_hidden", "mtp_logits"):  # the root's weights gathered
+            register_fsdp_forward_method(model, method)
 
 
 class FSDP2Backend:
@@ -114,6 +126,8 @@ class FSDP2Backend:
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
+        if kernel.is_deterministic:
+            use_deterministic_backward()
         self.optimizer_config = optimizer or OptimizerConfig()
         self.loss_config = loss or PolicyLossConfig()
         self.config = config or FSDP2Config()
@@ -395,12 +409,15 @@ class FSDP2Backend:
         return weights_checksum(export_tensors(self.model, fresh=False))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters on CPU under HF checkpoint names (tied embeddings once), identical on every rank."""
+        """Unsharded parameters on CPU under HF checkpoint names (tied embeddings once, an MTP module's copies of
+        the trunk's embedding and LM head left out), identical on every rank."""
         self._check_onloaded()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
         state: dict[str, Any] = get_model_state_dict(self.model, options=options)
         if self.model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+        for name in self.model.mtp_copy_names():  # an MTP module's copies of trunk tensors: the same tensors
+            state.pop(name, None)
         return state
 
     def _offload_targets(self) -> Iterator[torch.Tensor]:
