@@ -272,12 +272,9 @@ class CausalLM(nn.Module):
             raise ValueError(f"got {input_ids_N.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
         x = self.model.embed_tokens(input_ids_N)
         batch = batch.to(x.device)  # a batch laid out on the host (the trainer's packing) runs on the model's device
-        # Recomputed per call (head_dim / 2 values) so it is always float32, whatever the model dtype.
-        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, x.device)
-        cos, sin = rope_cos_sin(batch.positions_N, inv_freq, x.dtype)
+        cos, sin = self._rope(batch, x)
         if kv_store is None:
-            shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
-            empty = x.new_zeros(shape)
+            empty = self._scratch_pages(batch, x)
         for index, layer in enumerate(self.trunk_layers):
             if kv_store is None:
                 k_pages, v_pages, is_persistent = empty, empty, False
@@ -324,12 +321,21 @@ class CausalLM(nn.Module):
         if detach_trunk:
             hidden_NH = hidden_NH.detach()
         batch = batch.to(embedded.device)
-        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, embedded.device)
-        cos, sin = rope_cos_sin(batch.positions_N, inv_freq, embedded.dtype)
-        shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
-        empty = embedded.new_zeros(shape)
+        cos, sin = self._rope(batch, embedded)
+        empty = self._scratch_pages(batch, embedded)
         out: torch.Tensor = mtp(embedded, hidden_NH, cos, sin, batch, empty, empty, False)
         return out
+
+    def _rope(self, batch: AttentionBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos / sin of the batch's positions; the frequencies are recomputed per call (head_dim / 2 values) so
+        they are always float32, whatever the model dtype."""
+        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, like.device)
+        return rope_cos_sin(batch.positions_N, inv_freq, like.dtype)
+
+    def _scratch_pages(self, batch: AttentionBatch, like: torch.Tensor) -> torch.Tensor:
+        """A temporary paged K/V buffer for a forward without a `KVStore` (the trainer's)."""
+        shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
+        return like.new_zeros(shape)
 
     def mtp_logits(self, hidden_NH: torch.Tensor, detach_trunk: bool = False) -> torch.Tensor:
         """LM-head logits (N, V, float32) of MTP outputs; `detach_trunk`: the shared LM head enters detached."""

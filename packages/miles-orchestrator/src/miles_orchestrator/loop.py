@@ -34,6 +34,7 @@ from miles_trainer import (
     explained_variance,
     gae_advantages,
     load_advantage_estimator,
+    outcome_token_rewards,
     resolve_loss_fn,
 )
 
@@ -230,11 +231,7 @@ def gae_targets(
     width = mask.shape[1]
     rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float64)
     values_NT = torch.tensor([row + [0.0] * (width - len(row)) for row in values], dtype=torch.float64)
-    positions = torch.arange(width).expand_as(mask)
-    last = torch.where(mask > 0, positions, -1).amax(dim=1)
-    token_rewards = torch.zeros_like(values_NT)
-    rows = torch.nonzero(last >= 0).flatten()
-    token_rewards[rows, last[rows]] = rewards[rows]
+    token_rewards = outcome_token_rewards(rewards, mask)
     knobs = cfg.trainer.advantage
     adv, returns = gae_advantages(
         token_rewards, values_NT, mask, gamma=knobs.gamma, lam=knobs.lam, whiten=knobs.whiten

@@ -39,6 +39,7 @@ __all__ = [
     "expand_to_tokens",
     "gae_advantages",
     "grpo_advantages",
+    "outcome_token_rewards",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",
@@ -169,8 +170,9 @@ def _masked_whiten(values_NT: torch.Tensor, mask_NT: torch.Tensor, epsilon: floa
     return (values_NT - mean) * torch.rsqrt(var + epsilon) * mask
 
 
-def _last_token_rewards(rewards_N: torch.Tensor, response_mask_NT: torch.Tensor) -> torch.Tensor:
-    """Token rewards with the outcome reward on each row's last valid token (zeros for rows with no valid token)."""
+def outcome_token_rewards(rewards_N: torch.Tensor, response_mask_NT: torch.Tensor) -> torch.Tensor:
+    """Token rewards (float64) with the outcome reward on each row's last valid token (zeros for rows with no valid
+    token): the token rewards of REINFORCE++ and of GAE."""
     mask = response_mask_NT.bool()
     num_tokens = mask.shape[1]
     positions_NT = torch.arange(num_tokens, device=mask.device).expand_as(mask)
@@ -207,7 +209,7 @@ def reinforce_plus_plus_advantages(
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     mask = response_mask_NT.to(torch.float64)
-    token_rewards_NT = _last_token_rewards(rewards_N, response_mask_NT)
+    token_rewards_NT = outcome_token_rewards(rewards_N, response_mask_NT)
     returns_NT = torch.zeros_like(token_rewards_NT)
     running_N = torch.zeros(rewards_N.shape[0], dtype=torch.float64, device=rewards_N.device)
     for t in reversed(range(mask.shape[1])):

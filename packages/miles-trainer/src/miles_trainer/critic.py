@@ -27,7 +27,7 @@ from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.config import CriticConfig
 from miles_trainer.losses import value_loss
-from miles_trainer.packing import MicroBatch, pack_samples
+from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
 
 __all__ = ["JointValueLoss", "ValueHead", "ValueModel", "accumulate_value_gradients", "critic_values"]
 
@@ -72,17 +72,6 @@ class JointValueLoss:
     config: CriticConfig
 
 
-def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
-    tensors = [torch.tensor(list(r), dtype=torch.float32) for r in rows]
-    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True).to(device)
-
-
-def _rows(values_K: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    padded = torch.nn.utils.rnn.pad_sequence(micro.per_sample(values_K), batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence(micro.per_sample(micro.loss_mask_K), batch_first=True, padding_value=False)
-    return padded, mask.to(padded.device)
-
-
 @torch.no_grad()
 def critic_values(
     model: Callable[[MicroBatch], torch.Tensor],
@@ -114,12 +103,13 @@ def value_loss_part(
     counts: dict[str, int | None],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The clipped value loss of one micro-batch's values (K,), and its metrics and mask."""
-    values_BT, mask_BT = _rows(values_K, micro)
+    values_BT, mask_BT = rows_to_padded(values_K, micro)
     device = values_BT.device
     rows = micro.sample_indices
     loss, metrics = value_loss(
-        values_BT, _padded([old_values[i] for i in rows], device), _padded([returns[i] for i in rows], device),
-        mask_BT, clip=config.value_clip, agg_mode=config.agg_mode, **counts,  # type: ignore[arg-type]
+        values_BT, padded_lists([old_values[i] for i in rows], device),
+        padded_lists([returns[i] for i in rows], device), mask_BT,
+        clip=config.value_clip, agg_mode=config.agg_mode, **counts,  # type: ignore[arg-type]
     )  # fmt: skip
     return loss, metrics, mask_BT
 

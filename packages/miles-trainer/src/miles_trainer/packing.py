@@ -51,6 +51,19 @@ class MicroBatch:
         return list(torch.split(values_K, self.response_lens))
 
 
+def rows_to_padded(values_K: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-response-token values (K,) as (B, T) right-padded rows and the matching mask (loss mask applied)."""
+    padded = torch.nn.utils.rnn.pad_sequence(micro.per_sample(values_K), batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence(micro.per_sample(micro.loss_mask_K), batch_first=True, padding_value=False)
+    return padded, mask.to(padded.device)
+
+
+def padded_lists(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
+    """Lists of floats (one per sample) as a right-padded float32 (B, T) tensor on `device`."""
+    tensors = [torch.tensor(list(r), dtype=torch.float32) for r in rows]
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True).to(device)
+
+
 def plan_micro_batches(
     lengths: Sequence[int], max_tokens: int, shared: Sequence[int] | None = None
 ) -> list[list[int]]:

@@ -36,7 +36,7 @@ from miles_trainer.losses import (
     sft_loss,
     train_rollout_logprob_abs_diff,
 )
-from miles_trainer.packing import MicroBatch, pack_samples
+from miles_trainer.packing import pack_samples, padded_lists, rows_to_padded
 from miles_trainer.plugins import load_checked_plugin
 
 PerSample = Sequence[float | Sequence[float]]
@@ -120,18 +120,6 @@ class StepStats:
         return out
 
 
-def rows_to_padded(values_K: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-response-token values (K,) as (B, T) right-padded rows and the matching mask (loss mask applied)."""
-    padded = torch.nn.utils.rnn.pad_sequence(micro.per_sample(values_K), batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence(micro.per_sample(micro.loss_mask_K), batch_first=True, padding_value=False)
-    return padded, mask.to(padded.device)
-
-
-def _padded(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
-    tensors = [torch.tensor(list(r), dtype=torch.float32) for r in rows]
-    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True).to(device)
-
-
 def count_trained(samples: Sequence[Sample], is_weights: PerToken | None = None) -> tuple[int, int]:
     """(trained tokens, sequences with at least one trained token): the normalizers of the losses. With
     `is_weights` (MIS with `is_rejected="excluded"`), a token whose weight is 0 does not train."""
@@ -157,8 +145,8 @@ def mismatch_weights(
         raise ValueError("mismatch_weights needs PolicyLossConfig.is_mode ('truncate' or 'mask')")
     rollout = [s.rollout_logprobs or [] for s in samples]
     cpu = torch.device("cpu")
-    rollout_NT = _padded(rollout, cpu)
-    old_NT = rollout_NT if old_logprobs is None else _padded(old_logprobs, cpu)
+    rollout_NT = padded_lists(rollout, cpu)
+    old_NT = rollout_NT if old_logprobs is None else padded_lists(old_logprobs, cpu)
     mask_NT = torch.nn.utils.rnn.pad_sequence(
         [torch.tensor(s.effective_loss_mask(), dtype=torch.bool) for s in samples], batch_first=True
     )
@@ -286,10 +274,10 @@ def accumulate_policy_gradients(
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         device = logprobs_BT.device
         rows = micro.sample_indices
-        rollout_BT = _padded([samples[i].rollout_logprobs or [] for i in rows], device)
-        old_BT = rollout_BT if old_logprobs is None else _padded([old_logprobs[i] for i in rows], device)
-        advantages_BT = _padded([per_token_adv[i] for i in rows], device)
-        is_weights_BT = None if is_weights is None else _padded([is_weights[i] for i in rows], device)
+        rollout_BT = padded_lists([samples[i].rollout_logprobs or [] for i in rows], device)
+        old_BT = rollout_BT if old_logprobs is None else padded_lists([old_logprobs[i] for i in rows], device)
+        advantages_BT = padded_lists([per_token_adv[i] for i in rows], device)
+        is_weights_BT = None if is_weights is None else padded_lists([is_weights[i] for i in rows], device)
         if is_weights_BT is not None and exclude_rejected:
             mask_BT = mask_BT & (is_weights_BT > 0)
         pg_loss, pg_metrics = loss_fn(
@@ -305,7 +293,9 @@ def accumulate_policy_gradients(
             )
         kl_BT = None
         if ref_logprobs is not None:
-            kl_BT = kl_estimate(logprobs_BT, _padded([ref_logprobs[i] for i in rows], device), config.kl_estimator)
+            kl_BT = kl_estimate(
+                logprobs_BT, padded_lists([ref_logprobs[i] for i in rows], device), config.kl_estimator
+            )
             if (
                 config.kl_ratio_correction
             ):  # TRL's use_bias_correction_kl: KL under pi_old's samples, times pi / pi_old
