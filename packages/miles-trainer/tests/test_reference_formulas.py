@@ -59,16 +59,15 @@ from miles_trainer.config import (
     KL_KINDS,
     AdvantageConfig,
 )
+from miles_trainer.critic import explained_variance, value_loss
 from miles_trainer.losses import (
     aggregate_loss,
     entropy_from_logits,
-    explained_variance,
     importance_weight_sums,
     importance_weights,
     kl_estimate,
     normalize_importance_weights,
     policy_loss,
-    value_loss,
 )
 
 F64 = torch.float64

@@ -32,7 +32,15 @@ from .config import (
     PolicyLossConfig,
     SFTConfig,
 )
-from .critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
+from .critic import (
+    JointValueLoss,
+    ValueHead,
+    ValueModel,
+    accumulate_value_gradients,
+    critic_values,
+    explained_variance,
+    value_loss,
+)
 from .fsdp import FSDP2Backend, apply_activation_checkpointing
 from .logprobs import micro_batch_forward, micro_batch_logprobs, response_logprobs
 from .losses import (
@@ -40,7 +48,6 @@ from .losses import (
     aggregate_loss,
     entropy_bonus_loss,
     entropy_from_logits,
-    explained_variance,
     importance_weight_sums,
     importance_weights,
     kl_estimate,
@@ -48,7 +55,6 @@ from .losses import (
     policy_loss,
     sft_loss,
     train_rollout_logprob_abs_diff,
-    value_loss,
 )
 from .offload import FileStore, HostStore, Offloader
 from .packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches, plan_samples

@@ -26,10 +26,18 @@ from torch import nn
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.config import CriticConfig
-from miles_trainer.losses import value_loss
+from miles_trainer.losses import Count, _check_same_shape, _masked_mean, aggregate_loss
 from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
 
-__all__ = ["JointValueLoss", "ValueHead", "ValueModel", "accumulate_value_gradients", "critic_values"]
+__all__ = [
+    "JointValueLoss",
+    "ValueHead",
+    "ValueModel",
+    "accumulate_value_gradients",
+    "critic_values",
+    "explained_variance",
+    "value_loss",
+]
 
 
 class ValueHead(nn.Module):
@@ -60,6 +68,67 @@ class ValueModel(nn.Module):
         hidden = self.backbone.forward_hidden(micro.input_ids_N.to(device), micro.batch)
         values: torch.Tensor = self.value_head(hidden[micro.score_rows_K.to(device)])
         return values
+
+
+def value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip: float | None = 0.5,
+    agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss (verl 0.9.1 `core_algos.compute_value_loss`, itself TRL's PPO value loss):
+
+        V_clip = clamp(V, V_old - clip, V_old + clip)
+        loss_t = max((V - R)^2, (V_clip - R)^2)
+        loss   = 0.5 * aggregate_loss(loss_t, mask, agg_mode)
+
+    V = values (with grad), V_old = the values the critic gave when the batch was made, R = the returns (GAE's
+    targets). clip=None: the plain squared error. Metrics: vf_clip_fraction (share of valid tokens where the
+    clipped branch is the larger, verl's vf_clipfrac) and value_mean (mean of V).
+    """
+    _check_same_shape(values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT, mask_BT=mask_BT)
+    if clip is not None and clip <= 0:
+        raise ValueError(f"clip (the value clip range) must be > 0 or None, got {clip}")
+    is_valid = mask_BT.bool()
+    zeros = torch.zeros_like(values_BT)
+    returns = torch.where(is_valid, returns_BT.detach(), zeros)
+    old = torch.where(is_valid, old_values_BT.detach(), zeros)
+    unclipped_BT = (values_BT - returns).square()
+    loss_BT = unclipped_BT
+    clipped_BT = unclipped_BT
+    if clip is not None:
+        clipped_BT = (torch.maximum(torch.minimum(values_BT, old + clip), old - clip) - returns).square()
+        loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    loss = 0.5 * aggregate_loss(
+        loss_BT,
+        mask_BT,
+        agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        max_response_len=max_response_len,
+    )
+    with torch.no_grad():
+        metrics = {
+            "vf_clip_fraction": _masked_mean((clipped_BT > unclipped_BT).float(), is_valid),
+            "value_mean": _masked_mean(values_BT.detach().float(), is_valid),
+        }
+    return loss, metrics
+
+
+def explained_variance(values_N: torch.Tensor, returns_N: torch.Tensor) -> float:
+    """1 - Var(R - V) / (Var(R) + 1e-5) over the valid tokens given (flattened; unbiased variances): 1 is a perfect
+    critic, 0 no better than a constant, negative worse (verl 0.9.1 `metric_utils.compute_data_metrics`,
+    critic/vf_explained_var). nan for fewer than 2 values."""
+    values, returns = values_N.double().flatten(), returns_N.double().flatten()
+    if returns.numel() < 2:
+        return float("nan")
+    return float(1.0 - (returns - values).var() / (returns.var() + 1e-5))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ mask. Out: one scalar to backpropagate plus detached metrics.
 - `importance_weights`: TIS / MIS weights for a non-zero train/rollout mismatch, fed to `policy_loss`.
 - `importance_weight_sums` / `normalize_importance_weights`: verl's batch normalization of those weights.
 - `kl_estimate`, `entropy_from_logits`, `entropy_bonus_loss`, `sft_loss`.
-- `value_loss` (PPO's clipped critic loss) and `explained_variance` (how well the critic predicts the returns).
+- PPO's value loss lives with the critic (`critic.value_loss`).
 - `train_rollout_logprob_abs_diff`: the train/rollout mismatch metric (exactly 0 under true on-policy).
 
 Masks are bool or 0/1 (1 = the token carries loss). Metrics are detached 0-dim tensors (no host sync here),
@@ -32,7 +32,6 @@ __all__ = [
     "aggregate_loss",
     "entropy_bonus_loss",
     "entropy_from_logits",
-    "explained_variance",
     "importance_weight_sums",
     "importance_weights",
     "kl_estimate",
@@ -40,7 +39,6 @@ __all__ = [
     "policy_loss",
     "sft_loss",
     "train_rollout_logprob_abs_diff",
-    "value_loss",
 ]
 
 
@@ -424,67 +422,6 @@ def sft_loss(
         global_num_seqs=global_num_seqs,
         max_response_len=max_response_len,
     )
-
-
-def value_loss(
-    values_BT: torch.Tensor,
-    old_values_BT: torch.Tensor,
-    returns_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    clip: float | None = 0.5,
-    agg_mode: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
-    max_response_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped value loss (verl 0.9.1 `core_algos.compute_value_loss`, itself TRL's PPO value loss):
-
-        V_clip = clamp(V, V_old - clip, V_old + clip)
-        loss_t = max((V - R)^2, (V_clip - R)^2)
-        loss   = 0.5 * aggregate_loss(loss_t, mask, agg_mode)
-
-    V = values (with grad), V_old = the values the critic gave when the batch was made, R = the returns (GAE's
-    targets). clip=None: the plain squared error. Metrics: vf_clip_fraction (share of valid tokens where the
-    clipped branch is the larger, verl's vf_clipfrac) and value_mean (mean of V).
-    """
-    _check_same_shape(values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT, mask_BT=mask_BT)
-    if clip is not None and clip <= 0:
-        raise ValueError(f"clip (the value clip range) must be > 0 or None, got {clip}")
-    is_valid = mask_BT.bool()
-    zeros = torch.zeros_like(values_BT)
-    returns = torch.where(is_valid, returns_BT.detach(), zeros)
-    old = torch.where(is_valid, old_values_BT.detach(), zeros)
-    unclipped_BT = (values_BT - returns).square()
-    loss_BT = unclipped_BT
-    clipped_BT = unclipped_BT
-    if clip is not None:
-        clipped_BT = (torch.maximum(torch.minimum(values_BT, old + clip), old - clip) - returns).square()
-        loss_BT = torch.maximum(unclipped_BT, clipped_BT)
-    loss = 0.5 * aggregate_loss(
-        loss_BT,
-        mask_BT,
-        agg_mode,
-        global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs,
-        max_response_len=max_response_len,
-    )
-    with torch.no_grad():
-        metrics = {
-            "vf_clip_fraction": _masked_mean((clipped_BT > unclipped_BT).float(), is_valid),
-            "value_mean": _masked_mean(values_BT.detach().float(), is_valid),
-        }
-    return loss, metrics
-
-
-def explained_variance(values_N: torch.Tensor, returns_N: torch.Tensor) -> float:
-    """1 - Var(R - V) / (Var(R) + 1e-5) over the valid tokens given (flattened; unbiased variances): 1 is a perfect
-    critic, 0 no better than a constant, negative worse (verl 0.9.1 `metric_utils.compute_data_metrics`,
-    critic/vf_explained_var). nan for fewer than 2 values."""
-    values, returns = values_N.double().flatten(), returns_N.double().flatten()
-    if returns.numel() < 2:
-        return float("nan")
-    return float(1.0 - (returns - values).var() / (returns.var() + 1e-5))
 
 
 def train_rollout_logprob_abs_diff(
