@@ -352,6 +352,15 @@ class MetaInfo(BaseModel):
     output_top_logprobs: list[list[LogprobEntry] | None] | None = None
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     routed_experts: list[list[list[int]]] | None = None
+    # Speculative decoding (SGLang's keys; absent when the server does not speculate): verify steps, drafts
+    # proposed and accepted, accepted / proposed, tokens per verify step ((verify_ct + correct) / verify_ct), and
+    # the histogram of accepted drafts per verify step.
+    spec_verify_ct: int | None = Field(default=None, ge=0)
+    spec_num_proposed_drafts: int | None = Field(default=None, ge=0)
+    spec_num_correct_drafts: int | None = Field(default=None, ge=0)
+    spec_accept_rate: float | None = None
+    spec_accept_length: float | None = None
+    spec_accept_histogram: list[int] | None = None
 
     @field_validator("weight_version", mode="before")
     @classmethod

@@ -17,6 +17,8 @@ from miles_kernels.model_config import ModelConfig
 class KVStore:
     """Paged K/V storage of every layer: `k[layer]`, `v[layer]` of shape (pages, Hkv, page_size, D).
 
+    Layers 0 .. L - 1 are the trunk's; with `num_draft_layers`, layers L + i hold MTP module i's K/V (speculative
+    decoding's draft) at the same pages and slots as the trunk's, so a sequence's pages hold both.
     Zero-initialized (page 0 is the null page), so masked slots always hold finite values.
     """
 
@@ -25,12 +27,19 @@ class KVStore:
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+        cls,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_draft_layers: int = 0,
     ) -> KVStore:
         shape = (num_pages, config.num_key_value_heads, page_size, config.head_dim)
+        num_layers = config.num_hidden_layers + num_draft_layers
         return cls(
-            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
-            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)],
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
         )
 
     @property

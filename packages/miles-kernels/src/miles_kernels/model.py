@@ -291,6 +291,7 @@ class CausalLM(nn.Module):
         batch: AttentionBatch,
         module: int = 0,
         detach_trunk: bool = False,
+        kv_store: KVStore | None = None,
     ) -> torch.Tensor:
         """Output hidden states (N, H) of MTP module `module`, whose `logits` predict one token further.
 
@@ -301,9 +302,11 @@ class CausalLM(nn.Module):
             e_t = eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)])        (a concatenation, 2H -> H)
             out_t = shared_head.norm(decoder_layer(e_t))             (attention over the sequence's rows <= t)
 
-        so `logits(out_t)` scores token t + 2 + module. Attention runs on the batch's positions with a temporary
-        KV (as the trainer's trunk forward does); the same kernels as the trunk. `detach_trunk`: the embedding
-        (shared with the trunk) and `hidden_NH` enter detached, so a loss on the output trains the MTP module only.
+        so `logits(out_t)` scores token t + 2 + module. Attention runs on the batch's positions, the same kernels as
+        the trunk: with a temporary KV (the trainer's), or in `kv_store`'s layer L + module (the engine's draft,
+        which writes the rows' K/V there; see `KVStore.allocate(num_draft_layers=)`). `detach_trunk`: the
+        embedding (shared with the trunk) and `hidden_NH` enter detached, so a loss on the output trains the MTP
+        module only.
         """
         layers = self.mtp_layers
         if not 0 <= module < len(layers):
@@ -322,8 +325,14 @@ class CausalLM(nn.Module):
             hidden_NH = hidden_NH.detach()
         batch = batch.to(embedded.device)
         cos, sin = self._rope(batch, embedded)
-        empty = self._scratch_pages(batch, embedded)
-        out: torch.Tensor = mtp(embedded, hidden_NH, cos, sin, batch, empty, empty, False)
+        if kv_store is None:
+            empty = self._scratch_pages(batch, embedded)
+            out: torch.Tensor = mtp(embedded, hidden_NH, cos, sin, batch, empty, empty, False)
+            return out
+        layer = self.config.num_hidden_layers + module
+        if len(kv_store.k) <= layer:
+            raise ValueError(f"the KV store has no layer for MTP module {module}: allocate it with num_draft_layers")
+        out = mtp(embedded, hidden_NH, cos, sin, batch, kv_store.k[layer], kv_store.v[layer], True)
         return out
 
     def _rope(self, batch: AttentionBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from miles_kernels.config import KernelConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DRAFT_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names that draft with the model's own MTP layers
+DEFAULT_DRAFT_STEPS = 3
 
 
 class EngineConfig(BaseModel):
@@ -35,6 +37,68 @@ class EngineConfig(BaseModel):
     )
     device: str = Field(default="cpu", description="torch device of the engine, e.g. cpu or cuda:0.")
     seed: int = Field(default=0, ge=0, description="Base seed of requests that carry no sampling_seed.")
+    speculative_algorithm: str | None = Field(
+        default=None,
+        description="Speculative decoding, SGLang's flag: NEXTN (or EAGLE, the same for an MTP draft) drafts with "
+        "the model's own MTP layers (num_nextn_predict_layers >= 1 in config.json); null: off.",
+    )
+    speculative_num_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description=f"Draft tokens proposed per decoding step (MTP module 0 applied recursively); "
+        f"default {DEFAULT_DRAFT_STEPS} when speculative decoding is on.",
+    )
+    speculative_eagle_topk: int | None = Field(
+        default=None, ge=1, description="Draft branches per step: only 1 (a chain of drafts) is supported."
+    )
+    speculative_num_draft_tokens: int | None = Field(
+        default=None, ge=2, description="Tokens one verify step checks: with topk 1, num_steps + 1 (the default)."
+    )
+
+    @field_validator("speculative_algorithm", mode="before")
+    @classmethod
+    def _known_algorithm(cls, value: object) -> object:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        name = str(value).upper()
+        if name not in DRAFT_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm {value!r} is not supported: Miles drafts with the policy's own MTP layers, "
+                f"SGLang's {' or '.join(DRAFT_ALGORITHMS)} (EAGLE3, STANDALONE and NGRAM need another draft model)"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _speculative_settings(self) -> EngineConfig:
+        given = {
+            "speculative_num_steps": self.speculative_num_steps,
+            "speculative_eagle_topk": self.speculative_eagle_topk,
+            "speculative_num_draft_tokens": self.speculative_num_draft_tokens,
+        }
+        if self.speculative_algorithm is None and any(v is not None for v in given.values()):
+            names = ", ".join(k for k, v in given.items() if v is not None)
+            raise ValueError(f"{names} set without speculative_algorithm: add speculative_algorithm=NEXTN")
+        if (self.speculative_eagle_topk or 1) > 1:
+            raise ValueError(
+                f"speculative_eagle_topk={self.speculative_eagle_topk}: only 1 is supported (the draft proposes one "
+                "chain of tokens; tree drafts are not implemented)"
+            )
+        tokens = self.speculative_num_draft_tokens
+        if tokens is not None and tokens != self.num_draft_steps + 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens={tokens} with speculative_num_steps={self.num_draft_steps}: with "
+                f"topk 1 a verify step checks num_steps + 1 = {self.num_draft_steps + 1} tokens; set that or leave "
+                "it unset"
+            )
+        return self
+
+    @property
+    def num_draft_steps(self) -> int:
+        """Draft tokens per decoding step (0: no speculative decoding)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return self.speculative_num_steps or DEFAULT_DRAFT_STEPS
 
 
 class ServeConfig(BaseModel):

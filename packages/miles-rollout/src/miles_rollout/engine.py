@@ -293,7 +293,7 @@ class Engine:
                 )
             max_tokens = min(len(prompt) + params.max_new_tokens, self.context_length)
             pages = ceil_div(len(prompt), self.page_size) + params.n * (
-                ceil_div(max_tokens, self.page_size) - len(prompt) // self.page_size
+                ceil_div(max_tokens, self.page_size) - self.scheduler.num_shared_pages(len(prompt))
             )
             if pages > self.config.num_kv_pages - 1:
                 raise EngineError(

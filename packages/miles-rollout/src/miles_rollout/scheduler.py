@@ -9,6 +9,8 @@ Each `step`:
 3. samples the next token of every sequence whose input ended this step, records its log-prob (the log-prob
    contract), and finishes sequences on EOS / stop token / stop string / max_new_tokens / context length.
 A prompt with `n` samples is prefilled once, then forked: full pages are shared, the partial page is copied.
+With speculative decoding (`EngineConfig.speculative_algorithm`; speculative.py) a decoding sequence brings its
+last token and up to k draft tokens to the forward, and a step emits one or more tokens per sequence.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from typing import Any
 
 import torch
 
-from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch, full_logprobs, sample, token_logprobs
+from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
 from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
-from miles_rollout.sequence import Group, Sequence, build_response, finish_reason
+from miles_rollout.row_sampling import Row, record_input_logprobs, sample_rows
+from miles_rollout.sequence import DraftState, Group, Sequence, build_response, finish_reason
+from miles_rollout.speculative import Drafter, accept_drafts
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -46,6 +50,10 @@ class Scheduler:
         self.eos_ids = set(model.config.eos_token_ids())
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
+        self.drafter: Drafter | None = None
+        if config.num_draft_steps:
+            tile = kernel.attention_query_tile
+            self.drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids)
         self.store = self._allocate_store()
         self.allocator = PageAllocator(config.num_kv_pages)
         self.radix = RadixCache(self.allocator, self.page_size)
@@ -65,7 +73,7 @@ class Scheduler:
     def _allocate_store(self) -> KVStore:
         return KVStore.allocate(
             self.model.config, self.config.num_kv_pages, self.page_size, self.kernel.torch_dtype,
-            self.config.device,
+            self.config.device, num_draft_layers=1 if self.drafter is not None else 0,
         )  # fmt: skip
 
     @property
@@ -100,7 +108,7 @@ class Scheduler:
         for seq in [*self._refilling, *self._running]:
             seq.resume_at = max(seq.resume_at, seq.num_computed)
             self._cache_pages(seq.tokens[: seq.num_computed], seq.pages)
-            seq.pages, seq.num_computed = [], 0
+            seq.pages, seq.num_computed, seq.draft = [], 0, DraftState()
             self._reserved -= seq.reserved_pages
             seq.reserved_pages = 0
             self._retracted.append(seq)
@@ -137,6 +145,7 @@ class Scheduler:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "num_prefill_tokens": self.num_prefill_tokens,
+            **(self.drafter.stats() if self.drafter is not None else {}),
         }
 
     def process_aborts(self, aborts: list[str | None]) -> None:
@@ -202,6 +211,7 @@ class Scheduler:
             self._reserved += needed
             group.prefill_pages = matched
             group.num_computed = group.cached_tokens = len(matched) * self.page_size
+            group.draft = DraftState(computed=group.num_computed)
             self._prefilling.append(group)
 
     def _admit_retracted(self) -> None:
@@ -221,9 +231,28 @@ class Scheduler:
             if seq.version_starts[-1][0] != self.weight_version:  # weights were updated while it was retracted
                 seq.version_starts.append((self.weight_version, len(seq.output_ids)))
             seq.pages, seq.num_computed = matched, len(matched) * self.page_size
+            seq.draft = DraftState(computed=seq.num_computed)
             seq.reserved_pages = needed
             self._reserved += needed
             (self._running if seq.num_computed == seq.resume_at else self._refilling).append(seq)
+
+    def _grow_pages(self, owner: Any, pages: list[int], num_tokens: int) -> None:
+        """Grow `owner`'s page list in place (from its reservation) to hold `num_tokens` tokens."""
+        extra = ceil_div(num_tokens, self.page_size) - len(pages)
+        if extra > 0:
+            pages += self._take_pages(extra)
+            owner.reserved_pages -= extra
+
+    def _propose_drafts(self) -> list[list[int]]:
+        """Each running sequence's draft tokens (none without speculative decoding). A sequence drafts at most
+        k tokens, and fewer near its end: a step emits at most drafts + 1 tokens, within max_new_tokens and the
+        context length, so its verify rows stay inside the pages reserved at admission."""
+        if self.drafter is None:
+            return [[] for _ in self._running]
+        budgets = [self.drafter.budget(seq, self.context_length) for seq in self._running]
+        for seq, budget in zip(self._running, budgets, strict=True):
+            self._grow_pages(seq, seq.pages, seq.num_computed + 1 + budget)
+        return self.drafter.propose(self.store, self._running, budgets)
 
     def _take_pages(self, count: int) -> list[int]:
         if count > self.allocator.num_free:
@@ -237,26 +266,29 @@ class Scheduler:
             self._admit()
         if not self.is_busy:
             return
+        with torch.no_grad():
+            self._step()
+        self.num_steps += 1
+
+    def _step(self) -> None:
         ids: list[int] = []
         query_lens: list[int] = []
         prefix_lens: list[int] = []
         tables: list[list[int]] = []
-        owners: list[tuple[str, Any, int]] = []  # (kind, seq or group, first row): "decode" | "refill" | "prefill"
+        # (kind, seq or group, first row, its tokens): "decode" | "refill" | "prefill"
+        owners: list[tuple[str, Any, int, list[int]]] = []
 
         def add(kind: str, owner: Any, chunk: list[int], pages: list[int]) -> None:
             """Rows for `chunk`, the next tokens of `owner`; its page list (`pages`, grown in place) covers them."""
-            extra = ceil_div(owner.num_computed + len(chunk), self.page_size) - len(pages)
-            if extra > 0:
-                pages += self._take_pages(extra)
-                owner.reserved_pages -= extra
-            owners.append((kind, owner, len(ids)))
+            self._grow_pages(owner, pages, owner.num_computed + len(chunk))
+            owners.append((kind, owner, len(ids), chunk))
             ids.extend(chunk)
             query_lens.append(len(chunk))
             prefix_lens.append(owner.num_computed)
             tables.append(pages)
 
-        for seq in self._running:
-            add("decode", seq, seq.tokens[-1:], seq.pages)
+        for seq, drafts in zip(self._running, self._propose_drafts(), strict=True):
+            add("decode", seq, seq.tokens[-1:] + drafts, seq.pages)
         budget = max(self.config.max_prefill_tokens - len(ids), 1)
         for seq in self._refilling:
             if budget <= 0:
@@ -276,19 +308,23 @@ class Scheduler:
         batch = build_attention_batch(
             query_lens, prefix_lens, tables, self.page_size, self.kernel.attention_query_tile, device
         )
-        with torch.no_grad():
-            hidden = self.model.forward_hidden(torch.tensor(ids, device=device), batch, self.store)
-            self._after_forward(hidden, owners, query_lens)
-        self.num_steps += 1
+        hidden = self.model.forward_hidden(torch.tensor(ids, device=device), batch, self.store)
+        self._after_forward(hidden, owners, query_lens)
 
-    def _after_forward(self, hidden: torch.Tensor, owners: list[tuple[str, Any, int]], query_lens: list[int]) -> None:
-        # Rows whose logits are needed: every decode row, the last row of a finished prompt, input-logprob rows.
-        sample_rows: list[tuple[Sequence | Group, int]] = []
-        for (kind, owner, start), length in zip(owners, query_lens, strict=True):
-            if kind == "decode":
-                owner.num_computed += 1
-                sample_rows.append((owner, start))
+    def _after_forward(
+        self, hidden: torch.Tensor, owners: list[tuple[str, Any, int, list[int]]], query_lens: list[int]
+    ) -> None:
+        # Rows whose logits are needed: every decode / verify row, the last row of a finished prompt.
+        to_sample: list[tuple[Sequence | Group, int, list[int]]] = []  # (owner, first row, its draft tokens)
+        extended: list[Sequence | Group] = []  # prompt / recomputed chunks: their draft rows (speculative.py)
+        for (kind, owner, start, chunk), length in zip(owners, query_lens, strict=True):
+            if kind == "decode":  # its last token, then its draft tokens (rolled back in `_sample` if rejected)
+                owner.num_computed += length
+                to_sample.append((owner, start, chunk[1:]))
                 continue
+            if self.drafter is not None:
+                owner.draft.pending = _rows_after(owner.draft.pending, hidden[start : start + length])
+                extended.append(owner)
             if kind == "refill":  # a retracted sequence's KV recomputed: it decodes again from the next step
                 owner.num_computed += length
                 if owner.num_computed == owner.resume_at:
@@ -299,84 +335,72 @@ class Scheduler:
             first_position = group.num_computed
             group.num_computed += length
             if group.needs_input_logprobs:
-                self._record_input_logprobs(group, hidden, start, first_position, length)
+                record_input_logprobs(self.model, group, hidden[start : start + length], first_position)
             if group.is_prefilled:
-                sample_rows.append((group, start + length - 1))
-        if not sample_rows:
-            return
-        logits = self.model.logits(hidden[torch.tensor([row for _, row in sample_rows], device=hidden.device)])
-        pairs: list[tuple[Sequence, int]] = []  # (sequence, its row in `logits`)
-        for i, (owner, _) in enumerate(sample_rows):
-            children = self._fork(owner) if isinstance(owner, Group) else [owner]
-            pairs += [(seq, i) for seq in children]
-        for seq, _ in pairs:
+                to_sample.append((group, start + length - 1, []))
+        if self.drafter is not None and extended:
+            self.drafter.extend(self.store, [
+                (o.draft, o.prompt_ids if isinstance(o, Group) else o.tokens,
+                 o.prefill_pages if isinstance(o, Group) else o.pages, o.num_computed) for o in extended
+            ])  # fmt: skip
+        if to_sample:
+            self._sample(hidden, to_sample)
+
+    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence | Group, int, list[int]]]) -> None:
+        """Sample every row; a sequence appends one token, or what `accept_drafts` emits from its verify rows."""
+        index = [start + i for _, start, drafts in to_sample for i in range(len(drafts) + 1)]
+        logits = self.model.logits(hidden[torch.tensor(index, device=hidden.device)])
+        entries: list[tuple[Sequence, int, list[int], bool]] = []  # (sequence, first row, drafts, is decoding)
+        first = 0
+        for owner, _, drafts in to_sample:
+            if isinstance(owner, Group):  # its samples start, with the prompt's draft state (`_fork`)
+                entries += [(seq, first, drafts, False) for seq in self._fork(owner)]
+            else:
+                entries.append((owner, first, drafts, True))
+            first += len(drafts) + 1
+        for seq, *_ in entries:
             if seq.group.params.max_new_tokens == 0:
                 self._finish(seq, finish_reason("length", length=0))
-        pairs = [(seq, i) for seq, i in pairs if seq.group.params.max_new_tokens > 0]
-        if not pairs:
+        entries = [entry for entry in entries if entry[0].group.params.max_new_tokens > 0]
+        if not entries:
             return
-        sequences_to_sample = [seq for seq, _ in pairs]
-        rows = [i for _, i in pairs]
-        row_logits = logits[torch.tensor(rows, device=logits.device)]
-        settings = [s.row_sampling() for s in sequences_to_sample]
-        tokens = sample(self._sampling_logits(row_logits, sequences_to_sample), settings)
-        temps = torch.tensor([[s.group.logprob_temperature()] for s in sequences_to_sample], device=logits.device)
-        logprobs = token_logprobs(row_logits, tokens, temps)
-        top = self._top_logprobs(row_logits, temps, sequences_to_sample)
-        rows_out = zip(sequences_to_sample, tokens.tolist(), logprobs.tolist(), top, strict=True)
-        for seq, token, logprob, top_j in rows_out:
-            self._append_token(seq, token, logprob, top_j)
+        row_index = [first + i for _, first, drafts, _ in entries for i in range(len(drafts) + 1)]
+        rows = [Row(seq, drafts[:i]) for seq, _, drafts, _ in entries for i in range(len(drafts) + 1)]
+        sampled = sample_rows(logits[torch.tensor(row_index, device=logits.device)], rows, self.eos_ids)
+        at = 0
+        for seq, first, drafts, is_decoding in entries:
+            emitted = accept_drafts(drafts, sampled.tokens[at : at + len(drafts) + 1])
+            computed = seq.num_computed - len(drafts)  # with the row that samples the first token
+            for i, token in enumerate(emitted):
+                seq.num_computed = computed + i  # the rows up to the one that sampled `token` are kept
+                self._append_token(seq, token, sampled.logprobs[at + i], sampled.top[at + i])
+                if seq.finish is not None:
+                    break
+            if drafts and self.drafter is not None:
+                self.drafter.record(seq, len(drafts), len(emitted) - 1)
+            if self.drafter is not None and is_decoding and seq.finish is None:  # kept rows wait for the draft
+                kept = hidden[torch.tensor(index[first : first + len(emitted)], device=hidden.device)]
+                seq.draft.pending = _rows_after(seq.draft.pending, kept)
+            at += len(drafts) + 1
 
-    def _top_logprobs(
-        self, row_logits: torch.Tensor, temps: torch.Tensor, seqs: list[Sequence]
-    ) -> list[list[tuple[float, int]]]:
-        wanted = max(s.group.top_logprobs_num if s.group.return_logprob else 0 for s in seqs)
-        if wanted == 0:
-            return [[] for _ in seqs]
-        values, indices = full_logprobs(row_logits, temps).topk(wanted, dim=-1)
-        return [
-            list(
-                zip(
-                    values[j, : s.group.top_logprobs_num].tolist(),
-                    indices[j, : s.group.top_logprobs_num].tolist(),
-                    strict=True,
-                )
-            )
-            for j, s in enumerate(seqs)
-        ]
-
-    def _record_input_logprobs(self, group: Group, hidden: torch.Tensor, start: int, first: int, length: int) -> None:
-        # Row at position p scores prompt token p + 1; entries cover tokens logprob_start_len .. L - 1.
-        begin = max(group.logprob_start_len - 1, first)
-        end = min(first + length, len(group.prompt_ids) - 1)
-        if group.logprob_start_len == 0 and first == 0:
-            group.input_logprobs.append(None)
-            group.input_top_logprobs.append(None)
-        if begin >= end:
-            return
-        rows = hidden[start + begin - first : start + end - first]
-        logits = self.model.logits(rows)
-        next_ids = torch.tensor(group.prompt_ids[begin + 1 : end + 1], device=logits.device)
-        temps = logits.new_full((logits.shape[0], 1), group.logprob_temperature())
-        group.input_logprobs += token_logprobs(logits, next_ids, temps).tolist()
-        if group.top_logprobs_num > 0:
-            values, indices = full_logprobs(logits, temps).topk(group.top_logprobs_num, dim=-1)
-            group.input_top_logprobs += [
-                list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)
-            ]
+    def num_shared_pages(self, prompt_length: int) -> int:
+        """Prompt pages a group's samples share; the rest is copied per sample. With a draft, the page of the last
+        prompt position is always copied: each sample writes its own draft row there (speculative.py)."""
+        return (prompt_length - (self.drafter is not None)) // self.page_size
 
     def _fork(self, group: Group) -> list[Sequence]:
         """The prompt is computed: start its n samples on its pages (full pages shared, the partial one copied)."""
         self._prefilling.remove(group)
         length = len(group.prompt_ids)
-        num_full = length // self.page_size
+        num_full = self.num_shared_pages(length)
         self.radix.insert(group.prompt_ids, group.prefill_pages[:num_full])
         partial = group.prefill_pages[num_full:]
         children = []
         copies: list[int] = []  # pages that receive a copy of the partial page
         for i in range(group.params.n):
             seq = Sequence(group=group, sample_index=i, seed=group.seed + i, num_computed=length,
-                           version_starts=[(group.weight_version, 0)])  # fmt: skip
+                           version_starts=[(group.weight_version, 0)],
+                           draft=DraftState(group.draft.computed, group.draft.pending))  # fmt: skip
             shared = group.prefill_pages[:num_full]
             self.allocator.retain(shared)
             if partial and i == 0:
@@ -401,29 +425,6 @@ class Scheduler:
         group.sequences = children
         self._running += children
         return children
-
-    def _sampling_logits(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The logits to sample from: SGLang's penalties over each sequence's output so far and, before
-        `min_new_tokens`, no stop token. Row by row (batch-invariant). The log-probs a response returns are taken
-        from the unmodified logits (the log-prob contract)."""
-        if not any(s.group.params.has_penalties or len(s.output_ids) < s.group.params.min_new_tokens for s in seqs):
-            return row_logits
-        out = row_logits.clone()
-        for i, seq in enumerate(seqs):
-            params = seq.group.params
-            row = out[i]
-            if params.has_penalties and seq.output_ids:
-                ids, counts = torch.unique(torch.tensor(seq.output_ids, device=row.device), return_counts=True)
-                if params.repetition_penalty != 1.0:
-                    seen = row[ids]
-                    row[ids] = torch.where(
-                        seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty
-                    )
-                row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
-            if len(seq.output_ids) < params.min_new_tokens:
-                stops = {*(params.stop_token_ids or ()), *(() if params.ignore_eos else self.eos_ids)}
-                row[torch.tensor(sorted(stops), dtype=torch.long, device=row.device)] = float("-inf")
-        return out
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: list[tuple[float, int]]) -> None:
         params = seq.group.params
@@ -483,6 +484,10 @@ class Scheduler:
         responses = [build_response(s, token_text) for s in group.sequences]
         if group.future is not None and group.loop is not None:
             group.loop.call_soon_threadsafe(set_result, group.future, responses)
+
+
+def _rows_after(rows: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if rows is None else torch.cat((rows, more))
 
 
 def _first_stop(text: str, stops: list[str]) -> str | None:

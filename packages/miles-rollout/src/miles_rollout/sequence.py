@@ -18,6 +18,49 @@ from miles_contracts import FinishReason, GenerateResponse, MetaInfo, SamplingPa
 from miles_kernels import RowSampling
 
 
+@dataclass
+class DraftState:
+    """Speculative decoding's draft state of a sequence (or of a prompt while it prefills; speculative.py): the
+    draft K/V is exact for positions < `computed`; `pending` holds the trunk's hidden states (rows, H) of positions
+    `computed` .. num_computed - 1, whose draft rows wait for their next token (None: no rows)."""
+
+    computed: int = 0
+    pending: Any = None  # torch.Tensor | None (sequence.py stays torch-free)
+
+    @property
+    def num_pending(self) -> int:
+        return 0 if self.pending is None else int(self.pending.shape[0])
+
+
+@dataclass
+class SpecCounts:
+    """A sequence's verify steps, its drafts proposed and accepted, and SGLang's histogram of accepted drafts per
+    verify step (`histogram[a]`: steps that accepted exactly a drafts)."""
+
+    verify_ct: int = 0
+    num_proposed: int = 0
+    num_correct: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.verify_ct += 1
+        self.num_proposed += proposed
+        self.num_correct += accepted
+        self.histogram += [0] * (accepted + 1 - len(self.histogram))
+        self.histogram[accepted] += 1
+
+    def meta_info(self) -> dict[str, Any]:
+        """SGLang's speculative `meta_info` keys."""
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_num_proposed_drafts": self.num_proposed,
+            "spec_num_correct_drafts": self.num_correct,
+            "spec_accept_rate": self.num_correct / self.num_proposed if self.num_proposed else 0.0,
+            "spec_accept_length": (self.verify_ct + self.num_correct) / self.verify_ct if self.verify_ct else 1.0,
+            "spec_accept_histogram": list(self.histogram),
+        }
+
+
 @dataclass(eq=False)  # identity: the scheduler's lists find and remove this very object
 class Sequence:
     """One sample being generated."""
@@ -37,6 +80,8 @@ class Sequence:
     # (weight version, first output token generated with it): more than one when the weights were updated while
     # the sequence was retracted; the response reports them as SGLang's `weight_versions` spans.
     version_starts: list[tuple[int | None, int]] = field(default_factory=list)
+    draft: DraftState = field(default_factory=DraftState)
+    spec: SpecCounts | None = None  # speculative decoding's counts (None when the engine does not speculate)
 
     @property
     def tokens(self) -> list[int]:
@@ -46,7 +91,8 @@ class Sequence:
     def rid(self) -> str:
         return self.group.rid if self.group.params.n == 1 else f"{self.group.rid}-{self.sample_index}"
 
-    def row_sampling(self) -> RowSampling:
+    def row_sampling(self, offset: int = 0) -> RowSampling:
+        """Sampling settings of the sequence's next token, or of the one `offset` tokens further (a draft's)."""
         params = self.group.params
         return RowSampling(
             temperature=params.temperature,
@@ -54,7 +100,7 @@ class Sequence:
             top_p=params.top_p,
             min_p=params.min_p,
             seed=self.seed,
-            position=len(self.tokens),
+            position=len(self.tokens) + offset,
         )
 
 
@@ -82,6 +128,7 @@ class Group:
     total_pages: int = 0  # pages the whole generation needs (a retracted prefill reserves them again)
     arrived_at: float = field(default_factory=time.perf_counter)  # for SGLang's e2e_latency
     return_text_in_logprobs: bool = False
+    draft: DraftState = field(default_factory=DraftState)  # the prompt's draft rows (speculative.py)
 
     @property
     def is_prefilled(self) -> bool:
@@ -118,6 +165,8 @@ def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None
         "weight_version": group.weight_version,
         "e2e_latency": time.perf_counter() - group.arrived_at,
     }
+    if seq.spec is not None:
+        meta.update(seq.spec.meta_info())
     if len(seq.version_starts) > 1:
         ends = [start for _, start in seq.version_starts[1:]] + [len(seq.output_ids)]
         meta["weight_versions"] = [

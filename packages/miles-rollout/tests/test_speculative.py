@@ -1,0 +1,201 @@
+"""CPU tier, in-process engine: speculative decoding with the model's MTP draft (speculative.py).
+
+What a user relies on: with the draft on, the engine emits exactly what it emits without it — tokens, log-probs,
+top log-probs, finish reasons, texts — at temperature 0 and at temperature > 0 with seeds (deterministic mode),
+when EOS, a stop token, a stop string or max_new_tokens falls inside an accepted run, across retract / resume, for
+dense and MoE models. The random MTP head of a test model is rarely right, so an oracle draft (the reference
+continuation, wrong at some positions) drives long accepted runs and rejections; the real draft's rows are checked
+against the offline MTP forward (`CausalLM.mtp_hidden`), which proves its K/V bookkeeping (extend, rollback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_contracts import GenerateRequest, SamplingParams
+from miles_kernels import KernelConfig, RowSampling, build_packed_batch, load_model, sample
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
+from miles_rollout import Engine, EngineConfig, InProcessClient
+from miles_rollout.speculative import Drafter, accept_drafts
+
+PROMPTS = [[(3 * i + 1) % 500 for i in range(21)], [7, 8, 9], [(11 * i) % 500 for i in range(32)]]  # 32: whole pages
+SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def mtp_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp(f"mtp-{request.param}")
+    config = tiny_config(request.param, vocab_size=512, max_position_embeddings=512, num_nextn_predict_layers=1)
+    save_random_model(directory, config, seed=1, tokenizer=build_tokenizer(save_dir=directory))
+    return directory
+
+
+def make_engine(model_dir: Path, **engine: object) -> Engine:
+    return Engine(str(model_dir), KernelConfig(mode="deterministic", page_size=16), EngineConfig(num_kv_pages=128,
+                  **engine))  # type: ignore[arg-type]  # fmt: skip
+
+
+def generate(engine: Engine, params: dict, prompts: list[list[int]] = PROMPTS) -> list:
+    request = GenerateRequest(
+        input_ids=prompts, sampling_params=SamplingParams(**params), return_logprob=True, top_logprobs_num=2
+    )
+    return asyncio.run(InProcessClient(engine).generate(request))
+
+
+def summary(responses: list) -> list:
+    """Everything a response says about its tokens (not its timing or speculative counts)."""
+    return [
+        (r.output_ids, r.text, r.meta_info.finish_reason, r.meta_info.output_token_logprobs,
+         r.meta_info.output_top_logprobs, r.meta_info.completion_tokens, r.meta_info.weight_version)
+        for r in responses
+    ]  # fmt: skip
+
+
+class OracleDrafter(Drafter):
+    """Runs the real draft (its K/V and recursion), then proposes the reference continuation instead, wrong at
+    every position p with (sample index + p) % 4 == 0: long accepted runs, and rejections at every draft
+    position."""
+
+    def __init__(self, base: Drafter, reference: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
+        super().__init__(base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids)
+        self.reference = reference
+
+    def propose(self, store, seqs, budgets):  # type: ignore[no-untyped-def]
+        drafts = super().propose(store, seqs, budgets)
+        for seq, tokens in zip(seqs, drafts, strict=True):
+            continuation = self.reference[(tuple(seq.group.prompt_ids), seq.sample_index)]
+            for j in range(len(tokens)):
+                p = len(seq.output_ids) + j
+                right = continuation[p] if p < len(continuation) else 0
+                tokens[j] = (right + 1) % 512 if (seq.sample_index + p) % 4 == 0 else right
+        return drafts
+
+
+def test_accept_drafts_keeps_the_agreeing_prefix_and_the_targets_token() -> None:
+    assert accept_drafts([], [5]) == [5]
+    assert accept_drafts([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]  # all accepted: the bonus token
+    assert accept_drafts([1, 2, 3], [1, 9, 3, 4]) == [1, 9]  # the target's token at the first disagreement
+    assert accept_drafts([1, 2, 3], [7, 2, 3, 4]) == [7]
+
+
+FILTERED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "max_new_tokens": 30, "sampling_seed": 5,
+            "repetition_penalty": 1.2, "frequency_penalty": 0.3, "min_new_tokens": 5}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0, "max_new_tokens": 40, "n": 2},
+        {"temperature": 1.0, "max_new_tokens": 40, "n": 2, "sampling_seed": 3},
+        FILTERED,
+    ],
+    ids=["greedy", "seeded", "filtered-penalized"],
+)
+def test_outputs_are_identical_with_and_without_the_draft(mtp_dir: Path, params: dict) -> None:
+    plain = make_engine(mtp_dir)
+    reference = generate(plain, params)
+    plain.shutdown()
+    speculative = make_engine(mtp_dir, **SPEC)
+    try:
+        responses = generate(speculative, params)
+        assert summary(responses) == summary(reference)
+        continuations = {(tuple(p), seq): r.output_ids for p, seq, r in _keys(responses, params)}
+        speculative.scheduler.drafter = OracleDrafter(speculative.scheduler.drafter, continuations)
+        oracle = generate(speculative, params)
+        assert summary(oracle) == summary(reference)
+        counts = [r.meta_info for r in oracle]
+        assert sum(m.spec_num_correct_drafts for m in counts) > sum(m.spec_num_proposed_drafts for m in counts) / 2
+        assert any(len(m.spec_accept_histogram) == 4 for m in counts)  # runs of 3 accepted drafts happened
+    finally:
+        speculative.shutdown()
+
+
+def _keys(responses: list, params: dict) -> list:
+    """(prompt, sample index, response) of prompt-major responses."""
+    n = params.get("n", 1)
+    return [(PROMPTS[i // n], i % n, response) for i, response in enumerate(responses)]
+
+
+def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(mtp_dir: Path) -> None:
+    """EOS-like stop tokens, stop strings and max_new_tokens placed inside runs the oracle draft gets accepted."""
+    plain = make_engine(mtp_dir)
+    base = {"temperature": 1.0, "max_new_tokens": 48, "sampling_seed": 11, "ignore_eos": True}
+    free = generate(plain, base)
+    cases = [
+        {**base, "stop_token_ids": [free[0].output_ids[17], free[2].output_ids[9]]},
+        {**base, "stop": [free[0].text[20:23], free[1].text[31:33]]},
+        {**base, "stop": [free[0].text[20:23]], "no_stop_trim": True},
+        {**base, "max_new_tokens": 13},
+        {**base, "ignore_eos": False, "max_new_tokens": 48},
+    ]
+    references = [generate(plain, params) for params in cases]
+    plain.shutdown()
+    speculative = make_engine(mtp_dir, **SPEC)
+    continuations = {(tuple(p), seq): r.output_ids for p, seq, r in _keys(free, base)}
+    speculative.scheduler.drafter = OracleDrafter(speculative.scheduler.drafter, continuations)
+    try:
+        for params, reference in zip(cases, references, strict=True):
+            assert summary(generate(speculative, params)) == summary(reference), params
+    finally:
+        speculative.shutdown()
+
+
+def test_retract_and_resume_with_the_draft_continue_exactly(mtp_dir: Path) -> None:
+    params = {"temperature": 1.0, "max_new_tokens": 50, "n": 2, "sampling_seed": 7, "ignore_eos": True}
+    plain = make_engine(mtp_dir)
+    reference = generate(plain, params)
+    plain.shutdown()
+    engine = make_engine(mtp_dir, **SPEC)
+
+    async def paused_midway() -> list:
+        client = InProcessClient(engine)
+        request = GenerateRequest(input_ids=PROMPTS, sampling_params=SamplingParams(**params), return_logprob=True,
+                                  top_logprobs_num=2)  # fmt: skip
+        task = asyncio.create_task(client.generate(request))
+        await engine.wait_until(lambda s: s["num_running"] == 6 and s["num_generated_tokens"] >= 6 * 10)
+        assert await engine.control(lambda: engine.pause_generation("retract"), needs_idle=False) == 3
+        await engine.control(engine.continue_generation, needs_idle=False)
+        return await task
+
+    try:
+        assert summary(asyncio.run(paused_midway())) == summary(reference)
+    finally:
+        engine.shutdown()
+
+
+def test_the_engines_drafts_are_the_offline_mtp_forwards(mtp_dir: Path) -> None:
+    """With one draft step, every draft comes from exact draft K/V: it must equal the MTP head's sample computed
+    offline over the finished sequence (trunk hidden states of the packed forward, then `mtp_hidden`), at every
+    position the engine drafted — after rejections, rollbacks and accepted runs alike."""
+    engine = make_engine(mtp_dir, speculative_algorithm="NEXTN", speculative_num_steps=1)
+    proposed: list[tuple[list[int], int, int]] = []  # (sequence tokens so far, seed, draft)
+    drafter = engine.scheduler.drafter
+    original = drafter.propose
+
+    def recording(store, seqs, budgets):  # type: ignore[no-untyped-def]
+        drafts = original(store, seqs, budgets)
+        proposed.extend((list(seq.tokens), seq.seed, d[0]) for seq, d in zip(seqs, drafts, strict=True) if d)
+        return drafts
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    params = {"temperature": 1.0, "max_new_tokens": 30, "n": 2, "sampling_seed": 3, "ignore_eos": True}
+    try:
+        responses = generate(engine, params)
+    finally:
+        engine.shutdown()
+    model = load_model(str(mtp_dir), KernelConfig(mode="deterministic", page_size=16))
+    assert len(proposed) > 50 and len(responses) == 6
+    with torch.no_grad():
+        for full, seed, draft in proposed:
+            # The draft scores token len(full) from the MTP row at len(full) - 2: the trunk's hidden state there
+            # and the sequence's last token.
+            length = len(full) - 1
+            batch = build_packed_batch([length], 16, model.kernel.attention_query_tile)
+            hidden = model.forward_hidden(torch.tensor(full[:length]), batch)
+            out = model.mtp_hidden(hidden, torch.tensor(full[1 : length + 1]), batch)
+            row = RowSampling(temperature=params["temperature"], seed=seed, position=len(full))
+            assert int(sample(model.mtp_logits(out[-1:]), [row])) == draft, (len(full), seed)
