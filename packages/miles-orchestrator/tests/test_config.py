@@ -292,9 +292,17 @@ def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:
 
 
 def test_the_spec_section_refuses_what_cannot_run() -> None:
-    with pytest.raises(ValueError, match=r"spec\.mode=frozen drafts with an untrained MTP head"):
-        load_config(None, ["spec.mode=frozen"])
-    with pytest.raises(ValueError, match="the built-in policy has none yet"):
-        load_config(None, ["spec.mode=online"])
+    for mode in ("frozen", "online"):
+        with pytest.raises(ValueError, match="the built-in policy has none yet"):
+            load_config(None, [f"spec.mode={mode}"])
+    with pytest.raises(ValueError, match=r"set spec\.mode=frozen"):
+        load_config(None, ["model.path=/m", "rollout.engine.speculative_algorithm=NEXTN"])
     cfg = load_config(None, ["spec.mode=online", "model.path=/models/with-mtp", "spec.mtp_loss_coef=0.3"])
     assert cfg.spec.mode == "online" and cfg.spec.optimizer.lr == 1e-4 and cfg.spec.mtp_loss_coef == 0.3
+    engine = cfg.rollout.engine  # spec.mode turns the engine's speculative decoding on, SGLang's NEXTN
+    assert (engine.speculative_algorithm, engine.num_draft_steps, engine.max_running_requests) == ("NEXTN", 3, 64)
+    cfg = load_config(None, ["spec.mode=frozen", "model.path=/m", "spec.num_steps=2"])
+    assert cfg.rollout.engine.num_draft_steps == 2
+    cfg = load_config(None, ["spec.mode=frozen", "model.path=/m", "rollout.engine.speculative_algorithm=EAGLE",
+                             "rollout.engine.speculative_num_steps=5"])  # fmt: skip
+    assert cfg.rollout.engine.num_draft_steps == 5  # the engine's own settings win

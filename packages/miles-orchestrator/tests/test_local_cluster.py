@@ -110,19 +110,25 @@ def mtp_policy(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(300)
 def test_the_mtp_draft_trains_online_and_resumes_exactly(mtp_policy, policy, tmp_path) -> None:
-    """spec.mode=online: every step trains the policy's MTP module on the rollout batch (a random policy's
-    responses leave it little to learn: its loss stays near log V), the policy's own metrics are those of
-    spec.mode=off, and a stopped run resumes with exactly the same steps (the
-    draft's AdamW state included)."""
+    """spec.mode=online: the engine drafts with the policy's MTP module and every step trains it on the rollout
+    batch (a random policy's responses leave it little to learn: its loss stays near log V); the rollouts and the
+    policy's own metrics are those of spec.mode=off and frozen (speculative decoding changes no token, the MTP
+    loss no policy gradient), and a stopped run resumes with exactly the same steps (the draft's AdamW state
+    included)."""
     online = ("spec.mode=online", "spec.optimizer.lr=1e-2", "run.eval_every=0")
     straight = run(mtp_policy, tmp_path / "straight", *online, "run.num_steps=3")
     trained = [r for r in straight if r["step"] > 0]
     assert all(r["mtp_loss"] > 0 and 0 <= r["mtp_accuracy_0"] <= 1 and r["aux_grad_norm"] > 0 for r in trained)
+    assert all(r["spec_accept_length"] >= 1 and "spec_accept_rate_pos1" in r for r in trained)
     off = [r for r in run(mtp_policy, tmp_path / "off", "run.eval_every=0", "run.num_steps=3") if r["step"] > 0]
-    for with_mtp, without in zip(trained, off, strict=True):  # gradient isolation, end to end
-        assert with_mtp["grad_norm"] == without["grad_norm"] and with_mtp["reward_mean"] == without["reward_mean"]
+    frozen = run(mtp_policy, tmp_path / "frozen", "spec.mode=frozen", "run.eval_every=0", "run.num_steps=3")
+    drafted_steps = [r for r in frozen if r["step"] > 0]
+    for with_mtp, without, drafted in zip(trained, off, drafted_steps, strict=True):  # isolation, end to end
+        assert with_mtp["grad_norm"] == without["grad_norm"] == drafted["grad_norm"]
+        assert with_mtp["reward_mean"] == without["reward_mean"] == drafted["reward_mean"]
+        assert "mtp_loss" not in drafted and "spec_accept_length" not in without
     stopped = tmp_path / "stopped"
     run(mtp_policy, stopped, *online, "run.num_steps=2")
     assert deterministic(run(mtp_policy, stopped, *online, "run.num_steps=3")) == deterministic(straight)
-    with pytest.raises(ValueError, match="has no MTP modules"):
+    with pytest.raises(ValueError, match="has none"):
         run(policy, tmp_path / "no_mtp", "spec.mode=online", "run.num_steps=1")

@@ -199,3 +199,65 @@ def test_the_engines_drafts_are_the_offline_mtp_forwards(mtp_dir: Path) -> None:
             out = model.mtp_hidden(hidden, torch.tensor(full[1 : length + 1]), batch)
             row = RowSampling(temperature=params["temperature"], seed=seed, position=len(full))
             assert int(sample(model.mtp_logits(out[-1:]), [row])) == draft, (len(full), seed)
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ({"speculative_algorithm": "EAGLE3"}, "need another draft model"),
+        ({"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 2}, "only 1 is supported"),
+        ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_num_draft_tokens": 5}, "= 3"),
+        ({"speculative_num_steps": 2}, "add speculative_algorithm=NEXTN"),
+    ],
+)
+def test_speculative_settings_are_checked(engine: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**engine)
+    assert EngineConfig(speculative_algorithm="eagle", speculative_eagle_topk=1).num_draft_steps == 3
+    assert EngineConfig(speculative_algorithm="NEXTN", speculative_num_draft_tokens=4).num_draft_steps == 3
+
+
+def test_serve_refuses_bad_speculative_flags_and_models_without_mtp(dense_dir: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from miles_rollout.cli import main
+
+    assert main(["serve", "--model-path", str(dense_dir), "--speculative-algorithm", "NEXTN"]) == 2
+    assert "has none (num_nextn_predict_layers = 0" in capsys.readouterr().err
+    assert main(["serve", "--model-path", str(dense_dir), "--speculative-algorithm", "NEXTN",
+                 "--speculative-eagle-topk", "4"]) == 2  # fmt: skip
+    assert "only 1 is supported" in capsys.readouterr().err
+
+
+def test_the_server_speaks_sglangs_speculative_fields(mtp_dir: Path) -> None:
+    """Over HTTP: SGLang's flags start it, SGLang's keys come back in meta_info and /get_server_info."""
+    import httpx
+
+    from miles_rollout.launch import launch_server
+
+    flags = (
+        "--page-size",
+        "16",
+        "--num-kv-pages",
+        "128",
+        "--deterministic",
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        "2",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "3",
+    )
+    with launch_server(mtp_dir, *flags, env={"OMP_NUM_THREADS": "1"}) as url:
+        body = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+        }
+        meta = httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+    assert meta["spec_verify_ct"] >= 1 and meta["spec_num_proposed_drafts"] >= meta["spec_num_correct_drafts"]
+    assert meta["spec_accept_length"] == 1 + meta["spec_num_correct_drafts"] / meta["spec_verify_ct"]
+    assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"]
+    assert (info["speculative_algorithm"], info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (
+        "NEXTN", 2, 3)  # fmt: skip
+    assert len(info["spec_accept_rate_by_position"]) == 2 and info["spec_num_verify"] == meta["spec_verify_ct"]

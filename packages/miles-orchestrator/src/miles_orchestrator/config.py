@@ -433,6 +433,25 @@ class RunConfig(_Section):
     )
     run: RunSection = Field(default_factory=RunSection, description="Steps, seeds, outputs and logging.")
 
+    def _speculative_engine(self) -> None:
+        """spec.mode frozen / online turns the engine's speculative decoding on (SGLang's NEXTN, spec.num_steps
+        drafts per step) unless rollout.engine already sets it; off leaves it off."""
+        engine, spec = self.rollout.engine, self.spec
+        if spec.drafts and self.model.path is None:
+            raise ValueError(
+                f"spec.mode={spec.mode} drafts with the policy's MTP modules, and the built-in policy has none yet; "
+                "set model.path to a checkpoint with MTP layers (num_nextn_predict_layers >= 1), or spec.mode=off"
+            )
+        if not spec.drafts and engine.speculative_algorithm is not None:
+            raise ValueError(
+                f"rollout.engine.speculative_algorithm={engine.speculative_algorithm} with spec.mode=off: set "
+                "spec.mode=frozen (draft with the MTP modules as loaded) or online (and train them) instead"
+            )
+        if spec.drafts and engine.speculative_algorithm is None:
+            self.rollout.engine = engine.model_copy(
+                update={"speculative_algorithm": "NEXTN", "speculative_num_steps": spec.num_steps}
+            )
+
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
         check_batch_identity(self)
@@ -454,11 +473,7 @@ class RunConfig(_Section):
                 "the samples would not follow the log-probs the trainer uses; set rollout.top_p=1, or run "
                 "kernel.mode=fast"
             )
-        if self.spec.mode == "online" and self.model.path is None:
-            raise ValueError(
-                "spec.mode=online trains the policy's MTP draft, and the built-in policy has none yet; set model.path "
-                "to a checkpoint with MTP layers (num_nextn_predict_layers >= 1), or spec.mode=off"
-            )
+        self._speculative_engine()
         if self.run.cluster == "local" and self.trainer.num_ranks > 1:
             raise ValueError(
                 f"run.cluster=local runs one trainer rank in this process, not trainer.num_ranks="

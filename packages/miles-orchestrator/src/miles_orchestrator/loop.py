@@ -120,10 +120,11 @@ def check_plugins(cfg: RunConfig) -> None:
 
 
 def check_model(cfg: RunConfig, model_dir: str) -> None:
-    """What the run asks of the model's architecture: MTP modules when the draft trains online (spec.mode)."""
-    if cfg.spec.mode == "online" and read_model_config(model_dir).num_nextn_predict_layers == 0:
+    """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
+    frozen or online)."""
+    if cfg.spec.drafts and read_model_config(model_dir).num_nextn_predict_layers == 0:
         raise ValueError(
-            f"spec.mode=online trains the policy's MTP draft, but {model_dir} has no MTP modules "
+            f"spec.mode={cfg.spec.mode} drafts with the policy's MTP modules, but {model_dir} has none "
             "(num_nextn_predict_layers = 0 in its config.json); use a checkpoint with MTP layers, or spec.mode=off"
         )
 

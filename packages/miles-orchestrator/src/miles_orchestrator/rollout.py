@@ -17,9 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pydantic import JsonValue
+
 from miles_contracts import (
     GenerateClient,
     GenerateRequest,
+    MetaInfo,
     RolloutFn,
     Sample,
     SampleStatus,
@@ -59,7 +62,40 @@ async def single_turn(client: GenerateClient, group: list[Sample], sampling_para
             "response_tokens": list(response.output_ids), "response": response.text,
             "rollout_logprobs": [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []],
             "finish_reason": reason, "status": _STATUS[reason], "weight_version": meta.weight_version,
+            "metadata": sample.metadata | _spec_counts(meta),
         }))  # fmt: skip
+    return out
+
+
+def _spec_counts(meta: MetaInfo) -> dict[str, JsonValue]:
+    """Speculative decoding's counts of a response (`metadata["spec"]`), when the engine drafted."""
+    if meta.spec_verify_ct is None:
+        return {}
+    histogram: list[JsonValue] = list(meta.spec_accept_histogram or [])
+    return {"spec": {"verify_ct": meta.spec_verify_ct, "num_correct": meta.spec_num_correct_drafts or 0,
+                     "num_proposed": meta.spec_num_proposed_drafts or 0, "histogram": histogram}}  # fmt: skip
+
+
+def spec_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Acceptance of speculative decoding over a step's samples: tokens per verify step, the accept rate, and the
+    accept rate at each draft position j (verify steps that accepted at least j drafts / verify steps)."""
+    verify = correct = proposed = 0
+    histogram: list[int] = []
+    for sample in samples:
+        counts: Any = sample.metadata.get("spec")
+        if not isinstance(counts, dict):
+            continue
+        verify += int(counts["verify_ct"])
+        correct += int(counts["num_correct"])
+        proposed += int(counts["num_proposed"])
+        for accepted, steps in enumerate(counts["histogram"]):
+            histogram += [0] * (accepted + 1 - len(histogram))
+            histogram[accepted] += int(steps)
+    if not verify:
+        return {}
+    out = {"spec_accept_length": 1.0 + correct / verify, "spec_accept_rate": correct / max(proposed, 1)}
+    for j in range(1, len(histogram)):
+        out[f"spec_accept_rate_pos{j}"] = sum(histogram[j:]) / verify
     return out
 
 
@@ -175,6 +211,7 @@ async def generate_batch(
         "rollout_time_s": seconds,
         "reward_time_s": reward_seconds,  # part of rollout_time_s
         "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+        **spec_metrics(generated),
     }  # fmt: skip
 
 

@@ -437,6 +437,10 @@ class Engine:
             "random_seed": self.config.seed,
             "device": self.config.device,
             "enable_deterministic_inference": self.kernel.is_deterministic,
+            "speculative_algorithm": self.config.speculative_algorithm,
+            "speculative_num_steps": self.config.num_draft_steps or None,
+            "speculative_eagle_topk": 1 if self.config.num_draft_steps else None,
+            "speculative_num_draft_tokens": self.config.num_draft_steps + 1 if self.config.num_draft_steps else None,
             "kernel_config": self.kernel.describe(torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
             "weight_version": version_string(self.weight_version),
@@ -444,6 +448,7 @@ class Engine:
             "paused": self.paused,
             "updating_weights": self.updating_weights,
             **self.scheduler.stats(),
+            **(self.scheduler.drafter.rates() if self.scheduler.drafter is not None else {}),
             "pid": os.getpid(),
             "time": time.time(),
         }

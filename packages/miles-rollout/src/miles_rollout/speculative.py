@@ -113,6 +113,16 @@ class Drafter:
             "spec_num_correct_drafts": sum(self.correct_at),
         }
 
+    def rates(self) -> dict[str, float | list[float]]:
+        """Since start: tokens per verify step (SGLang's avg_spec_accept_length) and the accept rate per draft
+        position: entry j - 1 is the share of verify steps that proposed j or more drafts and accepted at least j
+        (the draft reaches position j only through the j - 1 before it)."""
+        return {
+            "avg_spec_accept_length": 1.0 + sum(self.correct_at) / self.num_verify if self.num_verify else 1.0,
+            "spec_accept_rate_by_position": [c / p if p else 0.0 for c, p in zip(self.correct_at, self.proposed_at,
+                                                                                  strict=True)],
+        }  # fmt: skip
+
     def extend(self, store: KVStore, owners: list[tuple[DraftState, list[int], list[int], int]]) -> None:
         """Draft rows for every pending position but the last of each owner (draft state, its tokens, its pages,
         its num_computed): their next token is known. The last pending row waits for the next token."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from miles_trainer.config import OptimizerConfig
 
@@ -17,15 +17,23 @@ def _draft_optimizer() -> OptimizerConfig:
 
 
 class SpecConfig(BaseModel):
-    """The MTP draft: whether it trains online on the rollout data (`MTPLoss` in the policy's train step)."""
+    """Speculative decoding with the policy's MTP draft, and whether the draft trains online on the rollout data
+    (`MTPLoss` in the policy's train step)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["off", "online"] = Field(
+    mode: Literal["off", "frozen", "online"] = Field(
         default="off",
-        description="'online': train the policy's MTP modules on every rollout batch, in the policy's train step "
-        "(the model needs num_nextn_predict_layers >= 1); 'off': leave them as they are. ('frozen' comes with "
-        "speculative decoding in the engine.)",
+        description="'off': no speculative decoding, the MTP modules are left as they are; 'frozen': the engine "
+        "drafts with the policy's MTP modules as loaded, never trained; 'online': it drafts with them and they "
+        "train on every rollout batch, in the policy's train step. frozen and online need a model with MTP "
+        "layers (num_nextn_predict_layers >= 1).",
+    )
+    num_steps: int = Field(
+        default=3,
+        ge=1,
+        le=16,
+        description="Draft tokens per decoding step (the engine's speculative_num_steps) when mode is not off.",
     )
     mtp_loss_coef: float = Field(default=1.0, gt=0, description="Weight of the MTP loss (its own backward).")
     optimizer: OptimizerConfig = Field(
@@ -33,12 +41,7 @@ class SpecConfig(BaseModel):
         description="The draft's own AdamW and clipping (here lr defaults to 1e-4).",
     )
 
-    @field_validator("mode", mode="before")
-    @classmethod
-    def _frozen_not_yet(cls, value: object) -> object:
-        if value == "frozen":
-            raise ValueError(
-                "spec.mode=frozen drafts with an untrained MTP head, which needs speculative decoding in the engine: "
-                "not implemented yet; use off or online"
-            )
-        return value
+    @property
+    def drafts(self) -> bool:
+        """The engine decodes speculatively (frozen or online)."""
+        return self.mode != "off"
