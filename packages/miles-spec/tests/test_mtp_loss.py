@@ -159,3 +159,29 @@ def test_two_gloo_ranks_train_the_draft_like_one(tmp_path) -> None:
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     for name, tensor in one_params.items():
         torch.testing.assert_close(two_params[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_sft_trains_the_draft_without_touching_the_policys_update(tmp_path) -> None:
+    """The bootstrap's path: `sft_step` with the MTP loss leaves the trunk's weights, loss and grad norm bitwise
+    those of a plain SFT step, and moves the MTP module with its own optimizer."""
+    from miles_trainer import ensure_process_group
+
+    ensure_process_group()
+    model_dir = tmp_path / "model"
+    save_model(random_model(tiny_config("dense", num_nextn_predict_layers=1), seed=5), model_dir)
+    samples = make_samples(tiny_config("dense").vocab_size)
+
+    def two_steps(aux: list[MTPLoss]) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+        backend = FSDP2Backend(model_dir, KERNEL, OptimizerConfig(lr=1e-2), config=FSDP2Config(
+            max_tokens_per_micro_batch=24), aux_losses=aux, aux_optimizer=OptimizerConfig(lr=5e-2))  # fmt: skip
+        metrics = [backend.sft_step(samples) for _ in range(2)]
+        return {n: p.detach().clone() for n, p in backend.model.named_parameters()}, metrics
+
+    plain, plain_metrics = two_steps([])
+    trained, trained_metrics = two_steps([MTPLoss()])
+    mtp = "model.layers.2."
+    assert all(torch.equal(trained[n], t) for n, t in plain.items() if not n.startswith(mtp))
+    assert any(not torch.equal(trained[n], t) for n, t in plain.items() if n.startswith(mtp))
+    for before, after in zip(plain_metrics, trained_metrics, strict=True):
+        assert after["grad_norm"] == before["grad_norm"] and after["loss"] == before["loss"]
+        assert after["mtp_loss"] > 0 and after["aux_grad_norm"] > 0

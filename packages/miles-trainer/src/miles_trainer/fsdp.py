@@ -348,7 +348,9 @@ class FSDP2Backend:
         return {"critic_grad_norm": norm, "critic_lr": float(self.critic_scheduler.get_last_lr()[0])}
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One optimizer step of the SFT loss (token-mean NLL of the loss-masked tokens) on this rank's samples."""
+        """One optimizer step of the SFT loss (token-mean NLL of the loss-masked tokens) on this rank's samples;
+        the auxiliary losses (`aux_losses`, e.g. the MTP draft's) train on the same forward with their own
+        optimizer."""
         if not samples:
             raise ValueError("every rank needs at least one sample per step")
         self._check_onloaded()
@@ -356,12 +358,17 @@ class FSDP2Backend:
         local = torch.tensor(count_trained(samples), dtype=torch.int64)
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
+        aux_counts = self._aux_counts(samples)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.aux_params:
+            self.aux_optimizer.zero_grad(set_to_none=True)
         stats = accumulate_sft_gradients(
             self.model, samples, self.kernel, self.max_tokens, global_num_tokens=global_tokens,
             global_num_seqs=global_seqs, loss_scale=dist.get_world_size(), num_micro_batches=self._num_passes(samples),
+            aux_losses=self.aux_losses, aux_counts=aux_counts,
         )  # fmt: skip
-        return self._finish_step(stats, start)
+        aux_metrics = self._aux_step()
+        return self._finish_step(stats, start) | aux_metrics
 
     def _finish_step(self, stats: StepStats, start: float, skip_update: bool = False) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy_params, self.optimizer_config.max_grad_norm)

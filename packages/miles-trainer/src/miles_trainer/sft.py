@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM
-from miles_trainer.config import SFTConfig
+from miles_trainer.config import OptimizerConfig, SFTConfig
+
+if TYPE_CHECKING:
+    from miles_trainer.auxiliary import AuxLoss
 
 ROLES = ("system", "user", "assistant", "tool")
 Tokens = tuple[list[int], list[int], list[int]]  # prompt tokens, response tokens, response loss mask
@@ -149,12 +152,16 @@ def run_sft(
     kernel: Any = None,
     log: Any = print,
     stop_after: Callable[[int, CausalLM], bool] | None = None,
+    aux_losses: Sequence[AuxLoss] = (),
+    aux_optimizer: OptimizerConfig | None = None,
 ) -> list[dict[str, float]]:
     """Fine-tune the Hugging Face model at `model_dir` on the JSONL `data` and write a Hugging Face directory
     (weights, config, tokenizer) to `out`. Returns one metrics dict per epoch (mean loss, tokens/s).
 
     `stop_after(step, model)`, if given, is called after every optimizer step (1-based) on every rank with the
-    training model; when it returns True, training stops there and that model is exported (early stopping)."""
+    training model; when it returns True, training stops there and that model is exported (early stopping).
+    `aux_losses` / `aux_optimizer`: auxiliary losses trained on the same forward (`FSDP2Backend`), e.g. the MTP
+    draft's (`miles_spec.MTPLoss`), which leave the policy's update unchanged."""
     import time
 
     import torch.distributed as dist
@@ -185,7 +192,8 @@ def run_sft(
             "warmup_steps": min(config.optimizer.warmup_steps, len(batches)),
             "total_steps": config.optimizer.total_steps or len(batches),
         })  # fmt: skip
-        backend = FSDP2Backend(model_dir, kernel, optimizer, config=config.backend)
+        backend = FSDP2Backend(model_dir, kernel, optimizer, config=config.backend, aux_losses=aux_losses,
+                               aux_optimizer=aux_optimizer)  # fmt: skip
         per_epoch = max(1, len(batches) // config.epochs)
         history: list[dict[str, float]] = []
         losses, tokens, start = [], 0.0, time.perf_counter()

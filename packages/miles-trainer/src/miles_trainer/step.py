@@ -36,7 +36,7 @@ from miles_trainer.losses import (
     sft_loss,
     train_rollout_logprob_abs_diff,
 )
-from miles_trainer.packing import pack_samples, padded_lists, rows_to_padded
+from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
 from miles_trainer.plugins import load_checked_plugin
 
 PerSample = Sequence[float | Sequence[float]]
@@ -312,10 +312,7 @@ def accumulate_policy_gradients(
             parts["vf_loss_term"] = joint_value.config.vf_coef * vf_loss
             vf_metrics["vf_loss"] = vf_loss
         loss = torch.stack(list(parts.values())).sum()
-        aux_parts = {}
-        for aux, aux_count in zip(aux_losses, aux_counts, strict=True):
-            assert hidden_NH is not None
-            aux_parts[aux.name] = aux(model, micro, hidden_NH, samples, aux_count)
+        aux_parts = _aux_parts(model, micro, hidden_NH, samples, aux_losses, aux_counts)
         total = loss
         for part, _ in aux_parts.values():  # detached from the policy: its gradients are unchanged
             total = total + part
@@ -325,10 +322,7 @@ def accumulate_policy_gradients(
         num_valid = float(mask_BT.sum())
         stats.add("num_tokens", num_valid)
         stats.add("loss", float(loss.detach()))
-        for name, (part, aux_metrics) in aux_parts.items():
-            stats.add(f"{name}_loss", float(part.detach()))
-            for metric, value in aux_metrics.items():
-                stats.add_mean(metric, float(value), num_valid)
+        _add_aux_stats(stats, aux_parts, num_valid)
         if vf_metrics:
             stats.add("vf_loss", float(vf_metrics.pop("vf_loss").detach()))
             for name, value in vf_metrics.items():
@@ -377,9 +371,12 @@ def accumulate_sft_gradients(
     global_num_seqs: int | None = None,
     loss_scale: float = 1.0,
     num_micro_batches: int | None = None,
+    aux_losses: Sequence[AuxLoss] = (),
+    aux_counts: Sequence[Sequence[int]] | None = None,
 ) -> StepStats:
     """Forward + backward of the SFT loss (NLL of the loss-masked response tokens, temperature 1), normalized
-    over the global batch like `accumulate_policy_gradients` (same data-parallel arguments)."""
+    over the global batch like `accumulate_policy_gradients` (same data-parallel and auxiliary-loss arguments:
+    e.g. the MTP draft trains on the SFT data, its gradients isolated from the policy's)."""
     local_tokens, local_seqs = count_trained(samples)
     counts = {
         "global_num_tokens": global_num_tokens if global_num_tokens is not None else local_tokens,
@@ -392,11 +389,43 @@ def accumulate_sft_gradients(
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_K, _, _ = micro_batch_forward(model, micro)
+        logprobs_K, _, hidden_NH = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
-        (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
+        if aux_counts is None:
+            aux_counts = [aux.counts(model, samples) for aux in aux_losses]
+        aux_parts = _aux_parts(model, micro, hidden_NH, samples, aux_losses, aux_counts)
+        total = loss
+        for part, _ in aux_parts.values():
+            total = total + part
+        (total * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
         if weight:
             stats.add("loss", float(loss.detach()))
             stats.add("num_tokens", float(mask_BT.sum()))
+            _add_aux_stats(stats, aux_parts, float(mask_BT.sum()))
     return stats
+
+
+def _aux_parts(
+    model: CausalLM,
+    micro: MicroBatch,
+    hidden_NH: torch.Tensor | None,
+    samples: Sequence[Sample],
+    aux_losses: Sequence[AuxLoss],
+    aux_counts: Sequence[Sequence[int]],
+) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Each auxiliary loss of a micro-batch (name -> its loss, its metrics), on the trunk's hidden states."""
+    parts = {}
+    for aux, aux_count in zip(aux_losses, aux_counts, strict=True):
+        assert hidden_NH is not None
+        parts[aux.name] = aux(model, micro, hidden_NH, samples, aux_count)
+    return parts
+
+
+def _add_aux_stats(
+    stats: StepStats, aux_parts: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]], num_valid: float
+) -> None:
+    for name, (part, aux_metrics) in aux_parts.items():
+        stats.add(f"{name}_loss", float(part.detach()))
+        for metric, value in aux_metrics.items():
+            stats.add_mean(metric, float(value), num_valid)
