@@ -28,7 +28,7 @@ from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.row_sampling import Row, record_input_logprobs, sample_rows
 from miles_rollout.sequence import DraftState, Group, Sequence, build_response, finish_reason
-from miles_rollout.speculative import Drafter, accept_drafts
+from miles_rollout.speculative import Drafter, accept_drafts, add_pending
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -323,7 +323,7 @@ class Scheduler:
                 to_sample.append((owner, start, chunk[1:]))
                 continue
             if self.drafter is not None:
-                owner.draft.pending = _rows_after(owner.draft.pending, hidden[start : start + length])
+                add_pending(owner.draft, hidden[start : start + length])
                 extended.append(owner)
             if kind == "refill":  # a retracted sequence's KV recomputed: it decodes again from the next step
                 owner.num_computed += length
@@ -376,11 +376,9 @@ class Scheduler:
                 self._append_token(seq, token, sampled.logprobs[at + i], sampled.top[at + i])
                 if seq.finish is not None:
                     break
-            if drafts and self.drafter is not None:
-                self.drafter.record(seq, len(drafts), len(emitted) - 1)
-            if self.drafter is not None and is_decoding and seq.finish is None:  # kept rows wait for the draft
+            if self.drafter is not None and is_decoding:
                 kept = hidden[torch.tensor(index[first : first + len(emitted)], device=hidden.device)]
-                seq.draft.pending = _rows_after(seq.draft.pending, kept)
+                self.drafter.verified(seq, len(drafts), len(emitted), kept)
             at += len(drafts) + 1
 
     def num_shared_pages(self, prompt_length: int) -> int:
@@ -484,10 +482,6 @@ class Scheduler:
         responses = [build_response(s, token_text) for s in group.sequences]
         if group.future is not None and group.loop is not None:
             group.loop.call_soon_threadsafe(set_result, group.future, responses)
-
-
-def _rows_after(rows: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
-    return more if rows is None else torch.cat((rows, more))
 
 
 def _first_stop(text: str, stops: list[str]) -> str | None:

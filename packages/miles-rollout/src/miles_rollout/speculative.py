@@ -35,6 +35,11 @@ from miles_rollout.row_sampling import Row, sample_tokens
 from miles_rollout.sequence import DraftState, Sequence, SpecCounts
 
 
+def add_pending(draft: DraftState, hidden_NH: torch.Tensor) -> None:
+    """Trunk hidden states of newly computed positions join the rows waiting for their draft rows."""
+    draft.pending = hidden_NH if draft.pending is None else torch.cat((draft.pending, hidden_NH))
+
+
 def accept_drafts(drafts: list[int], targets: list[int]) -> list[int]:
     """The tokens one verify step emits: one or more, ending with a token of the target's own.
 
@@ -96,15 +101,20 @@ class Drafter:
         left = min(seq.group.params.max_new_tokens - len(seq.output_ids), context_length - len(seq.tokens))
         return max(min(self.num_steps, left - 1), 0)
 
-    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """Count one verify step of `seq`: `proposed` drafts, the first `accepted` of them accepted."""
-        if seq.spec is None:
-            seq.spec = SpecCounts()
-        seq.spec.record(proposed, accepted)
-        self.num_verify += 1
-        for j in range(proposed):
-            self.proposed_at[j] += 1
-            self.correct_at[j] += j < accepted
+    def verified(self, seq: Sequence, proposed: int, emitted: int, kept_NH: torch.Tensor) -> None:
+        """After `seq`'s decode step: `proposed` drafts, `emitted` tokens (`accept_drafts`), `kept_NH` the trunk's
+        hidden states of the rows kept. Counts the drafts, and the kept rows wait for their draft rows."""
+        if proposed:
+            accepted = emitted - 1
+            if seq.spec is None:
+                seq.spec = SpecCounts()
+            seq.spec.record(proposed, accepted)
+            self.num_verify += 1
+            for j in range(proposed):
+                self.proposed_at[j] += 1
+                self.correct_at[j] += j < accepted
+        if seq.finish is None:
+            add_pending(seq.draft, kept_NH)
 
     def stats(self) -> dict[str, int]:
         return {

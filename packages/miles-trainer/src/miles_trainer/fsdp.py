@@ -259,16 +259,13 @@ class FSDP2Backend:
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
         aux_counts = self._aux_counts(samples)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.aux_params:
-            self.aux_optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         critic, is_warmup = self.critic_config, False
         joint_value = None
         critic_stats: dict[str, float] = {}
         if critic is not None:
             assert returns is not None and old_values is not None
             is_warmup = self.step_count < critic.warmup_steps
-            self.critic_optimizer.zero_grad(set_to_none=True)
             if self.critic_model is not None:
                 critic_tokens, critic_seqs = count_trained(samples)
                 counts = torch.tensor([critic_tokens, critic_seqs], dtype=torch.int64)
@@ -359,9 +356,7 @@ class FSDP2Backend:
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
         aux_counts = self._aux_counts(samples)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.aux_params:
-            self.aux_optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         stats = accumulate_sft_gradients(
             self.model, samples, self.kernel, self.max_tokens, global_num_tokens=global_tokens,
             global_num_seqs=global_seqs, loss_scale=dist.get_world_size(), num_micro_batches=self._num_passes(samples),
@@ -433,9 +428,7 @@ class FSDP2Backend:
         for model in (self.model, self.reference, self.critic_model, self.value_head):
             if model is not None:
                 yield from model.parameters()
-        optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic_config is not None else [])
-        optimizers += [self.aux_optimizer] if self.aux_params else []
-        for optimizer in optimizers:
+        for optimizer in self._optimizers():
             for state in optimizer.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
@@ -443,12 +436,17 @@ class FSDP2Backend:
         """Free parameters and optimizer state (to host memory on GPU, to a file on CPU) while the engine works;
         returns the bytes freed on this rank. `onload()` brings them back bit for bit. The last step's gradients
         are dropped, not kept: every step starts from `zero_grad(set_to_none=True)` anyway."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic_config is not None:
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        if self.aux_params:
-            self.aux_optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return self._offloader.offload(self._offload_targets())
+
+    def _optimizers(self) -> list[torch.optim.AdamW]:
+        """The policy's AdamW, then the critic's and the auxiliary losses' when there are any."""
+        optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic_config is not None else [])
+        return optimizers + ([self.aux_optimizer] if self.aux_params else [])
+
+    def _zero_grad(self) -> None:
+        for optimizer in self._optimizers():
+            optimizer.zero_grad(set_to_none=True)
 
     def onload(self) -> int:
         """Bring back what `offload()` freed; returns the bytes restored on this rank."""

@@ -385,6 +385,8 @@ def accumulate_sft_gradients(
     stats = StepStats()
     if counts["global_num_tokens"] == 0 or not samples:
         return stats
+    if aux_counts is None:
+        aux_counts = [aux.counts(model, samples) for aux in aux_losses]
     micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
@@ -392,8 +394,6 @@ def accumulate_sft_gradients(
         logprobs_K, _, hidden_NH = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
-        if aux_counts is None:
-            aux_counts = [aux.counts(model, samples) for aux in aux_losses]
         aux_parts = _aux_parts(model, micro, hidden_NH, samples, aux_losses, aux_counts)
         total = loss
         for part, _ in aux_parts.values():
