@@ -7,7 +7,8 @@ the bootstrap SFT (the README's "fresh machine" number); later runs reuse it. Fo
 time, the bootstrap time (from run.log), the median step time, held-out greedy pass@1 at every evaluation, and the
 largest train/rollout log-prob mismatch of any step. With two or more clusters it also says whether their metric
 lines are equal on every key but the timings (the runs are bitwise reproducible, whichever cluster runs them).
-`--baseline DIR` compares each run's metrics.jsonl with an earlier run's (a refactor must leave them identical).
+`--baseline DIR` compares each run's metrics.jsonl with an earlier run's (a refactor must leave them identical;
+`--ignore KEY ...` leaves out keys a change is meant to alter, and the JSON says which).
 `--config FILE` runs an example config instead (`miles-orchestrator run --config FILE`); a PPO run's JSON adds the
 critic's explained variance (mean over the first and the last 10 steps) and its value loss.
 
@@ -42,13 +43,13 @@ def metric_lines(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def without_timings(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in line.items() if not TIMING_KEYS.search(k)} for line in lines]
+def without_timings(lines: list[dict[str, Any]], ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    return [{k: v for k, v in line.items() if not TIMING_KEYS.search(k) and k not in ignore} for line in lines]
 
 
-def differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
-    """Where two runs' metric lines differ (timings ignored); empty when every value is equal."""
-    a, b = without_timings(a), without_timings(b)
+def differences(a: list[dict[str, Any]], b: list[dict[str, Any]], ignore: tuple[str, ...] = ()) -> list[str]:
+    """Where two runs' metric lines differ (timings and `ignore` keys left out); empty when every value is equal."""
+    a, b = without_timings(a, ignore), without_timings(b, ignore)
     if len(a) != len(b):
         return [f"{len(a)} metric lines vs {len(b)}"]
     out = []
@@ -114,6 +115,8 @@ def main() -> None:
     parser.add_argument("--keep", default=None, help="keep the run directories under this path")
     parser.add_argument("--baseline", default=None, help="a run directory whose metrics.jsonl each run must equal")
     parser.add_argument("--config", default=None, help="a run config to run instead of the defaults")
+    parser.add_argument("--ignore", nargs="*", default=[], help="metric keys the baseline comparison leaves out, "
+                        "where a change is meant to alter them (e.g. sync_bytes when the weights grow)")  # fmt: skip
     args = parser.parse_args()
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="miles-default-run-"))
@@ -131,8 +134,9 @@ def main() -> None:
         runs[cluster] = run_once(cluster, run_dir, env, args.config)
         histories[cluster] = metric_lines(run_dir)
         if args.baseline:
-            diff = differences(histories[cluster], metric_lines(Path(args.baseline)))
+            diff = differences(histories[cluster], metric_lines(Path(args.baseline)), tuple(args.ignore))
             runs[cluster]["equal_to_baseline"] = not diff
+            runs[cluster]["baseline_keys_ignored"] = args.ignore
             runs[cluster]["baseline_differences"] = diff[:20]
         print(json.dumps({cluster: runs[cluster]}, indent=2))
     result: dict[str, Any] = {

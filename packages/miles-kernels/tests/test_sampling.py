@@ -8,14 +8,23 @@ import math
 import pytest
 import torch
 
-from miles_kernels import RowSampling, logprob_temperatures, sample, token_logprobs, uniform
+from miles_kernels import RowSampling, logprob_temperatures, sample, token_logprobs, uniform, uniforms
 
 
 def test_uniform_is_a_pure_function_in_unit_interval() -> None:
-    values = [uniform(seed, pos) for seed in range(50) for pos in range(50)]
-    assert all(0.0 <= u < 1.0 for u in values)
-    assert uniform(7, 3) == uniform(7, 3) and uniform(7, 3) != uniform(7, 4) and uniform(7, 3) != uniform(8, 3)
+    values = [uniform(seed, pos, tok) for seed in range(20) for pos in range(20) for tok in range(10)]
+    assert all(0.0 < u < 1.0 for u in values)
+    assert uniform(7, 3, 1) == uniform(7, 3, 1)
+    assert len({uniform(7, 3, 1), uniform(7, 4, 1), uniform(8, 3, 1), uniform(7, 3, 2)}) == 4
     assert abs(sum(values) / len(values) - 0.5) < 0.02
+
+
+@pytest.mark.parametrize(("seed", "position"), [(0, 0), (12345, 77), (2**63 + 5, 2**40), (-1, 3)])
+def test_vectorized_noise_equals_the_python_reference(seed: int, position: int) -> None:
+    # The tensor version emulates 64-bit unsigned arithmetic with int64; the reference uses Python ints.
+    got = uniforms(seed, position, 300)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [uniform(seed, position, tok) for tok in range(300)]
 
 
 def test_greedy_takes_first_maximum() -> None:
@@ -64,6 +73,29 @@ def test_filters_restrict_support(params: RowSampling, allowed: set[int]) -> Non
         row = RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=seed, position=0)
         seen.add(int(sample(logits, [row])[0]))
     assert seen == allowed
+
+
+def test_filtered_sampling_follows_the_renormalized_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    num = 4000
+    counts = torch.zeros(4)
+    for seed in range(num):
+        counts[sample(logits, [RowSampling(top_k=3, seed=seed, position=9)])[0]] += 1
+    assert counts[3] == 0
+    expected = torch.tensor([0.5, 0.3, 0.15]) / 0.95 * num
+    chi2 = float(((counts[:3] - expected) ** 2 / expected).sum())
+    assert chi2 < 13.82, (counts, expected)  # p = 0.001 for 2 degrees of freedom
+
+
+def test_a_close_draft_picks_the_same_token_under_the_same_noise() -> None:
+    # Gumbel-max couples two distributions through noise per token: a slightly perturbed distribution picks the
+    # same token nearly always (the inverse CDF of one uniform per position would not; benchmarks/spec_coupling.py).
+    generator = torch.Generator().manual_seed(1)
+    target = torch.randn(200, 64, generator=generator) * 3
+    draft = target + 0.1 * torch.randn(200, 64, generator=generator)
+    rows = [RowSampling(seed=i, position=5) for i in range(200)]
+    agree = (sample(target, rows) == sample(draft, rows)).double().mean()
+    assert agree > 0.9
 
 
 def test_logprob_contract_uses_temperature_and_full_vocabulary() -> None:

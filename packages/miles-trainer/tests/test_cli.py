@@ -87,14 +87,31 @@ def test_loss_masks_cover_only_responses(model_dir, tmp_path) -> None:
     assert tokenizer.decode(trained) == "5<|im_end|>8<|im_end|>"  # assistant turns only, each with its EOS
 
 
+def test_token_rows_in_miles_and_slime_fields(model_dir, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    rows = [
+        {"prompt_tokens": [5, 6], "response_tokens": [7, 8, 9]},
+        {"tokens": [5, 6, 7, 8, 9], "response_length": 3, "loss_mask": [1, 0, 1]},  # slime's Sample fields
+    ]
+    miles, slime = load_sft_samples(
+        write_jsonl(tmp_path / "rows.jsonl", rows), AutoTokenizer.from_pretrained(model_dir)
+    )
+    assert (miles.prompt_tokens, miles.response_tokens, miles.loss_mask) == ([5, 6], [7, 8, 9], [1, 1, 1])
+    assert (slime.prompt_tokens, slime.response_tokens, slime.loss_mask) == ([5, 6], [7, 8, 9], [1, 0, 1])
+
+
 @pytest.mark.parametrize(
     ("row", "message"),
     [
         ("{not json", "rows.jsonl:3: not valid JSON"),
+        ({"prompt_tokens": [1], "response_tokens": []}, 'rows.jsonl:3: "response_tokens" is empty'),
+        ({"prompt_tokens": [1], "response_tokens": [True]}, 'rows.jsonl:3: "response_tokens" must be a list of token'),
+        ({"tokens": [1, 2], "response_length": 2}, 'rows.jsonl:3: "response_length"'),
         ({"prompt": "hi"}, 'rows.jsonl:3: "response" must be a string'),
         ({"messages": [{"role": "user", "content": "hi"}]}, "rows.jsonl:3: no assistant message"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "rows.jsonl:3: messages[0] must be"),
-        ({"text": "hi"}, 'rows.jsonl:3: a row needs "prompt" and "response", or "messages"'),
+        ({"text": "hi"}, 'rows.jsonl:3: a row needs "prompt" and "response", "messages", "prompt_tokens"'),
     ],
 )
 def test_bad_row_names_its_line(model_dir, tmp_path, row, message) -> None:

@@ -30,6 +30,7 @@ from .ops.sampling import (
     sample,
     token_logprobs,
     uniform,
+    uniforms,
 )
 from .registry import Backend, available_backends, get_backend, register_backend, registered_ops
 from .weight_sync.buckets import (
@@ -114,5 +115,6 @@ __all__ = [
     "tiled_matmul",
     "token_logprobs",
     "uniform",
+    "uniforms",
     "weights_checksum",
 ]

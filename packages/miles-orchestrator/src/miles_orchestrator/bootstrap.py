@@ -1,5 +1,9 @@
-"""The default example's policy: a tiny Qwen3 (the README's benchmark shape) with a tokenizer trained on the
-built-in task, bootstrapped by a short SFT on the task's train split so RL starts from an imperfect policy.
+"""The default example's policy: a tiny Qwen3 (the README's benchmark shape) with one MTP module (the speculative
+draft) and a tokenizer trained on the built-in task, bootstrapped by a short SFT on the task's train split so RL
+starts from an imperfect policy. The SFT trains the MTP module beside the trunk (`miles_spec.MTPLoss`, gradients
+isolated, its own optimizer), so `spec.mode=frozen` or `online` has a useful draft from the first step; the MTP
+weights are drawn after the trunk's and never touch its update, so the trunk's bits are those of a bootstrap
+without MTP.
 
 The result is cached in the user cache dir (`$MILES_CACHE_DIR`, else `$XDG_CACHE_HOME/miles`, else
 `~/.cache/miles`) under a key hashed from the bootstrap config, the task and the source code of the modules that
@@ -24,6 +28,7 @@ from miles_kernels import KernelConfig, ModelConfig
 from miles_kernels.testing import build_tokenizer, greedy_generate, save_random_model, tiny_config
 from miles_orchestrator import task as task_module
 from miles_orchestrator.config import RunConfig
+from miles_spec import MTPLoss
 from miles_trainer import SFTConfig, load_sft_samples, pack_samples, run_sft
 
 # The bootstrap needs no batch invariance (RL starts from whatever weights it writes), so it runs the plain torch
@@ -47,10 +52,12 @@ def _threads(num_threads: int) -> Iterator[None]:
 
 
 def policy_config(vocab_size: int) -> ModelConfig:
-    """Qwen3: hidden 256, intermediate 768, 4 layers, 8 heads / 4 KV heads, head dim 32, tied embeddings."""
+    """Qwen3: hidden 256, intermediate 768, 4 layers, 8 heads / 4 KV heads, head dim 32, tied embeddings; one MTP
+    module (DeepSeek-V3's layout, `model.layers.4`)."""
     return tiny_config(
         "dense", vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
+        num_nextn_predict_layers=1,
     )  # fmt: skip
 
 
@@ -103,7 +110,8 @@ def bootstrap_key(cfg: RunConfig) -> str:
         "seed": cfg.data.seed,
         "chat": cfg.data.apply_chat_template,
         "code": [
-            inspect.getsource(m) for m in (task_module, *_modules_of(run_sft, pack_samples), sys.modules[__name__])
+            inspect.getsource(m)
+            for m in (task_module, *_modules_of(run_sft, pack_samples, MTPLoss), sys.modules[__name__])
         ],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -157,6 +165,6 @@ def _build(cfg: RunConfig, staging: Path, log: Any) -> None:
             stop_after = ProbeStop(staging / "base", probe, cfg, log)
         with _threads(1):
             run_sft(staging / "base", data, staging / "policy", sft, kernel=BOOTSTRAP_KERNEL, log=log,
-                    stop_after=stop_after)  # fmt: skip
+                    stop_after=stop_after, aux_losses=[MTPLoss()])  # fmt: skip
     else:
         shutil.copytree(staging / "base", staging / "policy")

@@ -96,6 +96,7 @@ class TrainerSettings:
     offload_dir: str
     critic: CriticConfig | None = None
     spec: SpecConfig | None = None  # the MTP draft trains online (spec.mode=online)
+    keep_reference: bool = False  # trainer.log_kl: the initial policy stays, for the kl metric
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
@@ -112,7 +113,7 @@ def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
     if cfg.spec.mode == "online":
         spec = cfg.spec.model_copy(update={"optimizer": spanning(cfg.spec.optimizer)})
     return TrainerSettings(cfg.kernel, spanning(cfg.trainer.optimizer), cfg.trainer.loss, cfg.trainer.backend,
-                           str(run_dir / "offload"), critic, spec)  # fmt: skip
+                           str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl)  # fmt: skip
 
 
 def num_threads(cfg: RunConfig) -> int:

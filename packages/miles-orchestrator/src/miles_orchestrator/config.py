@@ -344,6 +344,12 @@ class TrainerSection(_Section):
     backend: FSDP2Config = Field(
         default_factory=FSDP2Config, description="The FSDP2 backend (miles_trainer.config.FSDP2Config)."
     )
+    log_kl: bool = Field(
+        default=False,
+        description="Keep the initial policy and log 'kl', its KL to the current policy on the rollout's response "
+        "tokens (trainer.loss.kl_estimator), every step, also when trainer.loss.kl_coef = 0 (then it is a metric "
+        "only: the update is unchanged). With kl_coef > 0 it is logged anyway.",
+    )
 
     @field_validator("advantage_estimator")
     @classmethod
@@ -437,11 +443,6 @@ class RunConfig(_Section):
         """spec.mode frozen / online turns the engine's speculative decoding on (SGLang's NEXTN, spec.num_steps
         drafts per step) unless rollout.engine already sets it; off leaves it off."""
         engine, spec = self.rollout.engine, self.spec
-        if spec.drafts and self.model.path is None:
-            raise ValueError(
-                f"spec.mode={spec.mode} drafts with the policy's MTP modules, and the built-in policy has none yet; "
-                "set model.path to a checkpoint with MTP layers (num_nextn_predict_layers >= 1), or spec.mode=off"
-            )
         if not spec.drafts and engine.speculative_algorithm is not None:
             raise ValueError(
                 f"rollout.engine.speculative_algorithm={engine.speculative_algorithm} with spec.mode=off: set "

@@ -26,7 +26,8 @@ class TrainerRank:
         aux_losses = [] if spec is None else [MTPLoss(spec.mtp_loss_coef)]
         self.backend = FSDP2Backend(model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
                                     offload_dir=settings.offload_dir, critic=settings.critic, aux_losses=aux_losses,
-                                    aux_optimizer=None if spec is None else spec.optimizer)  # fmt: skip
+                                    aux_optimizer=None if spec is None else spec.optimizer,
+                                    keep_reference=settings.keep_reference or None)  # fmt: skip
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's)."""

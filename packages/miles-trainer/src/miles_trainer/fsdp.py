@@ -233,10 +233,11 @@ class FSDP2Backend:
     ) -> dict[str, float]:
         """One optimizer step on this rank's samples (every rank calls it with its share of the batch).
 
-        See `accumulate_policy_gradients` for the arguments; with `kl_coef > 0` and no `ref_logprobs`, the
-        reference model computes them. With a critic, `returns` (GAE's value targets) and `old_values`
-        (`compute_values` before the step) train it too, with its own optimizer; during its first
-        `warmup_steps` steps only the critic moves. Returns global metrics (identical on every rank).
+        See `accumulate_policy_gradients` for the arguments; with a reference model and no `ref_logprobs`, the
+        reference model computes them (the KL term with `kl_coef > 0`, else the `kl` metric only). With a
+        critic, `returns` (GAE's value targets) and `old_values` (`compute_values` before the step) train it too,
+        with its own optimizer; during its first `warmup_steps` steps only the critic moves. Returns global
+        metrics (identical on every rank).
         """
         if not samples:
             raise ValueError("every rank needs at least one sample per step")
@@ -248,7 +249,7 @@ class FSDP2Backend:
         self._check_onloaded()
         start = time.perf_counter()
         loss = self.loss_config
-        if loss.kl_coef > 0 and ref_logprobs is None:
+        if self.reference is not None and ref_logprobs is None:  # the KL term, or the kl metric alone
             ref_logprobs = self.compute_logprobs(samples, reference=True)
         is_weights: list[list[float]] | None = None
         is_metrics: dict[str, torch.Tensor] = {}
@@ -344,10 +345,11 @@ class FSDP2Backend:
         norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         return {"critic_grad_norm": norm, "critic_lr": float(self.critic_scheduler.get_last_lr()[0])}
 
-    def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+    def sft_step(self, samples: Sequence[Sample], train_policy: bool = True) -> dict[str, float]:
         """One optimizer step of the SFT loss (token-mean NLL of the loss-masked tokens) on this rank's samples;
         the auxiliary losses (`aux_losses`, e.g. the MTP draft's) train on the same forward with their own
-        optimizer."""
+        optimizer. `train_policy=False` steps the auxiliary losses only: the policy's weights stay as they are
+        (its loss is measured; `skipped_update` is 1)."""
         if not samples:
             raise ValueError("every rank needs at least one sample per step")
         self._check_onloaded()
@@ -360,10 +362,10 @@ class FSDP2Backend:
         stats = accumulate_sft_gradients(
             self.model, samples, self.kernel, self.max_tokens, global_num_tokens=global_tokens,
             global_num_seqs=global_seqs, loss_scale=dist.get_world_size(), num_micro_batches=self._num_passes(samples),
-            aux_losses=self.aux_losses, aux_counts=aux_counts,
+            aux_losses=self.aux_losses, aux_counts=aux_counts, train_policy=train_policy,
         )  # fmt: skip
         aux_metrics = self._aux_step()
-        return self._finish_step(stats, start) | aux_metrics
+        return self._finish_step(stats, start, skip_update=not train_policy) | aux_metrics
 
     def _finish_step(self, stats: StepStats, start: float, skip_update: bool = False) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy_params, self.optimizer_config.max_grad_norm)

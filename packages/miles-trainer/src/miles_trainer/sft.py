@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant", "tool")
 Tokens = tuple[list[int], list[int], list[int]]  # prompt tokens, response tokens, response loss mask
+KEPT = ("loss", "skipped_update")  # step metrics averaged per epoch (with the auxiliary losses' own)
 
 
 class SFTDataError(ValueError):
@@ -84,8 +85,42 @@ def _messages(tokenizer: Any, row: dict[str, Any]) -> Tokens:
     return tokens[:num_prompt], tokens[num_prompt:], mask[num_prompt:]
 
 
-def load_sft_samples(path: str | os.PathLike[str], tokenizer: Any, chat_template: bool = False) -> list[Sample]:
-    """Read and tokenize every row; the first bad row raises `SFTDataError` naming its line."""
+def _token_list(row: dict[str, Any], key: str, vocab_size: int | None) -> list[int]:
+    value = row[key]
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f'"{key}" must be a list of token ids (integers)')
+    bad = [t for t in value if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise ValueError(f'"{key}" holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})')
+    return value
+
+
+def _token_row(row: dict[str, Any], vocab_size: int | None) -> Tokens:
+    """Token rows: Miles' Sample fields (prompt_tokens, response_tokens) or slime's (tokens, response_length), with
+    an optional loss_mask over the response."""
+    if "prompt_tokens" in row or "response_tokens" in row:
+        prompt, response = (_token_list(row, key, vocab_size) for key in ("prompt_tokens", "response_tokens"))
+    else:
+        tokens = _token_list(row, "tokens", vocab_size)
+        length = row.get("response_length")
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 < length < len(tokens):
+            raise ValueError(f'"response_length" (tokens after the prompt) must be an int in [1, {len(tokens) - 1}]')
+        prompt, response = tokens[:-length], tokens[-length:]
+    if not response:
+        raise ValueError('"response_tokens" is empty: there is nothing to learn from this row')
+    mask = row.get("loss_mask", [1] * len(response))
+    if not isinstance(mask, list) or len(mask) != len(response) or any(m not in (0, 1) for m in mask):
+        raise ValueError(f'"loss_mask" must be a list of {len(response)} zeros and ones, one per response token')
+    return prompt, response, mask
+
+
+def load_sft_samples(
+    path: str | os.PathLike[str], tokenizer: Any, chat_template: bool = False, vocab_size: int | None = None
+) -> list[Sample]:
+    """Read and tokenize every row; the first bad row raises `SFTDataError` naming its line.
+
+    A row is text (`prompt` / `response`, or chat `messages`) or token ids (`prompt_tokens` / `response_tokens`,
+    or slime's `tokens` / `response_length`; optional `loss_mask`), checked against `vocab_size` when given."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"SFT data {file} does not exist (expected a JSONL file, one row per line)")
@@ -104,10 +139,15 @@ def load_sft_samples(path: str | os.PathLike[str], tokenizer: Any, chat_template
                     raise ValueError("a row must be a JSON object")
                 if "messages" in row:
                     prompt, response, mask = _messages(tokenizer, row)
+                elif {"prompt_tokens", "response_tokens", "tokens"} & row.keys():
+                    prompt, response, mask = _token_row(row, vocab_size)
                 elif "prompt" in row or "response" in row:
                     prompt, response, mask = _prompt_response(tokenizer, row, chat_template)
                 else:
-                    raise ValueError('a row needs "prompt" and "response", or "messages"')
+                    raise ValueError(
+                        'a row needs "prompt" and "response", "messages", "prompt_tokens" and "response_tokens", or '
+                        '"tokens" and "response_length"'
+                    )
                 if not prompt:
                     raise ValueError("the prompt is empty (the first response token needs a token before it)")
             except ValueError as error:
@@ -154,6 +194,7 @@ def run_sft(
     stop_after: Callable[[int, CausalLM], bool] | None = None,
     aux_losses: Sequence[AuxLoss] = (),
     aux_optimizer: OptimizerConfig | None = None,
+    train_policy: bool = True,
 ) -> list[dict[str, float]]:
     """Fine-tune the Hugging Face model at `model_dir` on the JSONL `data` and write a Hugging Face directory
     (weights, config, tokenizer) to `out`. Returns one metrics dict per epoch (mean loss, tokens/s).
@@ -161,13 +202,15 @@ def run_sft(
     `stop_after(step, model)`, if given, is called after every optimizer step (1-based) on every rank with the
     training model; when it returns True, training stops there and that model is exported (early stopping).
     `aux_losses` / `aux_optimizer`: auxiliary losses trained on the same forward (`FSDP2Backend`), e.g. the MTP
-    draft's (`miles_spec.MTPLoss`), which leave the policy's update unchanged."""
+    draft's (`miles_spec.MTPLoss`), which leave the policy's update unchanged; their optimizer defaults to the
+    SFT's, and either one's schedule spans the SFT's steps unless it sets `total_steps`. `train_policy=False`
+    trains the auxiliary losses alone: the policy's weights are exported as loaded (e.g. `miles-spec train`)."""
     import time
 
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from miles_kernels import KernelConfig
+    from miles_kernels import KernelConfig, read_model_config
     from miles_trainer.checkpoint import export_hf
     from miles_trainer.fsdp import FSDP2Backend
 
@@ -176,7 +219,7 @@ def run_sft(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer in {model_dir} has no EOS token; responses could not end")
-    samples = load_sft_samples(data, tokenizer, config.chat_template)
+    samples = load_sft_samples(data, tokenizer, config.chat_template, read_model_config(model_dir).vocab_size)
     created = ensure_process_group()
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -188,28 +231,35 @@ def run_sft(
         ]
         if not batches:
             raise ValueError(f"{len(samples)} rows cannot give each of {world} ranks a sample; add rows")
-        optimizer = config.optimizer.model_copy(update={
-            "warmup_steps": min(config.optimizer.warmup_steps, len(batches)),
-            "total_steps": config.optimizer.total_steps or len(batches),
-        })  # fmt: skip
-        backend = FSDP2Backend(model_dir, kernel, optimizer, config=config.backend, aux_losses=aux_losses,
-                               aux_optimizer=aux_optimizer)  # fmt: skip
+
+        def over_the_sft(opt: OptimizerConfig) -> OptimizerConfig:
+            steps = len(batches)
+            update = {"warmup_steps": min(opt.warmup_steps, steps), "total_steps": opt.total_steps or steps}
+            return opt.model_copy(update=update)
+
+        aux = aux_optimizer and over_the_sft(aux_optimizer)
+        backend = FSDP2Backend(model_dir, kernel, over_the_sft(config.optimizer), config=config.backend,
+                               aux_losses=aux_losses, aux_optimizer=aux)  # fmt: skip
         per_epoch = max(1, len(batches) // config.epochs)
         history: list[dict[str, float]] = []
-        losses, tokens, start = [], 0.0, time.perf_counter()
+        aux_prefixes = tuple(f"{aux.name}_" for aux in aux_losses)
+        kept: list[dict[str, float]] = []  # this epoch's steps: the loss, skipped_update and the aux metrics
+        tokens, start = 0.0, time.perf_counter()
         for step, batch in enumerate(batches, start=1):
-            metrics = backend.sft_step([samples[i] for i in batch[rank::world]])
-            losses.append(metrics["loss"])
+            metrics = backend.sft_step([samples[i] for i in batch[rank::world]], train_policy=train_policy)
+            kept.append({k: v for k, v in metrics.items() if k in KEPT or k.startswith(aux_prefixes)})
             tokens += metrics["num_tokens"]
             stop = stop_after is not None and stop_after(step, backend.model)
             if step % per_epoch == 0 or step == len(batches) or stop:
-                elapsed = time.perf_counter() - start
-                summary = {"epoch": float(len(history) + 1), "loss": sum(losses) / len(losses), "steps": float(step),
-                           "tokens_per_s": tokens / elapsed}  # fmt: skip
+                means = {k: sum(m[k] for m in kept) / len(kept) for k in kept[0]}
+                summary = {"epoch": float(len(history) + 1), **means, "steps": float(step),
+                           "tokens_per_s": tokens / (time.perf_counter() - start)}  # fmt: skip
                 history.append(summary)
                 if rank == 0:
-                    log(f"epoch {len(history)}: loss {summary['loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s")
-                losses, tokens, start = [], 0.0, time.perf_counter()
+                    aux_text = "".join(f", {k} {v:.4f}" for k, v in means.items() if k.startswith(aux_prefixes))
+                    speed = f"{summary['tokens_per_s']:.0f} tokens/s"
+                    log(f"epoch {len(history)}: loss {means['loss']:.4f}{aux_text}, {speed}")
+                kept, tokens, start = [], 0.0, time.perf_counter()
             if stop:
                 break
         export_hf(backend, out, tokenizer=tokenizer)

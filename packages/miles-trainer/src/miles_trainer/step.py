@@ -373,10 +373,13 @@ def accumulate_sft_gradients(
     num_micro_batches: int | None = None,
     aux_losses: Sequence[AuxLoss] = (),
     aux_counts: Sequence[Sequence[int]] | None = None,
+    train_policy: bool = True,
 ) -> StepStats:
     """Forward + backward of the SFT loss (NLL of the loss-masked response tokens, temperature 1), normalized
     over the global batch like `accumulate_policy_gradients` (same data-parallel and auxiliary-loss arguments:
-    e.g. the MTP draft trains on the SFT data, its gradients isolated from the policy's)."""
+    e.g. the MTP draft trains on the SFT data, its gradients isolated from the policy's). `train_policy=False`:
+    the trunk's forward runs without autograd and only the auxiliary losses backpropagate (the SFT loss is still
+    measured), e.g. to train the draft alone on a frozen policy."""
     local_tokens, local_seqs = count_trained(samples)
     counts = {
         "global_num_tokens": global_num_tokens if global_num_tokens is not None else local_tokens,
@@ -391,14 +394,16 @@ def accumulate_sft_gradients(
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_K, _, hidden_NH = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
-        logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
-        loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
+        with torch.set_grad_enabled(train_policy):
+            logprobs_K, _, hidden_NH = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
+            logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
+            loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
         aux_parts = _aux_parts(model, micro, hidden_NH, samples, aux_losses, aux_counts)
-        total = loss
+        total = loss if train_policy else torch.zeros((), device=loss.device)
         for part, _ in aux_parts.values():
             total = total + part
-        (total * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
+        if total.requires_grad:
+            (total * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
         if weight:
             stats.add("loss", float(loss.detach()))
             stats.add("num_tokens", float(mask_BT.sum()))

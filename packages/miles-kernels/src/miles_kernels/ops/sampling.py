@@ -2,13 +2,17 @@
 
 - Log-prob contract (docs/architecture.md): a token's log-prob is `log_softmax(logits / T)` over the full
   vocabulary, in float32, without top-k/top-p/min-p truncation; T is the request's temperature, T = 1 for greedy.
-- Greedy (T = 0) takes the first maximum. Otherwise the logits are scaled by 1/T and one uniform number per
-  row picks a token by inverse CDF: over the token-id order when no filter is set, else over the descending
-  stable sort (ties keep the lower token id) after top-k, then top-p, then min-p, renormalized.
-- The uniform number comes from a counter-based generator: splitmix64 of (seed, position). It is a pure function
-  of its two integers, so the same sample at the same position draws the same number on any batch, thread count
-  or device, and a resumed run redraws it exactly.
-All per-row ops (softmax, sort, cumsum over the vocabulary) run row by row, so rows are batch-invariant.
+- Greedy (T = 0) takes the first maximum. Otherwise a row takes the Gumbel-max: argmax over tokens of
+  logits / T + g_token, in float64, where g_token is a standard Gumbel variable per (seed, position, token id).
+  With top-k / top-p / min-p the argmax runs over the tokens the filters keep (top-k, then top-p, then min-p over the
+  descending stable sort; ties keep the lower token id), which samples the renormalized filtered distribution.
+- The noise comes from a counter-based generator: splitmix64 of (seed, position, token id) -> uniform u in (0, 1)
+  -> g = -log(-log u). It is a pure function of its three integers, so the same sample at the same position draws
+  the same noise on any batch, thread count or device, and a resumed run redraws it exactly.
+- Why Gumbel-max: speculative decoding's draft samples with the target's noise and is accepted where both pick the
+  same token. Noise per token couples the two almost as well as rejection sampling can (1 - TV); the inverse CDF of
+  one uniform per position accepts far less (benchmarks/spec_coupling.py, docs/architecture.md).
+Every op is elementwise or runs row by row (noise, softmax, sort, argmax), so rows are batch-invariant.
 Shapes: logits_MV (rows, vocab).
 """
 
@@ -30,9 +34,44 @@ def splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def uniform(seed: int, position: int) -> float:
-    """A float64 in [0, 1) that depends only on (seed, position)."""
-    return (splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * (1.0 / (1 << 53))
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`splitmix64` elementwise on int64 tensors holding 64-bit patterns (int64 arithmetic wraps modulo 2^64)."""
+    x = x + _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _shift_right(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shift_right(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ _shift_right(x, 31)
+
+
+def _row_key(seed: int, position: int) -> int:
+    return splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64))
+
+
+def uniform(seed: int, position: int, token: int) -> float:
+    """A float64 in (0, 1) that depends only on (seed, position, token): the reference for `uniforms`."""
+    return ((splitmix64(_row_key(seed, position) ^ token) >> 11) + 0.5) * (1.0 / (1 << 53))
+
+
+def uniforms(seed: int, position: int, vocab: int, device: torch.device | None = None) -> torch.Tensor:
+    """`uniform(seed, position, token)` for every token id in 0 .. vocab - 1, float64, shape (vocab,)."""
+    tokens = torch.arange(vocab, dtype=torch.int64, device=device)
+    bits = _splitmix64_tensor(tokens ^ _signed(_row_key(seed, position)))
+    return (_shift_right(bits, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def gumbel_noise(rows: Sequence[RowSampling], vocab: int, device: torch.device) -> torch.Tensor:
+    """One standard Gumbel variable per (row's seed, row's position, token id), float64, shape (rows, vocab)."""
+    u = torch.stack([uniforms(r.seed, r.position, vocab, device) for r in rows])
+    return -torch.log(-torch.log(u))
 
 
 @dataclass(frozen=True)
@@ -67,8 +106,10 @@ def full_logprobs(logits_MV: torch.Tensor, temperatures_M1: torch.Tensor) -> tor
     return torch.log_softmax(logits_MV.to(torch.float32) / temperatures_M1, dim=-1)
 
 
-def _filtered_probs(row_logits_V: torch.Tensor, params: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Descending (stable) sorted token ids and their renormalizable kept probabilities."""
+def _filter_mask(row_logits_V: torch.Tensor, params: RowSampling) -> torch.Tensor:
+    """The tokens top-k, then top-p, then min-p keep (in token-id order); the most likely token always stays.
+
+    The probabilities are sorted descending and stably (ties keep the lower token id) to apply the filters."""
     probs = torch.softmax(row_logits_V.to(torch.float32) / params.temperature, dim=-1)
     sorted_probs, sorted_ids = torch.sort(probs, descending=True, stable=True)
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
@@ -81,34 +122,27 @@ def _filtered_probs(row_logits_V: torch.Tensor, params: RowSampling) -> tuple[to
     if params.min_p > 0.0:
         keep &= sorted_probs >= params.min_p * sorted_probs[0]
     keep[0] = True
-    return sorted_ids, torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    return torch.zeros_like(keep).scatter(0, sorted_ids, keep)
 
 
 def sample(logits_MV: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     """One token id per row, reproducible per (seed, position); greedy rows take the first argmax.
 
-    Rows without top-k / top-p / min-p draw from the unsorted distribution (inverse CDF in token-id order: no sort
-    needed), all at once; filtered rows sort their distribution one by one. Both are per-row computations.
+    Sampled rows take the Gumbel-max: argmax over the kept tokens of logits / T + g, g = `gumbel_noise`, in float64
+    (first maximum on ties). Rows are computed independently of each other (batch-invariant).
     """
     if len(rows) != logits_MV.shape[0]:
         raise ValueError(f"got {len(rows)} sampling rows for {logits_MV.shape[0]} logit rows")
     tokens = torch.argmax(logits_MV, dim=-1)
-    plain = [i for i, r in enumerate(rows) if not r.is_greedy and r.top_k <= 0 and r.top_p >= 1.0 and r.min_p <= 0.0]
-    if plain:
-        index = torch.tensor(plain, device=logits_MV.device)
-        temps = torch.tensor([[rows[i].temperature] for i in plain], dtype=torch.float32, device=logits_MV.device)
-        cdf = torch.cumsum(torch.softmax(logits_MV[index].to(torch.float32) / temps, dim=-1).to(torch.float64), dim=-1)
-        draws = torch.tensor([[uniform(rows[i].seed, rows[i].position)] for i in plain], dtype=torch.float64)
-        choice = torch.searchsorted(cdf, draws.to(cdf.device) * cdf[:, -1:], right=True).squeeze(1)
-        tokens[index] = choice.clamp(max=logits_MV.shape[1] - 1)
-    is_plain = set(plain)
-    for i, params in enumerate(rows):
-        if params.is_greedy or i in is_plain:
-            continue
-        sorted_ids, kept = _filtered_probs(logits_MV[i], params)
-        cdf_row = torch.cumsum(kept.to(torch.float64), dim=-1)
-        threshold = uniform(params.seed, params.position) * float(cdf_row[-1])
-        # First index whose cumulative mass exceeds the threshold; kept[0] > 0 so it always exists.
-        pick = int(torch.searchsorted(cdf_row, torch.tensor([threshold], dtype=torch.float64), right=True).item())
-        tokens[i] = sorted_ids[min(pick, sorted_ids.shape[0] - 1)]
+    sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
+    if not sampled:
+        return tokens
+    device, vocab = logits_MV.device, logits_MV.shape[1]
+    index = torch.tensor(sampled, device=device)
+    temps = torch.tensor([[rows[i].temperature] for i in sampled], dtype=torch.float64, device=device)
+    scores = logits_MV[index].to(torch.float64) / temps + gumbel_noise([rows[i] for i in sampled], vocab, device)
+    for j, i in enumerate(sampled):
+        if rows[i].top_k > 0 or rows[i].top_p < 1.0 or rows[i].min_p > 0.0:
+            scores[j].masked_fill_(~_filter_mask(logits_MV[i], rows[i]), float("-inf"))
+    tokens[index] = torch.argmax(scores, dim=-1)
     return tokens

@@ -1,0 +1,211 @@
+"""Speculative decoding with an online MTP draft, measured: the same RL run three ways, side by side, as JSON.
+
+One bootstrapped policy (a Qwen3 trunk with one MTP module, both trained by SFT on `spec_task.py`'s counting rows)
+runs the same RL job with `spec.mode=off` (no speculative decoding), `frozen` (the engine drafts with the MTP module
+as bootstrapped) and `online` (it drafts with the MTP module, which trains on every rollout batch), from the same
+seeds, on the local cluster, in deterministic mode. The task's RL reward pulls the policy away from the SFT's
+distribution (spec_task.py), so a frozen draft falls behind while an online one follows.
+
+The rollout runs where speculative decoding is the right tool: few sequences at a time
+(`rollout.engine.max_running_requests`, default 4) and long outputs (~45 tokens). Per step it reports the accept
+length (tokens per verify step), the rollout's tokens/s, the reward, the policy's KL to the initial policy on the
+rollout tokens (`trainer.log_kl`) and the MTP loss; per mode, the mean rollout tokens/s over the second half of the
+run, and the ratios the issue sets goals for (online / frozen >= 1.25, online / off >= 1.5). It checks that the
+three runs' rewards, losses, trained tokens and final trunk weights are identical (speculative decoding changes no
+token in deterministic mode), and reports the draft-to-target cost per token (multiply-adds of the MTP module vs
+the trunk, LM head included in both).
+
+    uv run python benchmarks/spec.py --out benchmarks/results/spec.json
+    uv run python benchmarks/spec.py --smoke --out /tmp/spec_smoke.json      # CI's smoke version (< 1 minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import spec_task
+import torch
+from safetensors.torch import load_file
+
+from miles_kernels import KernelConfig
+from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
+from miles_spec import MTPLoss
+from miles_trainer import SFTConfig, run_sft
+
+MODES = ("off", "frozen", "online")
+PER_STEP = ("step", "reward_mean", "kl", "rollout_tokens_per_s", "rollout_time_s", "spec_accept_length",
+            "spec_accept_rate", "mtp_loss", "response_len_mean")  # fmt: skip
+EQUAL_KEYS = ("reward_mean", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens", "kl", "weight_version")
+FULL = {"layers": 8, "sft_steps": 400, "rl_steps": 40, "prompts": 4, "samples": 4}
+SMOKE = {"layers": 2, "sft_steps": 30, "rl_steps": 2, "prompts": 2, "samples": 2}
+
+
+def model_shape(layers: int, vocab: int) -> dict[str, Any]:
+    return {
+        "vocab_size": vocab, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": layers,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 512,
+        "num_nextn_predict_layers": 1,
+    }  # fmt: skip
+
+
+def multiply_adds_per_token(shape: dict[str, Any]) -> dict[str, float]:
+    """Weight multiply-adds per token (attention over the context left out: short contexts here): the trunk (its
+    layers + LM head) and one draft step (eh_proj + one decoder layer + the shared LM head)."""
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    trunk = shape["num_hidden_layers"] * layer + h * v
+    draft = 2 * h * h + layer + h * v
+    return {"trunk": trunk, "draft": draft, "draft_to_target": draft / trunk}
+
+
+def bootstrap(work: Path, settings: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any]]:
+    """The policy: a random trunk + MTP module with a tokenizer for the task, SFT'd together (MTPLoss)."""
+    rng = random.Random(seed)
+    rows = [spec_task.sft_row(rng) for _ in range(settings["sft_steps"] * 32)]
+    corpus = [row["prompt"] + " " + row["response"] for row in rows[:2000]]
+    tokenizer = build_tokenizer(corpus, vocab_size=269)  # 259 bytes + specials, 10 merges: all the corpus has
+    shape = model_shape(settings["layers"], len(tokenizer))
+    save_random_model(work / "base", tiny_config("dense", **shape), seed=seed, tokenizer=tokenizer)
+    data = work / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    optimizer = SFTConfig().optimizer.model_copy(update={"lr": 3e-3})
+    config = SFTConfig(epochs=1, batch_size=32, seed=seed, optimizer=optimizer)
+    began = time.perf_counter()
+    history = run_sft(work / "base", data, work / "policy", config, kernel=KernelConfig(mode="fast", page_size=16),
+                      log=lambda message: None, aux_losses=[MTPLoss()])  # fmt: skip
+    return work / "policy", {"sft_time_s": round(time.perf_counter() - began, 1), "sft_loss": history[-1]["loss"],
+                             "shape": shape}  # fmt: skip
+
+
+def run_mode(mode: str, policy: Path, prompts: Path, run_dir: Path, settings: dict[str, Any], args: Any) -> float:
+    overrides = [
+        f"model.path={policy}", f"data.source={prompts}", "data.num_eval_prompts=0", "reward.name=spec_task:reward",
+        f"rollout.num_prompts_per_step={settings['prompts']}", f"rollout.n_samples_per_prompt={settings['samples']}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.engine.max_running_requests={args.concurrency}",
+        f"trainer.global_batch_size={settings['prompts'] * settings['samples']}", "filter.dynamic_sampling=false",
+        f"trainer.optimizer.lr={args.lr}", "trainer.log_kl=true", f"run.num_steps={settings['rl_steps']}",
+        "run.eval_every=0", "run.cluster=local", f"run.run_dir={run_dir}", f"spec.mode={mode}",
+        f"spec.num_steps={args.num_draft_steps}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                      os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    began = time.perf_counter()
+    result = subprocess.run(["miles-orchestrator", "run", "--quiet", *overrides], env=env, capture_output=True,
+                            text=True)  # fmt: skip
+    if result.returncode != 0:
+        sys.exit(f"spec.mode={mode} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return time.perf_counter() - began
+
+
+def steps_of(run_dir: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [line for line in lines if line["step"] > 0]
+
+
+def _positions(step: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in step.items() if k.startswith("spec_accept_rate_pos")}
+
+
+def trunk_weights_equal(a: Path, b: Path, num_layers: int) -> bool:
+    """Final weights of two runs equal on every tensor but the MTP module's (`model.layers.{num_layers}.*`)."""
+    draft = f"model.layers.{num_layers}."
+    for file in sorted(a.glob("*.safetensors")):
+        x, y = load_file(file), load_file(b / file.name)
+        if any(not torch.equal(x[k], y[k]) for k in x if not k.startswith(draft)):
+            return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/spec.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few steps: checks the script runs")
+    parser.add_argument("--concurrency", type=int, default=4, help="rollout.engine.max_running_requests")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-steps", type=int, default=3, help="spec.num_steps")
+    parser.add_argument("--lr", type=float, default=1e-4, help="the policy's RL learning rate")
+    parser.add_argument("--rl-steps", type=int, default=None, help="override the RL steps")
+    parser.add_argument("--keep", default=None, help="keep the work directory (policy, runs) here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    settings = dict(SMOKE if args.smoke else FULL)
+    if args.rl_steps:
+        settings["rl_steps"] = args.rl_steps
+    work = Path(args.keep or tempfile.mkdtemp(prefix="miles-spec-"))
+    work.mkdir(parents=True, exist_ok=True)
+    policy, boot = bootstrap(work, settings, args.seed)
+    prompts = work / "prompts.jsonl"
+    rows = spec_task.prompt_rows(settings["rl_steps"] * settings["prompts"], seed=args.seed + 1)
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs: dict[str, Any] = {}
+    for mode in MODES:
+        run_dir = work / mode
+        shutil.rmtree(run_dir, ignore_errors=True)
+        wall = run_mode(mode, policy, prompts, run_dir, settings, args)
+        steps = steps_of(run_dir)
+        second_half = steps[len(steps) // 2 :]
+        runs[mode] = {
+            "wall_time_s": round(wall, 1),
+            "rollout_tokens_per_s_second_half": statistics.mean(s["rollout_tokens_per_s"] for s in second_half),
+            "rollout_time_s_second_half": sum(s["rollout_time_s"] for s in second_half),
+            "accept_length_second_half": (
+                statistics.mean(s["spec_accept_length"] for s in second_half) if mode != "off" else None
+            ),
+            "per_step": [{k: s.get(k) for k in PER_STEP} | _positions(s) for s in steps],
+        }
+        print(mode, {k: v for k, v in runs[mode].items() if k != "per_step"}, flush=True)
+    histories = {mode: steps_of(work / mode) for mode in MODES}
+    identical = all(
+        [s.get(k) for s in histories[mode]] == [s.get(k) for s in histories["off"]]
+        for mode in MODES[1:]
+        for k in EQUAL_KEYS
+    )
+    layers = boot["shape"]["num_hidden_layers"]
+    weights = all(trunk_weights_equal(work / "off" / "final", work / m / "final", layers) for m in MODES[1:])
+    tps = {mode: runs[mode]["rollout_tokens_per_s_second_half"] for mode in MODES}
+    result = {
+        "what": "the same RL run with spec.mode off / frozen / online: rollout speed, acceptance, reward, drift",
+        "command": " ".join(["python", *sys.argv]),
+        "settings": settings | {k: v for k, v in vars(args).items() if k not in ("out", "keep")},
+        "model": boot["shape"],
+        "multiply_adds_per_token": multiply_adds_per_token(boot["shape"]),
+        "bootstrap": {k: v for k, v in boot.items() if k != "shape"},
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "identical_rewards_losses_kl_per_step": identical,
+        "identical_final_trunk_weights": weights,
+        "speedup_second_half": {
+            "online_vs_frozen": tps["online"] / tps["frozen"],
+            "online_vs_off": tps["online"] / tps["off"],
+            "frozen_vs_off": tps["frozen"] / tps["off"],
+        },
+        "runs": runs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    headline = ("identical_rewards_losses_kl_per_step", "identical_final_trunk_weights", "speedup_second_half",
+                "multiply_adds_per_token")  # fmt: skip
+    print(json.dumps({k: result[k] for k in headline}, indent=2))
+    print(f"wrote {out}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Offline draft training (`miles-spec train`): train or refresh a checkpoint's MTP modules on a JSONL of rows, the
+policy's own weights frozen (docs/architecture.md, "Speculative decoding").
+
+The rows are what `miles_trainer.load_sft_samples` reads: token ids (Miles' `prompt_tokens` / `response_tokens`,
+or slime's `tokens` / `response_length`, optional `loss_mask`), or text (`prompt` / `response`, chat `messages`).
+The draft trains with `MTPLoss` through `run_sft(train_policy=False)`: the trunk runs without autograd, its weights
+are written back as loaded (bit for bit), only the MTP modules move. A checkpoint without MTP modules gets
+`num_mtp_layers` new ones, initialized from their own seed (DeepSeek-V3's layout: `model.layers.{L + i}`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles_spec.mtp_loss import MTPLoss
+
+__all__ = ["DraftTrainConfig", "train_draft"]
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Settings of `train_draft` (the CLI's flags)."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    max_grad_norm: float = 1.0
+    mtp_loss_coef: float = 1.0
+    num_mtp_layers: int | None = None  # add this many MTP modules to a checkpoint that has none
+    seed: int = 0
+    chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.lr <= 0 or self.max_grad_norm <= 0 or self.mtp_loss_coef <= 0:
+            raise ValueError("lr, max_grad_norm and mtp_loss_coef must be > 0")
+        if self.num_mtp_layers is not None and self.num_mtp_layers < 1:
+            raise ValueError(f"num_mtp_layers={self.num_mtp_layers}: must be >= 1")
+
+
+def train_draft(
+    model_dir: str | os.PathLike[str],
+    data: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    config: DraftTrainConfig | None = None,
+    log: Any = print,
+) -> list[dict[str, float]]:
+    """Train the MTP modules of the Hugging Face checkpoint `model_dir` on `data` and write the checkpoint, trunk
+    unchanged, to `out`. Returns one metrics dict per epoch (`mtp_loss`, `mtp_accuracy_{i}`, ...)."""
+    from miles_kernels import KernelConfig, read_model_config
+    from miles_trainer import OptimizerConfig, SFTConfig, run_sft
+
+    config = config or DraftTrainConfig()
+    source = Path(model_dir)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no Hugging Face checkpoint at {source} (no config.json): pass --model a directory with config.json, "
+            "safetensors weights and a tokenizer"
+        )
+    model_config = read_model_config(source)  # a model of another family is refused here, by name
+    has_mtp = model_config.num_nextn_predict_layers > 0
+    if has_mtp and config.num_mtp_layers not in (None, model_config.num_nextn_predict_layers):
+        raise ValueError(
+            f"{source} already has {model_config.num_nextn_predict_layers} MTP module(s); --num-mtp-layers="
+            f"{config.num_mtp_layers} would change them: drop the flag to refresh the existing ones"
+        )
+    if not has_mtp and config.num_mtp_layers is None:
+        raise ValueError(
+            f"{source} has no MTP modules (num_nextn_predict_layers = 0 in config.json): add --num-mtp-layers 1 to "
+            "train a new one"
+        )
+    optimizer = OptimizerConfig(lr=config.lr, warmup_steps=config.warmup_steps, schedule="cosine",
+                                max_grad_norm=config.max_grad_norm)  # fmt: skip
+    sft = SFTConfig(epochs=config.epochs, batch_size=config.batch_size, seed=config.seed,
+                    chat_template=config.chat_template, optimizer=optimizer)  # fmt: skip
+    kernel = KernelConfig(dtype=_checkpoint_dtype(source))  # the checkpoint's own dtype: the trunk goes back as is
+    with tempfile.TemporaryDirectory(prefix="miles-spec-") as staging:
+        start = source if has_mtp else _with_new_mtp_modules(source, Path(staging), kernel, config)
+        return run_sft(start, data, out, sft, kernel=kernel, log=log,
+                       aux_losses=[MTPLoss(config.mtp_loss_coef)], aux_optimizer=optimizer,
+                       train_policy=False)  # fmt: skip
+
+
+def _checkpoint_dtype(source: Path) -> str:
+    hf = json.loads((source / "config.json").read_text())
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{source}/config.json: dtype {dtype!r} is not one of float32, bfloat16, float16")
+    return str(dtype)
+
+
+def _with_new_mtp_modules(source: Path, staging: Path, kernel: Any, config: DraftTrainConfig) -> Path:
+    """A copy of the checkpoint with `num_mtp_layers` new MTP modules (random, from `config.seed`)."""
+    from transformers import AutoTokenizer
+
+    from miles_kernels import load_model, save_model
+    from miles_kernels.testing import random_model
+
+    trunk = load_model(source, kernel)
+    num = config.num_mtp_layers or 1
+    model = random_model(dataclasses.replace(trunk.config, num_nextn_predict_layers=num), kernel, seed=config.seed)
+    missing, _ = model.load_state_dict(trunk.state_dict(), strict=False)
+    prefixes = tuple(f"model.layers.{trunk.config.num_hidden_layers + i}." for i in range(num))
+    assert all(name.startswith(prefixes) for name in missing), missing
+    save_model(model, staging / "model", tokenizer=AutoTokenizer.from_pretrained(str(source)))
+    for extra in ("generation_config.json",):
+        if (source / extra).is_file():
+            shutil.copy(source / extra, staging / "model" / extra)
+    return staging / "model"
