@@ -13,7 +13,8 @@ rollout tokens (`trainer.log_kl`) and the MTP loss; per mode, the mean rollout t
 run, and the ratios the issue sets goals for (online / frozen >= 1.25, online / off >= 1.5). It checks that the
 three runs' rewards, losses, trained tokens and final trunk weights are identical (speculative decoding changes no
 token in deterministic mode), and reports the draft-to-target cost per token (multiply-adds of the MTP module vs
-the trunk, LM head included in both).
+the trunk, LM head included in both). Then it runs the built-in example (`miles-orchestrator run`, shortened to
+`--default-example-steps`) with each spec.mode: the fastest one is the example's default.
 
     uv run python benchmarks/spec.py --out benchmarks/results/spec.json
     uv run python benchmarks/spec.py --smoke --out /tmp/spec_smoke.json      # CI's smoke version (< 1 minute)
@@ -48,8 +49,8 @@ MODES = ("off", "frozen", "online")
 PER_STEP = ("step", "reward_mean", "kl", "rollout_tokens_per_s", "rollout_time_s", "spec_accept_length",
             "spec_accept_rate", "mtp_loss", "response_len_mean")  # fmt: skip
 EQUAL_KEYS = ("reward_mean", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens", "kl", "weight_version")
-FULL = {"layers": 8, "sft_steps": 400, "rl_steps": 40, "prompts": 4, "samples": 4}
-SMOKE = {"layers": 2, "sft_steps": 30, "rl_steps": 2, "prompts": 2, "samples": 2}
+FULL = {"layers": 8, "sft_steps": 200, "rl_steps": 50, "prompts": 4, "samples": 4}
+SMOKE = {"layers": 2, "sft_steps": 10, "rl_steps": 2, "prompts": 2, "samples": 2}
 
 
 def model_shape(layers: int, vocab: int) -> dict[str, Any]:
@@ -91,7 +92,8 @@ def bootstrap(work: Path, settings: dict[str, Any], seed: int) -> tuple[Path, di
                              "shape": shape}  # fmt: skip
 
 
-def run_mode(mode: str, policy: Path, prompts: Path, run_dir: Path, settings: dict[str, Any], args: Any) -> float:
+def start_mode(mode: str, policy: Path, prompts: Path, run_dir: Path, settings: dict[str, Any], args: Any) -> Any:
+    """The RL run of one spec.mode, started as `miles-orchestrator run` in a subprocess."""
     overrides = [
         f"model.path={policy}", f"data.source={prompts}", "data.num_eval_prompts=0", "reward.name=spec_task:reward",
         f"rollout.num_prompts_per_step={settings['prompts']}", f"rollout.n_samples_per_prompt={settings['samples']}",
@@ -99,16 +101,37 @@ def run_mode(mode: str, policy: Path, prompts: Path, run_dir: Path, settings: di
         f"trainer.global_batch_size={settings['prompts'] * settings['samples']}", "filter.dynamic_sampling=false",
         f"trainer.optimizer.lr={args.lr}", "trainer.log_kl=true", f"run.num_steps={settings['rl_steps']}",
         "run.eval_every=0", "run.cluster=local", f"run.run_dir={run_dir}", f"spec.mode={mode}",
-        f"spec.num_steps={args.num_draft_steps}",
+        f"spec.num_steps={args.num_draft_steps}", f"spec.optimizer.lr={args.draft_lr}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                                       os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    began = time.perf_counter()
-    result = subprocess.run(["miles-orchestrator", "run", "--quiet", *overrides], env=env, capture_output=True,
-                            text=True)  # fmt: skip
+    return subprocess.Popen(["miles-orchestrator", "run", "--quiet", *overrides], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def finish(mode: str, process: Any) -> None:
+    _, stderr = process.communicate()
+    if process.returncode != 0:
+        sys.exit(f"spec.mode={mode} failed ({process.returncode}):\n{stderr[-4000:]}")
+
+
+def default_example(mode: str, steps: int, run_dir: Path) -> dict[str, Any]:
+    """The built-in example (`miles-orchestrator run`, its bootstrapped policy from the user cache), shortened to
+    `steps` steps without evaluations, with `spec.mode=mode`: its rollout speed decides the default spec.mode."""
+    command = ["miles-orchestrator", "run", "--quiet", "run.cluster=local", f"run.num_steps={steps}",
+               "run.eval_every=0", f"run.run_dir={run_dir}", f"spec.mode={mode}"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        sys.exit(f"spec.mode={mode} failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return time.perf_counter() - began
+        sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    lines = steps_of(run_dir)
+    seconds = sum(s["rollout_time_s"] for s in lines)
+    return {
+        "command": " ".join(command),
+        "rollout_tokens_per_s": sum(s["rollout_tokens_per_s"] * s["rollout_time_s"] for s in lines) / seconds,
+        "rollout_time_s": seconds,
+        "accept_length": statistics.mean(s["spec_accept_length"] for s in lines) if mode != "off" else None,
+        "reward_mean_per_step": [s["reward_mean"] for s in lines],
+    }
 
 
 def steps_of(run_dir: Path) -> list[dict[str, Any]]:
@@ -136,31 +159,52 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps: checks the script runs")
     parser.add_argument("--concurrency", type=int, default=4, help="rollout.engine.max_running_requests")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-draft-steps", type=int, default=3, help="spec.num_steps")
-    parser.add_argument("--lr", type=float, default=1e-4, help="the policy's RL learning rate")
+    parser.add_argument("--num-draft-steps", type=int, default=5, help="spec.num_steps")
+    parser.add_argument("--lr", type=float, default=2e-4, help="the policy's RL learning rate (the run default)")
+    parser.add_argument("--draft-lr", type=float, default=1e-3, help="spec.optimizer.lr (online mode)")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the RL steps")
+    parser.add_argument("--policy", default=None, help="reuse a policy an earlier run of this script bootstrapped")
     parser.add_argument("--keep", default=None, help="keep the work directory (policy, runs) here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--default-example-steps", type=int, default=30,
+                        help="also run the built-in example this many steps per spec.mode (0: skip)")  # fmt: skip
     args = parser.parse_args()
     settings = dict(SMOKE if args.smoke else FULL)
     if args.rl_steps:
         settings["rl_steps"] = args.rl_steps
     work = Path(args.keep or tempfile.mkdtemp(prefix="miles-spec-"))
     work.mkdir(parents=True, exist_ok=True)
-    policy, boot = bootstrap(work, settings, args.seed)
+    if args.policy:
+        policy, boot = Path(args.policy), json.loads((Path(args.policy) / "bootstrap.json").read_text())
+    else:
+        policy, boot = bootstrap(work, settings, args.seed)
+        (policy / "bootstrap.json").write_text(json.dumps(boot))
     prompts = work / "prompts.jsonl"
     rows = spec_task.prompt_rows(settings["rl_steps"] * settings["prompts"], seed=args.seed + 1)
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     runs: dict[str, Any] = {}
+    walls: dict[str, float] = {}
+    for mode in MODES:
+        shutil.rmtree(work / mode, ignore_errors=True)
+    if args.smoke:  # all three at once: the smoke checks identity, its timings mean nothing
+        processes = {mode: start_mode(mode, policy, prompts, work / mode, settings, args) for mode in MODES}
+        for mode, process in processes.items():
+            finish(mode, process)
     for mode in MODES:
         run_dir = work / mode
-        shutil.rmtree(run_dir, ignore_errors=True)
-        wall = run_mode(mode, policy, prompts, run_dir, settings, args)
+        if not args.smoke:  # one at a time: the machine is the same for every mode
+            began = time.perf_counter()
+            finish(mode, start_mode(mode, policy, prompts, run_dir, settings, args))
+            walls[mode] = time.perf_counter() - began
+        wall = walls.get(mode, float("nan"))
         steps = steps_of(run_dir)
         second_half = steps[len(steps) // 2 :]
         runs[mode] = {
             "wall_time_s": round(wall, 1),
-            "rollout_tokens_per_s_second_half": statistics.mean(s["rollout_tokens_per_s"] for s in second_half),
+            "rollout_tokens_per_s_second_half": sum(
+                s["rollout_tokens_per_s"] * s["rollout_time_s"] for s in second_half
+            )
+            / sum(s["rollout_time_s"] for s in second_half),  # all the second half's tokens / all its rollout time
             "rollout_time_s_second_half": sum(s["rollout_time_s"] for s in second_half),
             "accept_length_second_half": (
                 statistics.mean(s["spec_accept_length"] for s in second_half) if mode != "off" else None
@@ -168,6 +212,11 @@ def main() -> None:
             "per_step": [{k: s.get(k) for k in PER_STEP} | _positions(s) for s in steps],
         }
         print(mode, {k: v for k, v in runs[mode].items() if k != "per_step"}, flush=True)
+    example: dict[str, Any] = {}
+    if args.default_example_steps and not args.smoke:
+        for mode in MODES:
+            example[mode] = default_example(mode, args.default_example_steps, work / f"default_{mode}")
+            print("default example", mode, {k: v for k, v in example[mode].items() if k != "reward_mean_per_step"})
     histories = {mode: steps_of(work / mode) for mode in MODES}
     identical = all(
         [s.get(k) for s in histories[mode]] == [s.get(k) for s in histories["off"]]
@@ -184,6 +233,7 @@ def main() -> None:
         "model": boot["shape"],
         "multiply_adds_per_token": multiply_adds_per_token(boot["shape"]),
         "bootstrap": {k: v for k, v in boot.items() if k != "shape"},
+        "timings_meaningful": not args.smoke,
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -195,6 +245,7 @@ def main() -> None:
             "frozen_vs_off": tps["frozen"] / tps["off"],
         },
         "runs": runs,
+        "default_example": example,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

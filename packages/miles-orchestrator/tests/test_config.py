@@ -293,6 +293,7 @@ def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:
 
 def test_the_spec_section_turns_the_engines_draft_on_and_refuses_what_cannot_run() -> None:
     assert load_config(None, ["spec.mode=online"]).rollout.engine.speculative_algorithm == "NEXTN"  # built-in policy
+    assert load_config(None, ["spec.mode=off"]).spec.mode == "off"  # YAML's bare off is false
     with pytest.raises(ValueError, match=r"set spec\.mode=frozen"):
         load_config(None, ["model.path=/m", "rollout.engine.speculative_algorithm=NEXTN"])
     cfg = load_config(None, ["spec.mode=online", "model.path=/models/with-mtp", "spec.mtp_loss_coef=0.3"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from miles_trainer.config import OptimizerConfig
 
@@ -40,6 +40,12 @@ class SpecConfig(BaseModel):
         default_factory=_draft_optimizer,
         description="The draft's own AdamW and clipping (here lr defaults to 1e-4).",
     )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML reads a bare `off` as false (`spec.mode=off` on the command line, `mode: off` in a file)."""
+        return "off" if value is False else value
 
     @property
     def drafts(self) -> bool:
