@@ -165,3 +165,20 @@ def test_the_ppo_example_trains_its_critic(cold_run, tmp_path) -> None:
     assert [r["skipped_update"] for r in rows] == [1.0, 1.0, 0.0]  # critic warm-up: 2 steps
     assert all(r["vf_loss"] > 0 and "critic_explained_variance" in r for r in rows)
     assert rows[0]["critic_value_mean"] == 0.0 != rows[2]["critic_value_mean"]
+
+
+@pytest.mark.timeout(600)
+def test_the_default_example_drafts_and_trains_its_mtp_module_online(cold_run, tmp_path) -> None:
+    """`spec.mode=online` from the default example: the bootstrap trained the policy's MTP module, so the engine's
+    drafts are accepted from the first step; the module trains in the policy's step; the policy's steps are those
+    of the cold run (the draft changes no token)."""
+    ray_dir, cache = cold_run
+    run_dir = tmp_path / "online"
+    result = cli("run.num_steps=2", "run.eval_every=0", "run.cluster=local", f"model.path={policy_dir(cache)}",
+                 "spec.mode=online", f"run.run_dir={run_dir}", cache=cache)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = [r for r in history(run_dir) if r["step"] > 0]
+    assert all(r["spec_accept_length"] > 1.5 and r["mtp_loss"] > 0 for r in rows), rows
+    for want, have in zip([r for r in history(ray_dir) if r["step"] > 0][:2], rows, strict=True):
+        for key in DETERMINISTIC_KEYS:
+            assert have.get(key) == want.get(key), (want["step"], key)

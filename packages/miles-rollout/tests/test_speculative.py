@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from miles_contracts import GenerateRequest, SamplingParams
-from miles_kernels import KernelConfig, RowSampling, build_packed_batch, load_model, sample
+from miles_kernels import (
+    KernelConfig,
+    RowSampling,
+    build_packed_batch,
+    checkpoint_tensors,
+    iter_buckets,
+    load_model,
+    read_model_config,
+    sample,
+)
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout import Engine, EngineConfig, InProcessClient
 from miles_rollout.speculative import Drafter, accept_drafts
@@ -265,3 +274,35 @@ def test_the_server_speaks_sglangs_speculative_fields(mtp_dir: Path) -> None:
     assert (info["speculative_algorithm"], info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (
         "NEXTN", 2, 3)  # fmt: skip
     assert len(info["spec_accept_rate_by_position"]) == 2 and info["spec_num_verify"] == meta["spec_verify_ct"]
+
+
+def test_the_drafts_weights_travel_with_every_weight_update(mtp_dir: Path, tmp_path: Path) -> None:
+    """From disk, in buckets and as in-process tensors, the MTP module's weights are updated with the trunk's:
+    afterwards the engine drafts exactly as a fresh engine on the new weights does (same accept counts)."""
+    other = tmp_path / "other"
+    save_random_model(other, read_model_config(mtp_dir), seed=7, tokenizer=build_tokenizer(save_dir=other))
+    params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 5}
+
+    def drafted(engine: Engine) -> list:
+        return [(r.output_ids, r.meta_info.spec_verify_ct, r.meta_info.spec_num_correct_drafts)
+                for r in generate(engine, params)]  # fmt: skip
+
+    references = {}
+    for name, directory in (("mtp", mtp_dir), ("other", other)):
+        fresh = make_engine(directory, **SPEC)
+        references[name] = drafted(fresh)
+        fresh.shutdown()
+    assert [r[1:] for r in references["mtp"]] != [r[1:] for r in references["other"]]  # the drafts differ
+    engine = make_engine(mtp_dir, **SPEC)
+    client = InProcessClient(engine)
+    try:
+        asyncio.run(client.update_weights_from_disk(str(other), weight_version=1))
+        assert drafted(engine) == references["other"]
+        tensors = list(checkpoint_tensors(load_model(mtp_dir)).items())
+        asyncio.run(client.update_weights_from_buckets(iter_buckets(tensors, version=2, bucket_bytes=20_000)))
+        assert drafted(engine) == references["mtp"]
+        tensors_once = checkpoint_tensors(load_model(other), mtp_copies=False)  # the local cluster's copy
+        asyncio.run(engine.control(lambda: engine.weights.load_tensors(tensors_once, version=3), needs_idle=True))
+        assert drafted(engine) == references["other"]
+    finally:
+        engine.shutdown()

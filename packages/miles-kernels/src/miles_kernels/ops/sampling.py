@@ -61,17 +61,23 @@ def uniform(seed: int, position: int, token: int) -> float:
     return ((splitmix64(_row_key(seed, position) ^ token) >> 11) + 0.5) * (1.0 / (1 << 53))
 
 
+def _uniforms(keys_M: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float64 uniforms (M, vocab): splitmix64(key ^ token id) of each row's key, elementwise."""
+    tokens = torch.arange(vocab, dtype=torch.int64, device=keys_M.device)
+    bits = _splitmix64_tensor(keys_M[:, None] ^ tokens[None, :])
+    return (_shift_right(bits, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
 def uniforms(seed: int, position: int, vocab: int, device: torch.device | None = None) -> torch.Tensor:
     """`uniform(seed, position, token)` for every token id in 0 .. vocab - 1, float64, shape (vocab,)."""
-    tokens = torch.arange(vocab, dtype=torch.int64, device=device)
-    bits = _splitmix64_tensor(tokens ^ _signed(_row_key(seed, position)))
-    return (_shift_right(bits, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+    keys = torch.tensor([_signed(_row_key(seed, position))], dtype=torch.int64, device=device)
+    return _uniforms(keys, vocab)[0]
 
 
 def gumbel_noise(rows: Sequence[RowSampling], vocab: int, device: torch.device) -> torch.Tensor:
     """One standard Gumbel variable per (row's seed, row's position, token id), float64, shape (rows, vocab)."""
-    u = torch.stack([uniforms(r.seed, r.position, vocab, device) for r in rows])
-    return -torch.log(-torch.log(u))
+    keys = torch.tensor([_signed(_row_key(r.seed, r.position)) for r in rows], dtype=torch.int64, device=device)
+    return -torch.log(-torch.log(_uniforms(keys, vocab)))
 
 
 @dataclass(frozen=True)
