@@ -11,7 +11,9 @@ against the offline MTP forward (`CausalLM.mtp_hidden`), which proves its K/V bo
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,15 +22,18 @@ from miles_contracts import GenerateRequest, SamplingParams
 from miles_kernels import (
     KernelConfig,
     RowSampling,
+    broadcast_tensors,
     build_packed_batch,
     checkpoint_tensors,
+    dtype_name,
+    init_weight_update_group,
     iter_buckets,
     load_model,
     read_model_config,
     sample,
 )
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
-from miles_rollout import Engine, EngineConfig, InProcessClient
+from miles_rollout import Engine, EngineConfig, InProcessClient, free_port
 from miles_rollout.speculative import Drafter, accept_drafts
 
 PROMPTS = [[(3 * i + 1) % 500 for i in range(21)], [7, 8, 9], [(11 * i) % 500 for i in range(32)]]  # 32: whole pages
@@ -277,8 +282,9 @@ def test_the_server_speaks_sglangs_speculative_fields(mtp_dir: Path) -> None:
 
 
 def test_the_drafts_weights_travel_with_every_weight_update(mtp_dir: Path, tmp_path: Path) -> None:
-    """From disk, in buckets and as in-process tensors, the MTP module's weights are updated with the trunk's:
-    afterwards the engine drafts exactly as a fresh engine on the new weights does (same accept counts)."""
+    """From disk, in buckets, as in-process tensors and by a gloo broadcast, the MTP module's weights are updated
+    with the trunk's: afterwards the engine drafts exactly as a fresh engine on the new weights does (same accept
+    counts)."""
     other = tmp_path / "other"
     save_random_model(other, read_model_config(mtp_dir), seed=7, tokenizer=build_tokenizer(save_dir=other))
     params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 5}
@@ -304,5 +310,22 @@ def test_the_drafts_weights_travel_with_every_weight_update(mtp_dir: Path, tmp_p
         tensors_once = checkpoint_tensors(load_model(other), mtp_copies=False)  # the local cluster's copy
         asyncio.run(engine.control(lambda: engine.weights.load_tensors(tensors_once, version=3), needs_idle=True))
         assert drafted(engine) == references["other"]
+        broadcast = checkpoint_tensors(load_model(mtp_dir), mtp_copies=False)  # torch.distributed, over gloo
+        names, port = list(broadcast), free_port()
+        holder: dict[str, Any] = {}
+        host = threading.Thread(
+            target=lambda: holder.setdefault("group", init_weight_update_group("127.0.0.1", port, 0, 2))
+        )
+        host.start()
+        asyncio.run(client.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2))
+        host.join(timeout=60)
+        sender = threading.Thread(
+            target=lambda: broadcast_tensors(holder["group"], [broadcast[n] for n in names], src=0)
+        )
+        sender.start()
+        dtypes, shapes = [dtype_name(broadcast[n].dtype) for n in names], [list(broadcast[n].shape) for n in names]
+        asyncio.run(client.update_weights_from_distributed(names, dtypes, shapes, weight_version=4))
+        sender.join(timeout=60)
+        assert drafted(engine) == references["mtp"]
     finally:
         engine.shutdown()
