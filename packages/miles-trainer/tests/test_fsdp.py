@@ -83,17 +83,21 @@ def test_two_processes_match_one(tmp_path, kind: str) -> None:
 
 def test_checkpoint_resume_is_bit_exact_and_export_loads(tmp_path) -> None:
     """step 1 → checkpoint → step 2, vs a fresh run that loads the checkpoint then runs step 2: same bits, same
-    RNG stream. The exported Hugging Face directory loads in `transformers` and gives the trained model's logits."""
+    RNG stream. The exported Hugging Face directory loads in `transformers` and gives the trained model's logits.
+    The model carries an MTP module no loss trains (spec.mode off / frozen): it stays out of the optimizer, so the
+    checkpoint's optimizer state covers exactly the trained parameters and loads back."""
     from transformers import AutoModelForCausalLM
 
     model_dir = tmp_path / "model"
-    save_model(random_model(tiny_config("dense"), seed=6), model_dir)
+    save_model(random_model(tiny_config("dense", num_nextn_predict_layers=1), seed=6), model_dir)
     straight, metrics_straight = run_ranks(model_dir, tmp_path / "straight", world=2, mode="two-steps")
     resumed, metrics_resumed = run_ranks(model_dir, tmp_path / "resumed", world=2, mode="resume")
     assert (tmp_path / "checkpoint" / "trainer_state.json").is_file()
     assert not (tmp_path / "checkpoint.tmp").exists()
     for name in straight:
         assert torch.equal(resumed[name], straight[name]), name
+    initial = load_model(model_dir, KernelConfig()).state_dict()
+    assert all(torch.equal(straight[n], initial[n]) for n in straight if n.startswith("model.layers.2."))  # MTP idle
     assert metrics_resumed == metrics_straight
     exported = load_model(tmp_path / "resumed" / "hf", KernelConfig())
     for name, tensor in exported.state_dict().items():
@@ -121,6 +125,8 @@ def test_sigkill_mid_save_keeps_last_checkpoint_and_resume_matches(tmp_path) -> 
     straight, metrics_straight = run_ranks(model_dir, tmp_path / "straight", world=2, mode="two-steps")
     for name in straight:
         assert torch.equal(resumed[name], straight[name]), name
+    initial = load_model(model_dir, KernelConfig()).state_dict()
+    assert all(torch.equal(straight[n], initial[n]) for n in straight if n.startswith("model.layers.2."))  # MTP idle
     assert metrics_resumed == metrics_straight
 
 

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from miles_spec.mtp_loss import MTPLoss
 
@@ -91,27 +91,38 @@ def train_draft(
                        train_policy=False)  # fmt: skip
 
 
-def _checkpoint_dtype(source: Path) -> str:
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+def _checkpoint_dtype(source: Path) -> DType:
     hf = json.loads((source / "config.json").read_text())
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{source}/config.json: dtype {dtype!r} is not one of float32, bfloat16, float16")
-    return str(dtype)
+    return cast(DType, dtype)
 
 
 def _with_new_mtp_modules(source: Path, staging: Path, kernel: Any, config: DraftTrainConfig) -> Path:
-    """A copy of the checkpoint with `num_mtp_layers` new MTP modules (random, from `config.seed`)."""
+    """A copy of the checkpoint with `num_mtp_layers` new MTP modules: norm weights 1, every other new weight
+    normal(0, 0.02) from `config.seed` (the embedding and LM head they share stay the trunk's)."""
+    import torch
     from transformers import AutoTokenizer
 
-    from miles_kernels import load_model, save_model
-    from miles_kernels.testing import random_model
+    from miles_kernels import CausalLM, load_model, save_model
 
     trunk = load_model(source, kernel)
     num = config.num_mtp_layers or 1
-    model = random_model(dataclasses.replace(trunk.config, num_nextn_predict_layers=num), kernel, seed=config.seed)
+    model = CausalLM(dataclasses.replace(trunk.config, num_nextn_predict_layers=num), kernel).to(kernel.torch_dtype)
     missing, _ = model.load_state_dict(trunk.state_dict(), strict=False)
-    prefixes = tuple(f"model.layers.{trunk.config.num_hidden_layers + i}." for i in range(num))
-    assert all(name.startswith(prefixes) for name in missing), missing
+    generator = torch.Generator().manual_seed(config.seed)
+    shared = model.mtp_copy_names()
+    with torch.no_grad():
+        for name in sorted(set(missing) - shared.keys()):
+            param = model.get_parameter(name)
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
     save_model(model, staging / "model", tokenizer=AutoTokenizer.from_pretrained(str(source)))
     for extra in ("generation_config.json",):
         if (source / extra).is_file():

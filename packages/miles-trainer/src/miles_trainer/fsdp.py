@@ -146,8 +146,12 @@ class FSDP2Backend:
             _shard(self.reference, kernel)
         self.aux_losses = list(aux_losses)
         aux_ids = {id(p) for aux in self.aux_losses for p in aux.parameters(self.model)}
-        # the policy's parameters, in the model's order: its optimizer and its clipping see exactly these
-        self.policy_params = [p for p in self.model.parameters() if id(p) not in aux_ids]
+        # MTP modules no auxiliary loss trains stay as loaded (spec.mode off / frozen): outside every optimizer,
+        # so a checkpoint holds optimizer state for exactly the parameters that train
+        shared = {id(self.model.model.embed_tokens.weight), id(self.model.lm_head.weight)}
+        idle_mtp = {id(p) for layer in self.model.mtp_layers for p in layer.parameters()} - shared - aux_ids
+        # the policy's parameters (the trunk's), in the model's order: its optimizer and its clipping see these
+        self.policy_params = [p for p in self.model.parameters() if id(p) not in aux_ids | idle_mtp]
         self.aux_params = [p for p in self.model.parameters() if id(p) in aux_ids]
         self.optimizer, self.scheduler = _adamw(self.policy_params, self.optimizer_config)
         self.aux_optimizer_config = aux_optimizer or self.optimizer_config
