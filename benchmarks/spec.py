@@ -49,14 +49,14 @@ MODES = ("off", "frozen", "online")
 PER_STEP = ("step", "reward_mean", "kl", "rollout_tokens_per_s", "rollout_time_s", "spec_accept_length",
             "spec_accept_rate", "mtp_loss", "response_len_mean")  # fmt: skip
 EQUAL_KEYS = ("reward_mean", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens", "kl", "weight_version")
-FULL = {"layers": 8, "sft_steps": 200, "rl_steps": 50, "prompts": 4, "samples": 4}
-SMOKE = {"layers": 2, "sft_steps": 10, "rl_steps": 2, "prompts": 2, "samples": 2}
+FULL = {"layers": 8, "hidden": 256, "sft_steps": 200, "rl_steps": 50, "prompts": 4, "samples": 4}
+SMOKE = {"layers": 2, "hidden": 64, "sft_steps": 5, "rl_steps": 2, "prompts": 2, "samples": 2}
 
 
-def model_shape(layers: int, vocab: int) -> dict[str, Any]:
+def model_shape(layers: int, hidden: int, vocab: int) -> dict[str, Any]:
     return {
-        "vocab_size": vocab, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": layers,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 512,
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": hidden // 8, "max_position_embeddings": 512,
         "num_nextn_predict_layers": 1,
     }  # fmt: skip
 
@@ -79,7 +79,7 @@ def bootstrap(work: Path, settings: dict[str, Any], seed: int) -> tuple[Path, di
     rows = [spec_task.sft_row(rng) for _ in range(settings["sft_steps"] * 32)]
     corpus = [row["prompt"] + " " + row["response"] for row in rows[:2000]]
     tokenizer = build_tokenizer(corpus, vocab_size=269)  # 259 bytes + specials, 10 merges: all the corpus has
-    shape = model_shape(settings["layers"], len(tokenizer))
+    shape = model_shape(settings["layers"], settings["hidden"], len(tokenizer))
     save_random_model(work / "base", tiny_config("dense", **shape), seed=seed, tokenizer=tokenizer)
     data = work / "sft.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -101,6 +101,7 @@ def start_mode(mode: str, policy: Path, prompts: Path, run_dir: Path, settings: 
         f"trainer.global_batch_size={settings['prompts'] * settings['samples']}", "filter.dynamic_sampling=false",
         f"trainer.optimizer.lr={args.lr}", "trainer.log_kl=true", f"run.num_steps={settings['rl_steps']}",
         "run.eval_every=0", "run.cluster=local", f"run.run_dir={run_dir}", f"spec.mode={mode}",
+        f"reward.num_workers={1 if args.smoke else 2}",
         f"spec.num_steps={args.num_draft_steps}", f"spec.optimizer.lr={args.draft_lr}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
