@@ -125,14 +125,20 @@ def default_example(mode: str, steps: int, run_dir: Path) -> dict[str, Any]:
     if result.returncode != 0:
         sys.exit(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     lines = steps_of(run_dir)
-    seconds = sum(s["rollout_time_s"] for s in lines)
     return {
         "command": " ".join(command),
-        "rollout_tokens_per_s": sum(s["rollout_tokens_per_s"] * s["rollout_time_s"] for s in lines) / seconds,
-        "rollout_time_s": seconds,
+        "rollout_tokens_per_s": pooled_tokens_per_s(lines),
+        "rollout_time_s": sum(s["rollout_time_s"] for s in lines),
         "accept_length": statistics.mean(s["spec_accept_length"] for s in lines) if mode != "off" else None,
         "reward_mean_per_step": [s["reward_mean"] for s in lines],
     }
+
+
+def pooled_tokens_per_s(steps: list[dict[str, Any]]) -> float:
+    """All the steps' rollout tokens over all their rollout time."""
+    return sum(s["rollout_tokens_per_s"] * s["rollout_time_s"] for s in steps) / sum(
+        s["rollout_time_s"] for s in steps
+    )
 
 
 def steps_of(run_dir: Path) -> list[dict[str, Any]]:
@@ -197,15 +203,11 @@ def main() -> None:
             began = time.perf_counter()
             finish(mode, start_mode(mode, policy, prompts, run_dir, settings, args))
             walls[mode] = time.perf_counter() - began
-        wall = walls.get(mode, float("nan"))
         steps = steps_of(run_dir)
         second_half = steps[len(steps) // 2 :]
         runs[mode] = {
-            "wall_time_s": round(wall, 1),
-            "rollout_tokens_per_s_second_half": sum(
-                s["rollout_tokens_per_s"] * s["rollout_time_s"] for s in second_half
-            )
-            / sum(s["rollout_time_s"] for s in second_half),  # all the second half's tokens / all its rollout time
+            "wall_time_s": round(walls[mode], 1) if mode in walls else None,
+            "rollout_tokens_per_s_second_half": pooled_tokens_per_s(second_half),
             "rollout_time_s_second_half": sum(s["rollout_time_s"] for s in second_half),
             "accept_length_second_half": (
                 statistics.mean(s["spec_accept_length"] for s in second_half) if mode != "off" else None

@@ -264,6 +264,11 @@ class CausalLM(nn.Module):
         """The MTP modules, in order (empty for a model without them)."""
         return cast(list[MTPLayer], list(self.model.layers)[self.config.num_hidden_layers :])
 
+    def mtp_parameters(self) -> list[nn.Parameter]:
+        """The MTP modules' own weights, in order: the embedding and LM head they share with the trunk excluded."""
+        shared = {id(self.model.embed_tokens.weight), id(self.lm_head.weight)}
+        return [p for layer in self.mtp_layers for p in layer.parameters() if id(p) not in shared]
+
     def forward_hidden(
         self, input_ids_N: torch.Tensor, batch: AttentionBatch, kv_store: KVStore | None = None
     ) -> torch.Tensor:

@@ -57,13 +57,12 @@ class MTPLoss:
 
     def parameters(self, model: CausalLM) -> list[nn.Parameter]:
         """The MTP modules' own weights (the embedding and LM head they share with the trunk excluded)."""
-        shared = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
         if not model.mtp_layers:
             raise ValueError(
                 "the model has no MTP modules (num_nextn_predict_layers = 0 in its config.json): there is no draft "
                 "to train"
             )
-        return [p for layer in model.mtp_layers for p in layer.parameters() if id(p) not in shared]
+        return model.mtp_parameters()
 
     def counts(self, model: CausalLM, samples: Sequence[Sample]) -> list[int]:
         """Trained rows per MTP module of `model`, over `samples`."""

@@ -148,8 +148,7 @@ class FSDP2Backend:
         aux_ids = {id(p) for aux in self.aux_losses for p in aux.parameters(self.model)}
         # MTP modules no auxiliary loss trains stay as loaded (spec.mode off / frozen): outside every optimizer,
         # so a checkpoint holds optimizer state for exactly the parameters that train
-        shared = {id(self.model.model.embed_tokens.weight), id(self.model.lm_head.weight)}
-        idle_mtp = {id(p) for layer in self.model.mtp_layers for p in layer.parameters()} - shared - aux_ids
+        idle_mtp = {id(p) for p in self.model.mtp_parameters()} - aux_ids
         # the policy's parameters (the trunk's), in the model's order: its optimizer and its clipping see these
         self.policy_params = [p for p in self.model.parameters() if id(p) not in aux_ids | idle_mtp]
         self.aux_params = [p for p in self.model.parameters() if id(p) in aux_ids]
