@@ -15,10 +15,12 @@ ALLOWED = {  # each package's declared miles dependencies: only those it imports
     "miles-contracts": set(),
     "miles-memory": set(),
     "miles-kernels": set(),
-    "miles-rollout": {"miles-contracts", "miles-kernels"},
-    "miles-trainer": {"miles-contracts", "miles-kernels"},
-    "miles-spec": {"miles-contracts", "miles-kernels", "miles-trainer"},
-    "miles-orchestrator": {"miles-contracts", "miles-kernels", "miles-rollout", "miles-spec", "miles-trainer"},
+    "miles-rollout": {"miles-contracts", "miles-memory", "miles-kernels"},
+    "miles-trainer": {"miles-contracts", "miles-memory", "miles-kernels"},
+    "miles-spec": {"miles-contracts", "miles-memory", "miles-kernels", "miles-trainer"},
+    "miles-orchestrator": {
+        "miles-contracts", "miles-memory", "miles-kernels", "miles-rollout", "miles-spec", "miles-trainer",
+    },
 }  # fmt: skip
 ABSENT_THIRD_PARTY = {"miles-contracts": {"torch", "numpy", "ray"}, "miles-rollout": {"ray"}}
 
