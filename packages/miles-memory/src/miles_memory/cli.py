@@ -1,13 +1,16 @@
 """`miles-memory` command line.
 
-Miles memory: plan and inspect memory for colocated runs.
-Subcommands that a later issue implements say so and exit with status 2; none pretends to work.
+Miles memory: plan and inspect memory for colocated runs. `plan` answers, per GPU, whether a run config fits a
+hardware profile (exit 0), does not (exit 1, with the lever), or is bad input (exit 2, one line saying what to fix).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+from miles_memory.hardware import HARDWARE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,9 +19,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub = subcommands.add_parser(
-        "plan", help="Print a memory plan for a model and hardware configuration (not implemented yet)"
+        "plan",
+        help="Will a run config fit a hardware profile? Bytes per GPU by tag and phase, the margin and the lever",
+        description="Plan a run config's memory per GPU (docs/memory-planner.md). Exit 0: fits; 1: does not fit; "
+        "2: bad input.",
     )
-    sub.set_defaults(pending="the memory-management issue")
+    sub.add_argument("--config", required=True, help="Run config YAML (the orchestrator's format, with memory.plan)")
+    sub.add_argument(
+        "--hardware", help=f"Hardware profile: {', '.join(HARDWARE)} (default: memory.plan.hardware, else cpu)"
+    )
+    sub.add_argument("--nodes", type=int, help="Nodes of the hardware (default: memory.plan.nodes)")
+    sub.add_argument("--json", action="store_true", help="Print the plan as JSON")
     return parser
 
 
@@ -28,8 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    print(f"miles-memory {args.command}: not implemented yet; it lands with {args.pending}.", file=sys.stderr)
-    return 2
+    from miles_memory.planner import plan_memory
+
+    if args.nodes is not None and args.nodes < 1:
+        print("miles-memory plan: --nodes must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_memory(args.config, args.hardware, args.nodes)
+    except ValueError as error:
+        print(f"miles-memory plan: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.model_dump(mode="json"), indent=2))
+    else:
+        print(plan.render(), end="")
+    return 0 if plan.fits else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""The memory planner's byte formulas, one function per term, each with its source (docs/memory-planner.md).
+
+Torch-free arithmetic on a `ModelShape`. Units: bytes. N: tokens of one micro-batch on one rank; H hidden size;
+V vocab; L decoder layers; b: bytes of the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+from miles_memory.model_shape import ModelShape, Tensor
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "DTYPE_BYTES",
+    "NCCL_BUFFSIZE",
+    "activation_bytes",
+    "cuda_graph_bytes",
+    "dispatch_bytes",
+    "embedded_engine_bytes",
+    "fsdp2_bytes",
+    "kv_bytes_per_token",
+    "layer_activation_elements",
+    "nccl_bytes",
+    "shard_numel",
+]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+# NCCL_BUFFSIZE default, 4 MiB per channel and peer: https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html
+NCCL_BUFFSIZE = 4 * 2**20
+# Assumption: a CUDA context with torch's kernels loaded, plus the caching allocator's slack, per process (measured
+# values are 0.5-1 GiB on Hopper; the upper end is taken).
+CUDA_CONTEXT_BYTES = 2**30
+# Assumption: the torch runtime's own memory in a CPU process (not live tensor bytes; counted for the verdict only).
+CPU_RUNTIME_BYTES = 2**29
+
+
+def shard_numel(t: Tensor, world: int) -> int:
+    """Elements one rank holds of `t` sharded by FSDP2 over `world` ranks: dim 0 split into ceil(dim0 / world) rows
+    (FSDP2's `fully_shard` pads dim 0 to a multiple of the world size; torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py)."""
+    if world == 1:
+        return t.numel
+    rows = math.ceil(t.shape[0] / world)
+    return t.copies * rows * math.prod(t.shape[1:])
+
+
+def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1) -> float:
+    """Elements one token keeps for backward in one decoder layer, after Korthikanti et al. 2022 ("Reducing
+    Activation Recomputation in Large Transformer Models", arXiv 2205.05198, section 4.1) adapted:
+    - attention through a fused (flash / SDPA-style) kernel keeps no s x s score or dropout matrix (Dao et al. 2022,
+      "FlashAttention", arXiv 2205.14135): only Q, K, V, the output and (fp32) softmax statistics;
+    - no dropout (RL fine-tuning runs with dropout 0);
+    - a SwiGLU MLP keeps its input, gate and up outputs, silu(gate) and the product (4 intermediate-wide tensors);
+    - an MoE layer keeps the router's logits and probabilities (fp32, counted as 2 elements each) and, per token,
+      top-k copies of the expert input, four intermediate-wide tensors and the expert output (activated experts only);
+    - both RMSNorms keep their input (the residual stream) and output.
+    With tensor + sequence parallelism every term is divided by tp (Korthikanti et al., table 2)."""
+    h, heads, d = shape.hidden_size, shape.num_attention_heads, shape.dim
+    values = 4.0 * h  # two RMSNorms: input and output each
+    if shape.is_mla:
+        assert shape.kv_lora_rank is not None
+        qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+        q_latent = 2 * (shape.q_lora_rank or 0)  # q_a_proj output and its norm
+        kv_latent = 2 * shape.kv_lora_rank + shape.qk_rope_head_dim
+        values += q_latent + kv_latent + heads * qk * 2 + heads * (shape.qk_nope_head_dim + shape.v_head_dim)
+        values += 2 * heads * shape.v_head_dim + 2 * heads  # v, output, softmax statistics
+    else:
+        q, kv = heads * d, shape.kv_heads * d
+        values += 2 * q + 2 * kv + 2 * heads  # Q, K, V, output, softmax statistics
+        if shape.has_qk_norm:
+            values += q + kv  # q/k before their RMSNorm
+    if shape.is_moe_layer(layer):
+        k, i = shape.num_experts_per_tok, shape.moe_intermediate_size
+        values += 4 * shape.num_experts  # router logits and probabilities in fp32 (2 elements each at 2 bytes)
+        values += k * (2 * h + 4 * i) + 4 * i * shape.n_shared_experts
+    else:
+        values += 4 * shape.intermediate_size
+    return values / tp
+
+
+def activation_bytes(
+    shape: ModelShape,
+    tokens: float,
+    act_bytes: int,
+    recompute: str,
+    layers: list[int],
+    tp: int = 1,
+    has_logits: bool = True,
+) -> int:
+    """Activations kept for backward of one micro-batch of `tokens` tokens over `layers` (the layers whose
+    activations are alive at once on this rank: every layer of the model under 1F1B pipelining, whose first stage
+    holds pp micro-batches of L / pp layers; Korthikanti et al. section 4.2.3).
+    recompute: none / selective (recomputes core attention, which a fused kernel already does: same as none) /
+    full (each layer keeps its input, N x H, and one layer's full activations live during its recompute).
+    Logits: N x V in the compute dtype, widened to fp32, and log_softmax's fp32 output (miles_kernels
+    CausalLM.logits / token_logprobs), split over tp by a vocab-parallel head."""
+    if not layers:
+        return 0
+    per_layer = [layer_activation_elements(shape, layer, tp) for layer in layers]
+    elements = len(layers) * shape.hidden_size / tp + max(per_layer) if recompute == "full" else sum(per_layer)
+    out = elements * tokens * act_bytes
+    if has_logits:
+        out += tokens * shape.vocab_size / tp * (act_bytes + 8)
+    return int(out)
+
+
+def dispatch_bytes(shape: ModelShape, tokens: float, act_bytes: int) -> int:
+    """MoE all-to-all token buffers of one layer in flight: each token goes to top-k experts and comes back
+    (dispatch and combine: 2 x N x k x H x b; Megatron-core's MoEAlltoAllTokenDispatcher permutes tokens into one
+    buffer per direction, megatron/core/transformer/moe/token_dispatcher.py)."""
+    if not shape.is_moe:
+        return 0
+    return int(2 * tokens * shape.num_experts_per_tok * shape.hidden_size * act_bytes)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_bytes: int, tp: int = 1, num_layers: int | None = None) -> int:
+    """KV-cache bytes of one token on one GPU over every layer. Standard attention: 2 x KV heads x head dim per layer,
+    KV heads split over tp (replicated when tp > KV heads); MLA: the compressed latent kv_lora_rank +
+    qk_rope_head_dim per layer, replicated on every TP rank (DeepSeek-V2, arXiv 2405.04434, section 2.1.2; SGLang's
+    MLATokenToKVPool)."""
+    layers = shape.num_hidden_layers if num_layers is None else num_layers
+    if shape.is_mla:
+        return shape.kv_elements_per_token_layer() * layers * kv_bytes
+    heads = math.ceil(shape.kv_heads / tp)
+    return 2 * heads * shape.dim * layers * kv_bytes
+
+
+def nccl_bytes(group_sizes: list[int], channels: int, a2a_peers: int = 0) -> int:
+    """NCCL's own buffers: per communicator of size > 1, one NCCL_BUFFSIZE buffer per channel to each ring neighbour
+    (2 peers), plus point-to-point buffers to each all-to-all peer (NCCL env docs, NCCL_BUFFSIZE; the channel count
+    is an assumption per hardware profile)."""
+    rings = sum(2 * channels * NCCL_BUFFSIZE for size in group_sizes if size > 1)
+    return rings + a2a_peers * NCCL_BUFFSIZE
+
+
+def cuda_graph_bytes(shape: ModelShape, max_bs: int, act_bytes: int, tp: int) -> int:
+    """Assumption: SGLang's CUDA graphs share one memory pool sized by the largest captured batch: its per-layer
+    activations (reused layer to layer) and fp32 logits, plus ~1 GiB of graph and workspace overhead (SGLang logs
+    'Capture cuda graph end ... mem usage' of about 1-3 GB on Hopper)."""
+    if max_bs == 0:
+        return 0
+    per_token = layer_activation_elements(shape, shape.num_hidden_layers - 1, tp) * act_bytes
+    return int(max_bs * (per_token + 4 * shape.vocab_size / tp) + 2**30)
+
+
+def fsdp2_bytes(
+    shape: ModelShape,
+    world: int,
+    dtype: str,
+    tokens: int,
+    *,
+    recompute: str = "none",
+    keep_reference: bool = False,
+    critic: str | None = None,
+    is_mtp_trained: bool = False,
+) -> dict[str, int]:
+    """One rank of Miles' FSDP2 backend (miles_trainer/fsdp.py) after an optimizer step, by tag:
+    - weights: float32 master parameters (`load_model(..., dtype=torch.float32)`), dim-0 sharded over `world`
+      (FSDP2 `fully_shard` per decoder layer, then the root); the frozen reference copy (fp32, sharded) when
+      kl_coef > 0; the separate critic's backbone (fp32, sharded) and its value head;
+    - grads: fp32, sharded like the parameters, for every trained parameter (idle MTP modules have none; a separate
+      critic's unused LM head has none);
+    - optimizer: torch AdamW (fused): exp_avg and exp_avg_sq fp32 per trained element, plus a float32 `step` tensor
+      per parameter tensor;
+    - mtp: the MTP modules' own weights (fp32 shards), and their grads and AdamW state when spec.mode is online;
+    - gathered: transient unsharded parameters in the compute dtype while a forward / backward runs (FSDP2 keeps the
+      root's embedding / norm / head gathered and prefetches the next layer: root + 2 layers); none for one float32
+      rank, which stays a plain module (`_needs_fsdp`);
+    - activations: `activation_bytes` for `tokens` (an estimate, not exact)."""
+    b = DTYPE_BYTES[dtype]
+    tensors = shape.tensors()
+    trunk = [t for t in tensors if t.layer is None or t.layer < shape.num_hidden_layers]
+    mtp = [t for t in tensors if t.layer is not None and t.layer >= shape.num_hidden_layers]
+
+    def shard(ts: list[Tensor]) -> int:
+        return sum(shard_numel(t, world) for t in ts)
+
+    def adam(ts: list[Tensor]) -> int:
+        return 8 * shard(ts) + 4 * sum(t.copies for t in ts)
+
+    out = {"weights": 4 * shard(trunk), "grads": 4 * shard(trunk), "optimizer": adam(trunk)}
+    out["mtp"] = 4 * shard(mtp) + ((4 * shard(mtp) + adam(mtp)) if is_mtp_trained else 0)
+    if keep_reference:
+        out["weights"] += 4 * shard(tensors)
+    if critic == "separate":
+        used = [t for t in trunk if t.name != "lm_head.weight"]
+        head = [Tensor("value_head.score.weight", (1, shape.hidden_size), 1, None, False)]
+        bias = [Tensor("value_head.score.bias", (1,), 1, None, False)]
+        out["weights"] += 4 * (shard(tensors) + shard(head + bias))
+        out["grads"] += 4 * shard(used + head + bias)
+        out["optimizer"] += adam(used + head + bias)
+    elif critic == "value_head":
+        out["weights"] += 4 * (shape.hidden_size + 1)
+        out["grads"] += 4 * (shape.hidden_size + 1)
+        out["optimizer"] += 8 * (shape.hidden_size + 1) + 8
+    needs_fsdp = world > 1 or dtype != "float32"
+    gathered = 0
+    if needs_fsdp:
+        root = sum(t.numel for t in tensors if t.layer is None)
+        largest = max(sum(t.numel for t in tensors if t.layer == i) for i in range(shape.num_hidden_layers))
+        gathered = (root + 2 * largest) * b
+    out["gathered"] = gathered
+    layers = list(range(shape.num_hidden_layers)) + (list(shape.mtp_layers()) if is_mtp_trained else [])
+    out["activations"] = activation_bytes(shape, tokens, b, recompute, layers)
+    if critic == "separate":
+        out["activations"] += activation_bytes(shape, tokens, b, recompute, layers, has_logits=False)
+    return out
+
+
+def embedded_engine_bytes(
+    shape: ModelShape, dtype: str, num_kv_pages: int, page_size: int, *, has_draft: bool = False
+) -> dict[str, int]:
+    """Miles' embedded rollout engine (miles_rollout/scheduler.py, miles_kernels/kv_cache.py), by tag:
+    - weights: every parameter in the kernel dtype (`load_model(dir, kernel)`, MTP modules included, tied tensors
+      once);
+    - kv_cache: `KVStore.allocate`: per layer (plus MTP module 0's layer when it drafts) K and V of shape
+      (num_kv_pages, KV heads, page_size, head dim) in the kernel dtype."""
+    b = DTYPE_BYTES[dtype]
+    layers = shape.num_hidden_layers + (1 if has_draft else 0)
+    kv = 2 * layers * num_kv_pages * shape.kv_heads * page_size * shape.dim * b
+    return {"weights": sum(t.numel for t in shape.tensors()) * b, "kv_cache": kv}

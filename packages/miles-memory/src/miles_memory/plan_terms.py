@@ -1,0 +1,276 @@
+"""The planner's terms of each side, per GPU (per rank on cpu): what the trainer holds while training, while idle
+and in host memory, and what the rollout engine holds while generating and while idle (docs/memory-planner.md).
+Formulas: plan_formulas.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from miles_memory.hardware import HardwareProfile
+from miles_memory.memory_plan import Component
+from miles_memory.model_shape import ModelShape, Tensor
+from miles_memory.plan_formulas import (
+    DTYPE_BYTES,
+    activation_bytes,
+    cuda_graph_bytes,
+    dispatch_bytes,
+    embedded_engine_bytes,
+    fsdp2_bytes,
+    kv_bytes_per_token,
+    layer_activation_elements,
+    nccl_bytes,
+)
+
+if TYPE_CHECKING:
+    from miles_memory.planner import RunInputs
+
+__all__ = ["EngineTerms", "TrainerTerms", "engine_terms", "trainer_terms"]
+
+GIB = 2**30
+
+
+@dataclass
+class TrainerTerms:
+    train: list[Component] = field(default_factory=list)  # held while training
+    resident: list[Component] = field(default_factory=list)  # state kept between steps (offloaded when colocated)
+    host: list[Component] = field(default_factory=list)  # host memory per GPU (CPU Adam)
+
+
+@dataclass
+class EngineTerms:
+    rollout: list[Component] = field(default_factory=list)  # held while generating
+    idle: list[Component] = field(default_factory=list)  # held while the trainer works (colocated)
+    resident: list[Component] = field(default_factory=list)  # weights + KV when never released
+    kv_tokens: int | None = None
+    is_ok: bool = True
+
+
+def _c(tag: str, name: str, value: float, formula: str = "") -> Component:
+    return Component(tag=tag, phase="train", name=name, bytes=int(value), formula=formula)
+
+
+def trainer_terms(
+    shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_gpus: int, notes: list[str]
+) -> TrainerTerms:
+    if run.plan.trainer_backend == "megatron":
+        return _megatron(shape, run, train_gpus, hw.nccl_channels, notes)
+    return _fsdp2(shape, run, train_gpus)
+
+
+def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
+    world = run.num_ranks if run.plan.hardware == "cpu" else train_gpus
+    online = run.spec_mode == "online"
+    b = fsdp2_bytes(
+        shape,
+        world,
+        run.dtype,
+        run.tokens,
+        recompute=run.recompute,
+        keep_reference=run.keep_reference,
+        critic=run.critic,
+        is_mtp_trained=online,
+    )
+    fp32 = "fp32 shards: 4 B x params / fsdp world (dim 0 padded)"
+    state = [
+        _c("weights", "policy + reference + critic fp32 params", b["weights"], fp32),
+        _c("grads", "fp32 gradients (sharded)", b["grads"], fp32),
+        _c("optimizer", "AdamW exp_avg + exp_avg_sq (fp32, sharded)", b["optimizer"], "8 B x trained params / world"),
+        _c("mtp", "MTP modules" + (" + grads + AdamW" if online else " (weights only)"), b["mtp"]),
+    ]
+    out = TrainerTerms(resident=[c for c in state if c.tag != "grads"])
+    if run.plan.cpu_adam:
+        opt = state.pop(2)
+        out.host.append(opt.model_copy(update={"phase": "host", "name": "CPU Adam: " + opt.name}))
+        out.resident = [c for c in out.resident if c.tag != "optimizer"]
+    out.train = [
+        *state,
+        _c("weights", "FSDP2 all-gathered params (root + 2 layers)", b["gathered"], "compute dtype"),
+        _c("activations", f"activations ({run.recompute} recompute, {run.tokens} tokens)", b["activations"]),
+    ]
+    if run.plan.hardware != "cpu" and shape.is_moe:
+        out.train.append(_c("comm", "MoE dispatch buffers", dispatch_bytes(shape, run.tokens, DTYPE_BYTES[run.dtype])))
+    return out
+
+
+def _stage_tensors(shape: ModelShape, pp: int, stage: int) -> tuple[list[Tensor], list[int]]:
+    per = math.ceil(shape.num_hidden_layers / pp)
+    layers = list(range(stage * per, min(shape.num_hidden_layers, (stage + 1) * per)))
+    last = stage == pp - 1
+    keep: list[Tensor] = []
+    for t in shape.tensors():
+        if t.layer is None:
+            is_first = t.name == "model.embed_tokens.weight"
+            if (is_first and stage == 0) or (not is_first and last):
+                keep.append(t)
+        elif t.layer in layers or (last and t.layer >= shape.num_hidden_layers):
+            keep.append(t)
+    return keep, layers
+
+
+def _megatron(shape: ModelShape, run: RunInputs, gpus: int, channels: int, notes: list[str]) -> TrainerTerms:
+    """Megatron-core mixed precision (docs: 'Distributed Optimizer', bytes per parameter: bf16 params + fp32 grads =
+    18 B, or 6 + 12/d with the distributed optimizer; fp32 params = 16 B or 8 + 8/d): dense weights over TP, experts
+    over EP x ETP, layers over PP (the worst stage planned), the optimizer over DP x CP (experts: over EDP)."""
+    p = run.plan
+    dp = gpus // (p.tp * p.pp * p.cp) * p.cp
+    edp = gpus // (p.etp * p.ep * p.pp)
+    pb = 4 if run.dtype == "float32" else 2
+    opt_b = 8 + (0 if pb == 4 else 4)  # Adam moments + fp32 master when params are 16-bit
+    online = run.spec_mode == "online"
+    act_b = DTYPE_BYTES[run.dtype]
+    tokens = run.tokens / p.cp
+    best: TrainerTerms | None = None
+    best_bytes = -1
+    for stage in sorted({0, p.pp - 1}):
+        tensors, layers = _stage_tensors(shape, p.pp, stage)
+
+        def split(ts: list[Tensor]) -> float:
+            return sum(t.numel / (p.ep * p.etp) if t.is_expert else t.numel / p.tp for t in ts)
+
+        def opt(ts: list[Tensor]) -> float:
+            dense = sum(t.numel for t in ts if not t.is_expert) / p.tp
+            expert = sum(t.numel for t in ts if t.is_expert) / (p.ep * p.etp)
+            if p.distributed_optimizer:
+                return opt_b * (dense / dp + expert / edp)
+            return opt_b * (dense + expert)
+
+        is_mtp = [t.layer is not None and t.layer >= shape.num_hidden_layers for t in tensors]
+        trunk = [t for t, m in zip(tensors, is_mtp, strict=True) if not m]
+        mtp = [t for t, m in zip(tensors, is_mtp, strict=True) if m]
+        weights = pb * split(trunk)
+        terms = TrainerTerms()
+        state = [
+            _c("weights", f"{'bf16' if pb == 2 else 'fp32'} params (dense / tp, experts / ep*etp)", weights),
+            _c("grads", "fp32 main grads", 4 * split(trunk)),
+            _c(
+                "optimizer",
+                "fp32 master + Adam moments" + (" / dp (distributed)" if p.distributed_optimizer else ""),
+                opt(trunk),
+            ),
+            _c(
+                "mtp",
+                "MTP modules" + (" + grads + optimizer" if online else " (weights only)"),
+                pb * split(mtp) + ((4 * split(mtp) + opt(mtp)) if online else 0),
+            ),
+        ]
+        if run.keep_reference:
+            state.append(_c("weights", "frozen reference", pb * split(tensors)))
+        if run.critic == "separate":
+            state += [
+                _c("weights", "critic params", pb * split(trunk)),
+                _c("grads", "critic grads", 4 * split(trunk)),
+                _c("optimizer", "critic optimizer", opt(trunk)),
+            ]
+        terms.resident = [c for c in state if c.tag != "grads"]
+        if p.cpu_adam:
+            terms.host = [
+                c.model_copy(update={"phase": "host", "name": "CPU Adam: " + c.name})
+                for c in state
+                if c.tag == "optimizer"
+            ]
+            state = [c for c in state if c.tag != "optimizer"]
+            terms.resident = [c for c in terms.resident if c.tag != "optimizer"]
+        last = stage == p.pp - 1
+        # 1F1B: the first stage holds pp micro-batches of its layers in flight (Korthikanti et al. section 4.2.3)
+        in_flight = layers * (min(p.pp, max(1, p.pp - stage)))
+        if online and last:
+            in_flight += list(shape.mtp_layers())
+        acts = activation_bytes(shape, tokens, act_b, run.recompute, in_flight, p.tp, has_logits=last)
+        if run.critic == "separate":
+            acts += activation_bytes(shape, tokens, act_b, run.recompute, in_flight, p.tp, has_logits=False)
+        groups = [p.tp, p.pp, dp, p.ep, p.etp, edp]
+        terms.train = [
+            *state,
+            _c(
+                "activations",
+                f"activations ({run.recompute} recompute, {tokens:.0f} tokens / cp, stage {stage})",
+                acts,
+            ),
+            _c("comm", "MoE dispatch buffers", dispatch_bytes(shape, tokens / p.tp, act_b)),
+            _c("comm", "NCCL buffers of tp/pp/dp/ep/etp/edp groups", nccl_bytes(groups, channels, p.ep - 1)),
+        ]
+        total = sum(c.bytes for c in terms.train)
+        if total > best_bytes:
+            best, best_bytes = terms, total
+    assert best is not None
+    if p.pp > 1:
+        notes.append(
+            "pp > 1: the worst of the first stage (embedding, pp micro-batches in flight) and the last "
+            "(LM head, logits, MTP) is planned"
+        )
+    if run.recompute == "selective":
+        notes.append("selective recompute recomputes core attention, which a fused attention kernel already does")
+    return best
+
+
+def engine_terms(
+    shape: ModelShape, run: RunInputs, hw: HardwareProfile, capacity: int, rollout_gpus: int, notes: list[str]
+) -> EngineTerms:
+    p = run.plan
+    b = DTYPE_BYTES[run.dtype]
+    has_draft = run.spec_mode in ("frozen", "online") and shape.num_nextn_predict_layers > 0
+    out = EngineTerms()
+    prefill = run.max_prefill_tokens
+    act_elements = layer_activation_elements(shape, shape.num_hidden_layers - 1)
+    if p.rollout_engine == "embedded":
+        e = embedded_engine_bytes(shape, run.dtype, run.num_kv_pages, run.page_size, has_draft=has_draft)
+        weights = Component(tag="weights", phase="rollout", name=f"engine weights ({run.dtype})", bytes=e["weights"])
+        kv = Component(
+            tag="kv_cache",
+            phase="rollout",
+            name=f"KV cache: {run.num_kv_pages} pages x {run.page_size} "
+            f"tokens{' (+ draft layer)' if has_draft else ''}",
+            bytes=e["kv_cache"],
+        )
+        acts = prefill * act_elements * b + run.max_running_requests * shape.vocab_size * 8
+        out.rollout = [
+            weights,
+            kv,
+            Component(tag="activations", phase="rollout", name="engine step (estimate)", bytes=int(acts)),
+        ]
+        out.resident = [weights.model_copy(update={"phase": "train"}), kv.model_copy(update={"phase": "train"})]
+        out.kv_tokens = run.num_kv_pages * run.page_size
+        if not hw.is_cpu:
+            notes.append("embedded engine on a GPU: one engine per GPU holding the whole model; sglang shards it")
+        return out
+    # SGLang: weights + KV pool fill mem_fraction_static of the GPU (SGLang server_args: mem_fraction_static)
+    tp = p.rollout_tp
+    kv_b = b if p.kv_cache_dtype == "auto" else DTYPE_BYTES[p.kv_cache_dtype]
+    weight_bytes = sum(t.numel for t in shape.tensors()) * b / tp
+    pool = int(p.mem_fraction_static * capacity - weight_bytes)
+    layers = shape.num_hidden_layers + (1 if has_draft else 0)
+    per_token = kv_bytes_per_token(shape, kv_b, tp, layers)
+    out.kv_tokens = max(pool, 0) // per_token
+    graphs = cuda_graph_bytes(shape, p.cuda_graph_max_bs, b, tp)
+    acts = prefill * act_elements * b / tp
+    comm = nccl_bytes([tp, p.rollout_ep], hw.nccl_channels, p.rollout_ep - 1)
+    out.rollout = [
+        Component(tag="weights", phase="rollout", name=f"sglang weights / rollout_tp {tp}", bytes=int(weight_bytes)),
+        Component(
+            tag="kv_cache",
+            phase="rollout",
+            name=f"sglang KV pool: {out.kv_tokens} tokens",
+            bytes=max(pool, 0),
+            formula="mem_fraction_static x capacity - weights",
+        ),
+        Component(tag="runtime", phase="rollout", name="CUDA graphs (estimate)", bytes=graphs),
+        Component(tag="activations", phase="rollout", name="prefill chunk (estimate)", bytes=int(acts)),
+        Component(tag="comm", phase="rollout", name="sglang NCCL buffers", bytes=comm),
+    ]
+    out.idle = [c.model_copy(update={"phase": "train"}) for c in out.rollout if c.tag in ("runtime", "comm")]
+    if pool <= 0:
+        out.is_ok = False
+        notes.append(
+            f"sglang: the weights ({weight_bytes / GIB:.1f} GiB) leave no KV pool within mem_fraction_static "
+            f"{p.mem_fraction_static}: raise rollout_tp or mem_fraction_static"
+        )
+    elif out.kv_tokens < run.max_running_requests * run.max_new_tokens:
+        notes.append(
+            f"sglang: the KV pool holds {out.kv_tokens} tokens, fewer than max_running_requests x "
+            f"max_new_tokens = {run.max_running_requests * run.max_new_tokens}: requests will queue"
+        )
+    if p.cuda_graph_max_bs:
+        notes.append("sglang: CUDA graph memory is an estimate (cuda_graph_max_bs activations + 1 GiB)")
+    return out
