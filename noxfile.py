@@ -88,3 +88,12 @@ def gpu(session: nox.Session) -> None:
     session.log(f"GPU: {name}")
     paths = [f"packages/{p}/tests" for p in PACKAGES] + ["tests/integration"]
     session.run("pytest", *paths, "-m", "gpu", *session.posargs, env=TEST_ENV)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("hardware", ["h100", "h200", "b200", "gb300"])
+def plan(session: nox.Session, hardware: str) -> None:
+    """Memory plans of the examples for one hardware profile: each must fit and match its recorded plan
+    (examples/plans; re-record with `uv run python tests/plan_matrix.py --hardware HW --record`)."""
+    _sync(session, "--package", "miles-memory")
+    session.run("python", "tests/plan_matrix.py", "--hardware", hardware)
