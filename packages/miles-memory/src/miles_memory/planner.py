@@ -106,6 +106,9 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
         raise ValueError(f"kernel.dtype {run.dtype!r} is not one of float32, bfloat16, float16")
     if hw.is_cpu and (p.trainer_backend == "megatron" or p.rollout_engine == "sglang"):
         raise ValueError("cpu plans Miles' own backends only: set trainer_backend: fsdp2 and rollout_engine: embedded")
+    for name, size in (("ep", p.ep), ("rollout_ep", p.rollout_ep)):
+        if size > 1 and (not shape.is_moe or shape.num_experts % size):
+            raise ValueError(f"{name}={size} does not divide the model's {shape.num_experts} experts: lower {name}")
     if p.trainer_backend == "fsdp2":
         dims = {k: getattr(p, k) for k in ("tp", "pp", "ep", "etp", "cp") if getattr(p, k) > 1}
         if dims:
@@ -130,9 +133,6 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
             raise ValueError(f"tp={p.tp} does not divide num_key_value_heads={shape.kv_heads}: use tp <= that")
         if p.pp > shape.num_hidden_layers:
             raise ValueError(f"pp={p.pp} exceeds the {shape.num_hidden_layers} layers: lower pp")
-    for name, size in (("ep", p.ep), ("rollout_ep", p.rollout_ep)):
-        if size > 1 and (not shape.is_moe or shape.num_experts % size):
-            raise ValueError(f"{name}={size} does not divide the model's {shape.num_experts} experts: lower {name}")
     if p.rollout_engine == "sglang":
         if rollout_gpus % p.rollout_tp:
             raise ValueError(f"rollout_tp={p.rollout_tp} does not divide the {rollout_gpus} rollout GPUs")

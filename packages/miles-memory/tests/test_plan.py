@@ -1,0 +1,146 @@
+"""Pure logic tier (no torch): the memory planner's parameter counts against the models' published numbers, each
+byte term against a hand computation, layout errors, the lever finder, and the examples' recorded plans."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from miles_memory import fsdp2_bytes, load_hardware, load_model_profile, plan_memory
+from miles_memory.levers import candidates
+from miles_memory.model_shape import MODELS, ModelShape, model_profiles
+from miles_memory.plan_formulas import embedded_engine_bytes, kv_bytes_per_token
+from miles_memory.planner import _plan, read_run
+
+ROOT = Path(__file__).resolve().parents[3]
+GIB = 2**30
+
+# The built-in example's policy (miles_orchestrator.bootstrap.policy_config with the default 264-token vocab)
+POLICY = {
+    "model_type": "qwen3", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "tie_word_embeddings": True,
+    "num_nextn_predict_layers": 1,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_parameter_counts_match_published(name: str) -> None:
+    shape = load_model_profile(name)
+    published = model_profiles()[name]["published"]
+    total = shape.params(mtp=False)
+    assert total == pytest.approx(float(published["total"]), rel=0.02)
+    active = shape.active_params()
+    if published.get("active_excludes_embeddings"):
+        active -= shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    assert active == pytest.approx(float(published["active"]), rel=0.02)
+    if "checkpoint_total" in published:  # DeepSeek-V3's MTP layer stores its own embedding and head copies
+        copies = 2 * shape.vocab_size * shape.hidden_size * shape.num_nextn_predict_layers
+        assert total + shape.params(mtp=True) + copies == pytest.approx(float(published["checkpoint_total"]), rel=0.01)
+
+
+def test_policy_params_by_hand() -> None:
+    shape = ModelShape.from_hf(POLICY)
+    attention = 256 * 256 * 2 + 128 * 256 * 2 + 32 * 2  # q, o; k, v; q_norm, k_norm
+    layer = attention + 3 * 256 * 768 + 2 * 256
+    assert shape.params(mtp=False) == 264 * 256 + 4 * layer + 256  # tied head: the embedding once
+    assert shape.params(mtp=True) == layer + 3 * 256 + 256 * 512  # enorm, hnorm, shared_head.norm; eh_proj
+
+
+def test_fsdp2_bytes_by_hand() -> None:
+    shape = ModelShape.from_hf(POLICY)
+    trunk, mtp = shape.params(mtp=False), shape.params(mtp=True)
+    tensors = 1 + 4 * 11 + 1  # embedding, 11 per layer, final norm
+    one = fsdp2_bytes(shape, 1, "float32", 256)
+    assert one["weights"] == 4 * trunk and one["grads"] == 4 * trunk
+    assert one["optimizer"] == 8 * trunk + 4 * tensors  # exp_avg, exp_avg_sq; a float32 step per tensor
+    assert one["mtp"] == 4 * mtp and one["gathered"] == 0  # one float32 rank is a plain module
+    two = fsdp2_bytes(shape, 2, "float32", 256, keep_reference=True, is_mtp_trained=True)
+    assert two["weights"] == 4 * trunk // 2 + 4 * (trunk + mtp) // 2  # every dim 0 here is even
+    assert two["mtp"] == 4 * mtp // 2 * 2 + 8 * mtp // 2 + 4 * 15  # weights, grads, moments, 15 steps
+    assert two["gathered"] > 0
+    odd = fsdp2_bytes(ModelShape.from_hf({**POLICY, "vocab_size": 265}), 2, "float32", 256)
+    assert odd["weights"] - one["weights"] // 2 == 4 * 133 * 256 - 4 * 132 * 256  # 265 rows pad to 2 x 133
+
+
+def test_engine_and_kv_bytes_by_hand() -> None:
+    shape = ModelShape.from_hf(POLICY)
+    engine = embedded_engine_bytes(shape, "bfloat16", 1024, 16, has_draft=True)
+    assert engine["weights"] == 2 * (shape.params(mtp=False) + shape.params(mtp=True))
+    assert engine["kv_cache"] == 2 * (4 + 1) * 1024 * 4 * 16 * 32 * 2  # K and V, 4 layers + draft
+    deepseek = load_model_profile("DeepSeek-V3")
+    assert kv_bytes_per_token(deepseek, 2) == (512 + 64) * 61 * 2  # MLA's latent, not per-head K/V
+    qwen = load_model_profile("Qwen3-30B-A3B")
+    assert kv_bytes_per_token(qwen, 2, tp=8) == 2 * 1 * 128 * 48 * 2  # 4 KV heads over tp 8: one per GPU
+
+
+def _run(**plan: object) -> dict[str, object]:
+    base = {"trainer_backend": "megatron", "hardware": "h100", "rollout_engine": "sglang", "rollout_tp": 8}
+    return {"model": {"path": "Qwen/Qwen3-30B-A3B"}, "kernel": {"dtype": "bfloat16"}, "memory": {"plan": base | plan}}
+
+
+def test_megatron_bytes_per_param_follow_the_distributed_optimizer_table() -> None:
+    # Megatron-core docs, "Distributed Optimizer": bf16 params + fp32 grads = 18 B/param, or 6 + 12/d
+    shape = load_model_profile("Qwen3-30B-A3B")
+    params = shape.params()
+    for distributed, expected in ((False, 18), (True, 6 + 12 / 8)):
+        plan = plan_memory(_run(distributed_optimizer=distributed, ep=1), find_lever=False)
+        state = sum(
+            c.bytes for c in plan.components if c.phase == "train" and c.tag in ("weights", "grads", "optimizer")
+        )
+        assert state == pytest.approx(expected * params, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({"tp": 3}, "tp*pp*cp = 3 does not divide"),
+        ({"ep": 3}, "ep=3 does not divide the model's 128 experts"),
+        ({"tp": 8}, "tp=8 does not divide num_key_value_heads=4"),
+        ({"trainer_backend": "fsdp2", "ep": 2}, "trainer_backend fsdp2 shards over data parallel only"),
+        ({"rollout_tp": 3}, "rollout_tp=3 does not divide"),
+    ],
+)
+def test_impossible_layouts_are_clear_errors(plan: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan_memory(_run(**plan))
+
+
+def test_unknown_hardware_and_model_list_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="known: h100, h200, b200, gb300, cpu"):
+        plan_memory(_run(), hardware="tpu")
+    with pytest.raises(ValueError, match="known profiles: Qwen3-30B-A3B"):
+        plan_memory({"model": {"path": "nobody/NoModel"}})
+
+
+def test_the_named_lever_makes_the_run_fit() -> None:
+    config = _run(ep=8, rollout_tp=4, rollout_ep=4)
+    plan = plan_memory(config)
+    assert not plan.fits and plan.lever
+    run, hw = read_run(config), load_hardware("h100")
+    changed = dict(candidates(run, hw, plan))[plan.lever]
+    assert _plan(changed, hw).fits
+
+
+def test_cpu_plan_of_a_local_model_sums_ranks(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(POLICY))
+    one = plan_memory({"model": {"path": str(tmp_path)}, "run": {"colocate": False}}, "cpu")
+    two = plan_memory(
+        {"model": {"path": str(tmp_path)}, "run": {"colocate": False}, "trainer": {"num_ranks": 2}}, "cpu"
+    )
+    assert one.fits and two.fits and one.supported_by == ["fsdp2"]
+    # two ranks hold half the state each, plus a second runtime: more than one rank's total, less than twice
+    assert one.phases["train"] < two.phases["train"] < 2 * one.phases["train"]
+
+
+EXAMPLES = sorted((ROOT / "examples" / "plans").glob("*.json"))
+
+
+@pytest.mark.parametrize("record", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_fit_and_match_their_records(record: Path) -> None:
+    name, hardware = record.stem.rsplit(".", 1)
+    plan = plan_memory(ROOT / "examples" / f"{name}.yaml")
+    assert plan.hardware == hardware and plan.fits, plan.summary()
+    assert plan.model_dump(mode="json") == json.loads(record.read_text()), "re-record: tests/plan_matrix.py --record"
