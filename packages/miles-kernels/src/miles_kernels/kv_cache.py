@@ -45,9 +45,3 @@ class KVStore:
     @property
     def num_pages(self) -> int:
         return int(self.k[0].shape[0]) if self.k else 0
-
-    def release(self) -> None:
-        """Free the storage (the tensors become empty); `allocate` again to use it."""
-        for tensors in (self.k, self.v):
-            for t in tensors:
-                t.data = t.new_empty(0)

@@ -1,23 +1,43 @@
 """Types of the lazily loaded public API (lazy_loader reads the imports below; see __init__.py)."""
 
+from .budget import ActivationMeter, MemoryBudget, OOMReport, format_bytes, out_of_memory
+from .census import PeakMeter, live_tensor_bytes
 from .hardware import HARDWARE, HardwareProfile, load_hardware
 from .memory_plan import Component, Lever, MemoryPlan
 from .model_shape import MODELS, ModelShape, load_model_profile
+from .offload import OffloadManager, OffloadPlan, storage_bytes, unique_storages
 from .plan_formulas import embedded_engine_bytes, fsdp2_bytes
 from .planner import plan_memory, read_run
+from .stores import CHUNK_BYTES, FileStore, HostStore, OffloadStore, default_store
 
 __all__ = [
+    "CHUNK_BYTES",
     "HARDWARE",
     "MODELS",
+    "ActivationMeter",
     "Component",
+    "FileStore",
     "HardwareProfile",
+    "HostStore",
     "Lever",
+    "MemoryBudget",
     "MemoryPlan",
     "ModelShape",
+    "OOMReport",
+    "OffloadManager",
+    "OffloadPlan",
+    "OffloadStore",
+    "PeakMeter",
+    "default_store",
     "embedded_engine_bytes",
+    "format_bytes",
     "fsdp2_bytes",
+    "live_tensor_bytes",
     "load_hardware",
     "load_model_profile",
+    "out_of_memory",
     "plan_memory",
     "read_run",
+    "storage_bytes",
+    "unique_storages",
 ]

@@ -43,7 +43,9 @@ class MemoryConfig(BaseModel):
         default=True, description="Retry a step that hit a transient OOM with half the micro-batch token budget."
     )
     min_tokens_per_micro_batch: int = Field(
-        default=64, ge=1, description="Smallest token budget an OOM retry may halve down to; below it the OOM is fatal."
+        default=64,
+        ge=1,
+        description="Smallest token budget an OOM retry may halve down to; below it the OOM is fatal.",
     )
     collective_timeout_s: float = Field(
         default=120.0, gt=0, description="Timeout of the trainer's process groups: a lost rank surfaces this fast."

@@ -12,6 +12,7 @@ never pickled by Miles.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import threading
 from pathlib import Path
@@ -100,7 +101,8 @@ class TrainerRankActor:
 
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size))  # fmt: skip
-        dist.init_process_group("gloo")
+        # A short timeout: a rank lost to an OOM or a crash ends its peers' collectives in seconds, not 30 minutes
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.memory.collective_timeout_s))
         self.trainer = TrainerRank(model_dir, settings)
         return self.trainer.fingerprint()
 
@@ -135,8 +137,8 @@ class TrainerRankActor:
     def weights_checksum(self) -> str:
         return self._trainer.weights_checksum()
 
-    def offload(self) -> int:
-        return self._trainer.offload()
+    def offload(self, room_for: int | None = None) -> int:
+        return self._trainer.offload(room_for)
 
     def onload(self) -> int:
         return self._trainer.onload()

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="YAML run config")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     run.add_argument("--quiet", action="store_true", help="no console output (metrics still go to the run dir)")
+    run.add_argument("--force", action="store_true",
+                     help="run even when the memory planner says the config does not fit its device")  # fmt: skip
     run.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     config = subcommands.add_parser("config", help="Show the resolved run config")
     config.add_argument("action", choices=["show", "reference"],
@@ -94,22 +96,30 @@ def _run(args: argparse.Namespace) -> int:
     if not args.resume and run.latest_checkpoint() is not None:
         raise ValueError(f"{run.path} already holds a run; resume it with --resume {run.path}, or set run.run_dir")
     (run.path / CONFIG_FILE).write_text(dump_config(cfg))
+    from miles_orchestrator.memory_check import PlanRefused, oom_report, write_oom_report
+
     try:
-        _execute(cfg, run)
+        _execute(cfg, run, force=args.force)
+    except PlanRefused as refused:
+        raise ValueError(str(refused)) from refused
     except Exception as error:
         with (run.path / "run.log").open("a") as out:
             out.write(traceback.format_exc())
+        report = oom_report(error)
+        advice = f"; {write_oom_report(run.path, report)}" if report is not None else ""
         raise RunFailed(f"the run failed: {type(error).__name__}: {error} (traceback above and in "
-                        f"{run.path / 'run.log'})") from error  # fmt: skip
+                        f"{run.path / 'run.log'}){advice}") from error  # fmt: skip
     return 0
 
 
-def _execute(cfg: RunConfig, run: Any) -> None:
+def _execute(cfg: RunConfig, run: Any, force: bool = False) -> None:
     from miles_orchestrator.bootstrap import bootstrap_policy
     from miles_orchestrator.loop import run_sync
+    from miles_orchestrator.memory_check import check_plan
     from miles_orchestrator.report import report
 
     model_dir = cfg.model.path or bootstrap_policy(cfg, log=run.log)
+    check_plan(cfg, model_dir, run.path, run.log, force)
     history = run_sync(cfg, model_dir, run)
     report(history, run.path, run.console)
     run.log(f"done: {run.path} (final policy in {run.path / 'final'})")

@@ -15,12 +15,13 @@ parameters and optimizer state (`FSDP2Backend.offload`). Every trainer call goes
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from miles_contracts import Sample
 from miles_kernels.config import KernelConfig
+from miles_memory.config import MemoryConfig
 from miles_orchestrator.config import RunConfig
 from miles_spec.config import SpecConfig
 from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
@@ -66,7 +67,7 @@ class Cluster(Protocol):
         """The trainer's weights to the engine as `version` (the engine's memory must be resumed)."""
 
     async def trainer_checksum(self) -> str: ...
-    async def offload_trainer(self) -> int: ...
+    async def offload_trainer(self, room_for: int | None = None) -> int: ...
     async def onload_trainer(self) -> int: ...
     async def save(self, directory: Path, extra: dict[str, Any]) -> None: ...
     async def load(self, directory: Path) -> dict[str, Any]: ...
@@ -97,6 +98,7 @@ class TrainerSettings:
     critic: CriticConfig | None = None
     spec: SpecConfig | None = None  # the MTP draft trains online (spec.mode=online)
     keep_reference: bool = False  # trainer.log_kl: the initial policy stays, for the kl metric
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # offload target, budget, OOM handling
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
@@ -113,7 +115,7 @@ def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
     if cfg.spec.mode == "online":
         spec = cfg.spec.model_copy(update={"optimizer": spanning(cfg.spec.optimizer)})
     return TrainerSettings(cfg.kernel, spanning(cfg.trainer.optimizer), cfg.trainer.loss, cfg.trainer.backend,
-                           str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl)  # fmt: skip
+                           str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory)  # fmt: skip
 
 
 def num_threads(cfg: RunConfig) -> int:

@@ -33,6 +33,7 @@ from pydantic import (
 
 from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
 from miles_kernels.config import KernelConfig
+from miles_memory.config import MemoryConfig
 from miles_orchestrator.task import BuiltinTask
 from miles_rollout.config import EngineConfig
 from miles_spec.config import SpecConfig
@@ -436,6 +437,10 @@ class RunConfig(_Section):
     spec: SpecConfig = Field(
         default_factory=SpecConfig,
         description="The MTP draft (miles_spec.config.SpecConfig): trained online on the rollouts, or not.",
+    )
+    memory: MemoryConfig = Field(
+        default_factory=MemoryConfig,
+        description="Offload, the memory budget, OOM handling and the memory planner (miles_memory.config).",
     )
     run: RunSection = Field(default_factory=RunSection, description="Steps, seeds, outputs and logging.")
 

@@ -93,8 +93,8 @@ class LocalCluster:
     async def trainer_checksum(self) -> str:
         return await self._on_engine(self._trainer.weights_checksum)
 
-    async def offload_trainer(self) -> int:
-        return await self._on_engine(self._trainer.offload)
+    async def offload_trainer(self, room_for: int | None = None) -> int:
+        return await self._on_engine(lambda: self._trainer.offload(room_for))
 
     async def onload_trainer(self) -> int:
         return await self._on_engine(self._trainer.onload)

@@ -53,8 +53,9 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     rollout_fn, filters = resolve_rollout_fn(cfg.rollout.rollout_fn), build_filters(cfg.filter)
     with RewardPool.from_config(cfg.reward) as rewards:
         cluster = await start_cluster(cfg, model_dir, run.path)
-        turns = Turns(cluster, is_colocated=cfg.run.colocate)
+        turns = Turns(cluster, is_colocated=cfg.run.colocate, is_partial=cfg.memory.partial_offload)
         try:
+            await turns.measure_engine()
             start = await resume(cluster, run, source)
             await check_on_policy(cfg, cluster, version=start, log=run.log)
             await turns.engine_turn()
@@ -90,6 +91,7 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
                     metrics |= await sync_weights(cfg, cluster, turns, version=step, run=run)
                 if eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     metrics |= await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run)
+                metrics |= turns.memory_metrics()
                 run.record(step, metrics | {"step_time_s": time.perf_counter() - began})
                 run.commit_checkpoint(step)  # only now: the step's metrics line is written
         finally:
@@ -172,11 +174,25 @@ async def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: A
 class Turns:
     """Colocated (`run.colocate`), the engine and the trainer take turns on the same devices: the engine releases
     its KV cache and weights while the trainer works, the trainer offloads while the engine works. Each switch is
-    made once (a resumed engine is not resumed again); separate, nothing moves."""
+    made once (a resumed engine is not resumed again); separate, nothing moves. `is_partial`
+    (`memory.partial_offload`): the trainer offloads only what it must for the engine's memory to fit beside it
+    within `memory.limit_bytes` (docs/memory.md)."""
 
-    def __init__(self, cluster: Cluster, is_colocated: bool) -> None:
-        self.cluster, self.is_colocated = cluster, is_colocated
+    def __init__(self, cluster: Cluster, is_colocated: bool, is_partial: bool = False) -> None:
+        self.cluster, self.is_colocated, self.is_partial = cluster, is_colocated, is_partial
         self.engine_released = self.trainer_offloaded = False
+        self.engine_bytes = 0  # what the engine holds when resident (weights and KV cache)
+        self.offloaded_bytes = 0  # what the trainer moved out at its last offload (all ranks)
+
+    async def measure_engine(self) -> None:
+        """Read the engine's resident bytes by tag (before it releases any)."""
+        self.engine_bytes = sum((await self.cluster.engine.get_server_info()).get("memory_bytes", {}).values())
+
+    def memory_metrics(self) -> dict[str, float]:
+        return {
+            "mem_engine_bytes": float(self.engine_bytes),
+            "mem_trainer_offloaded_bytes": float(self.offloaded_bytes),
+        }
 
     async def resume_engine(self) -> None:
         """The engine takes its memory back (before it receives weights)."""
@@ -187,7 +203,8 @@ class Turns:
     async def engine_turn(self) -> None:
         await self.resume_engine()
         if self.is_colocated and not self.trainer_offloaded:
-            await self.cluster.offload_trainer()
+            room_for = self.engine_bytes if self.is_partial else None
+            self.offloaded_bytes = await self.cluster.offload_trainer(room_for)
             self.trainer_offloaded = True
 
     @contextlib.asynccontextmanager

@@ -155,8 +155,8 @@ class RayCluster:
         result: str = (await self._all("weights_checksum"))[0]
         return result
 
-    async def offload_trainer(self) -> int:
-        return sum(await self._all("offload"))
+    async def offload_trainer(self, room_for: int | None = None) -> int:
+        return sum(await self._all("offload", room_for))
 
     async def onload_trainer(self) -> int:
         return sum(await self._all("onload"))

@@ -27,7 +27,8 @@ class TrainerRank:
         self.backend = FSDP2Backend(model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
                                     offload_dir=settings.offload_dir, critic=settings.critic, aux_losses=aux_losses,
                                     aux_optimizer=None if spec is None else spec.optimizer,
-                                    keep_reference=settings.keep_reference or None)  # fmt: skip
+                                    keep_reference=settings.keep_reference or None,
+                                    memory=settings.memory)  # fmt: skip
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's)."""
@@ -50,8 +51,12 @@ class TrainerRank:
     def weights_checksum(self) -> str:
         return self.backend.weights_checksum()
 
-    def offload(self) -> int:
-        return int(self.backend.offload())
+    def offload(self, room_for: int | None = None) -> int:
+        return int(self.backend.offload(room_for=room_for))
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this rank holds now, by tag."""
+        return self.backend.memory.manager.resident_bytes()
 
     def onload(self) -> int:
         return int(self.backend.onload())

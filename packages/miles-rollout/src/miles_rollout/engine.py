@@ -26,6 +26,7 @@ import torch
 
 from miles_contracts import GenerateRequest, GenerateResponse, version_string
 from miles_kernels import KernelConfig, load_model
+from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
 from miles_rollout.scheduler import Scheduler, ceil_div, set_exception, set_result
@@ -88,7 +89,11 @@ class Engine:
         self.model_config = self.model.config
         self.context_length = config.context_length or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(self.model, config, self.kernel, self.tokenizer, self.context_length)
-        self._param_shapes = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters()}
+        # Released memory is dropped, not saved, as SGLang drops it: the KV cache is recomputed, the weights come
+        # back with the next weight update (`weights_stale` until then). Both return zeroed.
+        self.memory = OffloadManager(HostStore(), name="engine")
+        self.memory.add("weights", self.model.parameters, keep_contents=False)
+        self.memory.add("kv_cache", self.scheduler.kv_tensors, keep_contents=False)
 
     def _run(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)  # the creator's setting (OpenMP keeps it per thread)
@@ -213,35 +218,37 @@ class Engine:
         self.updating_weights = False
         return self.commit_weights(version)
 
-    def release_memory(self, tags: list[str] | None) -> list[str]:
+    def _memory_tags(self, tags: list[str] | None) -> list[str]:
         for tag in tags or MEMORY_TAGS:
             if tag not in MEMORY_TAGS:
                 raise EngineError(f"unknown memory tag {tag!r}; use one of {list(MEMORY_TAGS)}")
+        return list(tags or MEMORY_TAGS)
+
+    def release_memory(self, tags: list[str] | None) -> list[str]:
+        """Drop the memory of `tags` (None: all; SGLang's `/release_memory_occupation`); returns what is released."""
+        for tag in self._memory_tags(tags):
             if tag in self.released:
                 continue
             if tag == "kv_cache":
-                self.scheduler.release_kv()
-            else:
-                for param in self.model.parameters():
-                    param.data = param.data.new_empty(0)
+                self.scheduler.forget_kv()
+            self.memory.offload([tag])
             self.released.add(tag)
         return sorted(self.released)
 
     def resume_memory(self, tags: list[str] | None) -> list[str]:
-        for tag in tags or MEMORY_TAGS:
-            if tag not in MEMORY_TAGS:
-                raise EngineError(f"unknown memory tag {tag!r}; use one of {list(MEMORY_TAGS)}")
+        """Take back what `release_memory` dropped, zeroed; released weights wait for a weight update."""
+        for tag in self._memory_tags(tags):
             if tag not in self.released:
                 continue
-            if tag == "kv_cache":
-                self.scheduler.resume_kv()
-            else:
-                for name, param in self.model.named_parameters():
-                    shape, dtype = self._param_shapes[name]
-                    param.data = torch.zeros(shape, dtype=dtype, device=self.config.device)
+            self.memory.onload([tag])
+            if tag == "weights":
                 self.weights_stale = True  # contents were dropped: a weight update must come first
             self.released.discard(tag)
         return sorted(self.released)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds now, by tag (`/get_server_info`'s `memory_bytes`)."""
+        return self.memory.resident_bytes()
 
     # ------------------------------------------------------------------ request intake
 
@@ -445,6 +452,7 @@ class Engine:
             "num_kv_pages": self.config.num_kv_pages,
             "weight_version": version_string(self.weight_version),
             "released_memory": sorted(self.released),
+            "memory_bytes": self.memory_bytes(),
             "paused": self.paused,
             "updating_weights": self.updating_weights,
             **self.scheduler.stats(),

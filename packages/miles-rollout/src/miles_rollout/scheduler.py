@@ -124,15 +124,16 @@ class Scheduler:
     def submit(self, groups: list[Group]) -> None:
         self._waiting.extend(groups)
 
-    def release_kv(self) -> None:
-        """Free the KV store's memory (no request may be running)."""
+    def forget_kv(self) -> None:
+        """Forget every cached page (no request may be running): the KV store's memory is about to be dropped
+        (the engine's offload manager, tag `kv_cache`)."""
         assert not self.is_busy
         self.radix.reset()
         self.allocator.reset()
-        self.store.release()
 
-    def resume_kv(self) -> None:
-        self.store = self._allocate_store()
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The KV store's tensors (the trunk's layers, then the draft's)."""
+        return [*self.store.k, *self.store.v]
 
     def stats(self) -> dict[str, int]:
         return {

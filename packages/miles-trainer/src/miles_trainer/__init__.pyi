@@ -56,7 +56,6 @@ from .losses import (
     sft_loss,
     train_rollout_logprob_abs_diff,
 )
-from .offload import FileStore, HostStore, Offloader
 from .packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches, plan_samples
 from .sft import SFTDataError, ensure_process_group, load_sft_samples, run_sft
 from .step import (
@@ -83,11 +82,8 @@ __all__ = [
     "CriticConfig",
     "FSDP2Backend",
     "FSDP2Config",
-    "FileStore",
-    "HostStore",
     "JointValueLoss",
     "MicroBatch",
-    "Offloader",
     "OptimizerConfig",
     "PolicyLossConfig",
     "PolicyLossFn",

@@ -29,11 +29,12 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, MTPLayer, load_model, weights_checksum
+from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
 from miles_trainer.logprobs import response_logprobs
-from miles_trainer.offload import FileStore, HostStore, Offloader, OffloadStore
+from miles_trainer.memory import TrainerMemory
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
 from miles_trainer.step import (
     PerSample,
@@ -117,12 +118,14 @@ class FSDP2Backend:
         critic: CriticConfig | None = None,
         aux_losses: Sequence[AuxLoss] = (),
         aux_optimizer: OptimizerConfig | None = None,
+        memory: MemoryConfig | None = None,
     ) -> None:
         """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
         `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir). `critic`: PPO's
         value model (`miles_trainer.critic`), trained with its own optimizer by `train_step`. `aux_losses`:
         auxiliary losses (`miles_trainer.auxiliary`, e.g. miles-spec's MTP loss) trained in the same step; their
-        parameters get their own AdamW (`aux_optimizer`, default: the policy's settings) and clipping."""
+        parameters get their own AdamW (`aux_optimizer`, default: the policy's settings) and clipping. `memory`:
+        offload target, allocation budget and OOM handling (`miles_trainer.memory`; default: no budget)."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
@@ -174,8 +177,14 @@ class FSDP2Backend:
                 critic_params = list(self.value_head.parameters())
             self.critic_optimizer, self.critic_scheduler = _adamw(critic_params, critic.optimizer)
         self.step_count = 0
-        store: OffloadStore = FileStore(offload_dir) if device == "cpu" else HostStore()
-        self._offloader = Offloader(store)
+        mtp_ids = {id(p) for p in self.model.mtp_parameters()}
+        self.memory = TrainerMemory(
+            memory or MemoryConfig(), device, offload_dir=offload_dir,
+            weights=lambda: (p for m in self._models() for p in m.parameters() if id(p) not in mtp_ids),
+            mtp=self.model.mtp_parameters, optimizer=self._optimizer_state, trainable=self._trainable_params,
+            grads=lambda: (p.grad for m in self._models() for p in m.parameters() if p.grad is not None),
+        )  # fmt: skip
+        self.memory.check_fits()
         self._weights_file = MappedSafetensors()  # the engine's weight file, kept mapped between syncs
 
     def _num_passes(self, samples: Sequence[Sample]) -> int:
@@ -263,29 +272,33 @@ class FSDP2Backend:
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
         aux_counts = self._aux_counts(samples)
-        self._zero_grad()
         critic, is_warmup = self.critic_config, False
-        joint_value = None
-        critic_stats: dict[str, float] = {}
         if critic is not None:
             assert returns is not None and old_values is not None
             is_warmup = self.step_count < critic.warmup_steps
-            if self.critic_model is not None:
-                critic_tokens, critic_seqs = count_trained(samples)
-                counts = torch.tensor([critic_tokens, critic_seqs], dtype=torch.int64)
-                dist.all_reduce(counts)
-                critic_stats = accumulate_value_gradients(
-                    self.critic_model, samples, returns, old_values, self.kernel, critic, self.max_tokens,
-                    global_num_tokens=int(counts[0]), global_num_seqs=int(counts[1]),
-                    max_response_len=loss.max_response_len, loss_scale=dist.get_world_size(),
-                    num_micro_batches=self._num_passes(samples),
-                )  # fmt: skip
-            else:
-                assert self.value_head is not None
-                joint_value = JointValueLoss(self.value_head, returns, old_values, critic)
-        if is_warmup and joint_value is None:
-            stats = StepStats()  # the separate critic warms up alone: no policy pass
-        else:
+
+        def accumulate(max_tokens: int) -> tuple[StepStats, dict[str, float]]:
+            self.max_tokens = max_tokens
+            self._zero_grad()
+            joint_value = None
+            critic_stats: dict[str, float] = {}
+            if critic is not None:
+                assert returns is not None and old_values is not None
+                if self.critic_model is not None:
+                    critic_tokens, critic_seqs = count_trained(samples)
+                    counts = torch.tensor([critic_tokens, critic_seqs], dtype=torch.int64)
+                    dist.all_reduce(counts)
+                    critic_stats = accumulate_value_gradients(
+                        self.critic_model, samples, returns, old_values, self.kernel, critic, self.max_tokens,
+                        global_num_tokens=int(counts[0]), global_num_seqs=int(counts[1]),
+                        max_response_len=loss.max_response_len, loss_scale=dist.get_world_size(),
+                        num_micro_batches=self._num_passes(samples),
+                    )  # fmt: skip
+                else:
+                    assert self.value_head is not None
+                    joint_value = JointValueLoss(self.value_head, returns, old_values, critic)
+            if is_warmup and joint_value is None:
+                return StepStats(), critic_stats  # the separate critic warms up alone: no policy pass
             stats = accumulate_policy_gradients(
                 self.model, samples, advantages, self.kernel, loss, self.max_tokens,
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs,
@@ -295,6 +308,11 @@ class FSDP2Backend:
                 measure_mismatch=measure_mismatch,
             )  # fmt: skip
             add_is_metrics(stats, is_metrics, samples)
+            return stats, critic_stats
+
+        (stats, critic_stats), self.max_tokens = self.memory.with_oom_retry(
+            self.max_tokens, accumulate, self._zero_grad
+        )
         if critic_stats:
             num_tokens = critic_stats.pop("num_tokens")
             stats.add("vf_loss", critic_stats.pop("vf_loss"))
@@ -361,12 +379,18 @@ class FSDP2Backend:
         dist.all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
         aux_counts = self._aux_counts(samples)
-        self._zero_grad()
-        stats = accumulate_sft_gradients(
-            self.model, samples, self.kernel, self.max_tokens, global_num_tokens=global_tokens,
-            global_num_seqs=global_seqs, loss_scale=dist.get_world_size(), num_micro_batches=self._num_passes(samples),
-            aux_losses=self.aux_losses, aux_counts=aux_counts, train_policy=train_policy,
-        )  # fmt: skip
+
+        def accumulate(max_tokens: int) -> StepStats:
+            self.max_tokens = max_tokens
+            self._zero_grad()
+            return accumulate_sft_gradients(
+                self.model, samples, self.kernel, max_tokens, global_num_tokens=global_tokens,
+                global_num_seqs=global_seqs, loss_scale=dist.get_world_size(),
+                num_micro_batches=self._num_passes(samples), aux_losses=self.aux_losses, aux_counts=aux_counts,
+                train_policy=train_policy,
+            )  # fmt: skip
+
+        stats, self.max_tokens = self.memory.with_oom_retry(self.max_tokens, accumulate, self._zero_grad)
         aux_metrics = self._aux_step()
         return self._finish_step(stats, start, skip_update=not train_policy) | aux_metrics
 
@@ -377,6 +401,8 @@ class FSDP2Backend:
             self.scheduler.step()
         self.step_count += 1
         stats.add("skipped_update", float(skip_update) / dist.get_world_size())
+        for name, value in self.memory.step_metrics().items():  # the busiest rank's
+            stats.add_max(name, value)
         stats.all_reduce()
         metrics = stats.summary()
         metrics.update(_batch_summary(metrics))
@@ -427,22 +453,28 @@ class FSDP2Backend:
             state.pop(name, None)
         return state
 
-    def _offload_targets(self) -> Iterator[torch.Tensor]:
-        """Parameters (the reference's and the critic's too) and optimizer states; gradients are dropped by
-        `offload`, not moved."""
-        for model in (self.model, self.reference, self.critic_model, self.value_head):
-            if model is not None:
-                yield from model.parameters()
+    def _models(self) -> Iterator[torch.nn.Module]:
+        """The policy, and the reference copy and the critic where there are any."""
+        yield from (m for m in (self.model, self.reference, self.critic_model, self.value_head) if m is not None)
+
+    def _optimizer_state(self) -> Iterator[torch.Tensor]:
         for optimizer in self._optimizers():
             for state in optimizer.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
-    def offload(self) -> int:
-        """Free parameters and optimizer state (to host memory on GPU, to a file on CPU) while the engine works;
-        returns the bytes freed on this rank. `onload()` brings them back bit for bit. The last step's gradients
-        are dropped, not kept: every step starts from `zero_grad(set_to_none=True)` anyway."""
+    def _trainable_params(self) -> Iterator[torch.nn.Parameter]:
+        for optimizer in self._optimizers():
+            for group in optimizer.param_groups:
+                yield from group["params"]
+
+    def offload(self, room_for: int | None = None) -> int:
+        """Free parameters and optimizer state (to host memory on GPU, to a file on CPU: `memory.offload_to`)
+        while the engine works; returns the bytes freed on this rank. `room_for`: the bytes the engine takes
+        back beside this rank; with `memory.partial_offload` only what makes them fit within the budget moves,
+        largest tensors first. `onload()` brings everything back bit for bit. The last step's gradients are
+        dropped, not kept: every step starts from `zero_grad(set_to_none=True)` anyway."""
         self._zero_grad()
-        return self._offloader.offload(self._offload_targets())
+        return self.memory.offload(room_for).freed_bytes
 
     def _optimizers(self) -> list[torch.optim.AdamW]:
         """The policy's AdamW, then the critic's and the auxiliary losses' when there are any."""
@@ -454,15 +486,16 @@ class FSDP2Backend:
             optimizer.zero_grad(set_to_none=True)
 
     def onload(self) -> int:
-        """Bring back what `offload()` freed; returns the bytes restored on this rank."""
-        return self._offloader.onload()
+        """Bring back what `offload()` freed; returns the bytes restored on this rank. With `memory.limit_bytes`,
+        a `torch.OutOfMemoryError` (with a report by tag) when it would not fit."""
+        return self.memory.manager.onload()
 
     @property
     def is_offloaded(self) -> bool:
-        return self._offloader.is_offloaded
+        return self.memory.manager.is_offloaded()
 
     def _check_onloaded(self) -> None:
-        if self._offloader.is_offloaded:
+        if self.memory.manager.is_offloaded():
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
 
 

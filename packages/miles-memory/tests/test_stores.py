@@ -1,5 +1,5 @@
-"""FileStore, the CPU offload store: byte-exact round trips through its one scratch file, which later cycles
-overwrite in place (no truncation); a file cut short is reported, never read as zeros."""
+"""CPU numerics tier. FileStore, the CPU offload store: byte-exact round trips through its one scratch file,
+which later cycles overwrite in place (no truncation); a file cut short is reported, never read as zeros."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from miles_trainer.offload import CHUNK_BYTES, FileStore
+from miles_memory import CHUNK_BYTES, FileStore
 
 
 def test_file_store_round_trips_and_reuses_its_file(tmp_path) -> None:
@@ -23,7 +23,7 @@ def test_file_store_round_trips_and_reuses_its_file(tmp_path) -> None:
             out = torch.empty_like(tensor)
             store.get(index, out)
             assert torch.equal(out, tensor), (sizes, index)
-        store.clear()
+            store.drop(index)
     assert store.path.stat().st_size == sum(cycles[0])  # the largest state's size: kept, overwritten in place
     path = store.path
     del store

@@ -1,0 +1,125 @@
+"""CPU numerics tier (one in-process rank; test_fsdp.py runs the two-rank paths): the trainer's memory under a
+budget. Resident tensors that exceed it are a fatal OOM at start-up; activations that overrun it make the step
+run again with half the tokens per micro-batch and give the gradient of a step that never ran out (to float32
+rounding: another split sums in another order, ~1e-8 here); with no
+room left to halve, the OOM is fatal and reports what held memory by tag; partial offload moves only what the
+engine needs room for, largest first; the offload plan and the per-step memory metrics are what the tensors hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_contracts import Sample
+from miles_kernels import KernelConfig, save_model
+from miles_kernels.testing import random_model, tiny_config
+from miles_memory import MemoryBudget, storage_bytes, unique_storages
+from miles_memory.config import MemoryConfig
+from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig, ensure_process_group
+
+KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("memory") / "model"
+    save_model(random_model(tiny_config("dense"), seed=5), path)
+    ensure_process_group()
+    return str(path)
+
+
+def batch() -> tuple[list[Sample], list[float]]:
+    """Twelve short samples (7 tokens each): any token budget down to 8 packs them whole."""
+    generator = torch.Generator().manual_seed(9)
+    samples = []
+    for i in range(12):
+        tokens = torch.randint(0, 256, (7,), generator=generator).tolist()
+        samples.append(Sample(
+            index=i, group_index=i // 4, prompt="", prompt_tokens=tokens[:4], response_tokens=tokens[4:],
+            reward=float(i % 2), rollout_logprobs=(-torch.rand(3, generator=generator) - 3).tolist(),
+        ))  # fmt: skip
+    return samples, [float(i % 3) - 1.0 for i in range(12)]
+
+
+def backend(model_dir: str, memory: MemoryConfig | None = None, tmp_path=None) -> FSDP2Backend:
+    return FSDP2Backend(model_dir, KERNEL, OptimizerConfig(lr=1e-3), PolicyLossConfig(),
+                        FSDP2Config(max_tokens_per_micro_batch=MAX_TOKENS), offload_dir=tmp_path,
+                        memory=memory)  # fmt: skip
+
+
+def params(trainer: FSDP2Backend) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+
+
+def grads(trainer: FSDP2Backend) -> dict[str, torch.Tensor]:
+    """The last step's gradients (they stay until the next step or an offload)."""
+    return {k: v.grad.clone() for k, v in trainer.model.named_parameters() if v.grad is not None}
+
+
+def test_resident_tensors_over_the_budget_are_a_fatal_oom_at_start(model_dir: str) -> None:
+    with pytest.raises(torch.OutOfMemoryError, match=r"resident tensors \(weights .*, optimizer .*, grads") as caught:
+        backend(model_dir, MemoryConfig(limit_bytes=1_000_000))
+    assert caught.value.report.requested_bytes > 1_000_000  # type: ignore[attr-defined]
+    assert "memory.limit_bytes" in str(caught.value)
+
+
+def test_an_activation_overrun_retries_with_half_the_tokens_and_the_same_update(model_dir: str, tmp_path) -> None:
+    samples, advantages = batch()
+    free = backend(model_dir, tmp_path=tmp_path)
+    metrics = free.train_step(samples, advantages)
+    expected, peak = grads(free), int(metrics["mem_train_activation_peak_bytes"])
+    held = int(metrics["mem_train_held_bytes"])
+    assert peak > 0 and metrics["oom_retries"] == 0
+    assert max(float(g.abs().max()) for g in expected.values()) > 1e-3  # a gradient worth comparing
+    # Room for ~70% of the activations at 32 tokens per micro-batch: 16 tokens (about half) fit.
+    limited = backend(model_dir, MemoryConfig(limit_bytes=held + int(0.7 * peak), min_tokens_per_micro_batch=8),
+                      tmp_path)  # fmt: skip
+    metrics = limited.train_step(samples, advantages)
+    assert metrics["oom_retries"] == 1 and limited.max_tokens == MAX_TOKENS // 2
+    assert metrics["mem_train_activation_peak_bytes"] <= 0.7 * peak
+    got = grads(limited)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():  # the gradient is invariant to the micro-batch split
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-7, msg=name)
+
+
+def test_no_room_to_halve_is_a_fatal_oom_with_a_report(model_dir: str, tmp_path) -> None:
+    samples, advantages = batch()
+    probe = backend(model_dir, tmp_path=tmp_path)
+    held = int(probe.train_step(samples, advantages)["mem_train_held_bytes"])
+    trainer = backend(model_dir, MemoryConfig(limit_bytes=held + 1000, min_tokens_per_micro_batch=16), tmp_path)
+    with pytest.raises(torch.OutOfMemoryError, match="saved activations") as caught:
+        trainer.train_step(samples, advantages)
+    report = caught.value.report  # type: ignore[attr-defined]
+    assert set(report.held_bytes) == {"weights", "mtp", "optimizer", "grads"} and report.held_bytes["grads"] > 0
+    assert trainer.memory.num_oom_retries == 1  # 32 -> 16 tokens, then 8 would be below the minimum
+
+
+def test_partial_offload_moves_only_what_the_engine_needs(model_dir: str, tmp_path) -> None:
+    samples, advantages = batch()
+    trainer = backend(model_dir, MemoryConfig(limit_bytes=10**9, partial_offload=True), tmp_path)
+    trainer.train_step(samples, advantages)
+    resident = sum(n for tag, n in trainer.memory.manager.resident_bytes().items() if tag != "grads")  # dropped
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
+    largest = max(s.nbytes() for s in unique_storages([*trainer.model.parameters(), *state]))
+    room_for = 10**9 - resident + 1  # one byte short: the largest storage goes, nothing else
+    before = params(trainer)
+    assert trainer.offload(room_for=room_for) == largest
+    assert trainer.is_offloaded
+    trainer.onload()
+    for name, tensor in params(trainer).items():
+        assert torch.equal(tensor, before[name]), name
+    assert trainer.offload() == resident  # no room_for: everything
+
+
+def test_an_onload_that_would_not_fit_keeps_the_state_offloaded(model_dir: str, tmp_path) -> None:
+    trainer = backend(model_dir, tmp_path=tmp_path)
+    resident = storage_bytes(trainer.model.parameters())
+    trainer.offload()
+    trainer.memory.manager.budget = MemoryBudget(resident // 2)
+    with pytest.raises(torch.OutOfMemoryError, match="trainer onload"):
+        trainer.onload()
+    assert trainer.is_offloaded
+    trainer.memory.manager.budget = None
+    assert trainer.onload() == resident
