@@ -10,6 +10,12 @@ parameters and the last step's metrics to OUT_DIR. Modes:
 - `buckets`: peak RSS growth while iterating the weight buckets, and the decoded buckets vs the full weights.
 - `zero-advantages`: one step whose advantages are all zero (the update must be skipped).
 - `bf16-logprobs`: bf16 kernel: the sharded trainer's log-probs vs an unsharded bf16 model's (bitwise).
+- `host-peak`: after a step, the peak growth of live tensor bytes (counted from the tensors: `miles_memory.PeakMeter`)
+  during offload, onload, a checkpoint save, the weight file's first and later writes and the weight buckets.
+- `oom-retry`: one step in which rank 0 alone runs out of memory (injected: its activation meter reports an overrun
+  while micro-batches hold more than 12 tokens); both ranks must agree and retry with 12 (must equal `step`).
+- `oom-fatal`: rank 1 hits an allocator OOM (injected: raised mid-forward, as CUDA raises it); rank 0 waits in a
+  collective until the process group's timeout (MILES_TEST_PG_TIMEOUT seconds) ends it.
 
 MILES_TEST_DEVICE=cuda runs the rank on the GPU (NCCL for device tensors, gloo for host ones).
 MILES_TEST_CRITIC=separate|value_head adds PPO's critic: every step also trains it on fixed returns, and the
@@ -18,10 +24,13 @@ metrics carry the sum of its values over the whole batch afterwards (`critic_val
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -29,8 +38,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import miles_trainer.checkpoint
+import miles_trainer.memory
+import miles_trainer.weight_sender
 from miles_contracts import Sample
 from miles_kernels import BucketAssembler, KernelConfig, load_model
+from miles_memory import OOMReport, PeakMeter
+from miles_memory.config import MemoryConfig
 from miles_trainer import (
     CriticConfig,
     FSDP2Backend,
@@ -86,13 +99,44 @@ def kill_after_dcp_save() -> None:
     miles_trainer.checkpoint.dcp.save = save_then_die
 
 
+def inject_oom(mode: str, rank: int) -> None:
+    """Fault injection through the trainer's activation meter (miles_trainer.memory uses it for every step)."""
+    real = miles_trainer.memory.ActivationMeter
+
+    class InjectedMeter(real):  # type: ignore[misc, valid-type]
+        def _pack(self, tensor: torch.Tensor) -> object:
+            if mode == "oom-retry" and rank == 0 and self.overrun is None and INJECT["max_tokens"] > 12:
+                self.overrun = OOMReport("injected transient OOM", 1, 1, 0, {})
+            if mode == "oom-fatal" and rank == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1)")
+            return super()._pack(tensor)
+
+    miles_trainer.memory.ActivationMeter = InjectedMeter
+    real_retry = miles_trainer.memory.TrainerMemory.with_oom_retry
+
+    def with_oom_retry(self, max_tokens, accumulate, drop_grads):  # records the budget each attempt runs with
+        def tracked(tokens: int):
+            INJECT["max_tokens"] = tokens
+            return accumulate(tokens)
+
+        return real_retry(self, max_tokens, tracked, drop_grads)
+
+    miles_trainer.memory.TrainerMemory.with_oom_retry = with_oom_retry
+
+
+INJECT = {"max_tokens": 0}
+
+
 def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
     device = os.environ.get("MILES_TEST_DEVICE", "cpu")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["RANK"]))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=float(os.environ.get("MILES_TEST_PG_TIMEOUT", "600")))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if mode.startswith("oom-"):
+        inject_oom(mode, rank)
     critic_kind = os.environ.get("MILES_TEST_CRITIC")
     kernel = KernelConfig(**{**KERNEL.model_dump(), "dtype": "bfloat16"}) if mode == "bf16-logprobs" else KERNEL
     backend = FSDP2Backend(
@@ -100,6 +144,8 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         PolicyLossConfig(agg_mode="seq-mean-token-mean"),
         FSDP2Config(max_tokens_per_micro_batch=24, device=device), offload_dir=out_dir,
         critic=CriticConfig(kind=critic_kind, optimizer=OptimizerConfig(lr=1e-2)) if critic_kind else None,
+        # OOM modes: a budget no step reaches (ranks agree on OOMs only under one), and room to halve 24 tokens to 12
+        memory=MemoryConfig(limit_bytes=1 << 40, min_tokens_per_micro_batch=4) if mode.startswith("oom-") else None,
     )  # fmt: skip
     samples, advantages = batch()
     mine, my_advantages = samples[rank::world], advantages[rank::world]
@@ -121,8 +167,11 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     if mode == "resume":
         torch.manual_seed(7)  # overwritten by the checkpoint's RNG state
         load_checkpoint(backend, checkpoint)
-    elif mode in ("step", "two-steps", "kill", "offload"):
+    elif mode in ("step", "two-steps", "kill", "offload", "oom-retry", "oom-fatal"):
         metrics = train_step(my_advantages, measure_mismatch=True)
+        tokens = torch.tensor([backend.max_tokens, -backend.max_tokens])
+        dist.all_reduce(tokens, op=dist.ReduceOp.MAX)
+        metrics["max_tokens_max"], metrics["max_tokens_min"] = float(tokens[0]), float(-tokens[1])
         torch.rand(3)  # the run draws random numbers between steps: the checkpoint must capture the RNG
     if mode in ("two-steps", "kill"):
         save_checkpoint(backend, checkpoint, extra={"data_position": 8})
@@ -149,6 +198,9 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         metrics = backend.train_step(mine, [0.0] * len(mine))
     if mode == "buckets":
         metrics = measure_buckets(backend)
+    if mode == "host-peak":
+        train_step(my_advantages)
+        metrics = measure_host_peaks(backend, Path(out_dir), Path(checkpoint))
     if mode == "bf16-logprobs":
         sharded = backend.compute_logprobs(mine)
         plain = load_model(model_dir, kernel, device)  # the engine's load: checkpoint cast to bf16
@@ -164,6 +216,70 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     # Leave together: a rank that exits while another still holds gloo connections to it can abort that rank.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def measure_host_peaks(backend: FSDP2Backend, out_dir: Path, checkpoint: Path) -> dict[str, float]:
+    """Growth of live tensor bytes above the start of each transfer, sampled at every storage / tensor / bucket it
+    moves (a sampling thread for the checkpoint save, whose steps are DCP's). Largest over ranks."""
+    real_gathered = miles_trainer.weight_sender._gathered
+    largest = max(p.numel() * p.element_size() for p in backend.model.parameters())  # one full tensor
+    out: dict[str, float] = {"largest_tensor_bytes": float(largest), "model_bytes": float(sum(
+        p.numel() * p.element_size() for p in backend.model.parameters()))}  # fmt: skip
+
+    def measured(name: str, run, meter_hook=None) -> None:  # type: ignore[no-untyped-def]
+        meter = PeakMeter()
+        if meter_hook is not None:
+            meter_hook(meter)
+        run()
+        meter.sample()
+        out[f"{name}_growth_bytes"] = float(meter.growth)
+        out[f"{name}_samples"] = float(meter.num_samples)
+
+    manager = backend.memory.manager
+    resident = float(sum(manager.resident_bytes().values()))
+    measured("offload", backend.offload, lambda m: setattr(manager, "progress", m.sample))
+    out["resident_bytes"] = resident
+    measured("onload", backend.onload, lambda m: setattr(manager, "progress", m.sample))
+    manager.progress = None
+
+    def sampling_gather(meter: PeakMeter):  # type: ignore[no-untyped-def]
+        def gathered(*args, **kwargs):  # type: ignore[no-untyped-def]
+            tensor = real_gathered(*args, **kwargs)
+            meter.sample()
+            return tensor
+
+        miles_trainer.weight_sender._gathered = gathered
+
+    file = out_dir / "weights.safetensors"
+    is_writer = dist.get_rank() == 0
+    measured("weights_file_first", lambda: backend.write_weights(file, write=is_writer), sampling_gather)
+    measured("weights_file_streamed", lambda: backend.write_weights(file, write=is_writer), sampling_gather)
+    miles_trainer.weight_sender._gathered = real_gathered
+    bucket_bytes = 1 << 16
+
+    held = [0]  # the encoded bucket the caller holds (Python bytes, which the census does not see)
+    meter = PeakMeter(extra=lambda: held[0])
+    for data in backend.iter_weight_buckets(version=1, bucket_bytes=bucket_bytes):
+        held[0] = len(data)
+        meter.sample()
+    held[0] = 0
+    out["buckets_growth_bytes"], out["bucket_bytes"] = float(meter.growth), float(bucket_bytes)
+    meter, done = PeakMeter(), threading.Event()
+
+    def sample_until_done() -> None:
+        while not done.is_set():
+            meter.sample()
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample_until_done)
+    sampler.start()
+    save_checkpoint(backend, checkpoint)
+    done.set()
+    sampler.join()
+    out["checkpoint_growth_bytes"], out["checkpoint_samples"] = float(meter.growth), float(meter.num_samples)
+    values = torch.tensor(list(out.values()), dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(out, values.tolist(), strict=True))
 
 
 def measure_buckets(backend: FSDP2Backend) -> dict[str, float]:

@@ -19,7 +19,7 @@ import torch
 
 def live_tensor_bytes(device_type: str = "cpu") -> int:
     """Bytes of the distinct non-empty storages of every reachable tensor on `device_type` (DTensors: their local
-    shards; parameters: their gradients too)."""
+    shards; parameters: their gradients too). Storages that map a file (`torch.from_file`) are left out."""
     seen: dict[int, int] = {}
 
     def count(tensor: torch.Tensor) -> None:
@@ -28,7 +28,7 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
         if tensor.device.type != device_type or tensor.is_meta:
             return
         storage = tensor.untyped_storage()
-        if storage.nbytes():
+        if storage.nbytes() and storage.filename is None:  # a mapped file's pages are the file's, not allocations
             seen[storage.data_ptr()] = storage.nbytes()
 
     with warnings.catch_warnings():  # isinstance() on deprecated module attributes (torch.distributed.reduce_op)

@@ -423,8 +423,9 @@ class FSDP2Backend:
     def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
         """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file (created atomically,
         then overwritten in place: `weight_sender.write_weights_file`); returns its tensor bytes. Every rank calls
-        it (the gathers are collectives); ranks with `write=False` only join them. Holds one full copy of the
-        weights in host memory while writing. A file in /dev/shm stays mapped between calls (no page faults)."""
+        it (the gathers are collectives); ranks with `write=False` only join them. The first write holds one full
+        copy of the weights in host memory; later ones stream one gathered tensor at a time into the file. A file
+        in /dev/shm stays mapped between calls (no page faults)."""
         self._check_onloaded()
         return write_weights_file(self.model, file, write, self._weights_file)
 

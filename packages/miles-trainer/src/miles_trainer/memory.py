@@ -136,11 +136,14 @@ class TrainerMemory:
                 if report is None:
                     report = (self.budget or MemoryBudget(1)).report(self.manager.resident_bytes(), 0, str(error))
             self.peak_activation_bytes = meter.peak_bytes
-            if self.budget is None and report is None:
-                return result, max_tokens
-            flag = torch.tensor([float(report is not None)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank decides alike, before any next collective
-            if not flag.item():
+            if dist.get_world_size() > 1:
+                if self.budget is None:  # no budget, no overrun to agree on (an allocator OOM raised above)
+                    return result, max_tokens
+                flag = torch.tensor([float(report is not None)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank decides alike, before any next collective
+                if not flag.item():
+                    return result, max_tokens
+            elif report is None:
                 return result, max_tokens
             drop_grads()
             smaller = max_tokens // 2

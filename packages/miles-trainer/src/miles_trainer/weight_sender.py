@@ -9,7 +9,8 @@ the engine computes in, encoded, and dropped before the next bucket is gathered.
 therefore a few buckets, whatever the model size: the bucket the caller is still sending, the next one's gathered
 tensors, and its encoding (safetensors' buffer plus the Python `bytes` copied from it) -- measured at about four
 times the largest bucket in `tests/test_fsdp.py`. For an engine on the same node, `write_weights_file` writes the
-whole model as one safetensors file instead (one full copy in host memory; the orchestrator puts it in /dev/shm).
+whole model as one safetensors file instead (the orchestrator puts it in /dev/shm): serialized whole the first time,
+then streamed into the same file one gathered tensor at a time.
 """
 
 from __future__ import annotations
@@ -91,31 +92,39 @@ def write_weights_file(
     makes this safe: the engine reads the file only when told to, after this returns; a write cut short is made
     whole by the next one.
     """
-    tensors = dict(export_tensors(model, fresh=False))  # only read, before this returns: no copies to make
-    if not write:
-        return 0
+    dtype = model.kernel.torch_dtype
+    named = export_names(model)
+    layout = {name: torch.empty(param.shape, dtype=dtype, device="meta") for name, param in named}
     mapping = mapping or MappedSafetensors()
-    if not _overwrite_in_place(Path(file), tensors, mapping):
+    views = _in_place_views(Path(file), layout, mapping) if write else None
+    if views is not None or not write:
+        # Streamed: one gathered tensor at a time is copied into its slot and dropped (docs/memory.md, "Host
+        # peak memory"); ranks that do not write only join the gathers.
+        for name, param in named:
+            tensor = _gathered(param, dtype, fresh=False)  # only read, before the next one is gathered
+            if views is not None:
+                views[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            del tensor
+    else:  # the first write: serialized whole (one full copy in host memory, once)
+        tensors = dict(export_tensors(model, fresh=False))
         staging = f"{os.fspath(file)}.tmp{os.getpid()}"
         save_file(tensors, staging)
         os.replace(staging, file)
-    if not in_shared_memory(file):  # only /dev/shm files stay mapped: a deleted file on disk must free its space
+        del tensors
+    if write and not in_shared_memory(file):  # only /dev/shm files stay mapped: a deleted file must free its space
         mapping.close()
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in layout.values()) if write else 0
 
 
-def _overwrite_in_place(file: Path, tensors: dict[str, torch.Tensor], mapping: MappedSafetensors) -> bool:
-    """Copy each tensor's bytes over its slot of an existing safetensors file with the same layout; False (and
-    nothing written) when there is no such file."""
+def _in_place_views(
+    file: Path, layout: dict[str, torch.Tensor], mapping: MappedSafetensors
+) -> dict[str, torch.Tensor] | None:
+    """Name -> uint8 view of its slot in an existing safetensors file with this layout (names, dtypes, shapes);
+    None when there is no such file (it is then written whole)."""
     if not file.is_file():
-        return False
+        return None
     try:
-        views = mapping.views_for(file, tensors)  # None (mapping dropped) for another layout: rewritten whole
+        return mapping.views_for(file, layout)  # None (mapping dropped) for another layout
     except (ValueError, OSError):  # not a readable safetensors file: rewrite it whole
         mapping.close()
-        return False
-    if views is None:
-        return False
-    for name, tensor in tensors.items():
-        views[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-    return True
+        return None
