@@ -35,7 +35,7 @@ from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import random_model
 from miles_memory import ModelShape, embedded_engine_bytes, fsdp2_bytes
 from miles_orchestrator.bootstrap import policy_config
-from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig, ensure_process_group
 
 VOCAB = 264
 TAGS = ("weights", "grads", "optimizer", "mtp", "activations")
@@ -104,6 +104,7 @@ def validate_engine(model_dir: str, shape: ModelShape) -> dict[str, Any]:
 def offload_speed(model_dir: str, repeats: int) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
 
+    ensure_process_group()  # one rank in this process
     backend = FSDP2Backend(model_dir, KernelConfig(), OptimizerConfig(lr=1e-4), PolicyLossConfig(),
                            FSDP2Config(max_tokens_per_micro_batch=1024))  # fmt: skip
     batch = samples(256, seed=0)

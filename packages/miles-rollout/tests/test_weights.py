@@ -4,6 +4,7 @@ broadcast over gloo), versions, memory release / resume, and failure handling, a
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
 
@@ -22,6 +23,7 @@ from miles_kernels import (
     iter_buckets,
     load_model,
 )
+from miles_memory import ModelShape, embedded_engine_bytes, storage_bytes
 from miles_rollout import Client, Engine, EngineConfig, InProcessClient, RolloutClientError, free_port
 
 PROBE = GenerateRequest(
@@ -108,15 +110,25 @@ def test_weight_updates_release_and_resume(server, dense_dir, second_model) -> N
 
 
 def test_release_frees_storage_in_process(dense_dir) -> None:
+    """The engine's memory by tag, as `/get_server_info` reports it and as the memory planner predicts it
+    (`miles_memory.embedded_engine_bytes`, exact), drops to nothing on release and comes back, zeroed, on resume."""
     engine = Engine(str(dense_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=64))
     client = InProcessClient(engine)
     try:
         kv_bytes = sum(t.untyped_storage().nbytes() for t in engine.scheduler.store.k + engine.scheduler.store.v)
-        weight_bytes = sum(p.untyped_storage().nbytes() for p in engine.model.parameters())
+        weight_bytes = storage_bytes(engine.model.parameters())
         assert kv_bytes > 0 and weight_bytes > 0
+        reported = asyncio.run(client.get_server_info())["memory_bytes"]
+        assert reported == {"weights": weight_bytes, "kv_cache": kv_bytes}
+        shape = ModelShape.from_hf(json.loads((dense_dir / "config.json").read_text()))
+        assert embedded_engine_bytes(shape, "float32", 64, 16) == reported
         asyncio.run(client.release_memory_occupation())
         assert sum(t.untyped_storage().nbytes() for t in engine.scheduler.store.k + engine.scheduler.store.v) == 0
         assert sum(p.untyped_storage().nbytes() for p in engine.model.parameters()) == 0
+        assert asyncio.run(client.get_server_info())["memory_bytes"] == {"weights": 0, "kv_cache": 0}
+        asyncio.run(client.resume_memory_occupation())
+        assert asyncio.run(client.get_server_info())["memory_bytes"] == reported
+        assert all(not t.any() for t in engine.scheduler.store.k + engine.scheduler.store.v)
         with pytest.raises(RolloutClientError, match="unknown memory tag 'gpu'"):
             asyncio.run(client.release_memory_occupation(["gpu"]))
     finally:

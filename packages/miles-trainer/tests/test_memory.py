@@ -7,13 +7,16 @@ engine needs room for, largest first; the offload plan and the per-step memory m
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import random_model, tiny_config
-from miles_memory import MemoryBudget, storage_bytes, unique_storages
+from miles_memory import MemoryBudget, ModelShape, fsdp2_bytes, storage_bytes, unique_storages
 from miles_memory.config import MemoryConfig
 from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig, ensure_process_group
 
@@ -123,3 +126,20 @@ def test_an_onload_that_would_not_fit_keeps_the_state_offloaded(model_dir: str, 
     assert trainer.is_offloaded
     trainer.memory.manager.budget = None
     assert trainer.onload() == resident
+
+
+def test_the_planner_predicts_what_the_trainer_holds_by_tag(model_dir: str, tmp_path) -> None:
+    """miles_memory.fsdp2_bytes against the bytes the tensors hold after a step (one rank; benchmarks/memory.py
+    also runs two): parameters, gradients, AdamW state and MTP modules within 10% (they are exact), and the
+    activations counted as autograd saves them within the gap docs/memory-planner.md states for the deterministic
+    CPU attention, which keeps its per-block scores (the planner's formula is for flash-style kernels)."""
+    samples, advantages = batch()
+    trainer = backend(model_dir, tmp_path=tmp_path)
+    trainer.train_step(samples, advantages)
+    resident = trainer.memory.manager.resident_bytes()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    planned = fsdp2_bytes(ModelShape.from_hf(config), 1, "float32", MAX_TOKENS)
+    for tag in ("weights", "grads", "optimizer", "mtp"):
+        assert planned[tag] == pytest.approx(resident[tag], rel=0.10), (tag, planned[tag], resident[tag])
+    measured = trainer.memory.peak_activation_bytes
+    assert 0.5 * measured < planned["activations"] <= measured, (planned["activations"], measured)

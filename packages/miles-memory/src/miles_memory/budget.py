@@ -9,7 +9,7 @@ counted once per storage; the gathered FSDP parameters are not counted: they are
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,11 +103,19 @@ class ActivationMeter:
     the next one (docs/memory.md, "OOM handling"). Parameters are not counted (FSDP frees its gathered copies)."""
 
     def __init__(
-        self, budget: MemoryBudget | None = None, held: Mapping[str, int] | None = None, *, deferred: bool = False
+        self,
+        budget: MemoryBudget | None = None,
+        held: Mapping[str, int] | None = None,
+        *,
+        deferred: bool = False,
+        held_storages: Iterable[int] = (),
     ) -> None:
+        """`held_storages`: data pointers of storages already counted in `held` (parameters and their views,
+        which autograd saves too): not counted again."""
         self.budget = budget
         self.held = dict(held or {})
         self.is_deferred = deferred
+        self._held_storages = set(held_storages)
         self.saved_bytes = 0
         self.peak_bytes = 0
         self.overrun: OOMReport | None = None
@@ -119,7 +127,7 @@ class ActivationMeter:
             return tensor
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if not storage.nbytes():
+        if not storage.nbytes() or ptr in self._held_storages:
             return tensor
         entry = self._live.get(ptr)
         if entry is None:

@@ -128,6 +128,10 @@ class OffloadManager:
         """Bytes each tag holds on the device now."""
         return {tag: sum(s.nbytes() for s in storages) for tag, storages in self._storages_by_tag().items()}
 
+    def storage_pointers(self) -> set[int]:
+        """Data pointers of every resident storage of every tag (what `resident_bytes` counts)."""
+        return {s.data_ptr() for storages in self._storages_by_tag().values() for s in storages}
+
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes of each tag that an `onload` would bring back (dropped tags: re-allocated, not refilled)."""
         return {tag: sum(m.nbytes for m in moved) for tag, moved in self._moved.items()}

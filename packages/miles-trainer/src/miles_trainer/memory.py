@@ -124,7 +124,7 @@ class TrainerMemory:
         while True:
             held = self._held()
             self.held_bytes = sum(held.values())
-            meter = ActivationMeter(self.budget, held, deferred=True)
+            meter = ActivationMeter(self.budget, held, deferred=True, held_storages=self.manager.storage_pointers())
             try:
                 with meter:
                     result = accumulate(max_tokens)
