@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -61,11 +61,11 @@ class TrainerMemory:
         config: MemoryConfig,
         device: str,
         *,
-        weights: Callable[[], Iterator[torch.Tensor]],
-        mtp: Callable[[], Iterator[torch.Tensor]],
-        optimizer: Callable[[], Iterator[torch.Tensor]],
-        grads: Callable[[], Iterator[torch.Tensor]],
-        trainable: Callable[[], Iterator[torch.nn.Parameter]],
+        weights: Callable[[], Iterable[torch.Tensor]],
+        mtp: Callable[[], Iterable[torch.Tensor]],
+        optimizer: Callable[[], Iterable[torch.Tensor]],
+        grads: Callable[[], Iterable[torch.Tensor]],
+        trainable: Callable[[], Iterable[torch.nn.Parameter]],
         offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.config = config
