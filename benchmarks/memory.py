@@ -4,8 +4,8 @@
    the FSDP2 backend on 1 and 2 gloo ranks: after one step with `--tokens` tokens per micro-batch, each rank's bytes
    by tag counted from the tensors (the offload manager's `resident_bytes`: parameters, MTP modules, AdamW state;
    the gradients; the activations the forward saved for backward, at their most, from `ActivationMeter`), against
-   `miles_memory.fsdp2_bytes`; and the embedded engine's `memory_bytes()` against `embedded_engine_bytes`.
-   Error = planned / measured - 1.
+   `miles_memory.fsdp2_bytes` (with the deterministic attention's term for the 16-token sequences); and the embedded
+   engine's `memory_bytes()` against `embedded_engine_bytes`. Error = planned / measured - 1.
 2. **Offload speed.** Offload + onload of that policy's trainer state (parameters and AdamW moments, one rank, after
    a step), medians of `--repeats` alternating cycles in one process: the offload manager's disk store against the
    obvious alternative, saving the same tensors with safetensors and loading them back into place.
@@ -33,16 +33,17 @@ import torch.multiprocessing as mp
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import random_model
-from miles_memory import ModelShape, embedded_engine_bytes, fsdp2_bytes
+from miles_memory import ModelShape, blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes
 from miles_orchestrator.bootstrap import policy_config
 from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig, ensure_process_group
 
 VOCAB = 264
+SEQUENCE_LENGTH = 16
 TAGS = ("weights", "grads", "optimizer", "mtp", "activations")
 
 
 def samples(num_tokens: int, seed: int) -> list[Sample]:
-    """Samples of 16 tokens (12 prompt, 4 response) filling `num_tokens` per rank."""
+    """Samples of SEQUENCE_LENGTH = 16 tokens (12 prompt, 4 response) filling `num_tokens` per rank."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     for i in range(num_tokens // 16):
@@ -76,7 +77,9 @@ def validate_trainer(model_dir: str, shape: ModelShape, world: int, tokens: int)
         init = f"file://{out}/init"
         mp.spawn(_rank, args=(world, model_dir, tokens, init, out), nprocs=world, join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-    planned = fsdp2_bytes(shape, world, "float32", tokens)
+    kernel = KernelConfig()  # deterministic: the attention keeps its per-block scores (16-token sequences here)
+    extra = blocked_attention_elements(shape, SEQUENCE_LENGTH, kernel.attention_query_tile, kernel.page_size)
+    planned = fsdp2_bytes(shape, world, "float32", tokens, attention_extra=extra)
     rows = {}
     for tag in TAGS:
         measured = statistics.mean(r[tag] for r in ranks)  # per rank (shards differ by at most a row)

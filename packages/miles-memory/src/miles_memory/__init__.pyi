@@ -6,7 +6,7 @@ from .hardware import HARDWARE, HardwareProfile, load_hardware
 from .memory_plan import Component, Lever, MemoryPlan
 from .model_shape import MODELS, ModelShape, load_model_profile
 from .offload import OffloadManager, OffloadPlan, storage_bytes, unique_storages
-from .plan_formulas import embedded_engine_bytes, fsdp2_bytes
+from .plan_formulas import blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes
 from .planner import plan_memory, read_run
 from .stores import CHUNK_BYTES, FileStore, HostStore, OffloadStore, default_store
 
@@ -28,6 +28,7 @@ __all__ = [
     "OffloadPlan",
     "OffloadStore",
     "PeakMeter",
+    "blocked_attention_elements",
     "default_store",
     "embedded_engine_bytes",
     "format_bytes",

@@ -51,6 +51,12 @@ class PlanConfig(BaseModel):
         description="Activation recompute: none, selective (core attention only), full (each layer's input kept); "
         "null: full when trainer.backend.activation_checkpointing, else none.",
     )
+    sequence_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens per trained sequence (prompt + response), for the attention term of deterministic "
+        "kernels, which grows with it; null: 64 + rollout.max_new_tokens.",
+    )
     rollout_engine: Literal["embedded", "sglang"] = Field(
         default="embedded", description="The rollout engine: embedded (miles-rollout) or sglang."
     )

@@ -79,6 +79,29 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1) -> flo
     return values / tp
 
 
+def blocked_attention_elements(shape: ModelShape, sequence_length: int, query_tile: int, page_size: int) -> float:
+    """Elements per token and layer that Miles' deterministic attention keeps beyond a fused kernel's Q, K, V and
+    output (miles_kernels/ops/attention.py, `_blocked_attention`): it is an online softmax written in torch ops, so
+    autograd keeps, for every (query tile, key block) pair a tile visits, the gathered K and V block
+    (2 x kv_heads x page x head_dim), the block's scores and probabilities (2 x heads x tile x page) and, past the
+    first block, the running accumulator and its rescaled copy (2 x heads x tile x head_dim); and per tile the
+    float32 query tile and the accumulator the output divides (2 x heads x tile x head_dim). A tile of a causal
+    sequence of L tokens visits every key block up to its last query: the pairs grow as L^2 / (2 x page)."""
+    if shape.is_mla:  # the embedded kernels run standard attention only
+        return 0.0
+    heads, kv_heads, d = shape.num_attention_heads, shape.kv_heads, shape.dim
+    pairs = later = 0
+    num_tiles = -(-sequence_length // query_tile)
+    for tile in range(num_tiles):
+        last = min(sequence_length, (tile + 1) * query_tile) - 1
+        blocks = last // page_size + 1
+        pairs += blocks
+        later += blocks - 1
+    elements = pairs * (2 * kv_heads * page_size * d + 2 * heads * query_tile * page_size)
+    elements += later * 2 * heads * query_tile * d + num_tiles * 2 * heads * query_tile * d
+    return elements / sequence_length
+
+
 def activation_bytes(
     shape: ModelShape,
     tokens: float,
@@ -87,6 +110,7 @@ def activation_bytes(
     layers: list[int],
     tp: int = 1,
     has_logits: bool = True,
+    attention_extra: float = 0.0,
 ) -> int:
     """Activations kept for backward of one micro-batch of `tokens` tokens over `layers` (the layers whose
     activations are alive at once on this rank: every layer of the model under 1F1B pipelining, whose first stage
@@ -94,10 +118,12 @@ def activation_bytes(
     recompute: none / selective (recomputes core attention, which a fused kernel already does: same as none) /
     full (each layer keeps its input, N x H, and one layer's full activations live during its recompute).
     Logits: N x V in the compute dtype, widened to fp32, and log_softmax's fp32 output (miles_kernels
-    CausalLM.logits / token_logprobs), split over tp by a vocab-parallel head."""
+    CausalLM.logits / token_logprobs), split over tp by a vocab-parallel head. `attention_extra`: elements per token
+    and layer an unfused attention keeps besides (`blocked_attention_elements`; kept in float32)."""
     if not layers:
         return 0
-    per_layer = [layer_activation_elements(shape, layer, tp) for layer in layers]
+    extra = attention_extra * 4 / act_bytes  # counted in act_bytes units below
+    per_layer = [layer_activation_elements(shape, layer, tp) + extra for layer in layers]
     elements = len(layers) * shape.hidden_size / tp + max(per_layer) if recompute == "full" else sum(per_layer)
     out = elements * tokens * act_bytes
     if has_logits:
@@ -154,6 +180,7 @@ def fsdp2_bytes(
     keep_reference: bool = False,
     critic: str | None = None,
     is_mtp_trained: bool = False,
+    attention_extra: float = 0.0,
 ) -> dict[str, int]:
     """One rank of Miles' FSDP2 backend (miles_trainer/fsdp.py) after an optimizer step, by tag:
     - weights: float32 master parameters (`load_model(..., dtype=torch.float32)`), dim-0 sharded over `world`
@@ -167,7 +194,8 @@ def fsdp2_bytes(
     - gathered: transient unsharded parameters in the compute dtype while a forward / backward runs (FSDP2 keeps the
       root's embedding / norm / head gathered and prefetches the next layer: root + 2 layers); none for one float32
       rank, which stays a plain module (`_needs_fsdp`);
-    - activations: `activation_bytes` for `tokens` (an estimate, not exact)."""
+    - activations: `activation_bytes` for `tokens` (an estimate, not exact), with `attention_extra` elements per
+      token and layer for deterministic kernels (`blocked_attention_elements`)."""
     b = DTYPE_BYTES[dtype]
     tensors = shape.tensors()
     trunk = [t for t in tensors if t.layer is None or t.layer < shape.num_hidden_layers]
@@ -202,9 +230,11 @@ def fsdp2_bytes(
         gathered = (root + 2 * largest) * b
     out["gathered"] = gathered
     layers = list(range(shape.num_hidden_layers)) + (list(shape.mtp_layers()) if is_mtp_trained else [])
-    out["activations"] = activation_bytes(shape, tokens, b, recompute, layers)
+    out["activations"] = activation_bytes(shape, tokens, b, recompute, layers, attention_extra=attention_extra)
     if critic == "separate":
-        out["activations"] += activation_bytes(shape, tokens, b, recompute, layers, has_logits=False)
+        out["activations"] += activation_bytes(
+            shape, tokens, b, recompute, layers, has_logits=False, attention_extra=attention_extra
+        )
     return out
 
 

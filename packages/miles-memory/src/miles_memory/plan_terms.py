@@ -14,6 +14,7 @@ from miles_memory.model_shape import ModelShape, Tensor
 from miles_memory.plan_formulas import (
     DTYPE_BYTES,
     activation_bytes,
+    blocked_attention_elements,
     cuda_graph_bytes,
     dispatch_bytes,
     embedded_engine_bytes,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["EngineTerms", "TrainerTerms", "engine_terms", "trainer_terms"]
 
 GIB = 2**30
+PROMPT_TOKENS_GUESS = 64  # prompt tokens per sequence when memory.plan.sequence_length is not given
 
 
 @dataclass
@@ -59,6 +61,14 @@ def trainer_terms(
     return _fsdp2(shape, run, train_gpus)
 
 
+def deterministic_attention_extra(shape: ModelShape, run: RunInputs) -> float:
+    """Elements per token and layer Miles' deterministic attention keeps beyond a fused kernel's (0 in fast mode)."""
+    if not run.is_deterministic:
+        return 0.0
+    length = min(run.sequence_length or PROMPT_TOKENS_GUESS + run.max_new_tokens, run.tokens)
+    return blocked_attention_elements(shape, length, run.query_tile, run.page_size)
+
+
 def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
     world = run.num_ranks if run.plan.hardware == "cpu" else train_gpus
     online = run.spec_mode == "online"
@@ -71,6 +81,7 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
         keep_reference=run.keep_reference,
         critic=run.critic,
         is_mtp_trained=online,
+        attention_extra=deterministic_attention_extra(shape, run),
     )
     fp32 = "fp32 shards: 4 B x params / fsdp world (dim 0 padded)"
     state = [

@@ -44,6 +44,9 @@ class RunInputs(BaseModel):
     max_running_requests: int = 64
     max_prefill_tokens: int = 2048
     max_new_tokens: int = 16
+    is_deterministic: bool = True
+    query_tile: int = 4
+    sequence_length: int | None = None
     colocate: bool = True
     offload_to: str = "auto"
     limit_bytes: int | None = None
@@ -80,6 +83,9 @@ def read_run(config: dict[str, Any]) -> RunInputs:
         max_running_requests=int(_get(config, "rollout.engine.max_running_requests", 64)),
         max_prefill_tokens=int(_get(config, "rollout.engine.max_prefill_tokens", 2048)),
         max_new_tokens=int(_get(config, "rollout.max_new_tokens", 16)),
+        is_deterministic=_get(config, "kernel.mode", "deterministic") == "deterministic",
+        query_tile=int(_get(config, "kernel.attention_query_tile", 4)),
+        sequence_length=plan.sequence_length,
         colocate=bool(_get(config, "run.colocate", True)),
         offload_to=str(_get(config, "memory.offload_to", "auto")),
         limit_bytes=_get(config, "memory.limit_bytes", None),
