@@ -14,7 +14,6 @@ Optional: activation checkpointing per decoder layer, a frozen reference copy fo
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 import warnings
@@ -41,8 +40,11 @@ from miles_trainer.step import (
     StepStats,
     accumulate_policy_gradients,
     accumulate_sft_gradients,
+    add_batch_stats,
     add_is_metrics,
+    batch_summary,
     count_trained,
+    is_nonzero,
     mismatch_weights,
     resolve_loss_fn,
 )
@@ -320,10 +322,10 @@ class FSDP2Backend:
                 stats.add_mean(name, total / max(num_tokens, 1.0), num_tokens)
         critic_metrics = self._critic_step() if critic is not None else {}
         critic_metrics |= self._aux_step()
-        _add_batch_stats(stats, samples, advantages)
+        add_batch_stats(stats, samples, advantages)
         # A batch whose advantages are all zero (every group's rewards equal) has no policy-gradient signal; an
         # AdamW step would still move the weights along stale momentum, so the update is skipped.
-        signal = torch.tensor([float(any(_nonzero(a) for a in advantages))])
+        signal = torch.tensor([float(any(is_nonzero(a) for a in advantages))])
         dist.all_reduce(signal, op=dist.ReduceOp.MAX)
         has_signal = bool(signal.item()) or loss.kl_coef > 0 or loss.entropy_coef > 0
         metrics = self._finish_step(stats, start, skip_update=is_warmup or not has_signal)
@@ -405,7 +407,7 @@ class FSDP2Backend:
             stats.add_max(name, value)
         stats.all_reduce()
         metrics = stats.summary()
-        metrics.update(_batch_summary(metrics))
+        metrics.update(batch_summary(metrics))
         elapsed = time.perf_counter() - start
         metrics.update({
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
@@ -512,36 +514,3 @@ def _adamw(
         fused=True,  # one fused kernel per step (CPU and CUDA): ~6x faster
     )  # fmt: skip
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
-
-
-def _nonzero(advantage: float | Sequence[float]) -> bool:
-    return advantage != 0 if isinstance(advantage, (int, float)) else any(a != 0 for a in advantage)
-
-
-def _add_batch_stats(stats: StepStats, samples: Sequence[Sample], advantages: PerSample) -> None:
-    """Sums from which `_batch_summary` derives reward and advantage statistics over the global batch."""
-    rewards = [s.reward for s in samples if s.reward is not None]
-    per_sample = [a if isinstance(a, (int, float)) else (sum(a) / max(len(a), 1)) for a in advantages]
-    for prefix, values in (("reward", rewards), ("advantage", per_sample)):
-        stats.add(f"{prefix}_count", float(len(values)))
-        stats.add(f"{prefix}_sum", float(sum(values)))
-        stats.add(f"{prefix}_sq_sum", float(sum(v * v for v in values)))
-        # every rank adds every key (the all-reduce pairs keys by name), with -inf where it has no value
-        stats.add_max(f"{prefix}_max", float(max(values, default=float("-inf"))))
-        stats.add_max(f"{prefix}_neg_min", -float(min(values, default=float("inf"))))
-
-
-def _batch_summary(metrics: dict[str, float]) -> dict[str, float]:
-    out = {}
-    for prefix in ("reward", "advantage"):
-        if f"{prefix}_count" not in metrics:
-            continue
-        count = metrics.pop(f"{prefix}_count")
-        total, squares = metrics.pop(f"{prefix}_sum", 0.0), metrics.pop(f"{prefix}_sq_sum", 0.0)
-        neg_min, maximum = metrics.pop(f"{prefix}_neg_min"), metrics.pop(f"{prefix}_max")
-        if count:
-            mean = total / count
-            out[f"{prefix}_mean"] = mean
-            out[f"{prefix}_std"] = math.sqrt(max(squares / count - mean * mean, 0.0))
-            out[f"{prefix}_min"], out[f"{prefix}_max"] = -neg_min, maximum
-    return out

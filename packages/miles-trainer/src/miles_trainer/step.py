@@ -12,6 +12,7 @@ Shapes: K response tokens, B samples of a micro-batch, T the longest response in
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
@@ -434,3 +435,36 @@ def _add_aux_stats(
         stats.add(f"{name}_loss", float(part.detach()))
         for metric, value in aux_metrics.items():
             stats.add_mean(metric, float(value), num_valid)
+
+
+def is_nonzero(advantage: float | Sequence[float]) -> bool:
+    return advantage != 0 if isinstance(advantage, (int, float)) else any(a != 0 for a in advantage)
+
+
+def add_batch_stats(stats: StepStats, samples: Sequence[Sample], advantages: PerSample) -> None:
+    """Sums from which `batch_summary` derives reward and advantage statistics over the global batch."""
+    rewards = [s.reward for s in samples if s.reward is not None]
+    per_sample = [a if isinstance(a, (int, float)) else (sum(a) / max(len(a), 1)) for a in advantages]
+    for prefix, values in (("reward", rewards), ("advantage", per_sample)):
+        stats.add(f"{prefix}_count", float(len(values)))
+        stats.add(f"{prefix}_sum", float(sum(values)))
+        stats.add(f"{prefix}_sq_sum", float(sum(v * v for v in values)))
+        # every rank adds every key (the all-reduce pairs keys by name), with -inf where it has no value
+        stats.add_max(f"{prefix}_max", float(max(values, default=float("-inf"))))
+        stats.add_max(f"{prefix}_neg_min", -float(min(values, default=float("inf"))))
+
+
+def batch_summary(metrics: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for prefix in ("reward", "advantage"):
+        if f"{prefix}_count" not in metrics:
+            continue
+        count = metrics.pop(f"{prefix}_count")
+        total, squares = metrics.pop(f"{prefix}_sum", 0.0), metrics.pop(f"{prefix}_sq_sum", 0.0)
+        neg_min, maximum = metrics.pop(f"{prefix}_neg_min"), metrics.pop(f"{prefix}_max")
+        if count:
+            mean = total / count
+            out[f"{prefix}_mean"] = mean
+            out[f"{prefix}_std"] = math.sqrt(max(squares / count - mean * mean, 0.0))
+            out[f"{prefix}_min"], out[f"{prefix}_max"] = -neg_min, maximum
+    return out
