@@ -103,8 +103,9 @@ def test_colocated_turns_switch_once_each_way() -> None:
     class Cluster:
         engine = Engine()
 
-        async def offload_trainer(self) -> None:
+        async def offload_trainer(self, room_for: int | None = None) -> int:
             calls.append("offload")
+            return 0
 
         async def onload_trainer(self) -> None:
             calls.append("onload")

@@ -172,7 +172,7 @@ def test_host_peak_memory_stays_within_the_stated_bounds(tmp_path) -> None:
     tensor or bucket a transfer moves; a 2 ms sampling thread during the checkpoint save) never rise above the
     start of the transfer by more than docs/memory.md states: nothing for a disk offload, what comes back for an
     onload, one gathered tensor for a streamed weight-file write (the whole model only for the first write), one
-    bucket plus one tensor for the buckets, two tensors for a checkpoint save."""
+    bucket plus one tensor for the buckets, three tensors for a checkpoint save (2.0 and 1.1 measured)."""
     model_dir = tmp_path / "model"
     save_model(random_model(tiny_config("dense"), seed=4), model_dir)
     _, m = run_ranks(model_dir, tmp_path / "peaks", world=2, mode="host-peak")
@@ -182,7 +182,7 @@ def test_host_peak_memory_stays_within_the_stated_bounds(tmp_path) -> None:
     assert m["weights_file_first_growth_bytes"] <= m["model_bytes"] + largest
     assert 0 < m["weights_file_streamed_growth_bytes"] <= largest < m["model_bytes"] / 4
     assert m["buckets_growth_bytes"] <= m["bucket_bytes"] + largest
-    assert m["checkpoint_samples"] >= 2 and m["checkpoint_growth_bytes"] <= 2 * largest
+    assert m["checkpoint_samples"] >= 2 and m["checkpoint_growth_bytes"] <= 3 * largest
 
 
 def test_offload_round_trip_is_bit_exact(tmp_path) -> None:
