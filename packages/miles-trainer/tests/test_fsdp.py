@@ -67,12 +67,24 @@ def run_ranks(
     return load_file(out_dir / "params.safetensors"), {k: v for k, v in metrics.items() if k not in TIMING}
 
 
+@pytest.fixture(scope="module")
+def two_rank_step(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], dict[str, float]]:
+    """A dense model and one step of it on two ranks (shared by the tests that compare against that step)."""
+    root = tmp_path_factory.mktemp("two-rank-step")
+    save_model(random_model(tiny_config("dense"), seed=4), root / "model")
+    params, metrics = run_ranks(root / "model", root / "two", world=2)
+    return root / "model", params, metrics
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_two_processes_match_one(tmp_path, kind: str) -> None:
+def test_two_processes_match_one(tmp_path, kind: str, two_rank_step) -> None:
     model_dir = tmp_path / "model"
-    save_model(random_model(tiny_config(kind), seed=4), model_dir)
+    if kind == "dense":
+        model_dir, two, metrics_two = two_rank_step
+    else:
+        save_model(random_model(tiny_config(kind), seed=4), model_dir)
+        two, metrics_two = run_ranks(model_dir, tmp_path / "two", world=2)
     one, metrics_one = run_ranks(model_dir, tmp_path / "one", world=1)
-    two, metrics_two = run_ranks(model_dir, tmp_path / "two", world=2)
     initial = load_model(model_dir, KernelConfig()).state_dict()
     assert one.keys() == two.keys()
     moved = max(float((one[name] - initial[name]).abs().max()) for name in one)
@@ -135,13 +147,11 @@ def test_sigkill_mid_save_keeps_last_checkpoint_and_resume_matches(tmp_path) -> 
     assert metrics_resumed == metrics_straight
 
 
-def test_an_oom_on_one_rank_is_retried_by_both_with_the_same_step(tmp_path) -> None:
+def test_an_oom_on_one_rank_is_retried_by_both_with_the_same_step(tmp_path, two_rank_step) -> None:
     """Rank 0 alone runs out of memory (injected) in a micro-batch of 24 tokens: both ranks finish their
     collectives, agree, and run the step again with 12 tokens per micro-batch; the update equals an OOM-free step's
     to float32 rounding (another micro-batch split sums the gradient in another order)."""
-    model_dir = tmp_path / "model"
-    save_model(random_model(tiny_config("dense"), seed=4), model_dir)
-    straight, metrics_straight = run_ranks(model_dir, tmp_path / "straight", world=2)
+    model_dir, straight, metrics_straight = two_rank_step
     retried, metrics_retried = run_ranks(model_dir, tmp_path / "retried", world=2, mode="oom-retry")
     assert metrics_straight["oom_retries"] == 0 and metrics_straight["max_tokens_min"] == 24
     assert metrics_retried["oom_retries"] == 1
