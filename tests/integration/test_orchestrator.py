@@ -186,28 +186,26 @@ def test_the_default_example_drafts_and_trains_its_mtp_module_online(cold_run, t
 
 @pytest.mark.timeout(600)
 def test_a_fatal_oom_stops_the_run_with_a_report_and_resume_continues_after_the_fix(cold_run, tmp_path) -> None:
-    """The local cluster, 2 steps checkpointed, then resumed under a memory budget just above the trainer's
-    resident tensors with no room to halve the micro-batches: the planner refuses it at start-up (exit 2, naming
-    --force); forced, step 3 runs out of memory for good: exit 1, RUN_DIR/oom_report.json says what held memory, and
-    the step-2 checkpoint is intact; resumed without the budget, steps 3 and 4 run once each."""
+    """The local cluster, 1 step checkpointed, then resumed (forced past the planner's refusal, which
+    packages/miles-orchestrator/tests/test_memory_check.py tests) under a memory budget just above the trainer's
+    resident tensors with no room to halve the micro-batches: step 2 runs out of memory for good: exit 1,
+    RUN_DIR/oom_report.json says what held memory, the step-1 checkpoint is intact; resumed without the budget, step
+    2 runs once."""
     _, cache = cold_run
     run_dir = tmp_path / "oom"
     common = [*SMALL, "run.cluster=local", "run.eval_every=0", f"model.path={policy_dir(cache)}"]
-    result = cli(*common, "run.num_steps=2", "run.checkpoint_every=1", f"run.run_dir={run_dir}", cache=cache)
+    result = cli(*common, "run.num_steps=1", f"run.run_dir={run_dir}", cache=cache)
     assert result.returncode == 0, result.stderr[-5000:]
     held = history(run_dir)[-1]["mem_train_held_bytes"]
-    budget = [f"memory.limit_bytes={int(held) + 4_000_000}", "memory.min_tokens_per_micro_batch=4096",
-              "run.num_steps=4"]  # fmt: skip
-    refused = cli("--resume", str(run_dir), *budget, cache=cache)
-    assert refused.returncode == 2 and "does not fit" in refused.stderr and "--force" in refused.stderr, refused.stderr
-    forced = cli("--resume", str(run_dir), "--force", *budget, cache=cache)
+    budget = [f"memory.limit_bytes={int(held) + 4_000_000}", "memory.min_tokens_per_micro_batch=4096"]
+    forced = cli("--resume", str(run_dir), "--force", *budget, "run.num_steps=2", cache=cache)
     assert forced.returncode == 1, forced.stderr[-5000:]
     assert "oom_report.json" in forced.stderr and "fix, then --resume" in forced.stderr
     report = json.loads((run_dir / "oom_report.json").read_text())
     assert report["report"]["what"] == "the forward's saved activations"
     assert report["report"]["held_bytes"]["weights"] > 0 and report["planned"]["fits"] is False
-    assert [r["step"] for r in history(run_dir)] == [1, 2]
+    assert [r["step"] for r in history(run_dir)] == [1]
     fixed = cli("--resume", str(run_dir), "memory.limit_bytes=null", "memory.min_tokens_per_micro_batch=64",
-                "run.num_steps=4", cache=cache)  # fmt: skip
+                "run.num_steps=2", cache=cache)  # fmt: skip
     assert fixed.returncode == 0, fixed.stderr[-5000:]
-    assert [r["step"] for r in history(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in history(run_dir)] == [1, 2]
