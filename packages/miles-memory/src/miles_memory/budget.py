@@ -100,7 +100,8 @@ class ActivationMeter:
     released when autograd frees it), while active (`with meter:`). With a budget and the bytes held beside the
     activations, an overrun either raises `torch.OutOfMemoryError` at once or, `deferred`, is only recorded
     (`overrun`), so that every rank of a sharded step finishes its collectives and all agree on the retry before
-    the next one (docs/memory.md, "OOM handling"). Parameters are not counted (FSDP frees its gathered copies)."""
+    the next one (docs/memory.md, "OOM handling"). Parameters and their views are not counted (FSDP frees its
+    gathered copies)."""
 
     def __init__(
         self,
@@ -123,7 +124,11 @@ class ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta":
+        # Parameters and their views (a transposed or expanded weight) are weights, not activations: FSDP's gathered
+        # copies among them are freed after the forward whatever autograd keeps.
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+            return tensor
+        if tensor.device.type == "meta":
             return tensor
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
