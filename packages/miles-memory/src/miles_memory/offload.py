@@ -59,6 +59,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(s.nbytes() for s in unique_storages(tensors))
 
 
+def _bytes_by_tag(storages: dict[str, list[torch.UntypedStorage]]) -> dict[str, int]:
+    return {tag: sum(s.nbytes() for s in group) for tag, group in storages.items()}
+
+
 @dataclass
 class _Moved:
     storage: torch.UntypedStorage
@@ -116,7 +120,8 @@ class OffloadManager:
             raise ValueError(f"unknown memory tag(s) {unknown} for {self.name}; it has {self.tags}")
         return list(tags) if tags is not None else self.tags
 
-    def _storages_by_tag(self) -> dict[str, list[torch.UntypedStorage]]:
+    def resident_storages(self) -> dict[str, list[torch.UntypedStorage]]:
+        """Each tag's resident (non-empty) storages, each storage under the first tag that yields it."""
         seen: set[int] = set()
         out: dict[str, list[torch.UntypedStorage]] = {}
         for tag, (source, _) in self._sources.items():
@@ -126,15 +131,7 @@ class OffloadManager:
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes each tag holds on the device now."""
-        return {tag: sum(s.nbytes() for s in storages) for tag, storages in self._storages_by_tag().items()}
-
-    def storage_pointers(self) -> set[int]:
-        """Data pointers of every resident storage of every tag (what `resident_bytes` counts)."""
-        return {s.data_ptr() for storages in self._storages_by_tag().values() for s in storages}
-
-    def offloaded_bytes(self) -> dict[str, int]:
-        """Bytes of each tag that an `onload` would bring back (dropped tags: re-allocated, not refilled)."""
-        return {tag: sum(m.nbytes for m in moved) for tag, moved in self._moved.items()}
+        return _bytes_by_tag(self.resident_storages())
 
     def is_offloaded(self, tag: str | None = None) -> bool:
         return any(self._moved[t] for t in ([tag] if tag is not None else self.tags))
@@ -143,7 +140,7 @@ class OffloadManager:
         """Move `tags` (None: all) off the device; with `need_bytes`, only the largest storages until that many
         bytes are free. Returns the plan, which is also logged."""
         tags = self._check_tags(tags)
-        by_tag = self._storages_by_tag()
+        by_tag = self.resident_storages()
         candidates = [(tag, s) for tag in tags for s in by_tag[tag]]
         if need_bytes is not None:
             candidates.sort(key=lambda item: item[1].nbytes(), reverse=True)
@@ -165,7 +162,7 @@ class OffloadManager:
             plan.num_storages += 1
             if self.progress is not None:
                 self.progress()
-        plan.resident_bytes = self.resident_bytes()
+        plan.resident_bytes = _bytes_by_tag(by_tag)  # the moved storages are empty now
         logger.info("%s %s", self.name, plan.summary())
         return plan
 

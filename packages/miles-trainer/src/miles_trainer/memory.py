@@ -29,6 +29,7 @@ from miles_memory import (
     MemoryBudget,
     OffloadManager,
     OffloadPlan,
+    OOMReport,
     default_store,
     format_bytes,
     out_of_memory,
@@ -100,10 +101,10 @@ class TrainerMemory:
             need = max(0, resident + room_for - self.budget.available_bytes)
         return self.manager.offload(need_bytes=need)
 
-    def _held(self) -> dict[str, int]:
-        """What a step holds beside its activations, by tag: the resident tensors, the gradients, and the AdamW
+    def _held(self, resident: dict[str, int]) -> dict[str, int]:
+        """What a step holds beside its activations, by tag: the `resident` tensors, the gradients, and the AdamW
         moments (two per trainable parameter) even before the first step creates them: the steady state."""
-        held = self.manager.resident_bytes()
+        held = dict(resident)
         trainable = _trainable_bytes(self._trainable())
         held["grads"] = trainable
         held["optimizer"] = max(held["optimizer"], 2 * trainable)
@@ -112,7 +113,7 @@ class TrainerMemory:
     def check_fits(self) -> None:
         """At start-up: a fatal OOM when what a step holds beside its activations alone exceeds the budget."""
         if self.budget is not None:
-            held = self._held()
+            held = self._held(self.manager.resident_bytes())
             self.budget.check({}, sum(held.values()), f"the trainer's resident tensors ({_describe(held)})")
 
     def with_oom_retry(
@@ -122,9 +123,11 @@ class TrainerMemory:
         again after an OOM that the retry can absorb (see the module docstring). Returns its result and the token
         budget it ran with (which later steps keep)."""
         while True:
-            held = self._held()
+            storages = self.manager.resident_storages()  # one walk of the tagged tensors per attempt
+            held = self._held({tag: sum(s.nbytes() for s in group) for tag, group in storages.items()})
             self.held_bytes = sum(held.values())
-            meter = ActivationMeter(self.budget, held, deferred=True, held_storages=self.manager.storage_pointers())
+            pointers = {s.data_ptr() for group in storages.values() for s in group}
+            meter = ActivationMeter(self.budget, held, deferred=True, held_storages=pointers)
             try:
                 with meter:
                     result = accumulate(max_tokens)
@@ -132,9 +135,9 @@ class TrainerMemory:
             except torch.OutOfMemoryError as error:  # the allocator's own (a GPU's)
                 if dist.get_world_size() > 1:
                     raise  # its peers wait in a collective this rank left: not retryable
-                report = getattr(error, "report", None)
-                if report is None:
-                    report = (self.budget or MemoryBudget(1)).report(self.manager.resident_bytes(), 0, str(error))
+                report = getattr(error, "report", None) or OOMReport(
+                    str(error), 0, self.budget.limit_bytes if self.budget else 0, self.config.comm_headroom_bytes, held
+                )
             self.peak_activation_bytes = meter.peak_bytes
             if dist.get_world_size() > 1:
                 if self.budget is None:  # no budget, no overrun to agree on (an allocator OOM raised above)
