@@ -1,6 +1,9 @@
 """CPU numerics: the miles model equals Hugging Face `transformers` on the same weights (logits within 1e-4 in
-fp32) for Qwen3 dense and Qwen3-MoE, tied and untied embeddings, GQA ratios 1, 2 and 4, in both kernel modes;
-and HF directories round-trip through `load_model` / `save_model` in both directions."""
+fp32) for Qwen3 dense, Qwen3-MoE and GLM-4.5 MoE, tied and untied embeddings, GQA ratios 1, 2 and 4, in both kernel
+modes; and HF directories round-trip through `load_model` / `save_model` in both directions.
+
+Parity inputs are random floats, so no two router scores tie exactly (transformers' `topk(sorted=False)` leaves the
+order of ties unspecified; Miles' tie rule is tested in test_ops.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from miles_kernels import KernelConfig, checkpoint_tensors, load_model, read_model_config, save_model
 from miles_kernels.testing import packed_logits, save_random_model, tiny_config
@@ -51,6 +54,105 @@ def test_moe_with_dense_layers_and_unnormalized_topk(tmp_path) -> None:
     seqs = random_seqs(config.vocab_size, [13, 27], seed=11)
     for got, want in zip(packed_logits(load_model(tmp_path), seqs), hf_logits(tmp_path, seqs), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def assert_matches_transformers(model_dir, seqs: list[torch.Tensor], modes=KERNELS) -> None:
+    reference = hf_logits(model_dir, seqs)
+    for mode, kernel in modes.items():
+        for got, want in zip(packed_logits(load_model(model_dir, kernel), seqs), reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda m, mode=mode: f"{mode}: {m}")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_glm4_moe_logits_match_transformers(tmp_path, tied: bool, num_kv_heads: int) -> None:
+    """The full GLM-4.5 family (tiny_config("glm")): grouped sigmoid routing with a nonzero correction bias, a
+    shared expert, a dense first layer, partial rotary, q/k/v biases, QK-norm, routed scaling."""
+    config = tiny_config("glm", tie_word_embeddings=tied, num_key_value_heads=num_kv_heads)
+    save_random_model(tmp_path, config, seed=20 + num_kv_heads)
+    assert_matches_transformers(tmp_path, random_seqs(config.vocab_size, [1, 6, 19, 40], seed=num_kv_heads))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # GLM-4.5 / GLM-4.5-Air as released: one group, no QK-norm, full... (partial rotary 0.5 kept), biases
+        {"n_group": 1, "topk_group": 1, "use_qk_norm": False},
+        # 4 groups of 4, 2 kept, top-3, unnormalized, no shared expert, no dense layer, full rotary, no biases
+        {"num_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "norm_topk_prob": False,
+         "n_shared_experts": 0, "first_k_dense_replace": 0, "partial_rotary_factor": 1.0, "attention_bias": False},
+        # two shared experts, two dense layers of four
+        {"n_shared_experts": 2, "first_k_dense_replace": 2, "num_hidden_layers": 4, "routed_scaling_factor": 1.0},
+    ],
+    ids=["glm45-layout", "grouped-unnormalized", "dense-first-layers"],
+)  # fmt: skip
+def test_glm4_moe_variants_match_transformers(tmp_path, overrides: dict) -> None:
+    config = tiny_config("glm", **overrides)
+    save_random_model(tmp_path, config, seed=31)
+    assert_matches_transformers(tmp_path, random_seqs(config.vocab_size, [5, 33], seed=31))
+
+
+def test_glm4_moe_router_bias_stays_float32_and_round_trips(tmp_path) -> None:
+    source = save_random_model(tmp_path / "src", tiny_config("glm"), seed=7, dtype="bfloat16")
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    stored = load_file(source / "model.safetensors")[name]
+    assert stored.dtype == torch.float32 and stored.abs().sum() > 0
+    model = load_model(source, KernelConfig(dtype="bfloat16"))
+    bias = model.get_buffer(name)
+    assert bias.dtype == torch.float32 and torch.equal(bias, stored)
+    assert model.get_parameter("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+    assert all(not b.requires_grad for b in model.buffers())  # frozen: no optimizer sees it
+    again = load_model(save_model(model, tmp_path / "again"), KernelConfig(dtype="bfloat16"))
+    for key, tensor in checkpoint_tensors(model).items():
+        assert torch.equal(tensor, checkpoint_tensors(again)[key]), key
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    assert torch.equal(hf.model.layers[1].mlp.gate.e_score_correction_bias, stored)
+
+
+def test_loads_a_glm4_moe_directory_written_by_transformers(tmp_path) -> None:
+    hf_config = Glm4MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+        partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = Glm4MoeForCausalLM(hf_config).eval()
+    with torch.no_grad():  # transformers initializes the bias to zeros: give it values that change the choice
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    hf.save_pretrained(tmp_path)
+    seqs = random_seqs(128, [9, 20], seed=0)
+    with torch.no_grad():
+        reference = [hf(s[None]).logits[0] for s in seqs]
+    config = read_model_config(tmp_path)
+    assert (config.model_type, config.num_experts, config.partial_rotary_factor) == ("glm4_moe", 8, 0.5)
+    for got, want in zip(packed_logits(load_model(tmp_path), seqs), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_deepseek_v3_is_refused_naming_what_is_missing(tmp_path) -> None:
+    hf = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "q_lora_rank": 1536}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"deepseek_v3.*Multi-head Latent Attention.*kv_lora_rank.*GLM-4.5"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"n_group": 3}, "n_group=3 must divide"),
+        ({"topk_group": 3}, r"topk_group=3 must be in \[1, n_group=2\]"),
+        ({"num_experts_per_tok": 5}, "exceeds the 4 experts"),
+        ({"partial_rotary_factor": 0.1875}, "even rotary"),
+    ],
+)
+def test_glm4_moe_config_errors_name_the_setting(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config("glm", **overrides)
+    with pytest.raises(ValueError, match="are glm4_moe settings"):
+        tiny_config("moe", n_shared_experts=1)
 
 
 def test_loads_a_directory_written_by_transformers(tmp_path) -> None:

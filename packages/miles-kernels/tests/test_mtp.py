@@ -1,5 +1,6 @@
 """MTP (multi-token prediction) modules, DeepSeek-V3 / GLM-4.5 form: the forward equals the formula (with a
-`transformers` Qwen3 layer as the independent reference for the decoder layer), checkpoints round-trip with the
+`transformers` Qwen3 / Qwen3-MoE / GLM-4.5 layer as the independent reference for the decoder layer: transformers
+does not run MTP modules, so GLM-4.5's are checked against the written formula only), checkpoints round-trip with the
 MTP copies of the embedding and LM head, a model without MTP still loads, the trunk is untouched, and the MTP
 forward is batch-invariant like the trunk."""
 
@@ -28,7 +29,9 @@ def hf_layer_model(model, module: int, directory):
 
     from miles_kernels import CausalLM
 
-    one = CausalLM(replace(model.config, num_hidden_layers=1, num_nextn_predict_layers=0), KERNEL)
+    # GLM-4.5's MTP layer is an MoE layer (its index is past first_k_dense_replace): so is the reference's layer
+    dense_first = {"first_k_dense_replace": 0} if model.config.model_type == "glm4_moe" else {}
+    one = CausalLM(replace(model.config, num_hidden_layers=1, num_nextn_predict_layers=0, **dense_first), KERNEL)
     prefix = f"model.layers.{model.config.num_hidden_layers + module}."
     source = model.state_dict()
     state = {name: source[name.replace("model.layers.0.", prefix)] for name in one.state_dict()
@@ -41,7 +44,7 @@ def hf_layer_model(model, module: int, directory):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm"])
 def test_mtp_forward_is_the_formula(tmp_path, kind: str) -> None:
     config = tiny_config(kind, num_nextn_predict_layers=2, tie_word_embeddings=kind == "dense")
     model = random_model(config, KERNEL, seed=5)

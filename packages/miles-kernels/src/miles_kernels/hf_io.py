@@ -2,7 +2,8 @@
 
 Loading reads `model.safetensors` or a sharded `model.safetensors.index.json`; every tensor name must match the
 model's, with the same shape, or the error names the tensor. Saving writes what `transformers` reloads
-(per-expert MoE names as Qwen3-MoE checkpoints store them; a tied `lm_head.weight` is not written).
+(per-expert MoE names as Qwen3-MoE and GLM-4.5 checkpoints store them; a tied `lm_head.weight` is not written;
+GLM-4.5's `e_score_correction_bias` in float32 whatever the model dtype).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[t
     Missing tensors are an error only when loading a complete checkpoint (a Mapping); an iterator of
     tensors (a bucket stream) may update any subset.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # GLM-4.5's float32 router bias is a buffer that the checkpoint stores like a weight (model.TopkRouter).
+    params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     copies = model.mtp_copy_names()
     seen = set()

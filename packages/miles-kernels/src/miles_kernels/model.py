@@ -1,4 +1,4 @@
-"""The Qwen3 dense / Qwen3-MoE causal LM that both the rollout engine and the trainer run.
+"""The Qwen3 dense / Qwen3-MoE / GLM-4.5 MoE causal LM that both the rollout engine and the trainer run.
 
 One plain, single-device definition (parallelism, checkpointing and compilation are applied from outside).
 Parameter names are the Hugging Face checkpoint names, so `state_dict()` *is* the checkpoint (minus the tied
@@ -8,13 +8,15 @@ Callers:
 - engine: `forward_hidden(ids, batch, kv_store)` with a persistent paged `KVStore` (prefill, chunked prefill
   after a cached prefix, decode), then `logits(hidden of the rows it samples from)`;
 - trainer: `forward_hidden(ids, build_packed_batch(...))` with no store (a temporary one is made, so the
-  trainer runs the engine's exact attention code), then `logits` / `token_logprobs` of every row.
+  trainer runs the engine's exact attention code), then `logits` / `token_logprobs` of every row; with routing
+  replay it passes the engine's recorded experts (`routing_NLK`, see ops/moe.py).
+After a forward, `last_routing()` is every MoE layer's choice in SGLang's routed-experts layout.
 Shapes: N tokens, H hidden, V vocab, Hq/Hkv heads, D head dim.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,7 @@ from miles_kernels.kv_cache import KVStore
 from miles_kernels.model_config import ModelConfig
 from miles_kernels.ops.attention import AttentionBatch, attention, num_pages_needed
 from miles_kernels.ops.linear import linear
-from miles_kernels.ops.moe import experts_forward, select_experts
+from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
 from miles_kernels.ops.norm import rms_norm
 from miles_kernels.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 from miles_kernels.ops.sampling import token_logprobs
@@ -62,9 +64,9 @@ class Attention(nn.Module):
         self.q_proj = Linear(config.hidden_size, heads * dim, bias, kernel)
         self.k_proj = Linear(config.hidden_size, kv_heads * dim, bias, kernel)
         self.v_proj = Linear(config.hidden_size, kv_heads * dim, bias, kernel)
-        self.o_proj = Linear(heads * dim, config.hidden_size, bias, kernel)
-        self.q_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.o_proj = Linear(heads * dim, config.hidden_size, config.o_proj_bias, kernel)
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps) if config.use_qk_norm else None
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps) if config.use_qk_norm else None
         self.shape = (heads, kv_heads, dim)
         self.scale = dim**-0.5
         self.kernel = kernel
@@ -81,8 +83,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
         num_tokens = x_NH.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x_NH).view(num_tokens, heads, dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x_NH).view(num_tokens, kv_heads, dim)), cos, sin)
+        q = self.q_proj(x_NH).view(num_tokens, heads, dim)
+        k = self.k_proj(x_NH).view(num_tokens, kv_heads, dim)
+        if self.q_norm is not None and self.k_norm is not None:  # QK-norm (per head, before RoPE)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x_NH).view(num_tokens, kv_heads, dim)
         pages, offsets = batch.write_pages_N, batch.write_offsets_N
         if batch.copy_tokens_C.numel():  # shared prompts: partial prompt pages are copied (see AttentionBatch)
@@ -113,33 +118,79 @@ class MLP(nn.Module):
         return out
 
 
+class TopkRouter(nn.Module):
+    """GLM-4.5's router (`mlp.gate`): `weight` (E, H) and `e_score_correction_bias` (E,), a float32 buffer.
+
+    The bias only steers which experts are chosen (ops/moe.py). It stays float32 whatever dtype the model is cast
+    to (as transformers keeps it), is loaded, saved and weight-synced with the parameters under its checkpoint
+    name, and is frozen during RL: it is a buffer, so no optimizer updates it (DeepSeek-V3's pre-training adjusts
+    it between steps for load balance; an RL run keeps the checkpoint's).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TopkRouter:
+        """Device moves apply to the bias, dtype casts do not (no rounding through a narrower dtype either)."""
+        bias = self.e_score_correction_bias
+        out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        moved = self.e_score_correction_bias
+        if moved.dtype != torch.float32:
+            self.e_score_correction_bias = nn.Buffer(bias.to(device=moved.device))
+        return cast(TopkRouter, out)
+
+
 class SparseMoE(nn.Module):
-    """Qwen3-MoE block: `gate` is the router; `experts.{e}` are MLPs (HF checkpoint names)."""
+    """An MoE block: `gate` is the router (a Linear for Qwen3-MoE, a `TopkRouter` for GLM-4.5), `experts.{e}` are
+    MLPs, `shared_experts` (GLM-4.5) an MLP every token goes through (HF checkpoint names)."""
 
     def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
         super().__init__()
-        self.gate = Linear(config.hidden_size, config.num_experts, False, kernel)
+        self.config = config
+        self.gate: nn.Module = (
+            TopkRouter(config)
+            if config.router == "sigmoid"
+            else Linear(config.hidden_size, config.num_experts, False, kernel)
+        )
         self.experts = nn.ModuleList(
             MLP(config.hidden_size, config.moe_intermediate_size, kernel) for _ in range(config.num_experts)
         )
-        self.top_k = config.num_experts_per_tok
-        self.normalize = config.norm_topk_prob
+        self.shared_experts = (
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, kernel)
+            if config.n_shared_experts
+            else None
+        )
         self.kernel = kernel
-        self.last_routing: torch.Tensor | None = None  # (N, K) expert ids of the last forward
+        self.last_routing: Routing | None = None  # the last forward's routing (ops/moe.py, `Routing`)
 
-    def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
-        expert_ids, weights = select_experts(self.gate(x_NH), self.top_k, self.normalize, x_NH.dtype)
-        self.last_routing = expert_ids
+    def route(self, x_NH: torch.Tensor, replay_NK: torch.Tensor | None = None) -> Routing:
+        config = self.config
+        if isinstance(self.gate, TopkRouter):  # logits in float32, as GLM-4.5 computes them
+            logits = linear(x_NH.to(torch.float32), self.gate.weight.to(torch.float32), self.kernel)
+            return route_grouped_sigmoid(
+                logits, self.gate.e_score_correction_bias, config.num_experts_per_tok, config.n_group,
+                config.topk_group, config.norm_topk_prob, config.routed_scaling_factor, x_NH.dtype, replay_NK,
+            )  # fmt: skip
+        return route_softmax(self.gate(x_NH), config.num_experts_per_tok, config.norm_topk_prob, x_NH.dtype, replay_NK)
+
+    def forward(self, x_NH: torch.Tensor, replay_NK: torch.Tensor | None = None) -> torch.Tensor:
+        routing = self.route(x_NH, replay_NK)
+        self.last_routing = routing
         experts: list[MLP] = list(self.experts)  # type: ignore[arg-type]
-        return experts_forward(
+        out = experts_forward(
             x_NH,
-            expert_ids,
-            weights,
+            routing.expert_ids,
+            routing.weights,
             [e.gate_proj.weight for e in experts],
             [e.up_proj.weight for e in experts],
             [e.down_proj.weight for e in experts],
             self.kernel,
         )
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_NH)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -163,9 +214,12 @@ class DecoderLayer(nn.Module):
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         is_persistent: bool,
+        replay_NK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos, sin, batch, k_pages, v_pages, is_persistent)
-        out: torch.Tensor = x_NH + self.mlp(self.post_attention_layernorm(x_NH))
+        normed = self.post_attention_layernorm(x_NH)
+        mlp_out = self.mlp(normed, replay_NK) if isinstance(self.mlp, SparseMoE) else self.mlp(normed)
+        out: torch.Tensor = x_NH + mlp_out
         return out
 
 
@@ -225,7 +279,7 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Qwen3 / Qwen3-MoE for causal LM, on miles kernels."""
+    """Qwen3 / Qwen3-MoE / GLM-4.5 MoE for causal LM, on miles kernels."""
 
     def __init__(self, config: ModelConfig, kernel: KernelConfig | None = None) -> None:
         super().__init__()
@@ -270,11 +324,27 @@ class CausalLM(nn.Module):
         return [p for layer in self.mtp_layers for p in layer.parameters() if id(p) not in shared]
 
     def forward_hidden(
-        self, input_ids_N: torch.Tensor, batch: AttentionBatch, kv_store: KVStore | None = None
+        self,
+        input_ids_N: torch.Tensor,
+        batch: AttentionBatch,
+        kv_store: KVStore | None = None,
+        routing_NLK: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states (N, H) of the batch's tokens; writes their K/V into `kv_store` if given."""
+        """Final-norm hidden states (N, H) of the batch's tokens; writes their K/V into `kv_store` if given.
+
+        `routing_NLK` (routing replay): expert ids (N, num_hidden_layers, K) in `last_routing`'s layout that the MoE
+        layers use instead of their router's choice; a row with a negative id routes normally in that layer (a
+        token the engine recorded nothing for); dense layers' entries are ignored.
+        """
         if input_ids_N.shape[0] != batch.num_tokens:
             raise ValueError(f"got {input_ids_N.shape[0]} input ids for a batch of {batch.num_tokens} tokens")
+        if routing_NLK is not None:
+            expected = (batch.num_tokens, self.config.num_hidden_layers, self.config.num_experts_per_tok)
+            if not self.config.is_moe or tuple(routing_NLK.shape) != expected:
+                raise ValueError(
+                    f"replayed routing has shape {tuple(routing_NLK.shape)}; this {self.config.model_type} model "
+                    + (f"routes (tokens, layers, top_k) = {expected}" if self.config.is_moe else "has no MoE layer")
+                )
         x = self.model.embed_tokens(input_ids_N)
         batch = batch.to(x.device)  # a batch laid out on the host (the trainer's packing) runs on the model's device
         cos, sin = self._rope(batch, x)
@@ -285,7 +355,8 @@ class CausalLM(nn.Module):
                 k_pages, v_pages, is_persistent = empty, empty, False
             else:
                 k_pages, v_pages, is_persistent = kv_store.k[index], kv_store.v[index], True
-            x = layer(x, cos, sin, batch, k_pages, v_pages, is_persistent)
+            replay = routing_NLK[:, index] if routing_NLK is not None and isinstance(layer.mlp, SparseMoE) else None
+            x = layer(x, cos, sin, batch, k_pages, v_pages, is_persistent, replay)
         normed: torch.Tensor = self.model.norm(x)
         return normed
 
@@ -343,7 +414,7 @@ class CausalLM(nn.Module):
     def _rope(self, batch: AttentionBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos / sin of the batch's positions; the frequencies are recomputed per call (head_dim / 2 values) so
         they are always float32, whatever the model dtype."""
-        inv_freq = inv_frequencies(self.config.head_dim, self.config.rope_theta, like.device)
+        inv_freq = inv_frequencies(self.config.rotary_dim, self.config.rope_theta, like.device)
         return rope_cos_sin(batch.positions_N, inv_freq, like.dtype)
 
     def _scratch_pages(self, batch: AttentionBatch, like: torch.Tensor) -> torch.Tensor:
@@ -376,10 +447,24 @@ class CausalLM(nn.Module):
         ends = torch.cumsum(batch.query_lens_S.to(logprobs.device), 0) - 1
         return logprobs.index_fill(0, ends, 0.0)
 
-    def routed_experts(self) -> list[torch.Tensor]:
-        """Expert ids (N, K) chosen by each MoE layer in the last forward (empty for dense models)."""
-        return [
-            layer.mlp.last_routing
-            for layer in self.trunk_layers
-            if isinstance(layer.mlp, SparseMoE) and layer.mlp.last_routing is not None
-        ]
+    def moe_layers(self) -> dict[int, SparseMoE]:
+        """The trunk's MoE blocks by layer index (empty for a dense model)."""
+        return {i: layer.mlp for i, layer in enumerate(self.trunk_layers) if isinstance(layer.mlp, SparseMoE)}
+
+    def last_routing(self) -> torch.Tensor | None:
+        """The experts of every token of the last trunk forward, in SGLang's routed-experts layout: int32
+        (N, num_hidden_layers, num_experts_per_tok), each row in rank order, dense layers' rows 0 (SGLang leaves them
+        unwritten in a zeroed buffer); None for a dense model or before a forward."""
+        layers = self.moe_layers()
+        if not layers or any(moe.last_routing is None for moe in layers.values()):
+            return None
+        first = next(iter(layers.values())).last_routing
+        assert first is not None
+        ids = first.expert_ids
+        out = torch.zeros(
+            ids.shape[0], self.config.num_hidden_layers, ids.shape[1], dtype=torch.int32, device=ids.device
+        )
+        for index, moe in layers.items():
+            assert moe.last_routing is not None
+            out[:, index] = moe.last_routing.expert_ids
+        return out

@@ -1,6 +1,16 @@
-"""`ModelConfig`: the Qwen3 / Qwen3-MoE architecture, read from and written to a Hugging Face config.json.
+"""`ModelConfig`: the Qwen3 / Qwen3-MoE / GLM-4.5 MoE architectures, read from and written to a Hugging Face
+config.json.
 
 Unsupported options are errors that name the option, rather than silently different numerics.
+
+The families differ in their MoE router and a few attention details (docs/architecture.md, "Model families"):
+- Qwen3-MoE: softmax router (fp32), top-k, optional renormalization; no shared expert; `decoder_sparse_step` /
+  `mlp_only_layers` pick the dense layers.
+- GLM-4.5 (`glm4_moe`): sigmoid router scores in fp32 plus the fp32 `e_score_correction_bias` for the choice only,
+  grouped top-k (`n_group` groups ranked by the sum of their two best scores, `topk_group` kept), the chosen raw
+  scores renormalized and multiplied by `routed_scaling_factor`; `n_shared_experts` always-on experts; the first
+  `first_k_dense_replace` layers dense; partial rotary (`partial_rotary_factor`), q/k/v biases
+  (`attention_bias`, never on o_proj), optional QK-norm (`use_qk_norm`).
 """
 
 from __future__ import annotations
@@ -8,7 +18,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+MOE_TYPES = ("qwen3_moe", "glm4_moe")
+# Architectures that are recognized but need a part Miles does not implement yet: model_type -> what is missing.
+NOT_YET = {
+    "deepseek_v3": "Multi-head Latent Attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, "
+    "v_head_dim); its router (sigmoid, e_score_correction_bias, grouped top-k) is GLM-4.5's and is implemented",
+}
+_QWEN3_MOE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
+_GLM4_MOE_FIELDS = (
+    "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
+    "partial_rotary_factor", "use_qk_norm",
+)  # fmt: skip
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
 
 
 @dataclass(frozen=True)
@@ -28,13 +50,22 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = True
     attention_bias: bool = False
-    # MoE (qwen3_moe only)
+    # MoE (qwen3_moe, glm4_moe); GLM-4.5's `n_routed_experts` is `num_experts`
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # qwen3_moe only: which layers are sparse
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    # glm4_moe only (GLM-4.5 / DeepSeek-V3 router, shared experts, dense first layers, attention details)
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    partial_rotary_factor: float = 1.0
+    use_qk_norm: bool = True
     # MTP (multi-token prediction) modules after the trunk, DeepSeek-V3 / GLM-4.5 style (0: none)
     num_nextn_predict_layers: int = 0
     # Token ids (may be None in a bare config)
@@ -58,20 +89,71 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
             raise ValueError(
-                "a qwen3_moe config needs 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0 "
-                f"(got {self.num_experts_per_tok}, {self.num_experts}, {self.moe_intermediate_size})"
+                f"a {self.model_type} config needs 0 < num_experts_per_tok <= num_experts and "
+                f"moe_intermediate_size > 0 (got {self.num_experts_per_tok}, {self.num_experts}, "
+                f"{self.moe_intermediate_size})"
+            )
+        if self.model_type == "glm4_moe":
+            self._check_glm()
+        elif any(getattr(self, name) != getattr(ModelConfig, name) for name in _GLM4_MOE_FIELDS):
+            raise ValueError(
+                f"{', '.join(_GLM4_MOE_FIELDS)} are glm4_moe settings; {self.model_type} has none of them"
+            )
+
+    def _check_glm(self) -> None:
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group={self.n_group} must divide n_routed_experts={self.num_experts}")
+        per_group = self.num_experts // self.n_group
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"grouped routing ranks a group by its two best scores: {per_group} expert(s) per group")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {self.topk_group * per_group} experts "
+                f"of the topk_group={self.topk_group} groups kept"
+            )
+        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(
+                f"n_shared_experts={self.n_shared_experts} must be >= 0 and first_k_dense_replace="
+                f"{self.first_k_dense_replace} in [0, num_hidden_layers]"
+            )
+        if self.first_k_dense_replace and self.intermediate_size <= 0:
+            raise ValueError("first_k_dense_replace > 0 needs intermediate_size > 0 (the dense layers' MLP)")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and give an even rotary "
+                f"dimension (head_dim * factor = {self.head_dim * self.partial_rotary_factor})"
             )
 
     @property
     def is_moe(self) -> bool:
-        return self.model_type == "qwen3_moe"
+        return self.model_type in MOE_TYPES
+
+    @property
+    def router(self) -> str:
+        """The MoE router: "softmax" (Qwen3-MoE) or "sigmoid" (GLM-4.5 / DeepSeek-V3, grouped, biased choice)."""
+        return "sigmoid" if self.model_type == "glm4_moe" else "softmax"
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading head dimensions RoPE rotates (the rest pass through), as transformers computes it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Qwen3 puts `attention_bias` on all four projections, GLM-4.5 on q / k / v only."""
+        return self.attention_bias and self.model_type != "glm4_moe"
 
     @property
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Qwen3-MoE's rule for which decoder layers have a sparse MLP."""
+        """Whether decoder layer `layer` has a sparse MLP (Qwen3-MoE's and GLM-4.5's rules; an MTP module's layer
+        index follows the trunk's)."""
+        if self.model_type == "glm4_moe":
+            return layer >= self.first_k_dense_replace
         return (
             self.is_moe
             and layer not in self.mlp_only_layers
@@ -89,6 +171,11 @@ class ModelConfig:
         """Parse a Hugging Face config.json dict; raise ValueError naming any unsupported setting."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
+        if model_type in NOT_YET:
+            raise ValueError(
+                f"unsupported architecture: model_type={model_type!r} needs {NOT_YET[model_type]}; Miles kernels "
+                f"run {sorted(ARCHITECTURES.values())}"
+            )
         if model_type not in ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture: model_type={model_type!r}, architectures={architectures}; "
@@ -101,7 +188,9 @@ class ModelConfig:
         if hf.get("use_sliding_window"):
             raise ValueError("unsupported: use_sliding_window=true (Qwen3 sliding-window attention)")
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; Qwen3 uses 'silu'")
+            raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; Qwen3 and GLM-4.5 use 'silu'")
+        if model_type == "glm4_moe" and hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"unsupported topk_method {hf.get('topk_method')!r}; GLM-4.5 routes with 'noaux_tc'")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
         num_heads = hf["num_attention_heads"]
         values: dict[str, Any] = {
@@ -123,6 +212,22 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
             "num_nextn_predict_layers": hf.get("num_nextn_predict_layers") or 0,
         }
+        if model_type == "glm4_moe":
+            values |= {
+                "num_experts": hf.get("n_routed_experts", 0),
+                "num_experts_per_tok": hf["num_experts_per_tok"],
+                "moe_intermediate_size": hf["moe_intermediate_size"],
+                "norm_topk_prob": hf.get("norm_topk_prob", True),
+                "n_shared_experts": hf.get("n_shared_experts") or 0,
+                "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+                "n_group": hf.get("n_group") or 1,
+                "topk_group": hf.get("topk_group") or 1,
+                "first_k_dense_replace": hf.get("first_k_dense_replace", 0),
+                "partial_rotary_factor": float(
+                    rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+                ),
+                "use_qk_norm": hf.get("use_qk_norm", False),
+            }
         if model_type == "qwen3_moe":
             values |= {
                 "num_experts": hf.get("num_experts", hf.get("num_local_experts", 0)),
@@ -149,13 +254,19 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "use_cache": True,
         }
+        own = {
+            "qwen3": (),
+            "qwen3_moe": _MOE_FIELDS + _QWEN3_MOE_FIELDS,
+            "glm4_moe": _MOE_FIELDS + _GLM4_MOE_FIELDS,
+        }[self.model_type]
         for key, value in values.items():
-            if not self.is_moe and key in (
-                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                "decoder_sparse_step", "mlp_only_layers",
-            ):  # fmt: skip
+            if key in _MOE_FIELDS + _QWEN3_MOE_FIELDS + _GLM4_MOE_FIELDS and key not in own:
                 continue
-            if key == "num_nextn_predict_layers" and not value:
+            if key == "num_nextn_predict_layers" and not value and self.model_type != "glm4_moe":
                 continue  # a model without MTP modules keeps the plain Qwen3 config
             hf[key] = list(value) if isinstance(value, tuple) else value
+        if self.model_type == "glm4_moe":
+            hf["n_routed_experts"] = hf.pop("num_experts")
+            hf["topk_method"] = "noaux_tc"
+            hf["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
         return hf

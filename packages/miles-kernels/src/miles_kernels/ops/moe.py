@@ -1,8 +1,21 @@
-"""Mixture-of-Experts routing and expert compute (Qwen3-MoE), batch-invariant.
+"""Mixture-of-Experts routing and expert compute (Qwen3-MoE, GLM-4.5 MoE), batch-invariant.
 
-- Routing: softmax over experts in float32, then top-k by a *stable* descending sort, so equal probabilities
-  always pick the lower expert id. `select_experts` is the one place top-k happens: routing replay (a later
-  issue) hooks in there.
+- Routing: router scores in float32, then top-k by a *stable* descending sort, so equal scores always pick the
+  lower expert id (and, in grouped routing, equal group scores the lower group): the stated tie rule, where
+  transformers' `topk(sorted=False)` leaves tie order unspecified. Each token's choice depends on its own scores
+  only, so routing is batch-invariant whenever the router logits are.
+  - Qwen3-MoE (`select_experts`): probabilities = softmax(logits); the k most probable experts, weights = their
+    probabilities, renormalized to sum to 1 when `normalize`.
+  - GLM-4.5 / DeepSeek-V3 (`select_experts_grouped`): scores = sigmoid(logits); the choice ranks
+    `scores + correction_bias` (the bias steers load balance, it never enters a weight): experts fall in
+    `n_group` equal groups, a group's rank is the sum of its two best biased scores, only the `topk_group` best
+    groups compete, and the k best biased scores among them win. Weights = the chosen *raw* scores, divided by
+    their sum (+ 1e-20) when `normalize`, times `routed_scaling_factor`.
+- Routing replay (`replay_NK`): a row of expert ids recorded by the rollout engine replaces the router's own choice
+  for that token (rows holding a negative id route normally). The weights are then the same formula evaluated at
+  the replayed ids, so the router still learns: the gradient reaches the gate weights through the replayed
+  experts' scores (softmax: every logit of the token, through the normalization; sigmoid: the replayed experts'
+  logits). Replaying the router's own choice changes no bit.
 - Experts: each expert's tokens go through tiled (fixed-shape) matmuls, so a token's expert output does not depend
   on how many or which other tokens chose the same expert.
 - Combine: outputs are added in top-k rank order, one rank at a time, so the sum order is fixed per token.
@@ -11,6 +24,8 @@ Shapes: N tokens, H hidden, E experts, K experts per token, I expert intermediat
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -18,16 +33,94 @@ from miles_kernels.config import KernelConfig
 from miles_kernels.ops.linear import linear, tiled_matmul
 
 
+class Routing(NamedTuple):
+    """One MoE layer's routing of N tokens."""
+
+    expert_ids: torch.Tensor  # (N, K) the experts that ran, in rank order (replayed where replay was given)
+    weights: torch.Tensor  # (N, K) their combine weights, in the model dtype
+    router_ids: torch.Tensor  # (N, K) the router's own choice (equal to expert_ids without replay)
+    scores: torch.Tensor  # (N, E) float32: softmax probabilities or sigmoid scores (metrics, auxiliary losses)
+
+
+def _descending(values: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` largest values of each row, largest first, ties to the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :count]
+
+
+def _replayed(router_ids_NK: torch.Tensor, replay_NK: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    if replay_NK is None:
+        return router_ids_NK
+    if replay_NK.shape != router_ids_NK.shape:
+        raise ValueError(
+            f"replayed routing has shape {tuple(replay_NK.shape)}, the layer routes {tuple(router_ids_NK.shape)}"
+        )
+    replay_NK = replay_NK.to(device=router_ids_NK.device, dtype=router_ids_NK.dtype)
+    if replay_NK.numel() and int(replay_NK.max()) >= num_experts:
+        raise ValueError(
+            f"replayed expert id {int(replay_NK.max())} is out of range: the layer has {num_experts} experts"
+        )
+    use = (replay_NK >= 0).all(dim=-1, keepdim=True)
+    return torch.where(use, replay_NK, router_ids_NK)
+
+
+def _weights(
+    scores_NE: torch.Tensor, expert_ids_NK: torch.Tensor, normalize: bool, eps: float, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
+    weights = scores_NE.gather(1, expert_ids_NK)
+    if normalize:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + eps) if eps else weights / total
+    if scale != 1.0:
+        weights = weights * scale
+    return weights.to(dtype)
+
+
+def route_softmax(
+    router_logits_NE: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    dtype: torch.dtype,
+    replay_NK: torch.Tensor | None = None,
+) -> Routing:
+    """Qwen3-MoE routing (see the module docstring)."""
+    probs = torch.softmax(router_logits_NE.to(torch.float32), dim=-1)
+    router_ids = _descending(probs, top_k)
+    expert_ids = _replayed(router_ids, replay_NK, probs.shape[-1])
+    return Routing(expert_ids, _weights(probs, expert_ids, normalize, 0.0, 1.0, dtype), router_ids, probs)
+
+
+def route_grouped_sigmoid(
+    router_logits_NE: torch.Tensor,
+    correction_bias_E: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+    dtype: torch.dtype,
+    replay_NK: torch.Tensor | None = None,
+) -> Routing:
+    """GLM-4.5 / DeepSeek-V3 routing (see the module docstring)."""
+    scores = torch.sigmoid(router_logits_NE.to(torch.float32))
+    choice = scores + correction_bias_E.to(torch.float32)
+    num_tokens, num_experts = choice.shape
+    if topk_group < n_group:
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2].sum(dim=-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, _descending(group_scores, topk_group), True)
+        choice = choice.masked_fill(~kept.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
+    router_ids = _descending(choice, top_k)
+    expert_ids = _replayed(router_ids, replay_NK, num_experts)
+    return Routing(expert_ids, _weights(scores, expert_ids, normalize, 1e-20, scaling, dtype), router_ids, scores)
+
+
 def select_experts(
     router_logits_NE: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k expert ids (N, K) by descending probability (ties: lower id) and their weights (N, K) in `dtype`."""
-    probs = torch.softmax(router_logits_NE.to(torch.float32), dim=-1)
-    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, expert_ids = sorted_probs[:, :top_k], sorted_ids[:, :top_k]
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return expert_ids, weights.to(dtype)
+    """Qwen3-MoE top-k expert ids (N, K) by descending probability (ties: lower id) and their weights (N, K) in
+    `dtype`."""
+    routing = route_softmax(router_logits_NE, top_k, normalize, dtype)
+    return routing.expert_ids, routing.weights
 
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, config: KernelConfig) -> torch.Tensor:

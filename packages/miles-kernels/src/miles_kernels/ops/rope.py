@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE, rotate-half layout as in Hugging Face Qwen3).
+"""Rotary position embeddings (RoPE, rotate-half layout as in Hugging Face Qwen3; partial rotary as in GLM-4.5:
+cos / sin narrower than the head rotate its leading dimensions and the rest pass through unchanged).
 
 Batch-invariant as written: angles are computed per position (`position * inv_freq`, elementwise, no
 reduction), so a token's rotation depends only on its absolute position, never on the batch or chunk it is in.
@@ -25,8 +26,11 @@ def rope_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of each token by its position's angles."""
-    half = x_NHD.shape[-1] // 2
+def apply_rope(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R (rotary) dimensions of each head of each token by its position's angles (R = D: all)."""
+    rotary = cos_NR.shape[-1]
+    if rotary < x_NHD.shape[-1]:
+        return torch.cat((apply_rope(x_NHD[..., :rotary], cos_NR, sin_NR), x_NHD[..., rotary:]), dim=-1)
+    half = rotary // 2
     rotated = torch.cat((-x_NHD[..., half:], x_NHD[..., :half]), dim=-1)
-    return x_NHD * cos_ND[:, None, :] + rotated * sin_ND[:, None, :]
+    return x_NHD * cos_NR[:, None, :] + rotated * sin_NR[:, None, :]

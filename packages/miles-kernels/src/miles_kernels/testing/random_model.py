@@ -1,8 +1,8 @@
 """Small random models for tests, examples and benchmarks (nothing is downloaded).
 
-`tiny_config("dense" | "moe", ...)` gives a small Qwen3 / Qwen3-MoE architecture; `random_model` initializes
-one reproducibly from a seed (normal weights; norm weights near 1 so they matter); `save_random_model` writes
-it as a Hugging Face directory, with a tokenizer if one is given.
+`tiny_config("dense" | "moe" | "glm", ...)` gives a small Qwen3 / Qwen3-MoE / GLM-4.5 MoE architecture;
+`random_model` initializes one reproducibly from a seed (normal weights; norm weights near 1 so they matter);
+`save_random_model` writes it as a Hugging Face directory, with a tokenizer if one is given.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ BENCHMARK_MODEL: dict[str, Any] = {
 }
 
 
-def tiny_config(kind: Literal["dense", "moe"] = "dense", **overrides: Any) -> ModelConfig:
-    """A small Qwen3 (dense) or Qwen3-MoE config; keyword overrides use HF field names."""
+def tiny_config(kind: Literal["dense", "moe", "glm"] = "dense", **overrides: Any) -> ModelConfig:
+    """A small Qwen3 (dense), Qwen3-MoE or GLM-4.5 MoE config; keyword overrides use Miles' field names (HF's,
+    with GLM's `n_routed_experts` as `num_experts`). The GLM config exercises every part of the family: grouped
+    routing (2 groups, 1 kept), a shared expert, a dense first layer, partial rotary, q/k/v biases, QK-norm and a
+    routed scaling factor."""
     values: dict[str, Any] = {
         "model_type": "qwen3",
         "vocab_size": 256,
@@ -53,6 +56,23 @@ def tiny_config(kind: Literal["dense", "moe"] = "dense", **overrides: Any) -> Mo
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
             "norm_topk_prob": True,
+        }
+    if kind == "glm":
+        values |= {
+            "model_type": "glm4_moe",
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
         }
     values |= overrides
     if "mlp_only_layers" in values:
@@ -80,6 +100,9 @@ def random_model(
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(std * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():  # GLM-4.5's router bias: nonzero, so it steers the choice
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
     return model.to(kernel.torch_dtype).eval()
 
 
