@@ -192,3 +192,18 @@ def test_attention_batch_moves_to_a_device_once() -> None:
     moved = batch.to("meta")
     assert moved.positions_N.device.type == "meta" and moved.page_size == 4
     assert moved.tile_row_of_token_N.shape == batch.tile_row_of_token_N.shape
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+def test_activations_do_not_depend_on_the_number_of_rows(name: str) -> None:
+    """torch's CPU kernels finish a tensor's last partial SIMD chunk with scalar code of other bits (ops/activation.py):
+    plain torch.sigmoid / F.silu of (N, 8) rows change with N on this CPU; the padded forms never do."""
+    from miles_kernels.ops import activation
+
+    ours = getattr(activation, name)
+    plain = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu}[name]
+    x = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    full = ours(x)
+    assert torch.equal(full, plain(x))  # same values as torch for rows on whole vectors
+    for rows in range(1, 40):
+        assert torch.equal(ours(x[:rows]), full[:rows]), rows

@@ -25,6 +25,7 @@ from torch import nn
 from miles_kernels.config import KernelConfig
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.model_config import ModelConfig
+from miles_kernels.ops.activation import silu
 from miles_kernels.ops.attention import AttentionBatch, attention, num_pages_needed
 from miles_kernels.ops.linear import linear
 from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
@@ -114,7 +115,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, False, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
         return out
 
 

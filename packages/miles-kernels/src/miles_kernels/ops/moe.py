@@ -3,7 +3,7 @@
 - Routing: router scores in float32, then top-k by a *stable* descending sort, so equal scores always pick the
   lower expert id (and, in grouped routing, equal group scores the lower group): the stated tie rule, where
   transformers' `topk(sorted=False)` leaves tie order unspecified. Each token's choice depends on its own scores
-  only, so routing is batch-invariant whenever the router logits are.
+  only, so routing is batch-invariant whenever the router logits are (the sigmoid is ops/activation.py's).
   - Qwen3-MoE (`select_experts`): probabilities = softmax(logits); the k most probable experts, weights = their
     probabilities, renormalized to sum to 1 when `normalize`.
   - GLM-4.5 / DeepSeek-V3 (`select_experts_grouped`): scores = sigmoid(logits); the choice ranks
@@ -27,9 +27,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from miles_kernels.config import KernelConfig
+from miles_kernels.ops.activation import sigmoid, silu
 from miles_kernels.ops.linear import linear, tiled_matmul
 
 
@@ -101,7 +101,7 @@ def route_grouped_sigmoid(
     replay_NK: torch.Tensor | None = None,
 ) -> Routing:
     """GLM-4.5 / DeepSeek-V3 routing (see the module docstring)."""
-    scores = torch.sigmoid(router_logits_NE.to(torch.float32))
+    scores = sigmoid(router_logits_NE.to(torch.float32))
     choice = scores + correction_bias_E.to(torch.float32)
     num_tokens, num_experts = choice.shape
     if topk_group < n_group:
@@ -152,7 +152,7 @@ def experts_forward(
         start += count
         tokens, ranks = pairs // top_k, pairs % top_k
         x_e = x_NH[tokens]
-        hidden = F.silu(_expert_linear(x_e, gate_proj[expert], config)) * _expert_linear(x_e, up_proj[expert], config)
+        hidden = silu(_expert_linear(x_e, gate_proj[expert], config)) * _expert_linear(x_e, up_proj[expert], config)
         y = _expert_linear(hidden, down_proj[expert], config) * weights_NK[tokens, ranks][:, None]
         per_rank = per_rank.index_put((ranks, tokens), y)
     out = per_rank[0]

@@ -1,0 +1,39 @@
+"""Elementwise activations whose result per element does not depend on the tensor's size (batch-invariant).
+
+Why: torch's CPU elementwise kernels run SIMD vectors over the flattened tensor and finish the last partial chunk
+with scalar code (`std::exp`, where the vectors use SLEEF), and the two can differ in the last bit: measured here
+(AVX2, torch 2.14), `torch.sigmoid` and `F.silu` of an (N, 8) tensor give other bits for some rows when N changes
+(`cos` and `exp` do not). An element's arithmetic then depends on where it falls in the flat tensor, i.e. on the
+rows around it. Fix by construction: each row is padded to a multiple of `VECTOR_BLOCK` elements, so every row
+starts on a chunk boundary and no element ever takes the scalar tail. Rows already that wide (every real model's
+intermediate sizes) run unpadded, so they keep their bits. CUDA computes each element alone: no padding there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# float32 elements; a multiple of every CPU vector loop's chunk (AVX-512: 16 floats per vector, unrolled twice)
+VECTOR_BLOCK = 64
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for an elementwise `fn`, computed so that each element's bits do not depend on the number of rows."""
+    width = x.shape[-1]
+    pad = -width % VECTOR_BLOCK
+    if pad == 0 or x.is_cuda:
+        return fn(x)
+    return fn(F.pad(x, (0, pad)))[..., :width]
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """`F.silu`, batch-invariant (see the module docstring)."""
+    return rowwise(F.silu, x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`torch.sigmoid`, batch-invariant (see the module docstring)."""
+    return rowwise(torch.sigmoid, x)
