@@ -63,13 +63,43 @@ def test_sglang_nulls_take_the_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    "field", ["image_data", "lora_path", "return_hidden_states", "return_routed_experts", "input_embeds",
+    "field", ["image_data", "lora_path", "return_hidden_states", "return_indexer_topk", "input_embeds",
               "custom_logit_processor", "bootstrap_host", "session_params"],
 )  # fmt: skip
 def test_sglang_features_the_engine_lacks_are_refused_by_name(field: str) -> None:
     with pytest.raises(ValidationError, match=f"{field} .* is not supported by the embedded engine"):
-        GenerateRequest.model_validate({"text": "hi", field: "x" if field != "return_routed_experts" else True})
+        GenerateRequest.model_validate({"text": "hi", field: "x" if field != "return_indexer_topk" else True})
     assert GenerateRequest.model_validate({"text": "hi", field: None})  # absent in effect: accepted
+
+
+def test_routed_experts_fields_follow_sglang() -> None:
+    """SGLang 0.5.23's `return_routed_experts` / `routed_experts_start_len` (io_struct.GenerateReqInput): defaults
+    False and 0, null means the default, a negative start is a client error naming the field; the response carries
+    the routing as one base64 string."""
+    request = GenerateRequest.model_validate(SGLANG_REQUEST)
+    assert request.return_routed_experts is False and request.routed_experts_start_len == 0
+    request = GenerateRequest.model_validate(
+        {**SGLANG_REQUEST, "return_routed_experts": True, "routed_experts_start_len": 2}
+    )
+    assert request.return_routed_experts is True and request.routed_experts_start_len == 2
+    assert GenerateRequest.model_validate_json(request.model_dump_json()) == request
+    nulls = GenerateRequest.model_validate(
+        {"text": "hi", "return_routed_experts": None, "routed_experts_start_len": None}
+    )
+    assert nulls.return_routed_experts is False and nulls.routed_experts_start_len == 0
+    with pytest.raises(ValidationError, match="routed_experts_start_len=-1 is negative"):
+        GenerateRequest.model_validate({"text": "hi", "return_routed_experts": True, "routed_experts_start_len": -1})
+    assert "return_routed_experts" not in GenerateRequest.ignored_keys({"text": "hi", "return_routed_experts": True})
+    routed = "AAAAAAEAAAA="  # int32 [0, 1] (one row, one layer, top-2), base64 as SGLang's detokenizer writes it
+    response = GenerateResponse.model_validate(
+        {**SGLANG_RESPONSE, "meta_info": {**SGLANG_RESPONSE["meta_info"], "routed_experts": routed}}
+    )
+    assert response.meta_info.routed_experts == routed
+    assert json.loads(response.model_dump_json())["meta_info"]["routed_experts"] == routed
+    assert (
+        "routed_experts"
+        not in json.loads(GenerateResponse.model_validate(SGLANG_RESPONSE).model_dump_json())["meta_info"]
+    )
 
 
 @pytest.mark.parametrize("field", ["json_schema", "regex", "ebnf", "logit_bias", "custom_params", "stop_regex"])

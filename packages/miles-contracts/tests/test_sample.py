@@ -1,9 +1,17 @@
 """Pure-logic tests (no torch): `Sample` round-trips and rejects inconsistent data with a named field."""
 
+import base64
+import struct
+
 import pytest
 from pydantic import ValidationError
 
 from miles_contracts import ChatMessage, Sample, SampleStatus
+
+# SGLang's routed-experts layout for 3 prompt + 3 response tokens, 1 layer, top-2: rows for tokens 0..4 (the last
+# token has none), int32, base64.
+ROUTING = [[[0, 1]], [[2, 3]], [[1, 0]], [[3, 2]], [[0, 2]]]
+ROUTING_B64 = base64.b64encode(struct.pack("<10i", *(e for row in ROUTING for layer in row for e in layer))).decode()
 
 
 def finished_sample() -> Sample:
@@ -22,7 +30,7 @@ def finished_sample() -> Sample:
         finish_reason="stop",
         weight_version=3,
         weight_versions=[3, 3, 3],
-        routed_experts=[[[0, 1]], [[2, 3]], [[1, 0]], [[3, 2]], [[0, 2]]],
+        routed_experts=ROUTING_B64,
         metadata={"source": "unit", "difficulty": [1, 2]},
     )
 
@@ -33,6 +41,22 @@ def test_json_round_trip_is_exact() -> None:
     assert again == sample
     assert again.rollout_logprobs == [-0.25, -1.5, -3.0517578125e-05]  # floats survive JSON exactly
     assert again.num_tokens == 6
+
+
+def test_routed_experts_is_int32_base64() -> None:
+    sample = finished_sample()
+    assert sample.routed_experts is not None
+    decoded = struct.unpack("<10i", base64.b64decode(sample.routed_experts))
+    assert [list(decoded[i : i + 2]) for i in range(0, 10, 2)] == [layer for row in ROUTING for layer in row]
+    assert Sample(index=0, group_index=0, prompt="p", routed_experts="").routed_experts == ""  # no rows
+    with pytest.raises(ValidationError, match="routed_experts is not base64"):
+        sample.routed_experts = "not base64!"
+    with pytest.raises(ValidationError, match="routed_experts is not base64"):
+        sample.routed_experts = ROUTING_B64[:-1]  # truncated: bad padding
+    with pytest.raises(ValidationError, match="decodes to 6 bytes, not a whole number of int32"):
+        sample.routed_experts = base64.b64encode(b"abcdef").decode()
+    with pytest.raises(ValidationError, match="routed_experts"):
+        Sample(index=0, group_index=0, prompt="p", routed_experts=[[[0, 1]]])  # the old nested-list form
 
 
 def test_per_token_lengths_must_match() -> None:

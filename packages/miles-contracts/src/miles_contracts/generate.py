@@ -160,7 +160,6 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     **dict.fromkeys(("return_sampling_mask", "sampling_logprobs_mode"), "behaviour log-probs of the sampling support"),
     **dict.fromkeys(("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs"), "flat top log-probs"),
     "return_hidden_states": "hidden states",
-    **dict.fromkeys(("return_routed_experts", "routed_experts_start_len"), "routed experts (the MoE issue)"),
     "return_indexer_topk": "indexer top-k",
     "session_params": "sessions",
     **dict.fromkeys(
@@ -185,6 +184,12 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
 }
 
 
+# Request fields that take their default when sent as null, as SGLang's GenerateReqInput does.
+_REQUEST_NULL_MEANS_DEFAULT = (
+    "return_logprob", "logprob_start_len", "top_logprobs_num", "return_routed_experts", "routed_experts_start_len",
+)  # fmt: skip
+
+
 class GenerateRequest(BaseModel):
     """A `/generate` request: one prompt or a batch, as text or token ids (SGLang's top-level rules: see the module
     docstring; `ignored_keys` names what a body carries that is ignored)."""
@@ -206,6 +211,16 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = Field(default=False, description="Token text in each log-prob entry.")
     stream: bool = Field(default=False, description="Stream partial outputs (server-sent events).")
     rid: str | list[str] | None = Field(default=None, description="Request id(s), for /abort_request.")
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Return the MoE experts every token was routed to (meta_info.routed_experts, see MetaInfo); "
+        "the server must run with --enable-return-routed-experts and serve an MoE model.",
+    )
+    routed_experts_start_len: int = Field(
+        default=0,
+        description="First position whose routing is returned: meta_info.routed_experts covers positions "
+        "[routed_experts_start_len, prompt + output tokens - 1); at most the prompt length.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -214,7 +229,7 @@ class GenerateRequest(BaseModel):
             for key, feature in UNSUPPORTED_REQUEST_FIELDS.items():
                 if data.get(key) not in (None, False, 0, "", [], {}):
                     raise ValueError(f"{key} ({feature}) is not supported by the embedded engine; remove it")
-            for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+            for key in _REQUEST_NULL_MEANS_DEFAULT:
                 if key in data and data[key] is None:
                     del data[key]  # SGLang: null means the default
         return data
@@ -229,6 +244,15 @@ class GenerateRequest(BaseModel):
     def _start_valid(cls, value: int | list[int]) -> int | list[int]:
         if any(v < -1 for v in (value if isinstance(value, list) else [value])):
             raise ValueError("logprob_start_len must be -1 (no input log-probs) or a prompt position >= 0")
+        return value
+
+    @field_validator("routed_experts_start_len")
+    @classmethod
+    def _routed_start_valid(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(
+                f"routed_experts_start_len={value} is negative; use a prompt position >= 0 (0: the whole sequence)"
+            )
         return value
 
     @field_validator("top_logprobs_num")
@@ -351,7 +375,15 @@ class MetaInfo(BaseModel):
     input_token_logprobs: list[LogprobEntry] | None = None
     output_top_logprobs: list[list[LogprobEntry] | None] | None = None
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
-    routed_experts: list[list[list[int]]] | None = None
+    routed_experts: str | None = Field(
+        default=None,
+        description="With return_routed_experts: the MoE experts of positions [routed_experts_start_len, "
+        "prompt_tokens + completion_tokens - 1) (the last token never went through a forward), as SGLang 0.5.23 "
+        "returns them: base64 (standard alphabet) of int32 [rows, num_hidden_layers, num_experts_per_tok], each "
+        "row in rank order, dense layers' entries 0. Decode: np.frombuffer(base64.b64decode(s), "
+        "np.int32).reshape(-1, num_hidden_layers, num_experts_per_tok). rows x layers x top_k x 4 bytes, a third "
+        "more as base64.",
+    )
     # Speculative decoding (SGLang's keys; absent when the server does not speculate): verify steps, drafts
     # proposed and accepted, accepted / proposed, tokens per verify step ((verify_ct + correct) / verify_ct), and
     # the histogram of accepted drafts per verify step.

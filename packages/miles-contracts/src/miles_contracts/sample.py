@@ -2,15 +2,18 @@
 
 Data source → rollout (fills tokens, log-probs, versions) → reward → filter → advantages → trainer.
 Every per-response-token list (`rollout_logprobs`, `loss_mask`, `weight_versions`) has one entry per
-`response_tokens` entry; this is checked on construction and on assignment.
+`response_tokens` entry; this is checked on construction and on assignment. `routed_experts` (MoE routing replay)
+covers every token but the last, as SGLang's `meta_info.routed_experts` with `routed_experts_start_len=0`.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 
 class SampleStatus(StrEnum):
@@ -62,10 +65,33 @@ class Sample(BaseModel):
     weight_versions: list[int] | None = Field(
         default=None, description="Per-token policy versions (partial rollouts spanning a weight update)."
     )
-    routed_experts: list[list[list[int]]] | None = Field(
-        default=None, description="MoE routing per token [token][layer][top_k], for routing replay."
+    routed_experts: str | None = Field(
+        default=None,
+        description="MoE routing for routing replay, as the engine returns it (SGLang's meta_info.routed_experts "
+        "with routed_experts_start_len=0): base64 (standard alphabet) of int32 [num_tokens - 1, num_hidden_layers, "
+        "num_experts_per_tok] over prompt + response tokens (the last token has none), dense layers 0. Decode: "
+        "np.frombuffer(base64.b64decode(s), np.int32).reshape(-1, num_hidden_layers, num_experts_per_tok). "
+        "(num_tokens - 1) x layers x top_k x 4 bytes, a third more as base64.",
     )
     metadata: dict[str, JsonValue] = Field(default_factory=dict, description="Free-form, JSON-serializable extras.")
+
+    @field_validator("routed_experts")
+    @classmethod
+    def _routed_experts_are_int32_base64(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            num_bytes = len(base64.b64decode(value, validate=True))
+        except (binascii.Error, ValueError) as error:
+            raise ValueError(
+                f"routed_experts is not base64 ({error}); give the engine's meta_info.routed_experts string as is"
+            ) from None
+        if num_bytes % 4:
+            raise ValueError(
+                f"routed_experts decodes to {num_bytes} bytes, not a whole number of int32 entries; give the "
+                "engine's meta_info.routed_experts string as is"
+            )
+        return value
 
     @model_validator(mode="after")
     def _per_token_lists_match(self) -> Sample:
