@@ -113,7 +113,8 @@ BAD_REQUESTS = [
     (json.dumps({"text": "hi", "sampling_params": {"temprature": 1}}), "temprature"),  # SGLang refuses these too
     (json.dumps({"text": "hi", "image_data": "data:image/png;base64,AAAA"}), "image_data"),
     (json.dumps({"text": "hi", "lora_path": "adapter"}), "lora_path"),
-    (json.dumps({"text": "hi", "return_routed_experts": True}), "return_routed_experts"),
+    (json.dumps({"text": "hi", "return_routed_experts": True}), "has no MoE layer"),  # a dense model
+    (json.dumps({"text": "hi", "routed_experts_start_len": -1}), "routed_experts_start_len"),
     (json.dumps({"text": "hi", "return_hidden_states": True}), "return_hidden_states"),
     (json.dumps({"text": "hi", "sampling_params": {"json_schema": "{}"}}), "json_schema"),
     (json.dumps({"text": "hi", "sampling_params": {"regex": "a+"}}), "regex"),

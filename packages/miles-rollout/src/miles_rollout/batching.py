@@ -9,10 +9,11 @@ the prompt-major response list. Callers see exactly the responses they would hav
 per request, and deterministic mode makes a row's bits independent of the batch around it.
 
 Only requests that a batch can carry unchanged are merged: the same prompt kind (text or token ids), the same
-log-prob options, the same `n` for every prompt (SGLang requires one `n` per batch), no `rid` (aborting one
-request by id stays possible) and no streaming; anything else goes through on its own. When a merged request is
-refused as invalid (HTTP 4xx: nothing ran), each call is retried on its own, so only the faulty one fails with the
-server's message; any other failure (timeout, 5xx, lost connection) fails every merged call with that error.
+log-prob and routed-experts options, the same `n` for every prompt (SGLang requires one `n` per batch), no `rid`
+(aborting one request by id stays possible) and no streaming; anything else goes through on its own. When a merged
+request is refused as invalid (HTTP 4xx: nothing ran), each call is retried on its own, so only the faulty one fails
+with the server's message; any other failure (timeout, 5xx, lost connection) fails every merged call with that
+error.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def _merge_key(request: GenerateRequest) -> Hashable | None:
     options = (request.return_logprob, request.logprob_start_len, request.top_logprobs_num)
     if any(isinstance(value, list) for value in options):
         return None  # per-prompt options: merging would need them re-split
-    return (request.text is not None, *options, request.return_text_in_logprobs, n_values.pop())
+    routed = (request.return_routed_experts, request.routed_experts_start_len)
+    return (request.text is not None, *options, request.return_text_in_logprobs, *routed, n_values.pop())
 
 
 async def _deliver(call: _Call, responses: Awaitable[list[GenerateResponse]]) -> None:

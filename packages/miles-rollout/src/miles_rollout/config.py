@@ -55,6 +55,12 @@ class EngineConfig(BaseModel):
     speculative_num_draft_tokens: int | None = Field(
         default=None, ge=2, description="Tokens one verify step checks: with topk 1, num_steps + 1 (the default)."
     )
+    enable_return_routed_experts: bool = Field(
+        default=False,
+        description="Record the MoE experts every token is routed to, for requests with return_routed_experts "
+        "(routing replay; SGLang's flag). MoE models only; a host buffer of num_kv_pages x page_size x "
+        "num_hidden_layers x num_experts_per_tok x 4 bytes.",
+    )
 
     @field_validator("speculative_algorithm", mode="before")
     @classmethod

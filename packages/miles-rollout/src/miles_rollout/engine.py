@@ -247,8 +247,12 @@ class Engine:
         return sorted(self.released)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes the engine holds now, by tag (`/get_server_info`'s `memory_bytes`)."""
-        return self.memory.resident_bytes()
+        """Bytes the engine holds now, by tag (`/get_server_info`'s `memory_bytes`), and the routed-experts host
+        buffer's (`routed_experts`; never released, as SGLang keeps it)."""
+        held = self.memory.resident_bytes()
+        if self.scheduler.routed_experts is not None:
+            held["routed_experts"] = self.scheduler.routed_experts.num_bytes
+        return held
 
     # ------------------------------------------------------------------ request intake
 
@@ -275,9 +279,25 @@ class Engine:
         texts = request.text if isinstance(request.text, list) else [request.text]
         return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts if t is not None]
 
+    def _check_routed_experts(self, request: GenerateRequest) -> None:
+        """SGLang aborts such requests (or, without its flag, returns no routing); Miles answers 400."""
+        if not request.return_routed_experts or self.scheduler.routed_experts is not None:
+            return
+        if not self.model_config.is_moe:
+            raise EngineError(
+                f"return_routed_experts: this {self.model_config.model_type} model has no MoE layer, so no token is "
+                "routed to experts; remove return_routed_experts"
+            )
+        raise EngineError(
+            "return_routed_experts needs a server started with --enable-return-routed-experts "
+            "(rollout.engine.enable_return_routed_experts in a run config); restart it so, or remove "
+            "return_routed_experts"
+        )
+
     def _make_groups(self, request: GenerateRequest) -> list[Group]:
         if request.stream:
             raise EngineError("stream=true is not supported yet by the embedded engine; send stream=false")
+        self._check_routed_experts(request)
         loop = asyncio.get_running_loop()
         groups = []
         for i, prompt in enumerate(self._tokenize(request)):
@@ -287,6 +307,11 @@ class Engine:
                 raise EngineError(
                     f"logprob_start_len={logprob_start_len} is past the prompt ({len(prompt)} tokens); "
                     "use -1 for no input log-probs or a value below the prompt length"
+                )
+            if request.return_routed_experts and request.routed_experts_start_len > len(prompt):
+                raise EngineError(
+                    f"routed_experts_start_len={request.routed_experts_start_len} is past prompt {i} ({len(prompt)} "
+                    f"tokens); use a value in [0, {len(prompt)}] (0: the whole sequence)"
                 )
             if len(prompt) >= self.context_length:
                 raise EngineError(
@@ -323,6 +348,8 @@ class Engine:
                     logprob_start_len=logprob_start_len,
                     top_logprobs_num=request.top_logprobs_num_for(i),
                     return_text_in_logprobs=request.return_text_in_logprobs,
+                    return_routed_experts=request.return_routed_experts,
+                    routed_experts_start_len=request.routed_experts_start_len,
                     weight_version=self.weight_version,
                     future=loop.create_future(),
                     loop=loop,
@@ -448,6 +475,7 @@ class Engine:
             "speculative_num_steps": self.config.num_draft_steps or None,
             "speculative_eagle_topk": 1 if self.config.num_draft_steps else None,
             "speculative_num_draft_tokens": self.config.num_draft_steps + 1 if self.config.num_draft_steps else None,
+            "enable_return_routed_experts": self.config.enable_return_routed_experts,
             "kernel_config": self.kernel.describe(torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
             "weight_version": version_string(self.weight_version),

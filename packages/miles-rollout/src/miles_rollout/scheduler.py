@@ -11,6 +11,8 @@ Each `step`:
 A prompt with `n` samples is prefilled once, then forked: full pages are shared, the partial page is copied.
 With speculative decoding (`EngineConfig.speculative_algorithm`; speculative.py) a decoding sequence brings its
 last token and up to k draft tokens to the forward, and a step emits one or more tokens per sequence.
+With `EngineConfig.enable_return_routed_experts` every forward's MoE routing is recorded per KV slot and a finished
+sequence's is returned with it (routed_experts.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
 from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
+from miles_rollout.routed_experts import RoutedExperts
 from miles_rollout.row_sampling import Row, record_input_logprobs, sample_rows
 from miles_rollout.sequence import DraftState, Group, Sequence, build_response, finish_reason
 from miles_rollout.speculative import Drafter, accept_drafts, add_pending
@@ -55,6 +58,9 @@ class Scheduler:
             tile = kernel.attention_query_tile
             self.drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids)
         self.store = self._allocate_store()
+        self.routed_experts: RoutedExperts | None = None
+        if config.enable_return_routed_experts:
+            self.routed_experts = RoutedExperts(model, config.num_kv_pages, self.page_size, config.device)
         self.allocator = PageAllocator(config.num_kv_pages)
         self.radix = RadixCache(self.allocator, self.page_size)
         self._waiting: deque[Group] = deque()
@@ -310,6 +316,8 @@ class Scheduler:
             query_lens, prefix_lens, tables, self.page_size, self.kernel.attention_query_tile, device
         )
         hidden = self.model.forward_hidden(torch.tensor(ids, device=device), batch, self.store)
+        if self.routed_experts is not None:  # before the draft's forwards (their MoE layers are not the trunk's)
+            self.routed_experts.record(batch, self.model.last_routing())
         self._after_forward(hidden, owners, query_lens)
 
     def _after_forward(
@@ -419,6 +427,8 @@ class Scheduler:
             targets = torch.tensor(copies, device=self.store.k[0].device)
             for pages in (*self.store.k, *self.store.v):
                 pages[targets] = pages[partial[0]].clone()
+            if self.routed_experts is not None:
+                self.routed_experts.copy_page(partial[0], copies)
         self.allocator.release(group.prefill_pages)
         group.prefill_pages = []
         group.sequences = children
@@ -466,6 +476,8 @@ class Scheduler:
         seq.finish = reason
         if seq in self._running:
             self._running.remove(seq)
+        if seq.group.return_routed_experts and self.routed_experts is not None:
+            seq.routed_experts = self._routed_experts_of(seq)
         if seq.pages:
             self.radix.insert(seq.tokens[: seq.num_computed], seq.pages)
             self.allocator.release(seq.pages)
@@ -477,6 +489,18 @@ class Scheduler:
             self._reserved -= group.reserved_pages
             group.reserved_pages = 0
             self._complete_group(group)
+
+    def _routed_experts_of(self, seq: Sequence) -> str | None:
+        """The routing of positions [routed_experts_start_len, seqlen - 1) (SGLang's range: the last token never
+        went through a forward); None when the sequence no longer holds all of them (aborted while it waited to be
+        admitted again or recomputed its KV, as SGLang returns none for a request aborted in its waiting queue)."""
+        assert self.routed_experts is not None
+        end = len(seq.tokens) - 1
+        if seq.num_computed < end:
+            return None
+        assert len(seq.pages) * self.page_size >= end
+        start = min(seq.group.routed_experts_start_len, end)
+        return self.routed_experts.gather(seq.pages, start, end)
 
     def _complete_group(self, group: Group) -> None:
         token_text = self._token_text if group.return_text_in_logprobs and self.tokenizer is not None else None

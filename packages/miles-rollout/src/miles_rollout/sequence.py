@@ -82,6 +82,7 @@ class Sequence:
     version_starts: list[tuple[int | None, int]] = field(default_factory=list)
     draft: DraftState = field(default_factory=DraftState)
     spec: SpecCounts | None = None  # speculative decoding's counts (None when the engine does not speculate)
+    routed_experts: str | None = None  # SGLang's meta_info.routed_experts, gathered at finish (routed_experts.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -128,6 +129,8 @@ class Group:
     total_pages: int = 0  # pages the whole generation needs (a retracted prefill reserves them again)
     arrived_at: float = field(default_factory=time.perf_counter)  # for SGLang's e2e_latency
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     draft: DraftState = field(default_factory=DraftState)  # the prompt's draft rows (speculative.py)
 
     @property
@@ -167,6 +170,8 @@ def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None
     }
     if seq.spec is not None:
         meta.update(seq.spec.meta_info())
+    if seq.routed_experts is not None:
+        meta["routed_experts"] = seq.routed_experts
     if len(seq.version_starts) > 1:
         ends = [start for _, start in seq.version_starts[1:]] + [len(seq.output_ids)]
         meta["weight_versions"] = [
