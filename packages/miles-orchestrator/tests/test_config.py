@@ -305,3 +305,23 @@ def test_the_spec_section_turns_the_engines_draft_on_and_refuses_what_cannot_run
     cfg = load_config(None, ["spec.mode=frozen", "model.path=/m", "rollout.engine.speculative_algorithm=EAGLE",
                              "rollout.engine.speculative_num_steps=5"])  # fmt: skip
     assert cfg.rollout.engine.num_draft_steps == 5  # the engine's own settings win
+
+
+def test_routing_replay_asks_the_rollout_and_the_engine_for_routed_experts() -> None:
+    cfg = load_config(None, ["trainer.routing_replay=rollout", "model.bootstrap_architecture=glm4_moe"])
+    assert cfg.rollout.return_routed_experts and cfg.rollout.engine.enable_return_routed_experts
+    cfg = load_config(None, ["rollout.return_routed_experts=true"])  # recorded for the metrics, not replayed
+    assert cfg.trainer.routing_replay == "off" and cfg.rollout.engine.enable_return_routed_experts
+    default = load_config(None, [])
+    assert not default.rollout.return_routed_experts and not default.rollout.engine.enable_return_routed_experts
+    with pytest.raises(ValueError, match=r"trainer\.routing_replay"):
+        load_config(None, ["trainer.routing_replay=always"])
+    with pytest.raises(ValueError, match="moe_aux_loss"):
+        load_config(None, ["trainer.loss.moe_aux_loss=switch"])
+
+
+@pytest.mark.parametrize("name", ["moe.yaml", "glm4moe.yaml"])
+def test_the_moe_examples_load(name: str) -> None:
+    cfg = load_config(Path(__file__).parents[3] / "examples" / name, [])
+    assert cfg.model.bootstrap_architecture in ("qwen3_moe", "glm4_moe") and cfg.trainer.routing_replay == "rollout"
+    assert cfg.rollout.engine.enable_return_routed_experts and cfg.kernel.mode == "deterministic"

@@ -160,3 +160,17 @@ def test_advantages_follow_the_loss_masks() -> None:
     assert advantages[2] == [1.0, 0.0, 1.0, 0.0]  # the reward on token 2, the last trained one; gamma = lam = 1
     assert targets.returns[0] == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0] and targets.old_values is values
     assert metrics["critic_value_mean"] == 0.0
+
+
+def test_recording_routing_needs_an_moe_policy(tmp_path) -> None:
+    from miles_kernels.testing import save_random_model, tiny_config
+    from miles_orchestrator.config import load_config
+    from miles_orchestrator.loop import check_model
+
+    dense = save_random_model(tmp_path / "dense", tiny_config("dense"))
+    with pytest.raises(ValueError, match=r"trainer.routing_replay=rollout records MoE routing.*dense qwen3 model"):
+        check_model(load_config(None, ["trainer.routing_replay=rollout"]), str(dense))
+    check_model(
+        load_config(None, ["trainer.routing_replay=rollout"]),
+        str(save_random_model(tmp_path / "moe", tiny_config("moe"))),
+    )

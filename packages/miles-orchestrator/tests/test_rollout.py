@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import pytest
 
@@ -65,3 +66,27 @@ def test_a_failing_rollout_function_fails_only_its_group(engine) -> None:
     statuses = [[s.status for s in g] for g in groups]
     assert statuses[1] == [SampleStatus.FAILED] * 2 and "tool server down" in (groups[1][0].error or "")
     assert all(s != SampleStatus.FAILED for i in (0, 2) for s in statuses[i])
+
+
+def test_the_one_turn_rollout_keeps_the_engines_routed_experts(tmp_path) -> None:
+    """With `rollout.return_routed_experts` (or routing replay) the one-turn rollout asks for the routed experts
+    and each sample keeps its own, covering prompt + response but the last token, as the trainer replays them."""
+    from miles_orchestrator.rollout import resolve_rollout_fn
+
+    tokenizer = build_tokenizer(vocab_size=300)
+    save_random_model(tmp_path, tiny_config("moe", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)
+    config = EngineConfig(num_kv_pages=64, enable_return_routed_experts=True)
+    moe = Engine(str(tmp_path), KernelConfig(page_size=16), config)
+    try:
+        groups = expand_groups(prompts(0, 2), 2, PromptEncoder(str(tmp_path)))
+        client = InProcessClient(moe)
+        plain = asyncio.run(run_groups(client, groups, PARAMS, 7, resolve_rollout_fn(None)))
+        recorded = asyncio.run(run_groups(client, groups, PARAMS, 7, resolve_rollout_fn(None, routed_experts=True)))
+    finally:
+        moe.shutdown()
+    assert all(s.routed_experts is None for g in plain for s in g)
+    for group, again in zip(plain, recorded, strict=True):
+        for sample, with_routing in zip(group, again, strict=True):
+            assert with_routing.response_tokens == sample.response_tokens  # recording changes no token
+            size = len(base64.b64decode(with_routing.routed_experts or ""))
+            assert size == (with_routing.num_tokens - 1) * 2 * 2 * 4  # (tokens - 1) x layers x top-k x int32

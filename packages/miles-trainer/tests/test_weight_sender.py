@@ -87,3 +87,35 @@ def test_a_kept_mapping_is_kept_only_for_a_shared_memory_file(tmp_path) -> None:
             assert (str(file.resolve()) in maps.read_text()) == (directory == shm), directory
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_glm_router_bias_is_sent_in_float32_and_the_engine_loads_it(tmp_path) -> None:
+    """GLM-4.5's e_score_correction_bias (a float32 buffer) is a weight of the sync: in the file, the buckets and the
+    checksum, in float32 while the parameters go in bf16; an engine model loads the file (mapped, in place) and then
+    holds the trainer's bits, checksum included."""
+    from miles_kernels import (
+        MappedSafetensors,
+        checkpoint_tensors,
+        decode_bucket,
+        load_mapped,
+        weights_checksum,
+    )
+    from miles_trainer.weight_sender import iter_weight_buckets
+
+    trainer = random_model(tiny_config("glm"), KernelConfig(dtype="bfloat16"), seed=7)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    tensors = expected(trainer)
+    assert tensors[bias].dtype == torch.float32 and tensors[bias].abs().sum() > 0
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    file = tmp_path / "model.safetensors"
+    write_weights_file(trainer, file)
+    assert_file_holds(file, tensors)
+    buckets = {}
+    for data in iter_weight_buckets(trainer, version=1, bucket_bytes=4096):
+        buckets |= decode_bucket(data).tensors
+    assert buckets.keys() == tensors.keys() and torch.equal(buckets[bias], tensors[bias])
+    engine = random_model(tiny_config("glm"), KernelConfig(dtype="bfloat16"), seed=8)
+    assert load_mapped(engine, MappedSafetensors(), tmp_path)
+    assert torch.equal(engine.get_buffer(bias), tensors[bias])
+    engine_side = weights_checksum(checkpoint_tensors(engine, mtp_copies=False).items())
+    assert engine_side == weights_checksum(export_tensors(trainer))

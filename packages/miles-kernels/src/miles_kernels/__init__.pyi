@@ -20,7 +20,7 @@ from .ops.attention import (
     build_packed_batch,
 )
 from .ops.linear import linear, tiled_matmul
-from .ops.moe import experts_forward, select_experts
+from .ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax, select_experts
 from .ops.norm import rms_norm
 from .ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 from .ops.sampling import (
@@ -75,6 +75,7 @@ __all__ = [
     "MappedSafetensors",
     "ModelConfig",
     "RowSampling",
+    "Routing",
     "TensorSlot",
     "WeightUpdateGroup",
     "apply_rope",
@@ -108,6 +109,8 @@ __all__ = [
     "registered_ops",
     "rms_norm",
     "rope_cos_sin",
+    "route_grouped_sigmoid",
+    "route_softmax",
     "safetensors_layout",
     "sample",
     "save_model",

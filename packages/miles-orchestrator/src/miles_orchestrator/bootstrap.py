@@ -1,9 +1,9 @@
-"""The default example's policy: a tiny Qwen3 (the README's benchmark shape) with one MTP module (the speculative
-draft) and a tokenizer trained on the built-in task, bootstrapped by a short SFT on the task's train split so RL
-starts from an imperfect policy. The SFT trains the MTP module beside the trunk (`miles_spec.MTPLoss`, gradients
-isolated, its own optimizer), so `spec.mode=frozen` or `online` has a useful draft from the first step; the MTP
-weights are drawn after the trunk's and never touch its update, so the trunk's bits are those of a bootstrap
-without MTP.
+"""The default example's policy: a tiny Qwen3 (the README's benchmark shape; or an MoE of the same trunk,
+`model.bootstrap_architecture`) with one MTP module (the speculative draft) and a tokenizer trained on the built-in
+task, bootstrapped by a short SFT on the task's train split so RL starts from an imperfect policy. The SFT trains
+the MTP module beside the trunk (`miles_spec.MTPLoss`, gradients isolated, its own optimizer), so `spec.mode=frozen`
+or `online` has a useful draft from the first step; the MTP weights are drawn after the trunk's and never touch its
+update, so the trunk's bits are those of a bootstrap without MTP.
 
 The result is cached in the user cache dir (`$MILES_CACHE_DIR`, else `$XDG_CACHE_HOME/miles`, else
 `~/.cache/miles`) under a key hashed from the bootstrap config, the task and the source code of the modules that
@@ -51,14 +51,27 @@ def _threads(num_threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def policy_config(vocab_size: int) -> ModelConfig:
+def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
     """Qwen3: hidden 256, intermediate 768, 4 layers, 8 heads / 4 KV heads, head dim 32, tied embeddings; one MTP
-    module (DeepSeek-V3's layout, `model.layers.4`)."""
-    return tiny_config(
-        "dense", vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=512,
-        num_nextn_predict_layers=1,
-    )  # fmt: skip
+    module (DeepSeek-V3's layout, `model.layers.4`). The MoE families keep that trunk and swap the MLPs:
+    - qwen3_moe: 8 experts of intermediate 384, top-2 (renormalized): the dense MLP's active size;
+    - glm4_moe: the first layer dense (768), then 8 routed experts of 256, top-2 of one group, one shared expert
+      of 256, routed scaling 2.5, partial rotary 0.5, q/k/v biases, QK-norm (GLM-4.5's settings, scaled down)."""
+    shape: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 512,
+        "num_nextn_predict_layers": 1,
+    }  # fmt: skip
+    if architecture == "qwen3":
+        return tiny_config("dense", **shape)
+    if architecture == "qwen3_moe":
+        return tiny_config("moe", **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384)
+    if architecture == "glm4_moe":
+        return tiny_config(
+            "glm", **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, partial_rotary_factor=0.5,
+        )  # fmt: skip
+    raise ValueError(f"model.bootstrap_architecture={architecture!r}: use qwen3, qwen3_moe or glm4_moe")
 
 
 class ProbeStop:
@@ -150,7 +163,8 @@ def _build(cfg: RunConfig, staging: Path, log: Any) -> None:
     rows = task.sft_rows(max(1, cfg.model.bootstrap_steps) * size, seed=cfg.data.seed + 1)
     corpus = [row["prompt"] + " " + row["response"] for row in rows[:2000]]
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.model.bootstrap_vocab_size)
-    save_random_model(staging / "base", policy_config(len(tokenizer)), seed=cfg.data.seed, tokenizer=tokenizer)
+    config = policy_config(len(tokenizer), cfg.model.bootstrap_architecture)
+    save_random_model(staging / "base", config, seed=cfg.data.seed, tokenizer=tokenizer)
     data = staging / "sft.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     if cfg.model.bootstrap_steps:

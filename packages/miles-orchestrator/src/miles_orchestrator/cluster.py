@@ -99,6 +99,7 @@ class TrainerSettings:
     spec: SpecConfig | None = None  # the MTP draft trains online (spec.mode=online)
     keep_reference: bool = False  # trainer.log_kl: the initial policy stays, for the kl metric
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # offload target, budget, OOM handling
+    routing_replay: bool = False  # trainer.routing_replay=rollout: MoE layers route as the engine recorded
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
@@ -115,7 +116,8 @@ def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
     if cfg.spec.mode == "online":
         spec = cfg.spec.model_copy(update={"optimizer": spanning(cfg.spec.optimizer)})
     return TrainerSettings(cfg.kernel, spanning(cfg.trainer.optimizer), cfg.trainer.loss, cfg.trainer.backend,
-                           str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory)  # fmt: skip
+                           str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory,
+                           cfg.trainer.routing_replay == "rollout")  # fmt: skip
 
 
 def num_threads(cfg: RunConfig) -> int:

@@ -76,6 +76,11 @@ class ModelSection(_Section):
     bootstrap_vocab_size: int = Field(
         default=264, ge=259, description="Tokenizer size of the built-in policy (its corpus bounds it: ~265)."
     )
+    bootstrap_architecture: Literal["qwen3", "qwen3_moe", "glm4_moe"] = Field(
+        default="qwen3",
+        description="The built-in policy's family: a dense Qwen3, a Qwen3-MoE (8 experts, top-2) or a GLM-4.5-style "
+        "MoE (8 experts, top-2, a shared expert, a dense first layer); the sizes are in miles_orchestrator.bootstrap.",
+    )
 
 
 class TaskSection(_Section):
@@ -186,6 +191,13 @@ class RolloutSection(_Section):
     eval_k: int = Field(default=1, ge=1, le=64, description="Also report pass@k over k samples (1: pass@1 only).")
     rollout_fn: PluginPath | None = Field(
         default=None, description="'module:function' RolloutFn; null: one-turn rollout."
+    )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="MoE policies: the one-turn rollout asks the engine for the experts of every token (SGLang's "
+        "return_routed_experts) and keeps them on the samples, for the routing metrics (moe_routing_flip_frac); "
+        "on whenever trainer.routing_replay=rollout. A sample holds (tokens - 1) x layers x top_k int32 (4 bytes "
+        "each, as base64 a third more); a custom rollout_fn must request and copy them itself.",
     )
     batch_requests: bool = Field(
         default=True,
@@ -345,6 +357,13 @@ class TrainerSection(_Section):
     backend: FSDP2Config = Field(
         default_factory=FSDP2Config, description="The FSDP2 backend (miles_trainer.config.FSDP2Config)."
     )
+    routing_replay: Literal["off", "rollout"] = Field(
+        default="off",
+        description="MoE policies: 'rollout' routes each token in the trainer's forward passes to the experts the "
+        "rollout engine chose (R3, routing replay; the router still learns through the replayed experts' scores); "
+        "'off': the trainer's router decides. True on-policy runs agree without it (deterministic mode routes the "
+        "same bits on both sides); it matters in fast mode and bf16, where routing can flip.",
+    )
     log_kl: bool = Field(
         default=False,
         description="Keep the initial policy and log 'kl', its KL to the current policy on the rollout's response "
@@ -458,9 +477,18 @@ class RunConfig(_Section):
                 update={"speculative_algorithm": "NEXTN", "speculative_num_steps": spec.num_steps}
             )
 
+    def _routed_experts(self) -> None:
+        """Routing replay needs the engine's routed experts: the rollout requests them and the engine records them."""
+        if self.trainer.routing_replay == "rollout":
+            self.rollout.return_routed_experts = True
+        engine = self.rollout.engine
+        if self.rollout.return_routed_experts and not engine.enable_return_routed_experts:
+            self.rollout.engine = engine.model_copy(update={"enable_return_routed_experts": True})
+
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
         check_batch_identity(self)
+        self._routed_experts()
         loss = self.trainer.loss
         if "max_response_len" not in loss.model_fields_set:  # Dr.GRPO's constant L: the longest response
             self.trainer.loss = loss = loss.model_copy(update={"max_response_len": self.rollout.max_new_tokens})

@@ -50,7 +50,8 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     check_model(cfg, model_dir)
     source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
     encode = PromptEncoder(model_dir)
-    rollout_fn, filters = resolve_rollout_fn(cfg.rollout.rollout_fn), build_filters(cfg.filter)
+    rollout_fn = resolve_rollout_fn(cfg.rollout.rollout_fn, cfg.rollout.return_routed_experts)
+    filters = build_filters(cfg.filter)
     with RewardPool.from_config(cfg.reward) as rewards:
         cluster = await start_cluster(cfg, model_dir, run.path)
         turns = Turns(cluster, is_colocated=cfg.run.colocate, is_partial=cfg.memory.partial_offload)
@@ -123,8 +124,19 @@ def check_plugins(cfg: RunConfig) -> None:
 
 def check_model(cfg: RunConfig, model_dir: str) -> None:
     """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
-    frozen or online)."""
-    if cfg.spec.drafts and read_model_config(model_dir).num_nextn_predict_layers == 0:
+    frozen or online); MoE layers when the run records or replays routing."""
+    model = read_model_config(model_dir)
+    if cfg.rollout.return_routed_experts and not model.is_moe:
+        setting = (
+            "trainer.routing_replay=rollout"
+            if cfg.trainer.routing_replay == "rollout"
+            else "rollout.return_routed_experts=true"
+        )
+        raise ValueError(
+            f"{setting} records MoE routing, but {model_dir} is a dense {model.model_type} model; drop the setting, "
+            "or use an MoE policy (e.g. model.bootstrap_architecture=qwen3_moe)"
+        )
+    if cfg.spec.drafts and model.num_nextn_predict_layers == 0:
         raise ValueError(
             f"spec.mode={cfg.spec.mode} drafts with the policy's MTP modules, but {model_dir} has none "
             "(num_nextn_predict_layers = 0 in its config.json); use a checkpoint with MTP layers, or spec.mode=off"
@@ -185,8 +197,10 @@ class Turns:
         self.offloaded_bytes = 0  # what the trainer moved out at its last offload (all ranks)
 
     async def measure_engine(self) -> None:
-        """Read the engine's resident bytes by tag (before it releases any)."""
-        self.engine_bytes = sum((await self.cluster.engine.get_server_info()).get("memory_bytes", {}).values())
+        """Read the engine's resident bytes of the tags it releases and resumes (before it releases any): the room
+        it takes back on the device; its routed-experts buffer is host memory it never releases."""
+        held = (await self.cluster.engine.get_server_info()).get("memory_bytes", {})
+        self.engine_bytes = sum(held.get(tag, 0) for tag in ("weights", "kv_cache"))
 
     def memory_metrics(self) -> dict[str, float]:
         return {

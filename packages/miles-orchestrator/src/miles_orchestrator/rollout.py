@@ -13,6 +13,7 @@ run regenerate exactly the same batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,10 +50,14 @@ def sample_seed(run_seed: int, sample_index: int) -> int:
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
-async def single_turn(client: GenerateClient, group: list[Sample], sampling_params: SamplingParams) -> list[Sample]:
-    """The default `RolloutFn`: one request for the whole group (prefilled once, forked n ways), log-probs on."""
+async def single_turn(
+    client: GenerateClient, group: list[Sample], sampling_params: SamplingParams, *, routed_experts: bool = False
+) -> list[Sample]:
+    """The default `RolloutFn`: one request for the whole group (prefilled once, forked n ways), log-probs on;
+    `routed_experts`: the engine's MoE routing of every token too (`Sample.routed_experts`, for routing replay)."""
     params = sampling_params.model_copy(update={"n": len(group)})
-    request = GenerateRequest(input_ids=group[0].prompt_tokens, sampling_params=params, return_logprob=True)
+    request = GenerateRequest(input_ids=group[0].prompt_tokens, sampling_params=params, return_logprob=True,
+                              return_routed_experts=routed_experts)  # fmt: skip
     responses = await client.generate(request)
     out = []
     for sample, response in zip(group, responses, strict=True):
@@ -62,7 +67,7 @@ async def single_turn(client: GenerateClient, group: list[Sample], sampling_para
             "response_tokens": list(response.output_ids), "response": response.text,
             "rollout_logprobs": [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []],
             "finish_reason": reason, "status": _STATUS[reason], "weight_version": meta.weight_version,
-            "metadata": sample.metadata | _spec_counts(meta),
+            "metadata": sample.metadata | _spec_counts(meta), "routed_experts": meta.routed_experts,
         }))  # fmt: skip
     return out
 
@@ -99,8 +104,11 @@ def spec_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     return out
 
 
-def resolve_rollout_fn(path: str | None) -> RolloutFn:
-    return single_turn if path is None else load_plugin(path, RolloutFn)  # type: ignore[type-abstract]
+def resolve_rollout_fn(path: str | None, routed_experts: bool = False) -> RolloutFn:
+    """The run's rollout function: a plug-in, or `single_turn` (asking for the routed experts if `routed_experts`)."""
+    if path is not None:
+        return load_plugin(path, RolloutFn)  # type: ignore[type-abstract]
+    return functools.partial(single_turn, routed_experts=True) if routed_experts else single_turn
 
 
 def expand_groups(prompts: Sequence[Sample], n: int, encode: Callable[[Sample], list[int]]) -> list[list[Sample]]:

@@ -28,7 +28,7 @@ class TrainerRank:
                                     offload_dir=settings.offload_dir, critic=settings.critic, aux_losses=aux_losses,
                                     aux_optimizer=None if spec is None else spec.optimizer,
                                     keep_reference=settings.keep_reference or None,
-                                    memory=settings.memory)  # fmt: skip
+                                    memory=settings.memory, routing_replay=settings.routing_replay)  # fmt: skip
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's)."""

@@ -26,6 +26,7 @@ ISLevel = Literal["token", "sequence"]
 ISMode = Literal["truncate", "mask"]
 ISRejected = Literal["counted", "excluded"]
 ScaleRewards = Literal["group", "batch", "none"]
+MoEAuxLoss = Literal["none", "aux_loss", "seq_aux_loss"]
 
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimatorName)
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
@@ -147,6 +148,13 @@ class PolicyLossConfig(_Config):
     loss_fn: PluginPath | None = Field(
         default=None, description="'module:function' PolicyLossFn replacing PPO-clip; null: the built-in loss."
     )
+    moe_aux_loss: MoEAuxLoss = Field(
+        default="none",
+        description="MoE load-balancing loss (Megatron-Core's names and normalization, 1.0 at uniform routing, "
+        "summed over MoE layers): 'aux_loss' over the micro-batch's tokens (Switch, Qwen3-MoE), 'seq_aux_loss' per "
+        "sample (DeepSeek-V3, GLM-4.5), 'none' (the RL default: the router moves with the policy loss only).",
+    )
+    moe_aux_loss_coef: float = Field(default=1e-3, ge=0, description="Weight of moe_aux_loss when it is on.")
 
     @model_validator(mode="after")
     def _is_bounds(self) -> PolicyLossConfig:

@@ -34,6 +34,7 @@ from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, Pol
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.memory import TrainerMemory
+from miles_trainer.moe import moe_shape
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
 from miles_trainer.step import (
     PerSample,
@@ -121,16 +122,21 @@ class FSDP2Backend:
         aux_losses: Sequence[AuxLoss] = (),
         aux_optimizer: OptimizerConfig | None = None,
         memory: MemoryConfig | None = None,
+        routing_replay: bool = False,
     ) -> None:
         """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
         `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir). `critic`: PPO's
         value model (`miles_trainer.critic`), trained with its own optimizer by `train_step`. `aux_losses`:
         auxiliary losses (`miles_trainer.auxiliary`, e.g. miles-spec's MTP loss) trained in the same step; their
         parameters get their own AdamW (`aux_optimizer`, default: the policy's settings) and clipping. `memory`:
-        offload target, allocation budget and OOM handling (`miles_trainer.memory`; default: no budget)."""
+        offload target, allocation budget and OOM handling (`miles_trainer.memory`; default: no budget).
+        `routing_replay`: the policy's MoE layers route every sample's tokens to the experts the rollout engine
+        recorded (its `routed_experts`; miles_trainer.moe), in the train step and in `compute_logprobs` (the
+        reference model routes by itself)."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
+        self.routing_replay = routing_replay
         if kernel.is_deterministic:
             use_deterministic_backward()
         self.optimizer_config = optimizer or OptimizerConfig()
@@ -203,11 +209,15 @@ class FSDP2Backend:
         if model is None:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
         self._check_onloaded()
-        micro_batches = pack_samples(samples, self.kernel, self.max_tokens)
+        replay = self.routing_replay and not reference
+        micro_batches = pack_samples(
+            samples, self.kernel, self.max_tokens, routing_shape=moe_shape(model) if replay else None,
+            require_routing=replay,
+        )  # fmt: skip
         out: list[list[float]] = [[] for _ in samples]
         for step in range(max(len(micro_batches), self._num_passes(samples))):
             micro = micro_batches[min(step, len(micro_batches) - 1)]
-            values = response_logprobs(model, micro, self.loss_config.temperature)
+            values = response_logprobs(model, micro, self.loss_config.temperature, replay)
             if step < len(micro_batches):
                 for i, row in zip(micro.sample_indices, values, strict=True):
                     out[i] = row.tolist()
@@ -307,7 +317,7 @@ class FSDP2Backend:
                 loss_scale=dist.get_world_size(),  # FSDP2 averages gradients over ranks; the global loss wants a sum
                 num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                 is_weights=is_weights, joint_value=joint_value, aux_losses=self.aux_losses, aux_counts=aux_counts,
-                measure_mismatch=measure_mismatch,
+                measure_mismatch=measure_mismatch, routing_replay=self.routing_replay,
             )  # fmt: skip
             add_is_metrics(stats, is_metrics, samples)
             return stats, critic_stats

@@ -22,12 +22,19 @@ def micro_batch_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_hidden: bool = False,
+    replay: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """float32 log-prob of each response token of the micro-batch (K,) and, when asked, the entropy of
     softmax(logits / T) on the row that predicts it (K,) and the final-norm hidden states of every packed row
-    (N, H), which a value head or an auxiliary loss reads."""
+    (N, H), which a value head or an auxiliary loss reads. `replay`: the MoE layers use the micro-batch's recorded
+    routing (routing replay)."""
     device = _device(model)
-    hidden = model.forward_hidden(micro.input_ids_N.to(device), micro.batch)
+    routing = None
+    if replay:
+        if micro.routing_NLK is None:
+            raise ValueError("routing replay needs the micro-batch's recorded routing (pack with routing_shape)")
+        routing = micro.routing_NLK.to(device)
+    hidden = model.forward_hidden(micro.input_ids_N.to(device), micro.batch, routing_NLK=routing)
     logits_KV = model.logits(hidden[micro.score_rows_K.to(device)])
     temps = logits_KV.new_full((logits_KV.shape[0], 1), 1.0 if temperature == 0.0 else temperature)
     logprobs = token_logprobs(logits_KV, micro.target_ids_K.to(device), temps)
@@ -35,14 +42,18 @@ def micro_batch_forward(
     return logprobs, entropy, hidden if with_hidden else None
 
 
-def micro_batch_logprobs(model: CausalLM, micro: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+def micro_batch_logprobs(
+    model: CausalLM, micro: MicroBatch, temperature: float = 1.0, replay: bool = False
+) -> torch.Tensor:
     """float32 log-prob of each response token of the micro-batch (K,), sample by sample."""
-    return micro_batch_forward(model, micro, temperature)[0]
+    return micro_batch_forward(model, micro, temperature, replay=replay)[0]
 
 
-def response_logprobs(model: CausalLM, micro: MicroBatch, temperature: float = 1.0) -> list[torch.Tensor]:
+def response_logprobs(
+    model: CausalLM, micro: MicroBatch, temperature: float = 1.0, replay: bool = False
+) -> list[torch.Tensor]:
     """Per sample of the micro-batch, the log-probs of its response tokens (in order)."""
-    return micro.per_sample(micro_batch_logprobs(model, micro, temperature))
+    return micro.per_sample(micro_batch_logprobs(model, micro, temperature, replay))
 
 
 def _device(model: CausalLM) -> torch.device:

@@ -9,6 +9,10 @@ log-probs equal the rollout's either way; `share_prompts=False` packs every samp
 Micro-batches are filled in sample order up to a token budget, so the same samples always pack the same way (a
 sample longer than the budget gets a micro-batch of its own; a group cut by the budget repeats its prompt).
 
+MoE routing (`routing_shape`): where every sample of a micro-batch carries the engine's recorded experts, the
+micro-batch holds them on its packed rows (`routing_NLK`, miles_trainer.moe), for routing replay and the routing
+metrics.
+
 Scoring: response token j of a sample is predicted by the row before it — the prompt's last row for j = 0. The
 micro-batch keeps, per response token (sample by sample, in order), that row, the token, and whether it trains
 (the sample's loss mask: only the model's own tokens).
@@ -25,6 +29,7 @@ import torch
 
 from miles_contracts import Sample
 from miles_kernels import AttentionBatch, KernelConfig, build_packed_batch
+from miles_trainer.moe import recorded_routing
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class MicroBatch:
     # per sample, the packed rows of its whole sequence (prompt + response, the last token excluded), in order:
     # row p holds token p (a shared prompt's rows are the prompt's, once for the group)
     sequence_rows: list[list[int]] = field(default_factory=list)
+    # the engine's recorded experts (N, L, K) int32, -1 on rows none records; None: not asked for or not recorded
+    routing_NLK: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -104,9 +111,15 @@ def plan_samples(samples: Sequence[Sample], max_tokens: int, share_prompts: bool
 
 
 def build_micro_batch(
-    samples: Sequence[Sample], indices: list[int], kernel: KernelConfig, share_prompts: bool = True
+    samples: Sequence[Sample],
+    indices: list[int],
+    kernel: KernelConfig,
+    share_prompts: bool = True,
+    routing_shape: tuple[int, int] | None = None,
+    require_routing: bool = False,
 ) -> MicroBatch:
-    """Pack `samples[i] for i in indices` into one micro-batch."""
+    """Pack `samples[i] for i in indices` into one micro-batch; with `routing_shape` (the model's layers and
+    experts per token), the samples' recorded routing too when all carry one (`require_routing`: an error if not)."""
     ids: list[int] = []
     seq_lens: list[int] = []
     parents: list[int | None] = []
@@ -148,7 +161,12 @@ def build_micro_batch(
         for i in group:
             targets += samples[i].response_tokens
             trains += [m == 1 for m in samples[i].effective_loss_mask()]
+    routing = None
+    chosen = [samples[i] for i in indices]
+    if routing_shape is not None and (require_routing or all(s.routed_experts is not None for s in chosen)):
+        routing = recorded_routing(chosen, sequence_rows, len(ids), *routing_shape)
     return MicroBatch(
+        routing_NLK=routing,
         sample_indices=list(indices),
         input_ids_N=torch.tensor(ids, dtype=torch.int64),
         batch=build_packed_batch(seq_lens, kernel.page_size, kernel.attention_query_tile, parents=parents),
@@ -161,8 +179,14 @@ def build_micro_batch(
 
 
 def pack_samples(
-    samples: Sequence[Sample], kernel: KernelConfig, max_tokens: int, share_prompts: bool = True
+    samples: Sequence[Sample],
+    kernel: KernelConfig,
+    max_tokens: int,
+    share_prompts: bool = True,
+    routing_shape: tuple[int, int] | None = None,
+    require_routing: bool = False,
 ) -> list[MicroBatch]:
-    """All samples, packed into micro-batches of at most `max_tokens` tokens (one oversized sample alone)."""
+    """All samples, packed into micro-batches of at most `max_tokens` tokens (one oversized sample alone); see
+    `build_micro_batch` for the routing arguments."""
     plan = plan_samples(samples, max_tokens, share_prompts)
-    return [build_micro_batch(samples, group, kernel, share_prompts) for group in plan]
+    return [build_micro_batch(samples, group, kernel, share_prompts, routing_shape, require_routing) for group in plan]

@@ -37,6 +37,7 @@ from miles_trainer.losses import (
     sft_loss,
     train_rollout_logprob_abs_diff,
 )
+from miles_trainer.moe import balance_loss, moe_shape, routing_metrics
 from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
 from miles_trainer.plugins import load_checked_plugin
 
@@ -210,6 +211,7 @@ def accumulate_policy_gradients(
     aux_losses: Sequence[AuxLoss] = (),
     aux_counts: Sequence[Sequence[int]] | None = None,
     measure_mismatch: bool = False,
+    routing_replay: bool = False,
 ) -> StepStats:
     """Forward + backward over all micro-batches (gradients accumulate in `model`); returns the step's stats.
 
@@ -222,6 +224,9 @@ def accumulate_policy_gradients(
     `aux_losses` (`miles_trainer.auxiliary.AuxLoss`, e.g. the MTP draft's) join the backward on the same forward,
     normalized by `aux_counts` (the global batch's, one list per loss; default: this batch's); they are reported as
     `<name>_loss` and not added to `loss`.
+    `routing_replay`: the MoE layers use the experts the engine recorded for each token (the samples'
+    `routed_experts`, miles_trainer.moe), not their router's choice. An MoE policy's step also reports the routing
+    metrics of miles_trainer.moe and, with `config.moe_aux_loss`, trains its load-balancing loss.
     `measure_mismatch`: report
     `train_rollout_logprob_abs_diff` (the recomputed old log-probs, else this forward's, against the rollout's —
     meaningful while the weights are still those that generated the samples).
@@ -260,7 +265,14 @@ def accumulate_policy_gradients(
         )
     counts = {"global_num_tokens": global_tokens, "global_num_seqs": global_seqs,
               "max_response_len": config.max_response_len}  # fmt: skip
-    micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
+    routing_shape = moe_shape(model)
+    if (routing_replay or config.moe_aux_loss != "none") and routing_shape is None:
+        wants = "routing replay" if routing_replay else f"moe_aux_loss={config.moe_aux_loss}"
+        raise ValueError(f"{wants} needs an MoE policy; {model.config.model_type} has no MoE layer")
+    micro_batches = pack_samples(
+        samples, kernel, max_tokens_per_micro_batch, routing_shape=routing_shape, require_routing=routing_replay
+    )
+    total_rows = sum(m.num_tokens for m in micro_batches)
     for step in range(max(len(micro_batches), num_micro_batches or 0)):
         micro = micro_batches[min(step, len(micro_batches) - 1)]
         weight = 1.0 if step < len(micro_batches) else 0.0
@@ -270,6 +282,7 @@ def accumulate_policy_gradients(
             config.temperature,
             with_entropy=True,
             with_hidden=joint_value is not None or bool(aux_losses),
+            replay=routing_replay,
         )
         assert entropy_K is not None
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
@@ -312,6 +325,12 @@ def accumulate_policy_gradients(
             )  # fmt: skip
             parts["vf_loss_term"] = joint_value.config.vf_coef * vf_loss
             vf_metrics["vf_loss"] = vf_loss
+        if routing_shape is not None and config.moe_aux_loss != "none":
+            # a token-weighted share of the batch's mean, averaged over ranks (FSDP2 averages their gradients)
+            share = micro.num_tokens / total_rows / loss_scale
+            balance = balance_loss(model, config.moe_aux_loss, micro.sequence_rows)
+            parts["moe_aux_loss_term"] = config.moe_aux_loss_coef * balance * share
+            stats.add_mean("moe_aux_loss", float(balance.detach()), micro.num_tokens * weight)
         loss = torch.stack(list(parts.values())).sum()
         aux_parts = _aux_parts(model, micro, hidden_NH, samples, aux_losses, aux_counts)
         total = loss
@@ -330,6 +349,9 @@ def accumulate_policy_gradients(
                 stats.add_mean(name, float(value), num_valid)
         for name, part in parts.items():
             stats.add(name, float(part.detach()))
+        if routing_shape is not None:
+            for name, (mean, count) in routing_metrics(model, micro.routing_NLK).items():
+                stats.add_mean(name, mean, count)
         with torch.no_grad():
             is_valid = mask_BT.bool()
             stats.add_mean("entropy", float(entropy_BT[is_valid].mean()) if num_valid else 0.0, num_valid)

@@ -27,10 +27,18 @@ from miles_kernels import CausalLM, MappedSafetensors, encode_bucket, in_shared_
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
 
-def export_names(model: CausalLM) -> list[tuple[str, torch.nn.Parameter]]:
-    """(HF checkpoint name, parameter) for every weight to send: tied parameters appear once, under the
-    embedding's name, as the HF checkpoint stores them."""
-    return list(model.named_parameters())  # named_parameters drops the tied duplicate (lm_head.weight)
+def export_names(model: CausalLM) -> list[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, tensor) for every weight to send: the parameters (tied ones once, under the embedding's
+    name, as the HF checkpoint stores them), then the buffers the checkpoint holds (GLM-4.5's float32
+    `e_score_correction_bias`: frozen, but synced, saved and checksummed like a weight)."""
+    # named_parameters drops the tied duplicate (lm_head.weight)
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def export_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is sent in: the engine's for parameters; a buffer keeps its own (the router bias stays
+    float32 on both sides)."""
+    return dtype if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
 
 
 def _gathered(param: torch.Tensor, dtype: torch.dtype, fresh: bool = True) -> torch.Tensor:
@@ -53,7 +61,7 @@ def export_tensors(
     `fresh=False`: a CPU parameter already in `dtype` comes back as itself, for a caller that only reads it."""
     dtype = dtype or model.kernel.torch_dtype
     for name, param in export_names(model):
-        yield name, _gathered(param, dtype, fresh)
+        yield name, _gathered(param, export_dtype(param, dtype), fresh)
 
 
 def iter_weight_buckets(
@@ -67,11 +75,11 @@ def iter_weight_buckets(
     """
     dtype = dtype or model.kernel.torch_dtype
     named = export_names(model)
-    sizes = [(name, param.numel() * dtype.itemsize) for name, param in named]
+    sizes = [(name, param.numel() * export_dtype(param, dtype).itemsize) for name, param in named]
     plan = plan_buckets(sizes, bucket_bytes)
     params = dict(named)
     for index, names in enumerate(plan):
-        tensors = {name: _gathered(params[name], dtype) for name in names}
+        tensors = {name: _gathered(params[name], export_dtype(params[name], dtype)) for name in names}
         data = encode_bucket(tensors, version=version, index=index, count=len(plan))
         del tensors
         yield data
@@ -94,14 +102,14 @@ def write_weights_file(
     """
     dtype = model.kernel.torch_dtype
     named = export_names(model)
-    layout = {name: torch.empty(param.shape, dtype=dtype, device="meta") for name, param in named}
+    layout = {name: torch.empty(param.shape, dtype=export_dtype(param, dtype), device="meta") for name, param in named}
     mapping = mapping or MappedSafetensors()
     views = _in_place_views(Path(file), layout, mapping) if write else None
     if views is not None or not write:
         # Streamed: one gathered tensor at a time is copied into its slot and dropped (docs/memory.md, "Host
         # peak memory"); ranks that do not write only join the gathers.
         for name, param in named:
-            tensor = _gathered(param, dtype, fresh=False)  # only read, before the next one is gathered
+            tensor = _gathered(param, export_dtype(param, dtype), fresh=False)  # only read, before the next one
             if views is not None:
                 views[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
             del tensor
