@@ -4,7 +4,8 @@ torch. If one of these starts failing after a torch upgrade, update docs/true-on
 - plain `x @ W.T` is NOT batch-invariant (a row alone differs from the same row in a batch);
 - SDPA with one query (decode) differs from the last row of a prefill over the same keys (fp32);
 - the same reshape can give a strided view (one tile) or a copy (many), and bmm's bits follow the layout;
-- fixed-tile bmm, row-wise log_softmax / sum / rms-style mean are invariant.
+- fixed-tile bmm, row-wise log_softmax / sum / rms-style mean are invariant;
+- elementwise `torch.sigmoid` / `F.silu` of rows narrower than the SIMD loop are NOT (the scalar tail loop).
 """
 
 from __future__ import annotations
@@ -79,3 +80,12 @@ def test_rowwise_reductions_are_invariant(num_threads: int) -> None:
         lambda r: r.pow(2).mean(-1, keepdim=True),
     ):
         assert rows_alone_vs_batched(fn, x, 64) == []
+
+
+def test_elementwise_sigmoid_and_silu_of_narrow_rows_are_not_batch_invariant() -> None:
+    """The last partial SIMD chunk of a tensor runs scalar code (std::exp) with other bits than the vector code
+    (SLEEF): an (N, 8) tensor's rows change with N. miles pads rows to whole vectors (ops/activation.py)."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    for fn in (torch.sigmoid, F.silu):
+        full = fn(x)
+        assert any(not torch.equal(fn(x[:rows]), full[:rows]) for rows in range(1, 64)), fn
