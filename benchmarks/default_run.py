@@ -10,7 +10,9 @@ lines are equal on every key but the timings (the runs are bitwise reproducible,
 `--baseline DIR` compares each run's metrics.jsonl with an earlier run's (a refactor must leave them identical;
 `--ignore KEY ...` leaves out keys a change is meant to alter, and the JSON says which).
 `--config FILE` runs an example config instead (`miles-orchestrator run --config FILE`); a PPO run's JSON adds the
-critic's explained variance (mean over the first and the last 10 steps) and its value loss.
+critic's explained variance (mean over the first and the last 10 steps) and its value loss; an MoE policy's adds the
+largest routing flip fraction of any step and the expert load imbalance and router entropy (means over the first and
+the last 10 steps).
 
     uv run python benchmarks/default_run.py --cold --out benchmarks/results/default_run.json
     uv run python benchmarks/default_run.py --cluster local --baseline runs/before   # a refactor check
@@ -94,17 +96,27 @@ def run_once(cluster: str, run_dir: Path, env: dict[str, str], config: str | Non
             "vf_loss_first_step": steps[0]["vf_loss"], "vf_loss_last_step": steps[-1]["vf_loss"],
             "reward_mean_last_10_steps": round(statistics.mean(line["reward_mean"] for line in steps[-10:]), 4),
         }  # fmt: skip
-    return critic | {
-        "command": " ".join(command),
-        "wall_time_s": round(wall, 1),
-        "bootstrap_time_s": bootstrap,
-        "num_steps": len(steps),
-        "median_step_time_s": round(statistics.median(line["step_time_s"] for line in steps), 3),
-        "eval_pass_at_1": {line["step"]: line["eval_pass@1"] for line in lines if "eval_pass@1" in line},
-        "max_train_rollout_logprob_abs_diff": max(
-            (line.get("train_rollout_logprob_abs_diff_max", 0.0) for line in steps), default=None
-        ),
-    }
+    moe = {}
+    if any("moe_load_imbalance" in line for line in steps):  # an MoE policy: its routing over the run
+        moe = {"max_moe_routing_flip_frac": max(line.get("moe_routing_flip_frac", 0.0) for line in steps)}
+        for key in ("moe_load_imbalance", "moe_router_entropy"):
+            moe[f"{key}_first_10_steps"] = round(statistics.mean(line[key] for line in steps[:10]), 3)
+            moe[f"{key}_last_10_steps"] = round(statistics.mean(line[key] for line in steps[-10:]), 3)
+    return (
+        critic
+        | moe
+        | {
+            "command": " ".join(command),
+            "wall_time_s": round(wall, 1),
+            "bootstrap_time_s": bootstrap,
+            "num_steps": len(steps),
+            "median_step_time_s": round(statistics.median(line["step_time_s"] for line in steps), 3),
+            "eval_pass_at_1": {line["step"]: line["eval_pass@1"] for line in lines if "eval_pass@1" in line},
+            "max_train_rollout_logprob_abs_diff": max(
+                (line.get("train_rollout_logprob_abs_diff_max", 0.0) for line in steps), default=None
+            ),
+        }
+    )
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from miles_kernels import BucketAssembler, decode_bucket
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout.client import Client
 from miles_rollout.launch import launch_server
+from miles_rollout.speculative import Drafter
 
 TEST_PAGE_SIZE = "16"
 
@@ -263,3 +264,34 @@ def flaky_transport(engine: FakeEngine) -> Callable[[int], FlakyTransport]:
         return FlakyTransport(httpx.ASGITransport(app=make_app(engine)), num_failures=num_failures)
 
     return make
+
+
+class OracleDrafter(Drafter):
+    """Runs the real draft (its K/V and recursion), then proposes the reference continuation instead, wrong (the
+    right token + 1) where `is_wrong(sample index, position)`: accepted runs and rejected drafts on demand."""
+
+    def __init__(
+        self,
+        base: Drafter,
+        reference: dict[tuple[tuple[int, ...], int], list[int]],
+        is_wrong: Callable[[int, int], bool],
+    ) -> None:
+        super().__init__(base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids)
+        self.reference = reference
+        self.is_wrong = is_wrong
+
+    def propose(self, store, seqs, budgets):  # type: ignore[no-untyped-def]
+        drafts = super().propose(store, seqs, budgets)
+        for seq, tokens in zip(seqs, drafts, strict=True):
+            continuation = self.reference[(tuple(seq.group.prompt_ids), seq.sample_index)]
+            for j in range(len(tokens)):
+                p = len(seq.output_ids) + j
+                right = continuation[p] if p < len(continuation) else 0
+                tokens[j] = (right + 1) % 512 if self.is_wrong(seq.sample_index, p) else right
+        return drafts
+
+
+@pytest.fixture
+def oracle_drafter() -> type[OracleDrafter]:
+    """`OracleDrafter(base, reference, is_wrong)`: a drafter whose proposals a test chooses."""
+    return OracleDrafter

@@ -28,7 +28,6 @@ from miles_kernels.testing import build_tokenizer, save_random_model, tiny_confi
 from miles_rollout import Engine, EngineConfig, InProcessClient, create_app
 from miles_rollout.batching import _merge_key
 from miles_rollout.cli import parse_serve
-from miles_rollout.speculative import Drafter
 
 KERNEL = KernelConfig(mode="deterministic", page_size=16)
 LONG = [(7 * i + 3) % 500 for i in range(40)]  # 2.5 pages: a chunked prefill, a partial page copied per sample
@@ -140,26 +139,7 @@ def test_an_aborted_sequence_returns_the_routing_of_its_tokens(moe_dir: Path) ->
         engine.shutdown()
 
 
-class OracleDrafter(Drafter):
-    """The real draft, then the reference continuation proposed instead, wrong at every third position: accepted
-    runs (several rows kept from one verify) and rejected drafts (rows whose routing must be overwritten)."""
-
-    def __init__(self, base: Drafter, reference: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
-        super().__init__(base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids)
-        self.reference = reference
-
-    def propose(self, store, seqs, budgets):  # type: ignore[no-untyped-def]
-        drafts = super().propose(store, seqs, budgets)
-        for seq, tokens in zip(seqs, drafts, strict=True):
-            continuation = self.reference[(tuple(seq.group.prompt_ids), seq.sample_index)]
-            for j in range(len(tokens)):
-                p = len(seq.output_ids) + j
-                right = continuation[p] if p < len(continuation) else 0
-                tokens[j] = (right + 1) % 512 if p % 3 == 0 else right
-        return drafts
-
-
-def test_speculative_decoding_and_a_recomputing_retract(tmp_path: Path) -> None:
+def test_speculative_decoding_and_a_recomputing_retract(tmp_path: Path, oracle_drafter) -> None:
     model = load_model(str(save_model(tmp_path, "moe", num_nextn_predict_layers=1)), KERNEL)
     spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
     engine = Engine(str(tmp_path), KERNEL, EngineConfig(num_kv_pages=96, enable_return_routed_experts=True, **spec))
@@ -169,7 +149,7 @@ def test_speculative_decoding_and_a_recomputing_retract(tmp_path: Path) -> None:
         draft = engine.scheduler.drafter
         assert draft is not None
         continuations = {(tuple(PROMPTS[i // 2]), i % 2): r.output_ids for i, r in enumerate(first)}
-        engine.scheduler.drafter = OracleDrafter(draft, continuations)
+        engine.scheduler.drafter = oracle_drafter(draft, continuations, lambda sample, p: p % 3 == 0)
         oracle = generate(engine, PROMPTS, params={"n": 2})
         assert [r.output_ids for r in oracle] == [r.output_ids for r in first]
         counts = [r.meta_info for r in oracle]

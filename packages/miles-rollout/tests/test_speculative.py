@@ -34,10 +34,16 @@ from miles_kernels import (
 )
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout import Engine, EngineConfig, InProcessClient, free_port
-from miles_rollout.speculative import Drafter, accept_drafts
+from miles_rollout.speculative import accept_drafts
 
 PROMPTS = [[(3 * i + 1) % 500 for i in range(21)], [7, 8, 9], [(11 * i) % 500 for i in range(32)]]  # 32: whole pages
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+
+
+def wrong_every_fourth(sample: int, position: int) -> bool:
+    """The oracle's proposals are wrong at every position p with (sample index + p) % 4 == 0: long accepted runs,
+    and rejections at every draft position."""
+    return (sample + position) % 4 == 0
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -69,26 +75,6 @@ def summary(responses: list) -> list:
     ]  # fmt: skip
 
 
-class OracleDrafter(Drafter):
-    """Runs the real draft (its K/V and recursion), then proposes the reference continuation instead, wrong at
-    every position p with (sample index + p) % 4 == 0: long accepted runs, and rejections at every draft
-    position."""
-
-    def __init__(self, base: Drafter, reference: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
-        super().__init__(base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids)
-        self.reference = reference
-
-    def propose(self, store, seqs, budgets):  # type: ignore[no-untyped-def]
-        drafts = super().propose(store, seqs, budgets)
-        for seq, tokens in zip(seqs, drafts, strict=True):
-            continuation = self.reference[(tuple(seq.group.prompt_ids), seq.sample_index)]
-            for j in range(len(tokens)):
-                p = len(seq.output_ids) + j
-                right = continuation[p] if p < len(continuation) else 0
-                tokens[j] = (right + 1) % 512 if (seq.sample_index + p) % 4 == 0 else right
-        return drafts
-
-
 def test_accept_drafts_keeps_the_agreeing_prefix_and_the_targets_token() -> None:
     assert accept_drafts([], [5]) == [5]
     assert accept_drafts([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]  # all accepted: the bonus token
@@ -109,7 +95,7 @@ FILTERED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "max_new_tokens": 30,
     ],
     ids=["greedy", "seeded", "filtered-penalized"],
 )
-def test_outputs_are_identical_with_and_without_the_draft(mtp_dir: Path, params: dict) -> None:
+def test_outputs_are_identical_with_and_without_the_draft(mtp_dir: Path, params: dict, oracle_drafter) -> None:
     plain = make_engine(mtp_dir)
     reference = generate(plain, params)
     plain.shutdown()
@@ -118,7 +104,9 @@ def test_outputs_are_identical_with_and_without_the_draft(mtp_dir: Path, params:
         responses = generate(speculative, params)
         assert summary(responses) == summary(reference)
         continuations = {(tuple(p), seq): r.output_ids for p, seq, r in _keys(responses, params)}
-        speculative.scheduler.drafter = OracleDrafter(speculative.scheduler.drafter, continuations)
+        speculative.scheduler.drafter = oracle_drafter(
+            speculative.scheduler.drafter, continuations, wrong_every_fourth
+        )
         oracle = generate(speculative, params)
         assert summary(oracle) == summary(reference)
         counts = [r.meta_info for r in oracle]
@@ -134,7 +122,7 @@ def _keys(responses: list, params: dict) -> list:
     return [(PROMPTS[i // n], i % n, response) for i, response in enumerate(responses)]
 
 
-def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(mtp_dir: Path) -> None:
+def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(mtp_dir: Path, oracle_drafter) -> None:
     """EOS-like stop tokens, stop strings and max_new_tokens placed inside runs the oracle draft gets accepted."""
     plain = make_engine(mtp_dir)
     base = {"temperature": 1.0, "max_new_tokens": 48, "sampling_seed": 11, "ignore_eos": True}
@@ -150,7 +138,7 @@ def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(mtp_dir: Pat
     plain.shutdown()
     speculative = make_engine(mtp_dir, **SPEC)
     continuations = {(tuple(p), seq): r.output_ids for p, seq, r in _keys(free, base)}
-    speculative.scheduler.drafter = OracleDrafter(speculative.scheduler.drafter, continuations)
+    speculative.scheduler.drafter = oracle_drafter(speculative.scheduler.drafter, continuations, wrong_every_fourth)
     try:
         for params, reference in zip(cases, references, strict=True):
             responses = generate(speculative, params)
