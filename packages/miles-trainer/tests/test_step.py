@@ -301,3 +301,44 @@ def test_truncation_lower_bound_and_config_checks() -> None:
         PolicyLossConfig(is_mode="mask", is_threshold_low=3.0)
     with pytest.raises(ValueError, match=r"needs PolicyLossConfig\.is_mode"):
         mismatch_weights(samples, old, PolicyLossConfig())
+
+
+REDUCE_ON_RANK = """
+import json, sys
+import torch.distributed as dist
+from miles_trainer.step import StepStats
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+stats = StepStats()
+stats.add("loss", 1.0 + rank)
+if rank == 0:  # measured on rank 0's data only (e.g. routing flips of samples that carry the engine's routing)
+    stats.add_mean("moe_routing_flip_frac", 0.25, 8.0)
+    stats.add_max("only_here_max", 3.0)
+stats.all_reduce()
+print(json.dumps(stats.summary()))
+dist.destroy_process_group()
+"""
+
+
+def test_step_stats_reduce_keys_that_only_some_ranks_hold(tmp_path) -> None:
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", REDUCE_ON_RANK],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    summaries = [json.loads(process.communicate(timeout=120)[0].strip().splitlines()[-1]) for process in ranks]
+    assert summaries[0] == summaries[1] == {"loss": 3.0, "moe_routing_flip_frac": 0.25, "only_here_max": 3.0}

@@ -12,6 +12,7 @@ Shapes: K response tokens, B samples of a micro-batch, T the longest response in
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -101,9 +102,19 @@ class StepStats:
         self.maxima[name] = max(self.maxima.get(name, float("-inf")), value)
 
     def all_reduce(self) -> None:
-        """Combine every rank's stats (all ranks must hold the same keys: they run the same config)."""
+        """Combine every rank's stats. Keys are those of any rank (a metric measured on some ranks' data only, e.g.
+        the routing flips of samples that carry the engine's routing, counts zero elsewhere)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
+        names = _all_gather_json([sorted(self.sums), sorted(self.weighted), sorted(self.maxima)])
+        tables: tuple[dict[str, float], ...] = (self.sums, self.weighted, self.maxima)
+        for index, table in enumerate(tables):
+            for rank_names in names:
+                for name in rank_names[index]:
+                    if name not in table:
+                        table[name] = float("-inf") if table is self.maxima else 0.0
+                        if table is self.weighted:
+                            self.weights[name] = 0.0
         for table, op in ((self.sums, dist.ReduceOp.SUM), (self.weighted, dist.ReduceOp.SUM),
                           (self.weights, dist.ReduceOp.SUM)):  # fmt: skip
             keys = sorted(table)
@@ -120,6 +131,19 @@ class StepStats:
         out.update({name: total / max(self.weights[name], 1.0) for name, total in self.weighted.items()})
         out.update(self.maxima)
         return out
+
+
+def _all_gather_json(value: Any) -> list[Any]:
+    """Every rank's JSON-serializable `value`, as JSON bytes in uint8 tensors (no pickle crosses the process group)."""
+    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64))
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    return [json.loads(bytes(data[: int(size)].tolist())) for data, size in zip(gathered, sizes, strict=True)]
 
 
 def count_trained(samples: Sequence[Sample], is_weights: PerToken | None = None) -> tuple[int, int]:
