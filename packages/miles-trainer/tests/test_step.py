@@ -331,14 +331,8 @@ def test_step_stats_reduce_keys_that_only_some_ranks_hold(tmp_path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", REDUCE_ON_RANK],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-        )  # fmt: skip
-        for rank in range(2)
-    ]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    command = [sys.executable, "-c", REDUCE_ON_RANK]
+    ranks = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**env, "RANK": str(r)}) for r in (0, 1)]
     summaries = [json.loads(process.communicate(timeout=120)[0].strip().splitlines()[-1]) for process in ranks]
     assert summaries[0] == summaries[1] == {"loss": 3.0, "moe_routing_flip_frac": 0.25, "only_here_max": 3.0}
