@@ -124,7 +124,10 @@ def check_plugins(cfg: RunConfig) -> None:
 
 def check_model(cfg: RunConfig, model_dir: str) -> None:
     """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
-    frozen or online); MoE layers when the run records or replays routing."""
+    frozen or online); MoE layers when the run records or replays routing. (Other runs read the model only when
+    they load it.)"""
+    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts):
+        return
     model = read_model_config(model_dir)
     if cfg.rollout.return_routed_experts and not model.is_moe:
         setting = (

@@ -123,6 +123,9 @@ class TrainerMemory:
         again after an OOM that the retry can absorb (see the module docstring). Returns its result and the token
         budget it ran with (which later steps keep)."""
         while True:
+            # A step starts from no gradients: drop the last step's before listing the held storages, or the meter
+            # would take an activation allocated where a gradient was freed for a held storage (by its address).
+            drop_grads()
             storages = self.manager.resident_storages()  # one walk of the tagged tensors per attempt
             held = self._held({tag: sum(s.nbytes() for s in group) for tag, group in storages.items()})
             self.held_bytes = sum(held.values())
