@@ -259,11 +259,14 @@ def measure_host_peaks(backend: FSDP2Backend, out_dir: Path, checkpoint: Path) -
 
     held = [0]  # the encoded bucket the caller holds (Python bytes, which the census does not see)
     meter = PeakMeter(extra=lambda: held[0])
+    longest = 0
     for data in backend.iter_weight_buckets(version=1, bucket_bytes=bucket_bytes):
         held[0] = len(data)
+        longest = max(longest, len(data))
         meter.sample()
     held[0] = 0
     out["buckets_growth_bytes"], out["bucket_bytes"] = float(meter.growth), float(bucket_bytes)
+    out["encoded_bucket_max_bytes"] = float(longest)  # a bucket's tensors and its safetensors header
     meter, done = PeakMeter(), threading.Event()
 
     def sample_until_done() -> None:
