@@ -196,8 +196,9 @@ def test_attention_batch_moves_to_a_device_once() -> None:
 
 @pytest.mark.parametrize("name", ["sigmoid", "silu"])
 def test_activations_do_not_depend_on_the_number_of_rows(name: str) -> None:
-    """torch's CPU kernels finish a tensor's last partial SIMD chunk with scalar code of other bits (ops/activation.py):
-    plain torch.sigmoid / F.silu of (N, 8) rows change with N on this CPU; the padded forms never do."""
+    """torch's CPU kernels finish a tensor's last partial SIMD chunk with scalar code of other bits
+    (ops/activation.py): plain torch.sigmoid / F.silu of (N, 8) rows change with N on this CPU; the padded forms
+    never do."""
     from miles_kernels.ops import activation
 
     ours = getattr(activation, name)
