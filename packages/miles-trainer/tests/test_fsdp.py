@@ -28,6 +28,10 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 TIMING = ("step_time_s", "tokens_per_s")
 
 
+def without_memory(metrics: dict[str, float]) -> dict[str, float]:
+    return {key: value for key, value in metrics.items() if not key.startswith("mem_")}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -296,6 +300,8 @@ def test_critic_two_ranks_match_one_and_resume_is_bitwise(tmp_path) -> None:
     straight_params, straight = run_ranks(model_dir, tmp_path / "straight", world=2, mode="two-steps",
                                           extra_env=separate)  # fmt: skip
     resumed_params, resumed = run_ranks(model_dir, tmp_path / "resumed", world=2, mode="resume", extra_env=separate)
-    assert resumed == straight and straight["critic_values_sum"] != 0.0
+    # Memory measurements depend on what the process did before the step (which storages held which addresses), not
+    # on the step alone: a resumed process need not report the same bytes. Every other metric is bitwise.
+    assert without_memory(resumed) == without_memory(straight) and straight["critic_values_sum"] != 0.0
     for name in straight_params:
         assert torch.equal(resumed_params[name], straight_params[name]), name
