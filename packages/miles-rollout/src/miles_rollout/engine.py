@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import threading
@@ -509,10 +510,21 @@ def _version() -> str:
         return "unknown"
 
 
+# Tokenizer classes that are transformers' plain fast tokenizer (TokenizersBackend in transformers 5): loaded with
+# that class directly, which is what AutoTokenizer resolves them to, without importing the Auto machinery (8 of a
+# tiny model's 18 s of server start-up on the reference CPU: it pulls in torch._dynamo and the modeling utilities).
+PLAIN_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def _load_tokenizer(model_path: str) -> Any:
     path = Path(model_path)
     if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
         return None
+    config = path / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in PLAIN_FAST_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
