@@ -34,6 +34,15 @@ from miles_kernels.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 from miles_kernels.ops.sampling import token_logprobs
 
 
+def _embedding(config: ModelConfig) -> nn.Embedding:
+    """An embedding whose weight is left uninitialized, as every other weight here (a checkpoint or
+    `miles_kernels.testing.random_model` fills it): `nn.Embedding`'s own normal init would draw from the global RNG,
+    and on the meta device (`load_model`) it runs through torch's reference kernels, whose first use imports
+    torch._dynamo (6.5 s of an engine's start-up on the reference CPU)."""
+    weight = torch.empty(config.vocab_size, config.hidden_size)
+    return nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -244,7 +253,7 @@ class MTPLayer(DecoderLayer):
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, False, kernel)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config)
         self.shared_head = SharedHead(config, kernel)
 
     def forward(  # type: ignore[override]
@@ -271,7 +280,7 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
         super().__init__()
         trunk = config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config)
         self.layers = nn.ModuleList(
             [DecoderLayer(config, kernel, i) for i in range(trunk)]
             + [MTPLayer(config, kernel, trunk + i) for i in range(config.num_nextn_predict_layers)]
