@@ -68,8 +68,7 @@ def _weights(
 ) -> torch.Tensor:
     weights = scores_NE.gather(1, expert_ids_NK)
     if normalize:
-        total = weights.sum(dim=-1, keepdim=True)
-        weights = weights / (total + eps) if eps else weights / total
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)  # eps 0 adds an exact zero
     if scale != 1.0:
         weights = weights * scale
     return weights.to(dtype)
