@@ -26,7 +26,7 @@ from miles_kernels.config import KernelConfig
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.model_config import ModelConfig
 from miles_kernels.ops.activation import silu
-from miles_kernels.ops.attention import AttentionBatch, attention, num_pages_needed
+from miles_kernels.ops.attention import AttentionBatch, attention, packed_attention, write_kv
 from miles_kernels.ops.linear import linear
 from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
 from miles_kernels.ops.norm import rms_norm
@@ -87,9 +87,8 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        k_pages: torch.Tensor,
-        v_pages: torch.Tensor,
-        is_persistent: bool,
+        k_pages: torch.Tensor | None,
+        v_pages: torch.Tensor | None,
     ) -> torch.Tensor:
         heads, kv_heads, dim = self.shape
         num_tokens = x_NH.shape[0]
@@ -99,19 +98,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x_NH).view(num_tokens, kv_heads, dim)
-        pages, offsets = batch.write_pages_N, batch.write_offsets_N
-        if batch.copy_tokens_C.numel():  # shared prompts: partial prompt pages are copied (see AttentionBatch)
-            k, v = torch.cat((k, k[batch.copy_tokens_C])), torch.cat((v, v[batch.copy_tokens_C]))
-            pages, offsets = torch.cat((pages, batch.copy_pages_C)), torch.cat((offsets, batch.copy_offsets_C))
-        heads_index = torch.arange(kv_heads, device=x_NH.device)
-        where = (pages[:, None], heads_index[None, :], offsets[:, None])
-        if is_persistent:  # the engine's cache: write in place
-            k_pages.index_put_(where, k.to(k_pages.dtype))
-            v_pages.index_put_(where, v.to(v_pages.dtype))
-        else:  # a temporary store: out of place, so gradients flow to k and v
-            k_pages = k_pages.index_put(where, k)
-            v_pages = v_pages.index_put(where, v)
-        out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel)
+        if k_pages is None or v_pages is None:  # no cache (the trainer): the batch's own keys, in a temporary store
+            out = packed_attention(q, k, v, batch, self.scale, self.kernel)
+        else:  # the engine's cache: write in place, then attend over everything the sequences hold
+            write_kv(k_pages, v_pages, k, v, batch)
+            out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
         return projected
 
@@ -221,12 +212,11 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        k_pages: torch.Tensor,
-        v_pages: torch.Tensor,
-        is_persistent: bool,
+        k_pages: torch.Tensor | None,
+        v_pages: torch.Tensor | None,
         replay_NK: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos, sin, batch, k_pages, v_pages, is_persistent)
+        x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos, sin, batch, k_pages, v_pages)
         normed = self.post_attention_layernorm(x_NH)
         mlp_out = self.mlp(normed, replay_NK) if isinstance(self.mlp, SparseMoE) else self.mlp(normed)
         out: torch.Tensor = x_NH + mlp_out
@@ -263,14 +253,13 @@ class MTPLayer(DecoderLayer):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        k_pages: torch.Tensor,
-        v_pages: torch.Tensor,
-        is_persistent: bool,
+        k_pages: torch.Tensor | None,
+        v_pages: torch.Tensor | None,
     ) -> torch.Tensor:
         """shared_head.norm(decoder_layer(eh_proj([enorm(embedded) ; hnorm(hidden)]))): all of the module's own
         weights are used inside its forward (a sharded module gathers them there)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded_NH), self.hnorm(hidden_NH.to(embedded_NH.dtype))], dim=-1))
-        out: torch.Tensor = self.shared_head.norm(super().forward(x, cos, sin, batch, k_pages, v_pages, is_persistent))
+        out: torch.Tensor = self.shared_head.norm(super().forward(x, cos, sin, batch, k_pages, v_pages))
         return out
 
 
@@ -358,15 +347,10 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids_N)
         batch = batch.to(x.device)  # a batch laid out on the host (the trainer's packing) runs on the model's device
         cos, sin = self._rope(batch, x)
-        if kv_store is None:
-            empty = self._scratch_pages(batch, x)
         for index, layer in enumerate(self.trunk_layers):
-            if kv_store is None:
-                k_pages, v_pages, is_persistent = empty, empty, False
-            else:
-                k_pages, v_pages, is_persistent = kv_store.k[index], kv_store.v[index], True
+            k_pages, v_pages = (None, None) if kv_store is None else (kv_store.k[index], kv_store.v[index])
             replay = routing_NLK[:, index] if routing_NLK is not None and isinstance(layer.mlp, SparseMoE) else None
-            x = layer(x, cos, sin, batch, k_pages, v_pages, is_persistent, replay)
+            x = layer(x, cos, sin, batch, k_pages, v_pages, replay)
         normed: torch.Tensor = self.model.norm(x)
         return normed
 
@@ -412,13 +396,12 @@ class CausalLM(nn.Module):
         batch = batch.to(embedded.device)
         cos, sin = self._rope(batch, embedded)
         if kv_store is None:
-            empty = self._scratch_pages(batch, embedded)
-            out: torch.Tensor = mtp(embedded, hidden_NH, cos, sin, batch, empty, empty, False)
+            out: torch.Tensor = mtp(embedded, hidden_NH, cos, sin, batch, None, None)
             return out
         layer = self.config.num_hidden_layers + module
         if len(kv_store.k) <= layer:
             raise ValueError(f"the KV store has no layer for MTP module {module}: allocate it with num_draft_layers")
-        out = mtp(embedded, hidden_NH, cos, sin, batch, kv_store.k[layer], kv_store.v[layer], True)
+        out = mtp(embedded, hidden_NH, cos, sin, batch, kv_store.k[layer], kv_store.v[layer])
         return out
 
     def _rope(self, batch: AttentionBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,11 +409,6 @@ class CausalLM(nn.Module):
         they are always float32, whatever the model dtype."""
         inv_freq = inv_frequencies(self.config.rotary_dim, self.config.rope_theta, like.device)
         return rope_cos_sin(batch.positions_N, inv_freq, like.dtype)
-
-    def _scratch_pages(self, batch: AttentionBatch, like: torch.Tensor) -> torch.Tensor:
-        """A temporary paged K/V buffer for a forward without a `KVStore` (the trainer's)."""
-        shape = (num_pages_needed(batch), self.config.num_key_value_heads, batch.page_size, self.config.head_dim)
-        return like.new_zeros(shape)
 
     def mtp_logits(self, hidden_NH: torch.Tensor, detach_trunk: bool = False) -> torch.Tensor:
         """LM-head logits (N, V, float32) of MTP outputs; `detach_trunk`: the shared LM head enters detached."""

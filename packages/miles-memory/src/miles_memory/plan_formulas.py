@@ -80,25 +80,17 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1) -> flo
 
 
 def blocked_attention_elements(shape: ModelShape, sequence_length: int, query_tile: int, page_size: int) -> float:
-    """Elements per token and layer that Miles' deterministic attention keeps beyond a fused kernel's Q, K, V and
-    output (miles_kernels/ops/attention.py, `_blocked_attention`): it is an online softmax written in torch ops, so
-    autograd keeps, for every (query tile, key block) pair a tile visits, the gathered K and V block
-    (2 x kv_heads x page x head_dim), the block's scores and probabilities (2 x heads x tile x page) and, past the
-    first block, the running accumulator and its rescaled copy (2 x heads x tile x head_dim); and per tile the
-    float32 query tile and the accumulator the output divides (2 x heads x tile x head_dim). A tile of a causal
-    sequence of L tokens visits every key block up to its last query: the pairs grow as L^2 / (2 x page)."""
+    """Elements per token and layer that Miles' deterministic attention keeps beyond a fused kernel's Q, K, V,
+    output and softmax statistics (miles_kernels/ops/attention.py, `_BlockedAttention`): its hand-written backward
+    keeps the float32 query tiles (in place of Q) and the float32 output tiles (besides the output the next layer
+    keeps), both padded to whole tiles of `query_tile` tokens, and the K/V pages (in place of K and V) padded to whole
+    pages; the backward recomputes the scores chunk by chunk (a bounded, transient buffer)."""
     if shape.is_mla:  # the embedded kernels run standard attention only
         return 0.0
     heads, kv_heads, d = shape.num_attention_heads, shape.kv_heads, shape.dim
-    pairs = later = 0
-    num_tiles = -(-sequence_length // query_tile)
-    for tile in range(num_tiles):
-        last = min(sequence_length, (tile + 1) * query_tile) - 1
-        blocks = last // page_size + 1
-        pairs += blocks
-        later += blocks - 1
-    elements = pairs * (2 * kv_heads * page_size * d + 2 * heads * query_tile * page_size)
-    elements += later * 2 * heads * query_tile * d + num_tiles * 2 * heads * query_tile * d
+    tiled = -(-sequence_length // query_tile) * query_tile
+    paged = -(-sequence_length // page_size) * page_size
+    elements = (2 * tiled - sequence_length) * heads * d + 2 * (paged - sequence_length) * kv_heads * d
     return elements / sequence_length
 
 

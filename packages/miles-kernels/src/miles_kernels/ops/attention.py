@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,18 @@ class BlockPlan:
     num_active: int  # tiles are sorted by descending last position, so the active ones are a prefix
     pages_A: torch.Tensor  # page holding this block for each active tile's sequence
     visible_A_rows_P: torch.Tensor  # key position <= row position (causal mask), rows = (t, g) pairs
+
+
+@dataclass(frozen=True)
+class BlockChunk:
+    """Consecutive key blocks whose (tile, block) pairs run in one set of batched ops, block-major: block b's pairs
+    are its active tiles 0..A_b - 1 (X pairs in all)."""
+
+    plans: list[BlockPlan]
+    starts: list[int]  # where each block's pairs start (len(plans) + 1 entries)
+    pair_tiles_X: torch.Tensor  # the query tile of each pair
+    pair_pages_X: torch.Tensor  # the page holding the pair's key block
+    hidden_X_rows_P: torch.Tensor | None  # key after the row's position (None: every key is visible)
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,7 @@ class AttentionBatch:
     copy_tokens_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
     copy_pages_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
     copy_offsets_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
-    _plans: dict[int, list[BlockPlan]] = field(default_factory=dict, repr=False, compare=False)
+    _plans: dict[tuple[int, int], list[BlockChunk]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -91,11 +104,19 @@ class AttentionBatch:
     def num_seqs(self) -> int:
         return int(self.kv_lens_S.shape[0])
 
-    def block_plans(self, group: int) -> list[BlockPlan]:
-        """Per key block: active tiles, their pages and causal masks, for `group` query heads per KV head."""
-        if group not in self._plans:
-            self._plans[group] = self._make_block_plans(group)
-        return self._plans[group]
+    def block_chunks(self, group: int, max_pairs: int) -> list[BlockChunk]:
+        """The key blocks, in ascending order, grouped into chunks of at most `max_pairs` (tile, block) pairs (a
+        block with more active tiles is a chunk of its own), for `group` query heads per KV head; computed once per
+        batch and shared by every layer."""
+        key = (group, max_pairs)
+        if key not in self._plans:
+            self._plans[key] = _chunk_plans(self._make_block_plans(group), max_pairs)
+        return self._plans[key]
+
+    def token_tile_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tile, row in the tile) of each token: where its query and output sit in the tiles."""
+        tile = self.tile_tokens_NT_Tq.shape[1]
+        return self.tile_row_of_token_N // tile, self.tile_row_of_token_N % tile
 
     def _make_block_plans(self, group: int) -> list[BlockPlan]:
         page = self.page_size
@@ -109,6 +130,26 @@ class AttentionBatch:
             visible = (block * page + key_offsets)[None, None, :] <= row_positions[:num_active, :, None]
             plans.append(BlockPlan(block, num_active, tile_tables[:num_active, block], visible))
         return plans
+
+
+def _chunk_plans(plans: list[BlockPlan], max_pairs: int) -> list[BlockChunk]:
+    groups: list[list[BlockPlan]] = []
+    pairs = 0
+    for plan in plans:
+        if not groups or pairs + plan.num_active > max_pairs:
+            groups.append([])
+            pairs = 0
+        groups[-1].append(plan)
+        pairs += plan.num_active
+    chunks = []
+    for group in groups:
+        starts = [0, *itertools.accumulate(plan.num_active for plan in group)]
+        device = group[0].pages_A.device
+        tiles = torch.cat([torch.arange(plan.num_active, device=device) for plan in group])
+        visible = torch.cat([plan.visible_A_rows_P for plan in group])
+        hidden = None if bool(visible.all()) else ~visible
+        chunks.append(BlockChunk(group, starts, tiles, torch.cat([plan.pages_A for plan in group]), hidden))
+    return chunks
 
 
 def build_attention_batch(
@@ -245,56 +286,246 @@ def attention(
     return out
 
 
+def write_kv(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch
+) -> None:
+    """Store each token's K/V at its page and offset, in place (and the batch's copy writes, see `AttentionBatch`)."""
+    pages, offsets = batch.write_pages_N, batch.write_offsets_N
+    if batch.copy_tokens_C.numel():
+        k_NKD, v_NKD = torch.cat((k_NKD, k_NKD[batch.copy_tokens_C])), torch.cat((v_NKD, v_NKD[batch.copy_tokens_C]))
+        pages, offsets = torch.cat((pages, batch.copy_pages_C)), torch.cat((offsets, batch.copy_offsets_C))
+    heads = torch.arange(k_pages.shape[1], device=k_pages.device)
+    where = (pages[:, None], heads[None, :], offsets[:, None])
+    k_pages.index_put_(where, k_NKD.to(k_pages.dtype))
+    v_pages.index_put_(where, v_NKD.to(v_pages.dtype))
+
+
+def packed_attention(
+    q_NHD: torch.Tensor,
+    k_NKD: torch.Tensor,
+    v_NKD: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """Attention of a forward with no KV cache (the trainer's): the keys are the batch's own tokens (K/V (N, Hkv, D)),
+    laid out in a temporary paged store exactly as the engine's cache holds them, so the forward runs the engine's
+    code. Differentiable. Deterministic mode runs `_BlockedAttention`: the engine's forward plus a hand-written
+    backward (a FlashAttention-style recomputation over the same blocks); fast mode differentiates its backend."""
+    num_pages = num_pages_needed(batch)
+    shape = (num_pages, k_NKD.shape[1], batch.page_size, k_NKD.shape[2])
+    if config.is_deterministic and config.attention_backend in ("auto", "torch-blocked"):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD)):
+            out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages)
+            return out
+        k_pages, v_pages = k_NKD.new_zeros(shape), v_NKD.new_zeros(shape)
+        write_kv(k_pages, v_pages, k_NKD, v_NKD, batch)
+        return attention(q_NHD, k_pages, v_pages, batch, scale, config)
+    # Out of place, so gradients flow to k and v through the backend's own ops.
+    pages, offsets = batch.write_pages_N, batch.write_offsets_N
+    if batch.copy_tokens_C.numel():
+        k_NKD, v_NKD = torch.cat((k_NKD, k_NKD[batch.copy_tokens_C])), torch.cat((v_NKD, v_NKD[batch.copy_tokens_C]))
+        pages, offsets = torch.cat((pages, batch.copy_pages_C)), torch.cat((offsets, batch.copy_offsets_C))
+    heads = torch.arange(k_NKD.shape[1], device=k_NKD.device)
+    where = (pages[:, None], heads[None, :], offsets[:, None])
+    k_pages = k_NKD.new_zeros(shape).index_put(where, k_NKD)
+    v_pages = v_NKD.new_zeros(shape).index_put(where, v_NKD)
+    return attention(q_NHD, k_pages, v_pages, batch, scale, config)
+
+
+# Bytes of gathered K/V, queries and scores per batched chunk of the blocked attention: few ops per layer, while a
+# chunk's operands stay in cache (on the reference CPU, 64-row decode at ~300 cached tokens: 12.9 ms per layer with 4
+# MiB, 20.9 ms with 16 MiB, 37.7 ms with 64 MiB, 21.5 ms block by block).
+MAX_CHUNK_BYTES = 4 << 20
+
+
+def _max_pairs(num_kv_heads: int, rows: int, page: int, head_dim: int) -> int:
+    pair_bytes = 4 * num_kv_heads * (2 * page * head_dim + 2 * rows * head_dim + 2 * rows * page)
+    return max(1, MAX_CHUNK_BYTES // pair_bytes)
+
+
+def _query_tiles(q_NHD: torch.Tensor, batch: AttentionBatch, num_kv_heads: int) -> torch.Tensor:
+    """(NT, Tq, Hkv, G, D) -> (NT, Hkv, Tq * G, D) float32: each KV head sees one fixed-shape query matrix per tile."""
+    num_heads, head_dim = q_NHD.shape[1], q_NHD.shape[2]
+    num_tiles, tile = batch.tile_tokens_NT_Tq.shape
+    group = num_heads // num_kv_heads
+    q_tiles = q_NHD.to(torch.float32).index_select(0, batch.tile_tokens_NT_Tq.view(-1))
+    q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    return q_tiles.reshape(num_tiles, num_kv_heads, tile * group, head_dim).contiguous()
+
+
+def _token_rows(tiles_NT_Hkv_R_D: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """The tokens' rows of a tile-layout tensor, as (N, H, D) (padding rows dropped)."""
+    num_tiles, num_kv_heads, rows, head_dim = tiles_NT_Hkv_R_D.shape
+    tile = batch.tile_tokens_NT_Tq.shape[1]
+    tile_N, row_N = batch.token_tile_rows()
+    out = tiles_NT_Hkv_R_D.view(num_tiles, num_kv_heads, tile, rows // tile, head_dim)[tile_N, :, row_N]
+    return out.reshape(tile_N.shape[0], num_kv_heads * (rows // tile), head_dim)
+
+
+def _chunk_scores(
+    q_tiles: torch.Tensor, k_pages: torch.Tensor, chunk: BlockChunk, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk's masked scores (X, Hkv, rows, P) and its gathered queries (X * Hkv, rows, D) and float32 K
+    (X, Hkv, P, D). One `bmm` of fixed-shape
+    (rows, D) @ (D, P) products, the same per pair whatever the chunk holds; operands are contiguous gathers (one
+    memory layout for every call: a strided view and a copy of the same values can take different BLAS paths)."""
+    _, num_kv_heads, rows, head_dim = q_tiles.shape
+    page = k_pages.shape[2]
+    num_pairs = chunk.pair_tiles_X.shape[0]
+    q_x = q_tiles.index_select(0, chunk.pair_tiles_X).view(-1, rows, head_dim)
+    k_x = k_pages.index_select(0, chunk.pair_pages_X).to(torch.float32)
+    scores = invariant_bmm(q_x, k_x.view(-1, page, head_dim).transpose(1, 2))
+    scores = scores.mul_(scale).view(num_pairs, num_kv_heads, rows, page)
+    if chunk.hidden_X_rows_P is not None:
+        scores.masked_fill_(chunk.hidden_X_rows_P[:, None], float("-inf"))
+    return scores, q_x, k_x
+
+
+def _online_softmax(
+    q_tiles: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocked attention's forward on tiles: (normalized output (NT, Hkv, rows, D), running max, running sum),
+    float32, no autograd.
+
+    Per key block b, in ascending order, for its active tiles (a prefix):
+        m_b = max(m_{b-1}, rowmax(s_b));  p_b = exp(s_b - m_b);  c_b = exp(m_{b-1} - m_b)
+        acc_b = acc_{b-1} * c_b + p_b @ v_b;  sum_b = sum_{b-1} * c_b + rowsum(p_b)
+    (block 0 starts with m_0 = rowmax(s_0), acc_0 = p_0 @ v_0, sum_0 = rowsum(p_0)). A fully masked block is an exact
+    no-op for a row (c = 1, adds exact zeros). The scores, p_b, p_b @ v_b and the row sums of a chunk's blocks run as
+    batched ops (each pair's arithmetic is that of its own fixed-shape product); only the small running-state
+    updates go block by block.
+    """
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    page = k_pages.shape[2]
+    acc = q_tiles.new_empty(num_tiles, num_kv_heads, rows, head_dim)
+    running_sum = q_tiles.new_empty(num_tiles, num_kv_heads, rows, 1)
+    running_max = q_tiles.new_empty(num_tiles, num_kv_heads, rows, 1)
+    for chunk in batch.block_chunks(
+        rows // batch.tile_tokens_NT_Tq.shape[1], _max_pairs(num_kv_heads, rows, page, head_dim)
+    ):
+        scores, _, _ = _chunk_scores(q_tiles, k_pages, chunk, scale)
+        row_max = scores.amax(dim=-1, keepdim=True)
+        maxes, corrections = [], []
+        for plan, start, end in zip(chunk.plans, chunk.starts, chunk.starts[1:], strict=False):
+            active = plan.num_active
+            if plan.block == 0:
+                running_max.copy_(row_max[start:end])
+                maxes.append(row_max[start:end])
+                continue
+            block_max = torch.maximum(running_max[:active], row_max[start:end])
+            corrections.append(torch.exp(running_max[:active] - block_max))
+            running_max[:active] = block_max
+            maxes.append(block_max)
+        probs = scores.sub_(maxes[0] if len(maxes) == 1 else torch.cat(maxes)).exp_()
+        v_x = v_pages.index_select(0, chunk.pair_pages_X).to(torch.float32).view(-1, page, head_dim)
+        pv = invariant_bmm(probs.view(-1, rows, page), v_x).view(-1, num_kv_heads, rows, head_dim)
+        block_sums = probs.sum(dim=-1, keepdim=True)
+        pending = iter(corrections)
+        for plan, start, end in zip(chunk.plans, chunk.starts, chunk.starts[1:], strict=False):
+            active = plan.num_active
+            if plan.block == 0:
+                acc.copy_(pv[start:end])
+                running_sum.copy_(block_sums[start:end])
+                continue
+            correction = next(pending)
+            acc[:active].mul_(correction).add_(pv[start:end])
+            running_sum[:active].mul_(correction).add_(block_sums[start:end])
+    return acc.div_(running_sum), running_max, running_sum
+
+
 def _blocked_attention(
     q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
 ) -> torch.Tensor:
-    num_heads, head_dim = q_NHD.shape[1], q_NHD.shape[2]
-    num_kv_heads, page = k_pages.shape[1], k_pages.shape[2]
-    group = num_heads // num_kv_heads
-    num_tiles, tile = batch.tile_tokens_NT_Tq.shape
-    rows = tile * group
-    # (NT, Tq, Hkv, G, D) -> (NT, Hkv, Tq * G, D): each KV head sees one fixed-shape query matrix per tile.
-    q_tiles = q_NHD.to(torch.float32)[batch.tile_tokens_NT_Tq]
-    q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    q_tiles = q_tiles.reshape(num_tiles, num_kv_heads, rows, head_dim).contiguous()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_pages, v_pages)):
+        out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_pages, v_pages, batch, scale, None)
+        return out
+    q_tiles = _query_tiles(q_NHD, batch, k_pages.shape[1])
+    out_tiles, _, _ = _online_softmax(q_tiles, k_pages, v_pages, batch, scale)
+    return _token_rows(out_tiles, batch).to(q_NHD.dtype)
 
-    # The online-softmax state, started by key block 0 (every tile sees it).
-    acc: torch.Tensor
-    running_sum: torch.Tensor
-    running_max: torch.Tensor
-    for plan in batch.block_plans(group):
-        # Tiles wholly before this block skip it; the rest run the same fixed-shape GEMMs. GEMM operands always
-        # have one memory layout (contiguous gathers; K transposed as a view): a strided view and a copy of the
-        # same values can take different BLAS paths.
-        active = plan.num_active
-        k_blk = k_pages[plan.pages_A].to(torch.float32).reshape(-1, page, head_dim)  # (A * Hkv, P, D)
-        v_blk = v_pages[plan.pages_A].to(torch.float32).reshape(-1, page, head_dim)
-        scores = invariant_bmm(q_tiles[:active].reshape(-1, rows, head_dim), k_blk.transpose(1, 2))
-        scores = (scores * scale).reshape(active, num_kv_heads, rows, page)
-        scores = scores.masked_fill(~plan.visible_A_rows_P[:, None], float("-inf"))
-        if plan.block == 0:  # the online softmax starts here: no running state to rescale yet
-            running_max = scores.amax(dim=-1, keepdim=True)
-            probs = torch.exp(scores - running_max)
-            acc = invariant_bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
-            running_sum = probs.sum(dim=-1, keepdim=True)
-            continue
-        old_max = running_max[:active]
-        block_max = torch.maximum(old_max, scores.amax(dim=-1, keepdim=True))
-        probs = torch.exp(scores - block_max)
-        correction = torch.exp(old_max - block_max)
-        pv = invariant_bmm(probs.reshape(-1, rows, page), v_blk).reshape(active, num_kv_heads, rows, head_dim)
-        new_acc = acc[:active] * correction + pv
-        new_sum = running_sum[:active] * correction + probs.sum(dim=-1, keepdim=True)
-        if active == num_tiles:
-            acc, running_sum, running_max = new_acc, new_sum, block_max
-        else:  # out of place, so the trainer's backward sees every intermediate
-            acc = torch.cat((new_acc, acc[active:]))
-            running_sum = torch.cat((new_sum, running_sum[active:]))
-            running_max = torch.cat((block_max, running_max[active:]))
-    out = acc / running_sum  # (NT, Hkv, Tq * G, D)
-    out = out.reshape(num_tiles, num_kv_heads, tile, group, head_dim).permute(0, 2, 1, 3, 4)
-    out = out.reshape(num_tiles * tile, num_heads, head_dim)[batch.tile_row_of_token_N]
-    return out.to(q_NHD.dtype)
+
+class _BlockedAttention(torch.autograd.Function):
+    """The blocked attention with a hand-written backward. The forward is `_online_softmax` (the engine's bits);
+    the backward recomputes each chunk's scores from the saved queries and pages and the saved log-sum-exp:
+        p = exp(s - lse), dv = p^T dO, dp = dO v^T, ds = p (dp - rowsum(dO o)) scale, dq = ds k, dk = ds^T q,
+    accumulating dk / dv per page with `index_add_` (deterministic on the CPU). Inputs are either K/V pages, or K/V
+    per token (`num_pages` given: they are written into a temporary store inside, and their gradients read back
+    from it), which spares autograd a copy of the store per layer."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q_NHD: torch.Tensor,
+        k_in: torch.Tensor,
+        v_in: torch.Tensor,
+        batch: AttentionBatch,
+        scale: float,
+        num_pages: int | None,
+    ) -> torch.Tensor:
+        if num_pages is None:
+            k_pages, v_pages = k_in, v_in
+        else:
+            shape = (num_pages, k_in.shape[1], batch.page_size, k_in.shape[2])
+            k_pages, v_pages = k_in.new_zeros(shape), v_in.new_zeros(shape)
+            write_kv(k_pages, v_pages, k_in, v_in, batch)
+        q_tiles = _query_tiles(q_NHD, batch, k_pages.shape[1])
+        out_tiles, running_max, running_sum = _online_softmax(q_tiles, k_pages, v_pages, batch, scale)
+        ctx.save_for_backward(q_tiles, k_pages, v_pages, out_tiles, running_max + torch.log(running_sum))
+        ctx.batch, ctx.scale, ctx.per_token = batch, scale, num_pages is not None
+        ctx.dtypes = (q_NHD.dtype, k_in.dtype, v_in.dtype)
+        return _token_rows(out_tiles, batch).to(q_NHD.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_NHD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q_tiles, k_pages, v_pages, out_tiles, lse = ctx.saved_tensors
+        batch: AttentionBatch = ctx.batch
+        num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+        tile = batch.tile_tokens_NT_Tq.shape[1]
+        page = k_pages.shape[2]
+        grad_tiles = torch.zeros_like(out_tiles)  # padding rows get no gradient
+        tile_N, row_N = batch.token_tile_rows()
+        grad_view = grad_tiles.view(num_tiles, num_kv_heads, tile, rows // tile, head_dim)
+        grad_view[tile_N, :, row_N] = grad_NHD.to(torch.float32).view(-1, num_kv_heads, rows // tile, head_dim)
+        delta = (grad_tiles * out_tiles).sum(dim=-1, keepdim=True)
+        dq_tiles = torch.zeros_like(q_tiles)
+        dk_pages = torch.zeros(k_pages.shape, dtype=torch.float32, device=k_pages.device)
+        dv_pages = torch.zeros_like(dk_pages)
+        for chunk in batch.block_chunks(rows // tile, _max_pairs(num_kv_heads, rows, page, head_dim)):
+            tiles = chunk.pair_tiles_X
+            scores, q_x, k_x = _chunk_scores(q_tiles, k_pages, chunk, ctx.scale)
+            probs = scores.sub_(lse.index_select(0, tiles)).exp_().view(-1, rows, page)
+            grad_x = grad_tiles.index_select(0, tiles).view(-1, rows, head_dim)
+            v_x = v_pages.index_select(0, chunk.pair_pages_X).to(torch.float32).view(-1, page, head_dim)
+            dv_pages.index_add_(
+                0, chunk.pair_pages_X, torch.bmm(probs.transpose(1, 2), grad_x).view(-1, num_kv_heads, page, head_dim)
+            )
+            dscores = torch.bmm(grad_x, v_x.transpose(1, 2)).view(-1, num_kv_heads, rows, page)
+            dscores = (
+                dscores.sub_(delta.index_select(0, tiles))
+                .mul_(probs.view_as(dscores))
+                .mul_(ctx.scale)
+                .view(-1, rows, page)
+            )
+            dq_x = torch.bmm(dscores, k_x.view(-1, page, head_dim)).view(-1, num_kv_heads, rows, head_dim)
+            dq_tiles.index_add_(0, tiles, dq_x)
+            dk_pages.index_add_(
+                0, chunk.pair_pages_X, torch.bmm(dscores.transpose(1, 2), q_x).view(-1, num_kv_heads, page, head_dim)
+            )
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        dq = _token_rows(dq_tiles, batch).to(q_dtype)
+        if not ctx.per_token:
+            return dq, dk_pages.to(k_dtype), dv_pages.to(v_dtype), None, None, None
+        dk, dv = (_read_tokens(pages, batch) for pages in (dk_pages, dv_pages))
+        return dq, dk.to(k_dtype), dv.to(v_dtype), None, None, None
+
+
+def _read_tokens(pages: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """The gradient of `write_kv`: each token's entry (N, Hkv, D), plus its copy writes' entries."""
+    out = pages[batch.write_pages_N, :, batch.write_offsets_N]
+    if batch.copy_tokens_C.numel():
+        out.index_add_(0, batch.copy_tokens_C, pages[batch.copy_pages_C, :, batch.copy_offsets_C])
+    return out
 
 
 def _sdpa_attention(
