@@ -58,6 +58,7 @@ class BlockChunk:
     plans: list[BlockPlan]
     starts: list[int]  # where each block's pairs start (len(plans) + 1 entries)
     pair_tiles_X: torch.Tensor  # the query tile of each pair
+    pair_blocks_X: torch.Tensor  # the pair's block, counted from the chunk's first
     pair_pages_X: torch.Tensor  # the page holding the pair's key block
     hidden_X_rows_P: torch.Tensor | None  # key after the row's position (None: every key is visible)
 
@@ -146,9 +147,10 @@ def _chunk_plans(plans: list[BlockPlan], max_pairs: int) -> list[BlockChunk]:
         starts = [0, *itertools.accumulate(plan.num_active for plan in group)]
         device = group[0].pages_A.device
         tiles = torch.cat([torch.arange(plan.num_active, device=device) for plan in group])
+        blocks = torch.cat([torch.full((plan.num_active,), b, device=device) for b, plan in enumerate(group)])
         visible = torch.cat([plan.visible_A_rows_P for plan in group])
         hidden = None if bool(visible.all()) else ~visible
-        chunks.append(BlockChunk(group, starts, tiles, torch.cat([plan.pages_A for plan in group]), hidden))
+        chunks.append(BlockChunk(group, starts, tiles, blocks, torch.cat([plan.pages_A for plan in group]), hidden))
     return chunks
 
 
@@ -392,46 +394,38 @@ def _online_softmax(
         m_b = max(m_{b-1}, rowmax(s_b));  p_b = exp(s_b - m_b);  c_b = exp(m_{b-1} - m_b)
         acc_b = acc_{b-1} * c_b + p_b @ v_b;  sum_b = sum_{b-1} * c_b + rowsum(p_b)
     (block 0 starts with m_0 = rowmax(s_0), acc_0 = p_0 @ v_0, sum_0 = rowsum(p_0)). A fully masked block is an exact
-    no-op for a row (c = 1, adds exact zeros). The scores, p_b, p_b @ v_b and the row sums of a chunk's blocks run as
-    batched ops (each pair's arithmetic is that of its own fixed-shape product); only the small running-state
-    updates go block by block.
+    no-op for a row (c = 1, adds exact zeros). A chunk's scores, maxes (a cumulative max over its blocks: max is
+    exact), p_b, c_b, p_b @ v_b and row sums run as batched ops, each pair's arithmetic that of its own fixed-shape
+    product; only the accumulator update (its last column the running sum) goes block by block, two ops each.
     """
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     page = k_pages.shape[2]
-    acc = q_tiles.new_empty(num_tiles, num_kv_heads, rows, head_dim)
-    running_sum = q_tiles.new_empty(num_tiles, num_kv_heads, rows, 1)
-    running_max = q_tiles.new_empty(num_tiles, num_kv_heads, rows, 1)
-    for chunk in batch.block_chunks(
-        rows // batch.tile_tokens_NT_Tq.shape[1], _max_pairs(num_kv_heads, rows, page, head_dim)
-    ):
+    # The accumulator and, in its last column, the running sum: both follow x_b = x_{b-1} * c_b + y_b.
+    acc = q_tiles.new_empty(num_tiles, num_kv_heads, rows, head_dim + 1)
+    running_max = q_tiles.new_full((num_tiles, num_kv_heads, rows, 1), float("-inf"))
+    max_pairs = _max_pairs(num_kv_heads, rows, page, head_dim)
+    for chunk in batch.block_chunks(rows // batch.tile_tokens_NT_Tq.shape[1], max_pairs):
         scores, _, _ = _chunk_scores(q_tiles, k_pages, chunk, scale)
-        row_max = scores.amax(dim=-1, keepdim=True)
-        maxes, corrections = [], []
-        for plan, start, end in zip(chunk.plans, chunk.starts, chunk.starts[1:], strict=False):
-            active = plan.num_active
-            if plan.block == 0:
-                running_max.copy_(row_max[start:end])
-                maxes.append(row_max[start:end])
-                continue
-            block_max = torch.maximum(running_max[:active], row_max[start:end])
-            corrections.append(torch.exp(running_max[:active] - block_max))
-            running_max[:active] = block_max
-            maxes.append(block_max)
-        probs = scores.sub_(maxes[0] if len(maxes) == 1 else torch.cat(maxes)).exp_()
+        # m_b for every pair at once: a cumulative max over the chunk's blocks (exact, as max is), from the state
+        # carried in; tiles a block does not reach keep -inf there, so they carry their max through it.
+        maxes = running_max.new_full((len(chunk.plans) + 1, *running_max.shape), float("-inf"))
+        maxes[0] = running_max
+        maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X] = scores.amax(dim=-1, keepdim=True)
+        maxes = torch.cummax(maxes, dim=0).values
+        block_max = maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X]
+        corrections = torch.exp(maxes[chunk.pair_blocks_X, chunk.pair_tiles_X] - block_max)
+        running_max = maxes[-1]
+        probs = scores.sub_(block_max).exp_()
         v_x = v_pages.index_select(0, chunk.pair_pages_X).to(torch.float32).view(-1, page, head_dim)
         pv = invariant_bmm(probs.view(-1, rows, page), v_x).view(-1, num_kv_heads, rows, head_dim)
-        block_sums = probs.sum(dim=-1, keepdim=True)
-        pending = iter(corrections)
+        updates = torch.cat((pv, probs.sum(dim=-1, keepdim=True)), dim=-1)
         for plan, start, end in zip(chunk.plans, chunk.starts, chunk.starts[1:], strict=False):
-            active = plan.num_active
-            if plan.block == 0:
-                acc.copy_(pv[start:end])
-                running_sum.copy_(block_sums[start:end])
-                continue
-            correction = next(pending)
-            acc[:active].mul_(correction).add_(pv[start:end])
-            running_sum[:active].mul_(correction).add_(block_sums[start:end])
-    return acc.div_(running_sum), running_max, running_sum
+            if plan.block == 0:  # the online softmax starts here (every tile sees block 0)
+                acc.copy_(updates[start:end])
+            else:
+                acc[: plan.num_active].mul_(corrections[start:end]).add_(updates[start:end])
+    running_sum = acc[..., head_dim:]
+    return acc[..., :head_dim] / running_sum, running_max, running_sum
 
 
 def _blocked_attention(

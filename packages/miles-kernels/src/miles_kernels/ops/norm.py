@@ -10,6 +10,8 @@ ones vector (`tiled_matmul`), which is batch-invariant by construction.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from miles_kernels.ops.linear import tiled_matmul
@@ -18,7 +20,17 @@ CUDA_NORM_TILE = 16  # rows per fixed-shape GEMM of the CUDA sum of squares
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x^2) + eps)`, normalized in fp32, returned in x's dtype."""
+    """`weight * x / sqrt(mean(x^2) + eps)`, normalized in fp32, returned in x's dtype. Differentiable: under
+    autograd it runs `_RMSNorm` (the same forward ops, one node with a hand-written backward instead of seven)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out: torch.Tensor = _RMSNorm.apply(x, weight, eps)
+        return out
+    normed, _ = _normalize(x, eps)
+    return weight * normed
+
+
+def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / sqrt(mean(x^2) + eps) in x's dtype, the fp32 reciprocal root per row)."""
     input_dtype = x.dtype
     x32 = x.to(torch.float32)
     if x32.is_cuda:
@@ -28,5 +40,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         variance = sums.reshape(*squares.shape[:-1], 1) / squares.shape[-1]
     else:
         variance = x32.pow(2).mean(-1, keepdim=True)
-    x32 = x32 * torch.rsqrt(variance + eps)
-    return weight * x32.to(input_dtype)
+    inverse = torch.rsqrt(variance + eps)
+    return (x32 * inverse).to(input_dtype), inverse
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = w * n, n = x * r, r = 1 / sqrt(mean(x^2) + eps):
+    dw = sum over rows of dy * n;  dx = r * (g - n * mean(g * n)) with g = dy * w (all in fp32)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        normed, inverse = _normalize(x, eps)
+        ctx.save_for_backward(x, weight, inverse)
+        return weight * normed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, weight, inverse = ctx.saved_tensors
+        normed32 = x.to(torch.float32) * inverse
+        grad32 = grad.to(torch.float32)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            rows = grad32.reshape(-1, grad32.shape[-1])
+            grad_weight = (rows * normed32.to(x.dtype).to(torch.float32).reshape_as(rows)).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g = grad32 * weight.to(torch.float32)
+            grad_x = (inverse * (g - normed32 * (g * normed32).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_weight, None
