@@ -15,7 +15,9 @@ Deterministic mode (batch-invariant by construction):
 - Padding rows in a tile copy the tile's last real position (never a NaN row) and are dropped.
 - Tiles are ordered by descending last position, so the tiles that reach a key block are a prefix of the tile
   list: per-block state is sliced (views), not gathered. Tile order never changes a tile's arithmetic.
-Fast mode: one `scaled_dot_product_attention` over the batch padded to its longest sequence.
+Fast mode runs the same blocked attention by default (on the CPU it is the faster one); its `torch-sdpa` backend
+runs `scaled_dot_product_attention` over K/V gathered into a padded batch (decode rows in one call, each prefill
+chunk in its own).
 
 Shapes: N query tokens, S sequences, H query heads, Hkv KV heads, G = H / Hkv, D head dim, P page size,
 NT query tiles, Tq tile rows. K/V pages are head-major: (pages, Hkv, P, D), so gathering a block's pages
@@ -312,11 +314,12 @@ def packed_attention(
 ) -> torch.Tensor:
     """Attention of a forward with no KV cache (the trainer's): the keys are the batch's own tokens (K/V (N, Hkv, D)),
     laid out in a temporary paged store exactly as the engine's cache holds them, so the forward runs the engine's
-    code. Differentiable. Deterministic mode runs `_BlockedAttention`: the engine's forward plus a hand-written
-    backward (a FlashAttention-style recomputation over the same blocks); fast mode differentiates its backend."""
+    code. Differentiable. The blocked attention runs `_BlockedAttention`: the engine's forward plus a hand-written
+    backward (a FlashAttention-style recomputation over the same blocks); another backend is differentiated through
+    its own ops."""
     num_pages = num_pages_needed(batch)
     shape = (num_pages, k_NKD.shape[1], batch.page_size, k_NKD.shape[2])
-    if config.is_deterministic and config.attention_backend in ("auto", "torch-blocked"):
+    if get_backend(f"attention:{config.mode}", config.attention_backend).fn is _blocked_attention:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD)):
             out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages)
             return out
@@ -578,4 +581,8 @@ def _sdpa_group(
 # Deterministic mode needs a batch-invariant backend; fast mode takes the fastest usable one. GPU kernels
 # (FA3 and friends) register here with an `is_available` check in a later issue.
 register_backend("attention:deterministic", "torch-blocked", _blocked_attention)
+# Fast mode takes the blocked attention too where nothing faster is registered: on the CPU it beats SDPA over K/V
+# gathered into a padded batch every layer (benchmarks/results/rollout.json); `attention_backend: torch-sdpa` picks
+# SDPA.
 register_backend("attention:fast", "torch-sdpa", _sdpa_attention)
+register_backend("attention:fast", "torch-blocked", _blocked_attention, priority=1)
