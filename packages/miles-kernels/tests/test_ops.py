@@ -187,6 +187,25 @@ def test_rms_norm_gradients_match_float64_autograd(dtype: torch.dtype) -> None:
         torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("lens", [[3, 20, 1], [3, 60, 1]])
+def test_fast_mode_attention_picks_blocked_for_short_chunks_and_sdpa_for_long(
+    lens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import miles_kernels.ops.attention as attention_module
+
+    ran = []
+    sdpa = attention_module._sdpa_attention
+    monkeypatch.setattr(attention_module, "_sdpa_attention", lambda *args: ran.append("sdpa") or sdpa(*args))
+    assert FAST.resolved_backends()["attention"] == "torch-hybrid"
+    generator = torch.Generator().manual_seed(len(lens))
+    q, k, v = (torch.randn(sum(lens), 2, 16, generator=generator) for _ in range(3))
+    batch = build_packed_batch(lens, FAST.page_size, FAST.attention_query_tile)
+    out = attention_module.packed_attention(q, k, v, batch, 16**-0.5, FAST)
+    assert ran == (["sdpa"] if max(lens) >= attention_module.HYBRID_SDPA_FROM_TOKENS else [])
+    reference = sdpa_reference(q, k, v, lens, [None] * len(lens))
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5)
+
+
 def test_attention_batch_validates_its_layout() -> None:
     with pytest.raises(ValueError, match="cannot hold"):
         build_attention_batch([9], [0], [[1]], page_size=8, query_tile=4)
