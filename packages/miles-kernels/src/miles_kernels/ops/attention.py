@@ -294,14 +294,21 @@ def write_kv(
     k_pages: torch.Tensor, v_pages: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch
 ) -> None:
     """Store each token's K/V at its page and offset, in place (and the batch's copy writes, see `AttentionBatch`)."""
+    k_all, v_all, where = _kv_writes(k_NKD, v_NKD, batch)
+    k_pages.index_put_(where, k_all.to(k_pages.dtype))
+    v_pages.index_put_(where, v_all.to(v_pages.dtype))
+
+
+def _kv_writes(
+    k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The K/V rows a forward stores (the tokens', then their copies') and the (page, head, offset) index of each."""
     pages, offsets = batch.write_pages_N, batch.write_offsets_N
     if batch.copy_tokens_C.numel():
         k_NKD, v_NKD = torch.cat((k_NKD, k_NKD[batch.copy_tokens_C])), torch.cat((v_NKD, v_NKD[batch.copy_tokens_C]))
         pages, offsets = torch.cat((pages, batch.copy_pages_C)), torch.cat((offsets, batch.copy_offsets_C))
-    heads = torch.arange(k_pages.shape[1], device=k_pages.device)
-    where = (pages[:, None], heads[None, :], offsets[:, None])
-    k_pages.index_put_(where, k_NKD.to(k_pages.dtype))
-    v_pages.index_put_(where, v_NKD.to(v_pages.dtype))
+    heads = torch.arange(k_NKD.shape[1], device=k_NKD.device)
+    return k_NKD, v_NKD, (pages[:, None], heads[None, :], offsets[:, None])
 
 
 def packed_attention(
@@ -327,15 +334,9 @@ def packed_attention(
         k_pages, v_pages = k_NKD.new_zeros(shape), v_NKD.new_zeros(shape)
         write_kv(k_pages, v_pages, k_NKD, v_NKD, batch)
         return attention(q_NHD, k_pages, v_pages, batch, scale, config)
-    # Out of place, so gradients flow to k and v through the backend's own ops.
-    pages, offsets = batch.write_pages_N, batch.write_offsets_N
-    if batch.copy_tokens_C.numel():
-        k_NKD, v_NKD = torch.cat((k_NKD, k_NKD[batch.copy_tokens_C])), torch.cat((v_NKD, v_NKD[batch.copy_tokens_C]))
-        pages, offsets = torch.cat((pages, batch.copy_pages_C)), torch.cat((offsets, batch.copy_offsets_C))
-    heads = torch.arange(k_NKD.shape[1], device=k_NKD.device)
-    where = (pages[:, None], heads[None, :], offsets[:, None])
-    k_pages = k_NKD.new_zeros(shape).index_put(where, k_NKD)
-    v_pages = v_NKD.new_zeros(shape).index_put(where, v_NKD)
+    k_all, v_all, where = _kv_writes(k_NKD, v_NKD, batch)  # out of place: gradients flow through the backend's ops
+    k_pages = k_NKD.new_zeros(shape).index_put(where, k_all)
+    v_pages = v_NKD.new_zeros(shape).index_put(where, v_all)
     return attention(q_NHD, k_pages, v_pages, batch, scale, config)
 
 
@@ -410,15 +411,21 @@ def _online_softmax(
     max_pairs = _max_pairs(num_kv_heads, rows, page, head_dim)
     for chunk in batch.block_chunks(rows // batch.tile_tokens_NT_Tq.shape[1], max_pairs):
         scores, _, _ = _chunk_scores(q_tiles, k_pages, chunk, scale)
-        # m_b for every pair at once: a cumulative max over the chunk's blocks (exact, as max is), from the state
-        # carried in; tiles a block does not reach keep -inf there, so they carry their max through it.
-        maxes = running_max.new_full((len(chunk.plans) + 1, *running_max.shape), float("-inf"))
-        maxes[0] = running_max
-        maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X] = scores.amax(dim=-1, keepdim=True)
-        maxes = torch.cummax(maxes, dim=0).values
-        block_max = maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X]
-        corrections = torch.exp(maxes[chunk.pair_blocks_X, chunk.pair_tiles_X] - block_max)
-        running_max = maxes[-1]
+        if len(chunk.plans) == 1:  # one block: its active tiles' maxes directly
+            active = chunk.plans[0].num_active
+            block_max = torch.maximum(running_max[:active], scores.amax(dim=-1, keepdim=True))
+            corrections = torch.exp(running_max[:active] - block_max)
+            running_max[:active] = block_max
+        else:
+            # m_b for every pair at once: a cumulative max over the chunk's blocks (exact, as max is), from the state
+            # carried in; tiles a block does not reach keep -inf there, so they carry their max through it.
+            maxes = running_max.new_full((len(chunk.plans) + 1, *running_max.shape), float("-inf"))
+            maxes[0] = running_max
+            maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X] = scores.amax(dim=-1, keepdim=True)
+            maxes = torch.cummax(maxes, dim=0).values
+            block_max = maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X]
+            corrections = torch.exp(maxes[chunk.pair_blocks_X, chunk.pair_tiles_X] - block_max)
+            running_max = maxes[-1]
         probs = scores.sub_(block_max).exp_()
         v_x = v_pages.index_select(0, chunk.pair_pages_X).to(torch.float32).view(-1, page, head_dim)
         pv = invariant_bmm(probs.view(-1, rows, page), v_x).view(-1, num_kv_heads, rows, head_dim)
