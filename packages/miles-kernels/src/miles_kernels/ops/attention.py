@@ -325,19 +325,27 @@ def packed_attention(
     backward (a FlashAttention-style recomputation over the same blocks); another backend is differentiated through
     its own ops."""
     num_pages = num_pages_needed(batch)
-    shape = (num_pages, k_NKD.shape[1], batch.page_size, k_NKD.shape[2])
     backend = get_backend(f"attention:{config.mode}", config.attention_backend).fn
     if backend is _blocked_attention or (backend is _hybrid_attention and not _uses_sdpa(batch)):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD)):
             out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages)
             return out
-        k_pages, v_pages = k_NKD.new_zeros(shape), v_NKD.new_zeros(shape)
-        write_kv(k_pages, v_pages, k_NKD, v_NKD, batch)
-        return attention(q_NHD, k_pages, v_pages, batch, scale, config)
+        return _blocked_attention(q_NHD, *_scratch_pages(k_NKD, v_NKD, batch, num_pages), batch, scale)
+    shape = (num_pages, k_NKD.shape[1], batch.page_size, k_NKD.shape[2])
     k_all, v_all, where = _kv_writes(k_NKD, v_NKD, batch)  # out of place: gradients flow through the backend's ops
     k_pages = k_NKD.new_zeros(shape).index_put(where, k_all)
     v_pages = v_NKD.new_zeros(shape).index_put(where, v_all)
     return attention(q_NHD, k_pages, v_pages, batch, scale, config)
+
+
+def _scratch_pages(
+    k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch, num_pages: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A temporary K/V page store (zeros, the null page included) holding the batch's own tokens, written in place."""
+    shape = (num_pages, k_NKD.shape[1], batch.page_size, k_NKD.shape[2])
+    k_pages, v_pages = k_NKD.new_zeros(shape), v_NKD.new_zeros(shape)
+    write_kv(k_pages, v_pages, k_NKD, v_NKD, batch)
+    return k_pages, v_pages
 
 
 # Bytes of gathered K/V, queries and scores per batched chunk of the blocked attention: few ops per layer, while a
@@ -374,9 +382,9 @@ def _chunk_scores(
     q_tiles: torch.Tensor, k_pages: torch.Tensor, chunk: BlockChunk, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunk's masked scores (X, Hkv, rows, P) and its gathered queries (X * Hkv, rows, D) and float32 K
-    (X, Hkv, P, D). One `bmm` of fixed-shape
-    (rows, D) @ (D, P) products, the same per pair whatever the chunk holds; operands are contiguous gathers (one
-    memory layout for every call: a strided view and a copy of the same values can take different BLAS paths)."""
+    (X, Hkv, P, D). One `bmm` of fixed-shape (rows, D) @ (D, P) products, the same per pair whatever the chunk holds;
+    operands are contiguous gathers (one memory layout for every call: a strided view and a copy of the same values
+    can take different BLAS paths)."""
     _, num_kv_heads, rows, head_dim = q_tiles.shape
     page = k_pages.shape[2]
     num_pairs = chunk.pair_tiles_X.shape[0]
@@ -468,12 +476,7 @@ class _BlockedAttention(torch.autograd.Function):
         scale: float,
         num_pages: int | None,
     ) -> torch.Tensor:
-        if num_pages is None:
-            k_pages, v_pages = k_in, v_in
-        else:
-            shape = (num_pages, k_in.shape[1], batch.page_size, k_in.shape[2])
-            k_pages, v_pages = k_in.new_zeros(shape), v_in.new_zeros(shape)
-            write_kv(k_pages, v_pages, k_in, v_in, batch)
+        k_pages, v_pages = (k_in, v_in) if num_pages is None else _scratch_pages(k_in, v_in, batch, num_pages)
         q_tiles = _query_tiles(q_NHD, batch, k_pages.shape[1])
         out_tiles, running_max, running_sum = _online_softmax(q_tiles, k_pages, v_pages, batch, scale)
         ctx.save_for_backward(q_tiles, k_pages, v_pages, out_tiles, running_max + torch.log(running_sum))
