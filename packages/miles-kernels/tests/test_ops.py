@@ -22,7 +22,7 @@ from miles_kernels import (
     rope_cos_sin,
     select_experts,
 )
-from miles_kernels.ops.attention import num_pages_needed
+from miles_kernels.ops.attention_batch import num_pages_needed
 from miles_kernels.ops.linear import fixed_rows_matmul, grouped_bmm, invariant_bmm
 
 DET = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)

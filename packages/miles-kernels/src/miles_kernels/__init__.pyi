@@ -12,13 +12,8 @@ from .hf_io import (
 from .kv_cache import KVStore
 from .model import CausalLM, MTPLayer
 from .model_config import ModelConfig
-from .ops.attention import (
-    NULL_PAGE,
-    AttentionBatch,
-    attention,
-    build_attention_batch,
-    build_packed_batch,
-)
+from .ops.attention import attention
+from .ops.attention_batch import NULL_PAGE, AttentionBatch, build_attention_batch, build_packed_batch
 from .ops.linear import linear, tiled_matmul
 from .ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax, select_experts
 from .ops.norm import rms_norm

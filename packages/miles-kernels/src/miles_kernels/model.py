@@ -26,7 +26,8 @@ from miles_kernels.config import KernelConfig
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.model_config import ModelConfig
 from miles_kernels.ops.activation import silu
-from miles_kernels.ops.attention import AttentionBatch, attention, packed_attention, write_kv
+from miles_kernels.ops.attention import attention, packed_attention, write_kv
+from miles_kernels.ops.attention_batch import AttentionBatch
 from miles_kernels.ops.linear import linear
 from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
 from miles_kernels.ops.norm import rms_norm

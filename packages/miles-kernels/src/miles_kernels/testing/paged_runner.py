@@ -13,7 +13,7 @@ import torch
 
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.model import CausalLM
-from miles_kernels.ops.attention import build_attention_batch, build_packed_batch
+from miles_kernels.ops.attention_batch import build_attention_batch, build_packed_batch
 
 
 class PagedRunner:

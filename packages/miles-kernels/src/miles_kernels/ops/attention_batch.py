@@ -1,0 +1,253 @@
+"""Where the query tokens of one attention call sit, and which KV pages hold their keys: `AttentionBatch`, its
+builders (`build_attention_batch` for the engine's cache, `build_packed_batch` for the trainer's packed sequences)
+and the per-key-block plans of the blocked attention, grouped into chunks (`AttentionBatch.block_chunks`).
+
+The attention itself, and why it is laid out this way, is `ops/attention.py`. Shapes as there: N query tokens,
+S sequences, NT query tiles, Tq tile rows, A active tiles of a block, X (tile, block) pairs of a chunk, P page size.
+Page 0 of every store is a zero "null" page that block tables are padded with.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+NULL_PAGE = 0
+_NO_COPIES = torch.zeros(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The query tiles that see key block `block`, their pages, and which (row, key) pairs are visible."""
+
+    block: int
+    num_active: int  # tiles are sorted by descending last position, so the active ones are a prefix
+    pages_A: torch.Tensor  # page holding this block for each active tile's sequence
+    visible_A_rows_P: torch.Tensor  # key position <= row position (causal mask), rows = (t, g) pairs
+
+
+@dataclass(frozen=True)
+class BlockChunk:
+    """Consecutive key blocks whose (tile, block) pairs run in one set of batched ops, block-major: block b's pairs
+    are its active tiles 0..A_b - 1 (X pairs in all)."""
+
+    plans: list[BlockPlan]
+    starts: list[int]  # where each block's pairs start (len(plans) + 1 entries)
+    pair_tiles_X: torch.Tensor  # the query tile of each pair
+    pair_blocks_X: torch.Tensor  # the pair's block, counted from the chunk's first
+    pair_pages_X: torch.Tensor  # the page holding the pair's key block
+    hidden_X_rows_P: torch.Tensor | None  # key after the row's position (None: every key is visible)
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Where the query tokens of one forward call sit, and which KV pages each sequence owns.
+
+    Built once per forward and shared by every layer (the block plans are computed lazily, once).
+    """
+
+    positions_N: torch.Tensor  # absolute position of each query token (int64)
+    write_pages_N: torch.Tensor  # page where each token's K/V is stored
+    write_offsets_N: torch.Tensor  # offset of the token inside that page
+    block_tables_SB: torch.Tensor  # page ids of each sequence's key blocks, padded with NULL_PAGE
+    kv_lens_S: torch.Tensor  # keys per sequence after this call (prefix + new tokens)
+    query_lens_S: torch.Tensor  # new query tokens per sequence (packed in sequence order)
+    page_size: int
+    # Query tiles (deterministic attention): token index of each tile row, the row's position, and the
+    # tile's sequence; padding rows repeat the tile's last token.
+    tile_tokens_NT_Tq: torch.Tensor
+    tile_positions_NT_Tq: torch.Tensor
+    tile_seq_NT: torch.Tensor
+    tile_row_of_token_N: torch.Tensor  # where each token sits in the flattened tiles
+    # Extra K/V writes (trainer batches with shared prompts): token copy_tokens_C[c]'s K/V also goes to page
+    # copy_pages_C[c] at copy_offsets_C[c] (a prompt's partial page, copied for each sequence that continues it).
+    copy_tokens_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
+    copy_pages_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
+    copy_offsets_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
+    _plans: dict[tuple[int, int], list[BlockChunk]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions_N.shape[0])
+
+    def to(self, device: torch.device | str) -> AttentionBatch:
+        """This batch with its tensors on `device` (itself when they are there already)."""
+        if self.positions_N.device == torch.device(device):
+            return self
+        tensors = [f.name for f in fields(self) if f.name not in ("page_size", "_plans")]
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, _plans={})
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv_lens_S.shape[0])
+
+    def block_chunks(self, group: int, max_pairs: int) -> list[BlockChunk]:
+        """The key blocks, in ascending order, grouped into chunks of at most `max_pairs` (tile, block) pairs (a
+        block with more active tiles is a chunk of its own), for `group` query heads per KV head; computed once per
+        batch and shared by every layer."""
+        key = (group, max_pairs)
+        if key not in self._plans:
+            self._plans[key] = _chunk_plans(self._make_block_plans(group), max_pairs)
+        return self._plans[key]
+
+    def token_tile_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tile, row in the tile) of each token: where its query and output sit in the tiles."""
+        tile = self.tile_tokens_NT_Tq.shape[1]
+        return self.tile_row_of_token_N // tile, self.tile_row_of_token_N % tile
+
+    def _make_block_plans(self, group: int) -> list[BlockPlan]:
+        page = self.page_size
+        row_positions = self.tile_positions_NT_Tq.repeat_interleave(group, dim=1)  # rows are (t, g), g fastest
+        tile_max_position = self.tile_positions_NT_Tq.max(dim=1).values
+        tile_tables = self.block_tables_SB[self.tile_seq_NT]
+        key_offsets = torch.arange(page, device=row_positions.device)
+        plans = []
+        for block in range(int(tile_max_position.max().item()) // page + 1):
+            num_active = int((tile_max_position >= block * page).sum().item())
+            visible = (block * page + key_offsets)[None, None, :] <= row_positions[:num_active, :, None]
+            plans.append(BlockPlan(block, num_active, tile_tables[:num_active, block], visible))
+        return plans
+
+
+def _chunk_plans(plans: list[BlockPlan], max_pairs: int) -> list[BlockChunk]:
+    groups: list[list[BlockPlan]] = []
+    pairs = 0
+    for plan in plans:
+        if not groups or pairs + plan.num_active > max_pairs:
+            groups.append([])
+            pairs = 0
+        groups[-1].append(plan)
+        pairs += plan.num_active
+    chunks = []
+    for group in groups:
+        starts = [0, *itertools.accumulate(plan.num_active for plan in group)]
+        device = group[0].pages_A.device
+        tiles = torch.cat([torch.arange(plan.num_active, device=device) for plan in group])
+        blocks = torch.cat([torch.full((plan.num_active,), b, device=device) for b, plan in enumerate(group)])
+        visible = torch.cat([plan.visible_A_rows_P for plan in group])
+        hidden = None if bool(visible.all()) else ~visible
+        chunks.append(BlockChunk(group, starts, tiles, blocks, torch.cat([plan.pages_A for plan in group]), hidden))
+    return chunks
+
+
+def build_attention_batch(
+    query_lens: list[int],
+    prefix_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+    query_tile: int,
+    device: torch.device | str = "cpu",
+) -> AttentionBatch:
+    """Lay out sequences that bring `query_lens[s]` new tokens after `prefix_lens[s]` cached ones.
+
+    `block_tables[s]` lists the pages holding sequence s's keys in order; it must cover prefix + new tokens.
+    """
+    if not (len(query_lens) == len(prefix_lens) == len(block_tables)):
+        raise ValueError("query_lens, prefix_lens and block_tables need one entry per sequence")
+    positions: list[int] = []
+    pages_of_token: list[int] = []
+    tile_tokens: list[list[int]] = []
+    tile_positions: list[list[int]] = []
+    tile_seq: list[int] = []
+    row_of_token: list[int] = []
+    num_blocks = max((len(t) for t in block_tables), default=0)
+    token = 0
+    for s, (num_new, prefix, pages) in enumerate(zip(query_lens, prefix_lens, block_tables, strict=True)):
+        if num_new < 1:
+            raise ValueError(f"sequence {s} brings no query tokens; every sequence needs at least one")
+        if len(pages) * page_size < prefix + num_new:
+            raise ValueError(f"sequence {s}: {len(pages)} pages of {page_size} cannot hold {prefix + num_new} tokens")
+        seq_positions = list(range(prefix, prefix + num_new))
+        positions += seq_positions
+        pages_of_token += [pages[p // page_size] for p in seq_positions]
+        for start in range(0, num_new, query_tile):
+            rows = list(range(token + start, token + min(start + query_tile, num_new)))
+            row_of_token += [len(tile_tokens) * query_tile + r for r in range(len(rows))]
+            pad = query_tile - len(rows)
+            tile_tokens.append(rows + [rows[-1]] * pad)
+            row_positions = seq_positions[start : start + len(rows)]
+            tile_positions.append(row_positions + [row_positions[-1]] * pad)
+            tile_seq.append(s)
+        token += num_new
+    padded_tables = [list(t) + [NULL_PAGE] * (num_blocks - len(t)) for t in block_tables]
+    # Longest-reaching tiles first, so the tiles that see key block j are always a prefix (views, not gathers).
+    order = sorted(range(len(tile_tokens)), key=lambda i: -tile_positions[i][-1])
+    new_index = {old: new for new, old in enumerate(order)}
+    row_of_token = [new_index[r // query_tile] * query_tile + r % query_tile for r in row_of_token]
+    tile_tokens = [tile_tokens[i] for i in order]
+    tile_positions = [tile_positions[i] for i in order]
+    tile_seq = [tile_seq[i] for i in order]
+
+    def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return AttentionBatch(
+        positions_N=as_tensor(positions),
+        write_pages_N=as_tensor(pages_of_token),
+        write_offsets_N=as_tensor(positions) % page_size,
+        block_tables_SB=as_tensor(padded_tables).reshape(len(block_tables), num_blocks),
+        kv_lens_S=as_tensor([p + n for p, n in zip(prefix_lens, query_lens, strict=True)]),
+        query_lens_S=as_tensor(query_lens),
+        page_size=page_size,
+        tile_tokens_NT_Tq=as_tensor(tile_tokens).reshape(len(tile_tokens), query_tile),
+        tile_positions_NT_Tq=as_tensor(tile_positions).reshape(len(tile_tokens), query_tile),
+        tile_seq_NT=as_tensor(tile_seq),
+        tile_row_of_token_N=as_tensor(row_of_token),
+    )
+
+
+def build_packed_batch(
+    seq_lens: list[int],
+    page_size: int,
+    query_tile: int,
+    device: torch.device | str = "cpu",
+    parents: Sequence[int | None] | None = None,
+) -> AttentionBatch:
+    """Packed sequences with no cached prefix (the trainer): pages 1, 2, ... are laid out in order.
+
+    `parents[s]` (optional): an earlier sequence whose tokens come before sequence s's — a prompt packed once
+    for all the responses that continue it. Sequence s then attends to the parent's keys and its positions
+    continue the parent's, laid out as the engine forks a prefilled prompt: the parent's full pages are shared
+    and its partial page is copied into a page of s's own (copy writes). A row's arithmetic depends only on
+    its position and keys, so each response's rows equal, bit for bit, those of the prompt + response packed
+    as one sequence. A parent cannot itself have a parent.
+    """
+    parents = list(parents) if parents is not None else [None] * len(seq_lens)
+    if len(parents) != len(seq_lens):
+        raise ValueError(f"got {len(parents)} parents for {len(seq_lens)} sequences; give one (or None) each")
+    starts = [0, *itertools.accumulate(seq_lens)]  # first packed token of each sequence
+    tables: list[list[int]] = []
+    prefix_lens: list[int] = []
+    copies: list[tuple[int, int, int]] = []  # (token, page, offset)
+    next_page = NULL_PAGE + 1
+    for s, (length, parent) in enumerate(zip(seq_lens, parents, strict=True)):
+        table: list[int] = []
+        prefix = 0
+        if parent is not None:
+            if not 0 <= parent < s or parents[parent] is not None:
+                raise ValueError(f"sequence {s}: parent {parent} must be an earlier sequence without a parent")
+            prefix = seq_lens[parent]
+            num_full = prefix // page_size
+            table = tables[parent][:num_full]
+            if prefix > num_full * page_size:
+                table = [*table, next_page]
+                copies += [(starts[parent] + p, next_page, p % page_size) for p in range(num_full * page_size, prefix)]
+                next_page += 1
+        num_new_pages = -(-(prefix + length) // page_size) - len(table)
+        tables.append(table + list(range(next_page, next_page + num_new_pages)))
+        next_page += num_new_pages
+        prefix_lens.append(prefix)
+    batch = build_attention_batch(seq_lens, prefix_lens, tables, page_size, query_tile, device)
+    if not copies:
+        return batch
+    columns = zip(*copies, strict=True)
+    tokens, pages, offsets = (torch.tensor(column, dtype=torch.int64, device=device) for column in columns)
+    return replace(batch, copy_tokens_C=tokens, copy_pages_C=pages, copy_offsets_C=offsets)
+
+
+def num_pages_needed(batch: AttentionBatch) -> int:
+    """Pages a temporary store needs for this batch (the null page included)."""
+    return int(batch.block_tables_SB.max().item()) + 1 if batch.block_tables_SB.numel() else 1
