@@ -120,6 +120,7 @@ def main() -> None:
             "ops_per_rl_step": round(sum(counts[phase].values()) / args.steps),
             "gemm_calls_per_rl_step": round(sum(n for name, n in counts[phase].items() if name in GEMMS) / args.steps),
             "top_ops_ms_per_rl_step": {name: round(ms / args.steps, 2) for name, ms in totals[phase].most_common(12)},
+            "top_ops_calls_per_rl_step": {name: round(n / args.steps) for name, n in counts[phase].most_common(25)},
         }
     results = {
         "torch": torch.__version__,

@@ -187,6 +187,49 @@ def test_rms_norm_gradients_match_float64_autograd(dtype: torch.dtype) -> None:
         torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary", [16, 8])
+def test_rope_gradient_is_autograds_bit_for_bit(dtype: torch.dtype, rotary: int) -> None:
+    """`apply_rope` under autograd (`_Rope`, a hand-written backward) gives the forward and the gradient that
+    autograd computes through the forward's own ops (`_rotate`), bit for bit; partial rotary (8 of 16) included."""
+    from miles_kernels.ops.rope import _rotate
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 3, 16, generator=generator).to(dtype)
+    cos, sin = rope_cos_sin(torch.arange(11) * 7, inv_frequencies(rotary, 10_000.0), dtype)
+    upstream = torch.randn(11, 3, 16, generator=generator).to(dtype)
+    fused, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = apply_rope(fused, cos, sin)
+    want = _rotate(plain, cos, sin)
+    assert out.grad_fn is not None and "Rope" in type(out.grad_fn).__name__
+    assert torch.equal(out, want)
+    (out * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    assert torch.equal(fused.grad, plain.grad)
+
+
+@pytest.mark.parametrize("width", [128, 100])
+def test_swiglu_gradients_are_autograds_bit_for_bit(width: int) -> None:
+    """`swiglu` under autograd (`_SwiGLU`, keeping gate and up only) gives the forward and the gradients autograd
+    computes through `silu(gate) * up`, bit for bit, on rows that need no padding (128) and rows that do (100)."""
+    from miles_kernels.ops.activation import silu, swiglu
+
+    generator = torch.Generator().manual_seed(0)
+    gate, up, upstream = (torch.randn(9, width, generator=generator) for _ in range(3))
+    fused = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    plain = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    out = swiglu(*fused)
+    want = silu(plain[0]) * plain[1]
+    assert out.grad_fn is not None and "SwiGLU" in type(out.grad_fn).__name__
+    assert torch.equal(out, want)
+    (out * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for got, expected in zip(fused, plain, strict=True):
+        assert torch.equal(got.grad, expected.grad)
+    with torch.no_grad():
+        assert torch.equal(swiglu(gate, up), want)
+
+
 @pytest.mark.parametrize("lens", [[3, 20, 1], [3, 60, 1]])
 def test_fast_mode_attention_picks_blocked_for_short_chunks_and_sdpa_for_long(
     lens: list[int], monkeypatch: pytest.MonkeyPatch

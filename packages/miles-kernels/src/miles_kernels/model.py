@@ -25,7 +25,7 @@ from torch import nn
 from miles_kernels.config import KernelConfig
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.model_config import ModelConfig
-from miles_kernels.ops.activation import silu
+from miles_kernels.ops.activation import swiglu
 from miles_kernels.ops.attention import attention, packed_attention, write_kv
 from miles_kernels.ops.attention_batch import AttentionBatch
 from miles_kernels.ops.linear import linear
@@ -116,7 +116,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, False, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
         return out
 
 

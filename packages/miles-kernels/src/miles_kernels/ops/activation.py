@@ -12,6 +12,7 @@ intermediate sizes) run unpadded, so they keep their bits. CUDA computes each el
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,3 +38,43 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """`torch.sigmoid`, batch-invariant (see the module docstring)."""
     return rowwise(torch.sigmoid, x)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`, batch-invariant. Differentiable: under autograd it runs `_SwiGLU` (the same forward ops,
+    one node instead of four, and it keeps only `gate` and `up` for the backward: silu(gate) is recomputed)."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        out: torch.Tensor = _SwiGLU.apply(gate, up)
+        return out
+    return silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    """y = silu(g) u: du = dy silu(g), dg = silu'(g) dy u (torch's own `silu_backward`, on rows padded as the
+    forward's are): bit for bit the gradients autograd computes from the forward's ops."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        return silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        grad_gate = grad_up = None
+        if ctx.needs_input_grad[0]:
+            grad_gate = _rowwise_silu_backward(grad * up, gate)
+        if ctx.needs_input_grad[1]:
+            grad_up = grad * silu(gate)
+        return grad_gate, grad_up
+
+
+def _rowwise_silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`silu_backward(grad, x)` on rows padded as `rowwise` pads them (each element takes the forward's code path)."""
+    width = x.shape[-1]
+    pad = -width % VECTOR_BLOCK
+    if pad == 0 or x.is_cuda:
+        out: torch.Tensor = torch.ops.aten.silu_backward(grad, x)
+        return out
+    padded: torch.Tensor = torch.ops.aten.silu_backward(F.pad(grad, (0, pad)), F.pad(x, (0, pad)))
+    return padded[..., :width]

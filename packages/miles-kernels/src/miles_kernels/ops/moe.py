@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from miles_kernels.config import KernelConfig
-from miles_kernels.ops.activation import sigmoid, silu
+from miles_kernels.ops.activation import sigmoid, swiglu
 from miles_kernels.ops.linear import linear, tiled_matmul
 
 
@@ -151,7 +151,7 @@ def experts_forward(
         start += count
         tokens, ranks = pairs // top_k, pairs % top_k
         x_e = x_NH[tokens]
-        hidden = silu(_expert_linear(x_e, gate_proj[expert], config)) * _expert_linear(x_e, up_proj[expert], config)
+        hidden = swiglu(_expert_linear(x_e, gate_proj[expert], config), _expert_linear(x_e, up_proj[expert], config))
         y = _expert_linear(hidden, down_proj[expert], config) * weights_NK[tokens, ranks][:, None]
         per_rank = per_rank.index_put((ranks, tokens), y)
     out = per_rank[0]

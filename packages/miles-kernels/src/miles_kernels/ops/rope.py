@@ -8,6 +8,8 @@ Shapes: x_NHD (tokens, heads, head_dim), positions_N.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -27,10 +29,42 @@ def rope_cos_sin(
 
 
 def apply_rope(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R (rotary) dimensions of each head of each token by its position's angles (R = D: all)."""
+    """Rotate the first R (rotary) dimensions of each head of each token by its position's angles (R = D: all).
+    Differentiable: under autograd it runs `_Rope` (the same forward ops, one node with a hand-written backward
+    instead of nine)."""
+    if torch.is_grad_enabled() and x_NHD.requires_grad and not (cos_NR.requires_grad or sin_NR.requires_grad):
+        out: torch.Tensor = _Rope.apply(x_NHD, cos_NR, sin_NR)
+        return out
+    return _rotate(x_NHD, cos_NR, sin_NR)
+
+
+def _rotate(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
     rotary = cos_NR.shape[-1]
     if rotary < x_NHD.shape[-1]:
-        return torch.cat((apply_rope(x_NHD[..., :rotary], cos_NR, sin_NR), x_NHD[..., rotary:]), dim=-1)
+        return torch.cat((_rotate(x_NHD[..., :rotary], cos_NR, sin_NR), x_NHD[..., rotary:]), dim=-1)
     half = rotary // 2
     rotated = torch.cat((-x_NHD[..., half:], x_NHD[..., :half]), dim=-1)
     return x_NHD * cos_NR[:, None, :] + rotated * sin_NR[:, None, :]
+
+
+class _Rope(torch.autograd.Function):
+    """y = x cos + rot(x) sin with rot(x) = [-x2, x1]: dx = g cos + rot^T(g sin), rot^T(z) = [z2, -z1] (the
+    dimensions past the rotary ones pass their gradient through). Bit for bit the gradient autograd computes from
+    the forward's ops (each element adds the same two products; the other terms autograd adds are exact zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(cos_NR, sin_NR)
+        return _rotate(x_NHD, cos_NR, sin_NR)
+
+    @staticmethod
+    def backward(ctx: Any, grad_NHD: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        cos_NR, sin_NR = ctx.saved_tensors
+        rotary = cos_NR.shape[-1]
+        half = rotary // 2
+        grad_rot = grad_NHD[..., :rotary]
+        z = grad_rot * sin_NR[:, None, :]
+        grad_x = grad_rot * cos_NR[:, None, :] + torch.cat((z[..., half:], -z[..., :half]), dim=-1)
+        if rotary < grad_NHD.shape[-1]:
+            grad_x = torch.cat((grad_x, grad_NHD[..., rotary:]), dim=-1)
+        return grad_x, None, None
