@@ -210,7 +210,7 @@ def test_rope_gradient_is_autograds_bit_for_bit(dtype: torch.dtype, rotary: int)
 
 @pytest.mark.parametrize("width", [128, 100])
 def test_swiglu_gradients_are_autograds_bit_for_bit(width: int) -> None:
-    """`swiglu` under autograd (`_SwiGLU`, keeping gate and up only) gives the forward and the gradients autograd
+    """`swiglu` under autograd (`_SwiGLU`, one node) gives the forward and the gradients autograd
     computes through `silu(gate) * up`, bit for bit, on rows that need no padding (128) and rows that do (100)."""
     from miles_kernels.ops.activation import silu, swiglu
 

@@ -51,11 +51,9 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1) -> flo
     - attention through a fused (flash / SDPA-style) kernel keeps no s x s score or dropout matrix (Dao et al. 2022,
       "FlashAttention", arXiv 2205.14135): only Q, K, V, the output and (fp32) softmax statistics;
     - no dropout (RL fine-tuning runs with dropout 0);
-    - a SwiGLU MLP keeps its input, gate and up outputs and the product (3 intermediate-wide tensors): a fused
-      SwiGLU recomputes silu(gate) in its backward (Miles' `swiglu`, Megatron's fused bias-SwiGLU);
+    - a SwiGLU MLP keeps its input, gate and up outputs, silu(gate) and the product (4 intermediate-wide tensors);
     - an MoE layer keeps the router's logits and probabilities (fp32, counted as 2 elements each) and, per token,
-      top-k copies of the expert input, three intermediate-wide tensors and the expert output (activated experts
-      only);
+      top-k copies of the expert input, four intermediate-wide tensors and the expert output (activated experts only);
     - both RMSNorms keep their input (the residual stream) and output.
     With tensor + sequence parallelism every term is divided by tp (Korthikanti et al., table 2)."""
     h, heads, d = shape.hidden_size, shape.num_attention_heads, shape.dim
@@ -75,9 +73,9 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1) -> flo
     if shape.is_moe_layer(layer):
         k, i = shape.num_experts_per_tok, shape.moe_intermediate_size
         values += 4 * shape.num_experts  # router logits and probabilities in fp32 (2 elements each at 2 bytes)
-        values += k * (2 * h + 3 * i) + 3 * i * shape.n_shared_experts
+        values += k * (2 * h + 4 * i) + 4 * i * shape.n_shared_experts
     else:
-        values += 3 * shape.intermediate_size
+        values += 4 * shape.intermediate_size
     return values / tp
 
 
