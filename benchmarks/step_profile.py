@@ -8,6 +8,15 @@ its phase, the engine's forward steps (`Scheduler._step`: model, sampling, sched
 tiled linear layers, the attention products, the backward's weight and input gradients) or not. Engine steps are
 also counted by their number of rows.
 
+Each op is also attributed to the part of the model or loop it runs for (`by_part`): the forward ops inside the
+model's calls of `linear`, the attention (`attention`, `packed_attention`, `write_kv`), `rms_norm`, RoPE
+(`apply_rope`, `rope_cos_sin`), `swiglu`, the MoE routing and experts; the backward ops by the autograd node
+that runs them (`_TiledMatmulBackward` is the linear layers', `_BlockedAttentionBackward` the attention's, ...);
+the engine's sampling (`sample_rows`) and the trainer's optimizer step (clipping + AdamW); the rest as `other`
+(embedding, residual adds, the loss, packing, autograd's own nodes for plain ops). Each part's `ms` is the self CPU
+time of its ops, `ops` their count; the phase's `unattributed_wall_ms` is its wall time minus all ops' self time
+(Python, dispatch and the profiler's own cost).
+
 Profiling adds a fixed cost to every op, so the non-GEMM share reads high; the op counts are exact. This is a
 diagnosis, not a speed measurement: `vs_trl.py` and `rollout.py` measure speed.
 
@@ -32,6 +41,45 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 GEMMS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
 PHASES = ("engine_step", "train_step")
+# The model's calls (miles_kernels.model's names, and the MoE ops') each profiled as a part, forward.
+MODEL_PARTS = {
+    "linear": ("linear",),
+    "attention": ("attention", "packed_attention", "write_kv"),
+    "rms_norm": ("rms_norm",),
+    "rope": ("apply_rope", "rope_cos_sin"),
+    "swiglu": ("swiglu",),
+    "moe": ("experts_forward", "route_softmax", "route_grouped_sigmoid"),
+}
+# Backward: the autograd node that runs an op names its part (substring of the node's name).
+BACKWARD_PARTS = {
+    "_TiledMatmulBackward": "linear",
+    "_BlockedAttentionBackward": "attention",
+    "_RMSNormBackward": "rms_norm",
+    "_RopeBackward": "rope",
+    "_SwiGLUBackward": "swiglu",
+}
+PART_PREFIX = "part::"
+
+
+def _wrap(fn: Any, part: str) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with record_function(PART_PREFIX + part):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _part_of(event: Any) -> str | None:
+    """The innermost part an event runs for: a `part::` range, or a backward node of a part's Function."""
+    parent = event
+    while parent is not None:
+        if parent.name.startswith(PART_PREFIX):
+            return str(parent.name[len(PART_PREFIX) :])
+        for node, part in BACKWARD_PARTS.items():
+            if node in parent.name:
+                return part
+        parent = parent.cpu_parent
+    return None
 
 
 def main() -> None:
@@ -41,6 +89,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="RL steps profiled")
     args = parser.parse_args()
 
+    import miles_kernels.model as model_module
+    import miles_kernels.ops.moe as moe_module
     import miles_rollout.scheduler as scheduler_module
     import miles_trainer.fsdp as fsdp_module
     from miles_orchestrator.bootstrap import bootstrap_policy
@@ -79,6 +129,12 @@ def main() -> None:
             state["active"] = False
         return out
 
+    for part, names in MODEL_PARTS.items():
+        for name in names:
+            module = moe_module if part == "moe" else model_module
+            setattr(module, name, _wrap(getattr(module, name), part))
+    scheduler_module.sample_rows = _wrap(scheduler_module.sample_rows, "sampling")
+    fsdp_module.FSDP2Backend._finish_step = _wrap(fsdp_module.FSDP2Backend._finish_step, "optimizer")
     scheduler_module.Scheduler._step = timed_engine_step  # type: ignore[method-assign]
     fsdp_module.FSDP2Backend.train_step = profiled_train_step  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,9 +147,13 @@ def main() -> None:
     totals: dict[str, collections.Counter[str]] = {phase: collections.Counter() for phase in PHASES}
     counts: dict[str, collections.Counter[str]] = {phase: collections.Counter() for phase in PHASES}
     wall: dict[str, float] = collections.Counter()
+    part_ms: dict[str, collections.Counter[str]] = {phase: collections.Counter() for phase in PHASES}
+    part_ops: dict[str, collections.Counter[str]] = {phase: collections.Counter() for phase in PHASES}
     for event in profiler.events():
         if event.name in PHASES:
             wall[event.name] += event.cpu_time_total / 1e3
+            continue
+        if event.name.startswith(PART_PREFIX):  # a range, not an op
             continue
         phase, parent = None, event.cpu_parent
         while parent is not None:
@@ -104,6 +164,10 @@ def main() -> None:
             continue
         totals[phase][event.name] += event.self_cpu_time_total / 1e3
         counts[phase][event.name] += 1
+        if event.name.startswith("aten::"):
+            part = _part_of(event) or "other"
+            part_ms[phase][part] += event.self_cpu_time_total / 1e3
+            part_ops[phase][part] += 1
     by_rows: dict[str, list[float]] = collections.defaultdict(list)
     for rows, seconds in state["rows"]:
         bucket = "1-15" if rows < 16 else "16-63" if rows < 64 else "64" if rows == 64 else "65+"
@@ -120,7 +184,12 @@ def main() -> None:
             "ops_per_rl_step": round(sum(counts[phase].values()) / args.steps),
             "gemm_calls_per_rl_step": round(sum(n for name, n in counts[phase].items() if name in GEMMS) / args.steps),
             "top_ops_ms_per_rl_step": {name: round(ms / args.steps, 2) for name, ms in totals[phase].most_common(12)},
-            "top_ops_calls_per_rl_step": {name: round(n / args.steps) for name, n in counts[phase].most_common(25)},
+            "top_ops_calls_per_rl_step": {name: round(n / args.steps) for name, n in counts[phase].most_common(12)},
+            "by_part": {
+                part: {"ms": round(ms / args.steps, 1), "ops": round(part_ops[phase][part] / args.steps)}
+                for part, ms in part_ms[phase].most_common()
+            },
+            "unattributed_wall_ms_per_rl_step": round((wall[phase] - self_ms) / args.steps, 1),
         }
     results = {
         "torch": torch.__version__,
