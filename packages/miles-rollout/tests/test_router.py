@@ -1,7 +1,7 @@
 """Real processes over real HTTP: sglang-router (PyPI, the Rust router SGLang deployments and slime put in front of
 their engines) in front of two `miles-rollout serve` processes. It registers them, checks their health, routes
-`/generate` (every request answered), fans `/flush_cache` out to both, and with the cache-aware policy sends
-prompts that share a long prefix to the engine that holds it (`cached_tokens` shows it)."""
+`/generate` and the OpenAI routes (every request answered), fans `/flush_cache` out to both, and with the cache-aware
+policy sends prompts that share a long prefix to the engine that holds it (`cached_tokens` shows it)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from miles_rollout import free_port
@@ -72,6 +73,22 @@ def test_sglang_router_in_front_of_two_servers(dense_dir, start_server) -> None:
                 body = {"input_ids": [i + 1, 2, 3], "sampling_params": params}
                 assert httpx.post(f"{spread}/generate", json=body, timeout=120).status_code == 200
             assert [b - a for a, b in zip(before, generated(first, second), strict=True)] == [8, 8]  # 4 each
+            # The OpenAI routes through the router, driven by the openai client: spread over both engines too.
+            client = openai.OpenAI(base_url=f"{spread}/v1", api_key="unused", timeout=120, max_retries=0)
+            served = httpx.get(f"{first}/v1/models", timeout=10).json()["data"][0]["id"]
+            before = generated(first, second)
+            for i in range(4):
+                extra = {"ignore_eos": True}
+                completion = client.completions.create(
+                    model=served, prompt=f"{i} + 2 =", max_tokens=2, temperature=0, extra_body=extra
+                )
+                assert completion.choices[0].finish_reason == "length"
+                chat = client.chat.completions.create(
+                    model=served, messages=[{"role": "user", "content": f"{i} + 1 ="}], max_tokens=2, temperature=0,
+                    extra_body=extra,
+                )  # fmt: skip
+                assert chat.choices[0].finish_reason == "length" and chat.usage is not None
+            assert [b - a for a, b in zip(before, generated(first, second), strict=True)] == [8, 8]
 
 
 def generated(*workers: str) -> list[int]:

@@ -204,6 +204,11 @@ def test_security_keys(dense_dir, start_server) -> None:
         assert post(url, "/flush_cache", {}, headers=flush).status_code == 401  # the user key is not admin
         assert post(url, "/flush_cache", {}, headers={"Authorization": "Bearer admin-key"}).status_code == 200
         assert post(url, "/generate", body, headers={"Authorization": "Bearer admin-key"}).status_code == 200
+        import openai
+
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=f"{url}/v1", api_key="user-key", max_retries=0).models.list().data
 
 
 def test_non_loopback_bind_without_admin_key_is_refused(dense_dir) -> None:

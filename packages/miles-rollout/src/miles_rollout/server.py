@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
+from miles_rollout.openai_api import OpenAIError, register_openai_routes
 
 logger = logging.getLogger("miles_rollout.server")
 
@@ -51,6 +52,7 @@ ADMIN_PATHS = {
 
 BUSY_COUNTERS = ("num_running", "num_prefilling", "num_waiting", "num_retracted")
 HEALTH_PATHS = {"/health", "/health_generate"}
+OPENAI_PREFIX = "/v1/"  # the OpenAI routes (openai_api.py) answer errors in OpenAI's body
 Version = int | None  # a weight version: the orchestrator's step; SGLang's clients send it as a string of digits
 LOAD_FORMATS = (None, "auto", "safetensors")
 
@@ -223,20 +225,30 @@ def create_app(
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Any) -> Response:
+        refused = _refusal(request)
+        if refused is None:
+            return await call_next(request)  # type: ignore[no-any-return]
+        status, message = refused
+        if request.url.path.startswith(OPENAI_PREFIX):
+            return OpenAIError(message, status).response()
+        return JSONResponse({"detail": message}, status)
+
+    def _refusal(request: Request) -> tuple[int, str] | None:
+        """(status, reason) when the request's key does not open its endpoint, else None."""
         token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         is_admin_path = request.url.path in ADMIN_PATHS
         if is_admin_path and admin_key is not None:
             if not hmac.compare_digest(token, admin_key):
-                return JSONResponse({"detail": "this endpoint needs the admin key (Authorization: Bearer ...)"}, 401)
+                return 401, "this endpoint needs the admin key (Authorization: Bearer ...)"
         elif is_admin_path and not is_loopback:
-            return JSONResponse({"detail": "admin endpoints are disabled: no admin key and not a loopback bind"}, 403)
+            return 403, "admin endpoints are disabled: no admin key and not a loopback bind"
         elif request.url.path in HEALTH_PATHS:
             pass  # routers probe health without a key, as SGLang lets them
         elif api_key is not None and not (
             hmac.compare_digest(token, api_key) or (admin_key is not None and hmac.compare_digest(token, admin_key))
         ):
-            return JSONResponse({"detail": "missing or wrong API key (Authorization: Bearer <api key>)"}, 401)
-        return await call_next(request)  # type: ignore[no-any-return]
+            return 401, "missing or wrong API key (Authorization: Bearer <api key>)"
+        return None
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, error: EngineError) -> JSONResponse:
@@ -412,6 +424,8 @@ def create_app(
         probe = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
         await engine.generate(probe)
         return Response(status_code=200)
+
+    register_openai_routes(app, engine)
 
     @app.get("/")
     async def root() -> dict[str, Any]:

@@ -1,0 +1,365 @@
+"""The OpenAI-compatible routes of the rollout server: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Each request becomes one native `GenerateRequest` and runs through the same engine call as `/generate`, so a `/v1`
+output has the native route's sampling and determinism guarantees (deterministic mode: the same request and `seed`
+give the same output, whatever else the server runs). Field names, defaults and response shapes follow SGLang's
+OpenAI layer (SGLang 0.5.23, `sglang/srt/entrypoints/openai/protocol.py`): the OpenAI fields, plus SGLang's
+sampling extras (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
+`no_stop_trim`, `skip_special_tokens`). Chat prompts go through the tokenizer's chat template (transformers'
+`apply_chat_template`, with `chat_template_kwargs`).
+
+A field this server cannot honour is refused with a 400 that names it; unknown top-level keys are ignored, as
+SGLang (and its router, which adds its own) does. Every error uses OpenAI's body,
+`{"error": {"message", "type", "param", "code"}}`, so the `openai` client raises its typed errors
+(`BadRequestError`, `NotFoundError`, ...). The model name must be the served one (`/v1/models`) or SGLang's
+default, `default`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from miles_contracts import GenerateRequest, GenerateResponse
+from miles_rollout.engine import Engine
+from miles_rollout.engine_error import EngineError
+
+DEFAULT_MODEL_NAME = "default"  # SGLang's request default: always accepted
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat `top_logprobs` (completions `logprobs`: 5; SGLang allows 20 too)
+
+# Fields of OpenAI's / SGLang's requests this server does not implement yet: refused unless absent, null, false or
+# empty (then they change nothing).
+UNSUPPORTED = {
+    "stream": "streaming (stream=true)",
+    "stream_options": "streaming options",
+    "echo": "echoing the prompt",
+    "suffix": "suffixes",
+    "best_of": "best_of",
+    "logit_bias": "logit bias",
+    "response_format": "structured output (response_format)",
+    "json_schema": "structured output (json_schema)",
+    "regex": "structured output (regex)",
+    "ebnf": "structured output (ebnf)",
+    "stop_regex": "regular-expression stops",
+    "custom_params": "custom_params",
+    "custom_logit_processor": "custom logit processors",
+    "tools": "tool calling",
+    "functions": "function calling",
+    "lora_path": "LoRA adapters",
+    "return_hidden_states": "hidden states",
+    "session_params": "sessions",
+}
+# Values of the same keys that change nothing (`response_format: {"type": "text"}` is plain text, OpenAI's default).
+_NEUTRAL: tuple[object, ...] = (None, False, "", [], {}, {"type": "text"})
+
+
+class OpenAIError(Exception):
+    """A request the `/v1` routes refuse; answered in OpenAI's error body."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status_code, self.param, self.code = message, status_code, param, code
+
+    def response(self) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status_code, "invalid_request_error" if self.status_code < 500 else "server_error"
+        )
+        body = {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status_code}
+        return JSONResponse({"error": body}, self.status_code)
+
+
+class _Sampling(BaseModel):
+    """The sampling fields both routes share (OpenAI's, then SGLang's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = DEFAULT_MODEL_NAME
+    n: int = Field(default=1, ge=1, le=1024)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    rid: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, feature in UNSUPPORTED.items():
+                if data.get(key) not in _NEUTRAL:
+                    raise ValueError(f"{key}: {feature} is not supported by this server yet; remove it")
+        return data
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """The native sampling parameters (SGLang's defaults where a field is null)."""
+        fields: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "n": self.n,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "sampling_seed": self.seed,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "min_new_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "no_stop_trim": self.no_stop_trim,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        for key, value in (
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k),
+            ("min_p", self.min_p),
+            ("repetition_penalty", self.repetition_penalty),
+        ):
+            if value is not None:
+                fields[key] = value
+        return fields
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default; null: up to the context length
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class ChatCompletionRequest(_Sampling):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
+
+
+def _describe(error: ValidationError) -> tuple[str, str | None]:
+    """(message, the first offending field) of a validation error."""
+    parts, param = [], None
+    for item in error.errors():
+        location = ".".join(str(p) for p in item.get("loc", ()) if not str(p)[:1].isupper())
+        param = param or location or None
+        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(dict.fromkeys(parts)), param
+
+
+async def _parse(request: Request, model: type[_Sampling]) -> Any:
+    try:
+        payload = json.loads(await request.body())
+    except json.JSONDecodeError as error:
+        raise OpenAIError(f"the request body is not valid JSON: {error}") from error
+    if not isinstance(payload, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        message, param = _describe(error)
+        raise OpenAIError(message, param=param) from error
+
+
+def _native(**fields: Any) -> GenerateRequest:
+    """The native request; a value the native API refuses (e.g. `top_k: 0`) is the client's 400."""
+    try:
+        return GenerateRequest.model_validate(fields)
+    except ValidationError as error:
+        message, param = _describe(error)
+        raise OpenAIError(message, param=param) from error
+
+
+def _usage(responses: list[GenerateResponse], n: int) -> dict[str, int]:
+    """OpenAI's usage: each prompt counted once (its n samples share it), every sample's completion tokens."""
+    prompt = sum(r.meta_info.prompt_tokens for r in responses[::n])
+    completion = sum(r.meta_info.completion_tokens for r in responses)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish(response: GenerateResponse) -> tuple[str | None, int | str | None]:
+    finish = response.meta_info.finish_reason
+    return (finish.type, finish.matched) if finish is not None else (None, None)
+
+
+def _completion_logprobs(response: GenerateResponse) -> dict[str, Any]:
+    """The legacy completions layout: token texts, their log-probs, the top alternatives as {text: log-prob}, and
+    each token's character offset in the output text."""
+    entries = response.meta_info.output_token_logprobs or []
+    tops = response.meta_info.output_top_logprobs or [None] * len(entries)
+    tokens = [text or "" for _, _, text in entries]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [logprob for logprob, _, _ in entries],
+        "top_logprobs": [{text or "": lp for lp, _, text in top} if top else None for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(response: GenerateResponse) -> dict[str, Any]:
+    """The chat layout: per token {token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]}."""
+    entries = response.meta_info.output_token_logprobs or []
+    tops = response.meta_info.output_top_logprobs or [None] * len(entries)
+
+    def item(logprob: float | None, text: str | None) -> dict[str, Any]:
+        token = text or ""
+        return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": logprob}
+
+    return {
+        "content": [
+            {**item(logprob, text), "top_logprobs": [item(lp, t) for lp, _, t in top or []]}
+            for (logprob, _, text), top in zip(entries, tops, strict=True)
+        ]
+    }
+
+
+def register_openai_routes(app: FastAPI, engine: Engine, model_name: str | None = None) -> None:
+    """Add the `/v1` routes to `app`; `model_name`: the served model name (default: the model path)."""
+    served = model_name or engine.model_path
+    created = int(time.time())
+
+    def check_model(name: str) -> None:
+        if name not in (served, DEFAULT_MODEL_NAME):
+            raise OpenAIError(
+                f"the model {name!r} does not exist: this server serves {served!r} (GET /v1/models)",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    async def run(body: GenerateRequest) -> list[GenerateResponse]:
+        try:
+            return await engine.generate(body)
+        except EngineError as error:
+            raise OpenAIError(error.message, error.status_code) from error
+
+    def card() -> dict[str, Any]:
+        return {"id": served, "object": "model", "created": created, "owned_by": "miles", "root": engine.model_path,
+                "max_model_len": engine.context_length}  # fmt: skip
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+        return error.response()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        body: CompletionRequest = await _parse(request, CompletionRequest)
+        check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and not prompt:
+            raise OpenAIError("prompt is empty; send a string, a list of strings or token ids", param="prompt")
+        kind = "input_ids" if isinstance(prompt, list) and isinstance(prompt[0], (int, list)) else "text"
+        native = _native(**{kind: prompt}, sampling_params=body.sampling_params(body.max_tokens),
+                         return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
+                         return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
+        responses = await run(native)
+        choices = []
+        for index, response in enumerate(responses):
+            finish, matched = _finish(response)
+            logprobs = _completion_logprobs(response) if body.logprobs is not None else None
+            choices.append({"index": index, "text": response.text, "logprobs": logprobs, "finish_reason": finish,
+                            "matched_stop": matched})  # fmt: skip
+        return JSONResponse({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model, "choices": choices, "usage": _usage(responses, body.n),
+        })  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        if engine.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer, so chat messages cannot be rendered: use /generate")
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise OpenAIError("the model's tokenizer has no chat template: use /v1/completions with a prompt")
+        try:
+            input_ids = engine.tokenizer.apply_chat_template(
+                [m.as_template_input() for m in body.messages],
+                tokenize=True,
+                add_generation_prompt=not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+                return_dict=False,
+                **(body.chat_template_kwargs or {}),
+            )
+        except Exception as error:  # a template that raises on these messages is the request's problem
+            raise OpenAIError(f"the chat template cannot render these messages: {error}", param="messages") from error
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        native = _native(input_ids=list(input_ids), sampling_params=body.sampling_params(max_tokens),
+                         return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
+                         return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
+        responses = await run(native)
+        choices = []
+        for index, response in enumerate(responses):
+            finish, matched = _finish(response)
+            choices.append({
+                "index": index, "message": {"role": "assistant", "content": response.text},
+                "logprobs": _chat_logprobs(response) if body.logprobs else None, "finish_reason": finish,
+                "matched_stop": matched,
+            })  # fmt: skip
+        return JSONResponse({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.model, "choices": choices, "usage": _usage(responses, body.n),
+        })  # fmt: skip
