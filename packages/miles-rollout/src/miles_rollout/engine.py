@@ -11,6 +11,7 @@ step boundary. A failing step fails the requests in it and the engine keeps serv
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -19,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,20 @@ MEMORY_TAGS = ("weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")
 ControlItem = tuple[Callable[[], Any], bool, "asyncio.Future[Any]", asyncio.AbstractEventLoop]
 Watcher = tuple[Callable[[dict[str, int]], bool], "asyncio.Future[dict[str, int]]", asyncio.AbstractEventLoop]
+StreamEvent = tuple[int, GenerateResponse, bool]  # (index over the request's samples, response so far, is it the last)
+
+
+def _push_progress(
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], base: int, index: int, response: Any, last: bool
+) -> None:
+    """A group's `on_progress` (engine thread): hand the event to the streaming request's loop."""
+    loop.call_soon_threadsafe(queue.put_nowait, (base + index, response, last))
+
+
+def _push_failure(queue: asyncio.Queue[Any], future: asyncio.Future[Any]) -> None:
+    """A streaming group's future failed (the engine failed the step): end the stream with the error."""
+    if not future.cancelled() and future.exception() is not None:
+        queue.put_nowait(future.exception())
 
 
 class Engine:
@@ -111,13 +126,53 @@ class Engine:
 
     async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:
         """Run a generate request; returns one response per prompt and sample, prompt-major."""
+        if request.stream:
+            raise EngineError("stream=true: call Engine.generate_stream (or POST /generate), which streams")
         groups = self._make_groups(request)
+        self._submit(groups)
+        results = await asyncio.gather(*(g.future for g in groups if g.future is not None))
+        return [response for group_responses in results for response in group_responses]
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        """Run a generate request, streaming: returns (once the request is accepted: bad input raises here, before
+        anything streams) an iterator of (index, response so far, is it the last one), index prompt-major over
+        samples as `generate` orders them. Each sample's partial responses carry the tokens so far and a text that
+        is a prefix of its final text; its last one is the final response. Leaving the iterator early (a client that
+        disconnects) aborts the request, which frees its KV pages."""
+        groups = self._make_groups(request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+        base = 0
+        for group in groups:
+            group.on_progress = functools.partial(_push_progress, loop, queue, base)
+            base += group.params.n
+            assert group.future is not None
+            group.future.add_done_callback(functools.partial(_push_failure, queue))
+        self._submit(groups)
+        return self._stream(groups, queue, base)
+
+    async def _stream(
+        self, groups: list[Group], queue: asyncio.Queue[StreamEvent | BaseException], total: int
+    ) -> AsyncIterator[StreamEvent]:
+        remaining = total
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= item[2]
+                yield item
+        finally:
+            if remaining:  # the consumer left before the end: stop the generation and free its KV
+                with self._lock:
+                    self._aborts.extend(group.rid for group in groups)
+                    self._lock.notify()
+
+    def _submit(self, groups: list[Group]) -> None:
         with self._lock:
             self._check_can_generate()
             self._incoming.extend(groups)
             self._lock.notify()
-        results = await asyncio.gather(*(g.future for g in groups if g.future is not None))
-        return [response for group_responses in results for response in group_responses]
 
     async def abort(self, rid: str | None) -> None:
         """Abort one request (by rid) or every request (None); they finish with `abort`."""
@@ -296,8 +351,6 @@ class Engine:
         )
 
     def _make_groups(self, request: GenerateRequest) -> list[Group]:
-        if request.stream:
-            raise EngineError("stream=true is not supported yet by the embedded engine; send stream=false")
         self._check_routed_experts(request)
         loop = asyncio.get_running_loop()
         groups = []

@@ -6,7 +6,8 @@ give the same output, whatever else the server runs). Field names, defaults and 
 OpenAI layer (SGLang 0.5.23, `sglang/srt/entrypoints/openai/protocol.py`): the OpenAI fields, plus SGLang's
 sampling extras (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `no_stop_trim`, `skip_special_tokens`). Chat prompts go through the tokenizer's chat template (transformers'
-`apply_chat_template`, with `chat_template_kwargs`).
+`apply_chat_template`, with `chat_template_kwargs`). `stream: true` answers with server-sent events (OpenAI's chunk
+objects, `data: [DONE]` last); a client that disconnects aborts the request, which frees its KV pages.
 
 A field this server cannot honour is refused with a 400 that names it; unknown top-level keys are ignored, as
 SGLang (and its router, which adds its own) does. Every error uses OpenAI's body,
@@ -20,14 +21,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from miles_contracts import GenerateRequest, GenerateResponse
-from miles_rollout.engine import Engine
+from miles_rollout.engine import Engine, StreamEvent
 from miles_rollout.engine_error import EngineError
 
 DEFAULT_MODEL_NAME = "default"  # SGLang's request default: always accepted
@@ -36,8 +38,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat `top_logprobs` (completions `log
 # Fields of OpenAI's / SGLang's requests this server does not implement yet: refused unless absent, null, false or
 # empty (then they change nothing).
 UNSUPPORTED = {
-    "stream": "streaming (stream=true)",
-    "stream_options": "streaming options",
     "echo": "echoing the prompt",
     "suffix": "suffixes",
     "best_of": "best_of",
@@ -59,6 +59,11 @@ UNSUPPORTED = {
 _NEUTRAL: tuple[object, ...] = (None, False, "", [], {}, {"type": "text"})
 
 
+def sse(payload: bytes | str) -> bytes:
+    """One server-sent event carrying `payload` (JSON text, or `[DONE]`)."""
+    return b"data: " + (payload.encode() if isinstance(payload, str) else payload) + b"\n\n"
+
+
 class OpenAIError(Exception):
     """A request the `/v1` routes refuse; answered in OpenAI's error body."""
 
@@ -72,6 +77,11 @@ class OpenAIError(Exception):
         )
         body = {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status_code}
         return JSONResponse({"error": body}, self.status_code)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk with `usage` and no choices
 
 
 class _Sampling(BaseModel):
@@ -97,6 +107,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -232,13 +244,18 @@ def _finish(response: GenerateResponse) -> tuple[str | None, int | str | None]:
     return (finish.type, finish.matched) if finish is not None else (None, None)
 
 
-def _completion_logprobs(response: GenerateResponse) -> dict[str, Any]:
-    """The legacy completions layout: token texts, their log-probs, the top alternatives as {text: log-prob}, and
-    each token's character offset in the output text."""
+def _new_logprobs(response: GenerateResponse, start: int) -> tuple[list[Any], list[Any]]:
+    """The response's output log-prob entries and top alternatives from token `start` on."""
     entries = response.meta_info.output_token_logprobs or []
     tops = response.meta_info.output_top_logprobs or [None] * len(entries)
+    return list(entries[start:]), list(tops[start:])
+
+
+def _completion_logprobs(entries: list[Any], tops: list[Any], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions layout: token texts, their log-probs, the top alternatives as {text: log-prob}, and
+    each token's character offset in the output text (from `offset`, the characters of earlier tokens)."""
     tokens = [text or "" for _, _, text in entries]
-    offsets, offset = [], 0
+    offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
@@ -250,10 +267,8 @@ def _completion_logprobs(response: GenerateResponse) -> dict[str, Any]:
     }
 
 
-def _chat_logprobs(response: GenerateResponse) -> dict[str, Any]:
+def _chat_logprobs(entries: list[Any], tops: list[Any]) -> dict[str, Any]:
     """The chat layout: per token {token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]}."""
-    entries = response.meta_info.output_token_logprobs or []
-    tops = response.meta_info.output_top_logprobs or [None] * len(entries)
 
     def item(logprob: float | None, text: str | None) -> dict[str, Any]:
         token = text or ""
@@ -267,8 +282,68 @@ def _chat_logprobs(response: GenerateResponse) -> dict[str, Any]:
     }
 
 
-def register_openai_routes(app: FastAPI, engine: Engine, model_name: str | None = None) -> None:
-    """Add the `/v1` routes to `app`; `model_name`: the served model name (default: the model path)."""
+async def _openai_stream(
+    events: AsyncIterator[StreamEvent],
+    body: CompletionRequest | ChatCompletionRequest,
+    chat: bool,
+    observe: Callable[[GenerateResponse], None],
+) -> AsyncIterator[bytes]:
+    """OpenAI's stream: per new token of a sample a chunk with its text delta (chat: `delta.content`, the first one
+    with `role`) and, when asked, the new tokens' log-probs; its last chunk has `finish_reason`; with
+    `stream_options.include_usage`, a chunk with `usage` and no choices; then `data: [DONE]`."""
+    chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": body.model}  # fmt: skip
+    wants_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+    sent_text: dict[int, str] = {}
+    sent_tokens: dict[int, int] = {}
+    sent_chars: dict[int, int] = {}
+    started: set[int] = set()
+    finals: dict[int, GenerateResponse] = {}
+    try:
+        async for index, response, last in events:
+            done = sent_text.get(index, "")
+            delta = response.text[len(done) :] if response.text.startswith(done) else ""  # streamed: a prefix
+            sent_text[index] = done + delta
+            start = sent_tokens.get(index, 0)
+            entries, tops = _new_logprobs(response, start)
+            sent_tokens[index] = start + len(entries)
+            offset = sent_chars.get(index, 0)
+            sent_chars[index] = offset + sum(len(text or "") for _, _, text in entries)
+            finish = _finish(response) if last else (None, None)
+            if last:
+                finals[index] = response
+                observe(response)
+            elif not delta and not entries:
+                continue
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish[0], "matched_stop": finish[1]}
+            if chat:
+                role = {} if index in started else {"role": "assistant"}  # in the sample's first chunk
+                choice["delta"] = {**role, "content": delta}
+                choice["logprobs"] = _chat_logprobs(entries, tops) if wants_logprobs else None
+            else:
+                choice["text"] = delta
+                choice["logprobs"] = _completion_logprobs(entries, tops, offset) if wants_logprobs else None
+            started.add(index)
+            yield sse(json.dumps({**head, "choices": [choice]}))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            ordered = [finals[i] for i in sorted(finals)]
+            yield sse(json.dumps({**head, "choices": [], "usage": _usage(ordered, body.n)}))
+    except EngineError as error:
+        yield sse(json.dumps({"error": {"message": error.message, "type": "server_error", "param": None,
+                                        "code": error.status_code}}))  # fmt: skip
+    yield sse("[DONE]")
+
+
+def register_openai_routes(
+    app: FastAPI,
+    engine: Engine,
+    model_name: str | None = None,
+    observe: Callable[[GenerateResponse], None] | None = None,
+) -> None:
+    """Add the `/v1` routes to `app`; `model_name`: the served model name (default: the model path); `observe`:
+    called with each finished sample (the server's metrics)."""
+    count = observe or (lambda _: None)
     served = model_name or engine.model_path
     created = int(time.time())
 
@@ -283,9 +358,20 @@ def register_openai_routes(app: FastAPI, engine: Engine, model_name: str | None 
 
     async def run(body: GenerateRequest) -> list[GenerateResponse]:
         try:
-            return await engine.generate(body)
+            responses = await engine.generate(body)
         except EngineError as error:
             raise OpenAIError(error.message, error.status_code) from error
+        for response in responses:
+            count(response)
+        return responses
+
+    async def stream(native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest) -> StreamingResponse:
+        try:
+            events = await engine.generate_stream(native)  # bad input raises here: a 4xx, not a broken stream
+        except EngineError as error:
+            raise OpenAIError(error.message, error.status_code) from error
+        chat = isinstance(body, ChatCompletionRequest)
+        return StreamingResponse(_openai_stream(events, body, chat, count), media_type="text/event-stream")
 
     def card() -> dict[str, Any]:
         return {"id": served, "object": "model", "created": created, "owned_by": "miles", "root": engine.model_path,
@@ -305,7 +391,7 @@ def register_openai_routes(app: FastAPI, engine: Engine, model_name: str | None 
         return card()
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         body: CompletionRequest = await _parse(request, CompletionRequest)
         check_model(body.model)
         prompt = body.prompt
@@ -315,11 +401,13 @@ def register_openai_routes(app: FastAPI, engine: Engine, model_name: str | None 
         native = _native(**{kind: prompt}, sampling_params=body.sampling_params(body.max_tokens),
                          return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
                          return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
+        if body.stream:
+            return await stream(native, body)
         responses = await run(native)
         choices = []
         for index, response in enumerate(responses):
             finish, matched = _finish(response)
-            logprobs = _completion_logprobs(response) if body.logprobs is not None else None
+            logprobs = _completion_logprobs(*_new_logprobs(response, 0)) if body.logprobs is not None else None
             choices.append({"index": index, "text": response.text, "logprobs": logprobs, "finish_reason": finish,
                             "matched_stop": matched})  # fmt: skip
         return JSONResponse({
@@ -328,7 +416,7 @@ def register_openai_routes(app: FastAPI, engine: Engine, model_name: str | None 
         })  # fmt: skip
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
+    async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         check_model(body.model)
         if engine.tokenizer is None:
@@ -350,13 +438,16 @@ def register_openai_routes(app: FastAPI, engine: Engine, model_name: str | None 
         native = _native(input_ids=list(input_ids), sampling_params=body.sampling_params(max_tokens),
                          return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                          return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
+        if body.stream:
+            return await stream(native, body)
         responses = await run(native)
         choices = []
         for index, response in enumerate(responses):
             finish, matched = _finish(response)
             choices.append({
                 "index": index, "message": {"role": "assistant", "content": response.text},
-                "logprobs": _chat_logprobs(response) if body.logprobs else None, "finish_reason": finish,
+                "logprobs": _chat_logprobs(*_new_logprobs(response, 0)) if body.logprobs else None,
+                "finish_reason": finish,
                 "matched_stop": matched,
             })  # fmt: skip
         return JSONResponse({

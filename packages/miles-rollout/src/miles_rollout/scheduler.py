@@ -457,6 +457,24 @@ class Scheduler:
             self._finish(seq, finish_reason("length", length=len(seq.output_ids)))
         elif len(seq.tokens) >= self.context_length:
             self._finish(seq, finish_reason("length", length=len(seq.output_ids), message="context length reached"))
+        if seq.finish is None and seq.group.on_progress is not None:
+            self._stream_progress(seq)
+
+    def _stream_progress(self, seq: Sequence) -> None:
+        """Hand a streaming sample's response so far to its listener. The text holds back what a stop string could
+        still trim (its length - 1 characters) and a trailing partial UTF-8 character, so streamed text is always a
+        prefix of the final text."""
+        params = seq.group.params
+        stops = params.stop_strings()
+        if not stops:
+            self._decode(seq)  # without stop strings the text is otherwise decoded once, at the end
+        text = seq.text
+        if stops and not params.no_stop_trim:
+            text = text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
+        response = build_response(seq, self._token_text_for(seq.group))
+        response.text = text.rstrip("\ufffd")
+        assert seq.group.on_progress is not None
+        seq.group.on_progress(seq.sample_index, response, False)
 
     def _decode(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
@@ -502,9 +520,14 @@ class Scheduler:
         start = min(seq.group.routed_experts_start_len, end)
         return self.routed_experts.gather(seq.pages, start, end)
 
+    def _token_text_for(self, group: Group) -> Any:
+        return self._token_text if group.return_text_in_logprobs and self.tokenizer is not None else None
+
     def _complete_group(self, group: Group) -> None:
-        token_text = self._token_text if group.return_text_in_logprobs and self.tokenizer is not None else None
-        responses = [build_response(s, token_text) for s in group.sequences]
+        responses = [build_response(s, self._token_text_for(group)) for s in group.sequences]
+        if group.on_progress is not None:
+            for seq, response in zip(group.sequences, responses, strict=True):
+                group.on_progress(seq.sample_index, response, True)
         if group.future is not None and group.loop is not None:
             group.loop.call_soon_threadsafe(set_result, group.future, responses)
 

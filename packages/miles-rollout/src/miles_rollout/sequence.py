@@ -132,6 +132,9 @@ class Group:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     draft: DraftState = field(default_factory=DraftState)  # the prompt's draft rows (speculative.py)
+    # Streaming: called on the engine thread with (sample index, response so far, is it the last one) after each
+    # token of a sample and once per sample when the group completes (`Engine.generate_stream`).
+    on_progress: Callable[[int, GenerateResponse, bool], None] | None = None
 
     @property
     def is_prefilled(self) -> bool:

@@ -15,18 +15,21 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string
-from miles_rollout.engine import Engine
+from miles_rollout.engine import Engine, StreamEvent
 from miles_rollout.engine_error import EngineError
-from miles_rollout.openai_api import OpenAIError, register_openai_routes
+from miles_rollout.metrics import ServerMetrics
+from miles_rollout.openai_api import OpenAIError, register_openai_routes, sse
 
 logger = logging.getLogger("miles_rollout.server")
 
@@ -201,6 +204,23 @@ async def _parse(request: Request, model: type[BaseModel], allow_empty: bool = F
 _IGNORED_LOGGED: set[str] = set()
 
 
+async def _native_stream(
+    events: AsyncIterator[StreamEvent], indexed: bool, observe: Callable[[GenerateResponse], None]
+) -> AsyncIterator[bytes]:
+    """SGLang's `/generate` stream: an event per new token of a sample with its response so far (text and output
+    ids so far, `meta_info`; `index` first when the request has several prompts or samples), the final response as
+    the sample's last event, then `data: [DONE]`. An engine failure mid-stream is an `error` event."""
+    try:
+        async for index, response, last in events:
+            if last:
+                observe(response)
+            body = response.model_dump_json()
+            yield sse(f'{{"index": {index}, {body[1:]}' if indexed else body)
+    except EngineError as error:
+        yield sse(json.dumps({"error": {"message": error.message, "code": error.status_code}}))
+    yield sse("[DONE]")
+
+
 def _log_ignored(keys: list[str]) -> None:
     """SGLang ignores top-level keys it does not know (routers add their own, e.g. `model`); so does this server,
     saying so once per key at debug level."""
@@ -222,6 +242,7 @@ def create_app(
     """The FastAPI app serving `engine`."""
     app = FastAPI(title="miles-rollout", description="SGLang-compatible rollout server of the Miles engine")
     is_loopback = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+    metrics = ServerMetrics(engine, engine.model_path)
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Any) -> Response:
@@ -261,7 +282,13 @@ def create_app(
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         body: GenerateRequest = await _parse(request, GenerateRequest)
+        if body.stream:
+            events = await engine.generate_stream(body)  # bad input raises here: a 4xx, not a broken stream
+            indexed = body.is_batch or body.params_for(0).n > 1
+            return StreamingResponse(_native_stream(events, indexed, metrics.observe), media_type="text/event-stream")
         responses = await engine.generate(body)
+        for response in responses:
+            metrics.observe(response)
         # Serialized by pydantic-core in one call (FastAPI's generic encoder took ~5 ms for 64 responses).
         many = body.is_batch or body.params_for(0).n > 1
         content = _RESPONSES.dump_json(responses) if many else responses[0].model_dump_json()
@@ -425,7 +452,12 @@ def create_app(
         await engine.generate(probe)
         return Response(status_code=200)
 
-    register_openai_routes(app, engine)
+    register_openai_routes(app, engine, observe=metrics.observe)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus metrics (metrics.py): SGLang's names, the served model as `model_name`."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/")
     async def root() -> dict[str, Any]:
