@@ -118,7 +118,7 @@ BAD = [
     ({"model": "default", "prompt": "hi", "top_k": 0}, "/v1/completions", "top_k"),
     ({"model": "default", "prompt": "hi", "stream": True, "stream_options": "yes"}, "/v1/completions",
      "stream_options"),
-    ({"model": "default", "prompt": "hi", "logit_bias": {"5": 10}}, "/v1/completions", "logit_bias"),
+    ({"model": "default", "prompt": "hi", "logit_bias": {"five": 10}}, "/v1/completions", "logit_bias"),
     ({"model": "default", "prompt": "hi", "logprobs": 99}, "/v1/completions", "logprobs"),
     ({"model": "default", "messages": []}, "/v1/chat/completions", "messages"),
     ({"model": "default", "messages": [{"role": "wizard", "content": "x"}]}, "/v1/chat/completions", "role"),

@@ -116,8 +116,8 @@ BAD_REQUESTS = [
     (json.dumps({"text": "hi", "return_routed_experts": True}), "has no MoE layer"),  # a dense model
     (json.dumps({"text": "hi", "routed_experts_start_len": -1}), "routed_experts_start_len"),
     (json.dumps({"text": "hi", "return_hidden_states": True}), "return_hidden_states"),
-    (json.dumps({"text": "hi", "sampling_params": {"json_schema": "{}"}}), "json_schema"),
-    (json.dumps({"text": "hi", "sampling_params": {"regex": "a+"}}), "regex"),
+    (json.dumps({"text": "hi", "sampling_params": {"json_schema": "{not json"}}), "json_schema"),
+    (json.dumps({"text": "hi", "sampling_params": {"regex": "([a-z"}}), "regex"),
     (json.dumps({"text": "hi", "sampling_params": {"repetition_penalty": 0}}), "repetition_penalty"),
     (json.dumps({"text": "hi", "sampling_params": {"frequency_penalty": 9}}), "frequency_penalty"),
     (json.dumps({"text": "hi", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}}), "min_new_tokens"),

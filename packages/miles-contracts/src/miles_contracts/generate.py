@@ -13,6 +13,7 @@ Responses allow extra fields, because servers add their own.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -30,14 +31,8 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a request
 
 # SGLang sampling params the embedded engine does not implement: refused unless absent, null or the default.
 UNSUPPORTED_SAMPLING_FIELDS: dict[str, str] = {
-    "stop_regex": "regular-expression stops",
-    "json_schema": "structured output",
-    "regex": "structured output",
-    "ebnf": "structured output",
-    "structural_tag": "structured output",
-    "choice": "structured output",
-    "logit_bias": "logit bias",
-    "custom_params": "custom logit processors",
+    "structural_tag": "structural tags",
+    "choice": "structured output (choice)",
     "beam_width": "beam search",
     "stream_interval": "streaming",
     "watermark": "watermarking",
@@ -85,6 +80,18 @@ class SamplingParams(BaseModel):
     sampling_seed: int | None = Field(
         default=None, ge=0, description="Seed of sample 0; sample i uses seed + i. None: engine-chosen."
     )
+    json_schema: str | None = Field(default=None, description="Constrain the output to this JSON schema (JSON text).")
+    regex: str | None = Field(default=None, description="Constrain the output to this regular expression.")
+    ebnf: str | None = Field(default=None, description="Constrain the output to this EBNF grammar (GBNF style).")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description='Added to these token ids\' sampling logits ({"id": bias}; log-probs unchanged).'
+    )
+    stop_regex: str | list[str] | None = Field(
+        default=None, description="Regular expressions that end generation where they first match (trimmed)."
+    )
+    custom_params: dict[str, Any] | None = Field(
+        default=None, description="Parameters of custom logit processors (none run here: accepted, unused, as SGLang)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -109,7 +116,29 @@ class SamplingParams(BaseModel):
     def _min_within_max(self) -> SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
+        grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf (got {', '.join(grammars)})")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id (a string of digits)")
+        for pattern in self.stop_regexes():
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {error}") from error
         return self
+
+    @property
+    def grammar(self) -> str | None:
+        """The constraining field's name (json_schema, regex, ebnf), None without one."""
+        return next((name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None), None)
+
+    def stop_regexes(self) -> list[str]:
+        """`stop_regex` normalized to a list."""
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
 
     @property
     def has_penalties(self) -> bool:

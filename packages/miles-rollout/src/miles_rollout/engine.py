@@ -168,6 +168,23 @@ class Engine:
                     self._aborts.extend(group.rid for group in groups)
                     self._lock.notify()
 
+    def _check_constraints(self, request: GenerateRequest) -> None:
+        """Structured output and logit bias need what they refer to: a tokenizer, token ids in the vocabulary."""
+        for i in range(request.batch_size):
+            params = request.params_for(i)
+            if params.grammar is not None:
+                if self.tokenizer is None:
+                    raise EngineError(f"sampling_params.{params.grammar} needs the model's tokenizer; this has none")
+                if self.scheduler.drafter is not None:
+                    raise EngineError(
+                        f"sampling_params.{params.grammar} with speculative decoding is not supported: serve without "
+                        "--speculative-algorithm for structured output"
+                    )
+            vocab = self.model_config.vocab_size
+            bad = [key for key in params.logit_bias or {} if int(key) >= vocab]
+            if bad:
+                raise EngineError(f"logit_bias token id {bad[0]} is outside the vocabulary (0 .. {vocab - 1})")
+
     def _submit(self, groups: list[Group]) -> None:
         with self._lock:
             self._check_can_generate()
@@ -352,6 +369,7 @@ class Engine:
 
     def _make_groups(self, request: GenerateRequest) -> list[Group]:
         self._check_routed_experts(request)
+        self._check_constraints(request)
         loop = asyncio.get_running_loop()
         groups = []
         for i, prompt in enumerate(self._tokenize(request)):
@@ -387,6 +405,7 @@ class Engine:
                     f"{params.max_new_tokens}, n={params.n}) but the server has {self.config.num_kv_pages - 1}; "
                     "lower max_new_tokens or n, or restart with more --kv-pages"
                 )
+            grammar = self.scheduler.grammars().compile(params) if params.grammar is not None else None
             rid = request.rid[i] if isinstance(request.rid, list) else request.rid
             rid = (rid if not request.is_batch else f"{rid}-{i}") if rid else uuid.uuid4().hex
             seed = params.sampling_seed
@@ -409,6 +428,7 @@ class Engine:
                     loop=loop,
                     reserved_pages=pages,
                     total_pages=pages,
+                    grammar=grammar,
                 )
             )
         return groups

@@ -6,8 +6,11 @@ give the same output, whatever else the server runs). Field names, defaults and 
 OpenAI layer (SGLang 0.5.23, `sglang/srt/entrypoints/openai/protocol.py`): the OpenAI fields, plus SGLang's
 sampling extras (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `no_stop_trim`, `skip_special_tokens`). Chat prompts go through the tokenizer's chat template (transformers'
-`apply_chat_template`, with `chat_template_kwargs`). `stream: true` answers with server-sent events (OpenAI's chunk
-objects, `data: [DONE]` last); a client that disconnects aborts the request, which frees its KV pages.
+`apply_chat_template`, with `chat_template_kwargs`). Structured output: OpenAI's `response_format` (`json_object`,
+`json_schema`) maps to the native `json_schema` as SGLang maps it; SGLang's `json_schema`, `regex`, `ebnf`,
+`logit_bias`, `stop_regex` and `custom_params` pass through. `stream: true` answers with server-sent events
+(OpenAI's chunk objects, `data: [DONE]` last); a client that disconnects aborts the request, which frees its KV
+pages.
 
 A field this server cannot honour is refused with a 400 that names it; unknown top-level keys are ignored, as
 SGLang (and its router, which adds its own) does. Every error uses OpenAI's body,
@@ -41,13 +44,6 @@ UNSUPPORTED = {
     "echo": "echoing the prompt",
     "suffix": "suffixes",
     "best_of": "best_of",
-    "logit_bias": "logit bias",
-    "response_format": "structured output (response_format)",
-    "json_schema": "structured output (json_schema)",
-    "regex": "structured output (regex)",
-    "ebnf": "structured output (ebnf)",
-    "stop_regex": "regular-expression stops",
-    "custom_params": "custom_params",
     "custom_logit_processor": "custom logit processors",
     "tools": "tool calling",
     "functions": "function calling",
@@ -55,8 +51,8 @@ UNSUPPORTED = {
     "return_hidden_states": "hidden states",
     "session_params": "sessions",
 }
-# Values of the same keys that change nothing (`response_format: {"type": "text"}` is plain text, OpenAI's default).
-_NEUTRAL: tuple[object, ...] = (None, False, "", [], {}, {"type": "text"})
+# Values of the same keys that change nothing.
+_NEUTRAL: tuple[object, ...] = (None, False, "", [], {})
 
 
 def sse(payload: bytes | str) -> bytes:
@@ -84,6 +80,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with `usage` and no choices
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
+
+    def as_json_schema(self) -> str | None:
+        """The schema the output must follow (JSON text), as SGLang maps it; None for plain text."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
 class _Sampling(BaseModel):
     """The sampling fields both routes share (OpenAI's, then SGLang's extras)."""
 
@@ -109,6 +136,13 @@ class _Sampling(BaseModel):
     rid: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None
+    stop_regex: str | list[str] | None = None
+    custom_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -133,6 +167,12 @@ class _Sampling(BaseModel):
             "ignore_eos": self.ignore_eos,
             "no_stop_trim": self.no_stop_trim,
             "skip_special_tokens": self.skip_special_tokens,
+            "json_schema": self.response_format.as_json_schema() if self.response_format else self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
+            "logit_bias": self.logit_bias,
+            "stop_regex": self.stop_regex,
+            "custom_params": self.custom_params,
         }
         for key, value in (
             ("temperature", self.temperature),

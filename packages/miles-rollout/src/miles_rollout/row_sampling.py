@@ -10,8 +10,10 @@ the draft (speculative.py). A prompt's own log-probs (`input_token_logprobs`) ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,23 +40,33 @@ class SampledRows:
     top: list[list[tuple[float, int]]]  # per row: (log-prob, token id) of the requested top log-probs
 
 
-def sample_tokens(row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int]) -> torch.Tensor:
-    """The sampled token of every row (penalties and `min_new_tokens` applied)."""
-    return sample(_sampling_logits(row_logits, rows, eos_ids), [row.sampling for row in rows])
+# Masks the sampling logits of rows in place: structured output's grammar matchers (grammar.py, `Grammars.mask`).
+Constrain = Callable[[torch.Tensor, list[Any]], None]
 
 
-def sample_rows(row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int]) -> SampledRows:
+def sample_tokens(
+    row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int], constrain: Constrain | None = None
+) -> torch.Tensor:
+    """The sampled token of every row (penalties, `logit_bias`, `min_new_tokens` and grammars applied)."""
+    return sample(_sampling_logits(row_logits, rows, eos_ids, constrain), [row.sampling for row in rows])
+
+
+def sample_rows(
+    row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int], constrain: Constrain | None = None
+) -> SampledRows:
     """Sampled tokens with their log-probs and top log-probs (of the unmodified logits)."""
-    tokens = sample_tokens(row_logits, rows, eos_ids)
+    tokens = sample_tokens(row_logits, rows, eos_ids, constrain)
     temps = torch.tensor([[row.seq.group.logprob_temperature()] for row in rows], device=row_logits.device)
     logprobs = token_logprobs(row_logits, tokens, temps)
     return SampledRows(tokens.tolist(), logprobs.tolist(), _top_logprobs(row_logits, temps, rows))
 
 
-def _sampling_logits(row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int]) -> torch.Tensor:
-    """The logits to sample from: SGLang's penalties over each row's output so far and, before `min_new_tokens`,
-    no stop token."""
-    if not any(_needs_change(row) for row in rows):
+def _sampling_logits(
+    row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int], constrain: Constrain | None = None
+) -> torch.Tensor:
+    """The logits to sample from: SGLang's penalties over each row's output so far, `logit_bias`, before
+    `min_new_tokens` no stop token, and the grammar's allowed tokens (`constrain`)."""
+    if constrain is None and not any(_needs_change(row) for row in rows):
         return row_logits
     out = row_logits.clone()
     for i, row in enumerate(rows):
@@ -67,15 +79,24 @@ def _sampling_logits(row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int]
                 seen = logits[ids]
                 logits[ids] = torch.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
             logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+        if params.logit_bias:
+            ids = torch.tensor([int(key) for key in params.logit_bias], dtype=torch.long, device=logits.device)
+            logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if len(output) < params.min_new_tokens:
             stops = {*(params.stop_token_ids or ()), *(() if params.ignore_eos else eos_ids)}
             logits[torch.tensor(sorted(stops), dtype=torch.long, device=logits.device)] = float("-inf")
+    if constrain is not None:
+        constrain(out, [row.seq.matcher for row in rows])
     return out
 
 
 def _needs_change(row: Row) -> bool:
     params = row.seq.group.params
-    return params.has_penalties or len(row.seq.output_ids) + len(row.drafted) < params.min_new_tokens
+    return (
+        params.has_penalties
+        or bool(params.logit_bias)
+        or len(row.seq.output_ids) + len(row.drafted) < params.min_new_tokens
+    )
 
 
 def _top_logprobs(row_logits: torch.Tensor, temps: torch.Tensor, rows: Seq[Row]) -> list[list[tuple[float, int]]]:

@@ -18,6 +18,7 @@ sequence's is returned with it (routed_experts.py).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
+from miles_rollout.grammar import Grammars
 from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.routed_experts import RoutedExperts
@@ -54,6 +56,7 @@ class Scheduler:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self.drafter: Drafter | None = None
+        self._grammars: Grammars | None = None
         if config.num_draft_steps:
             tile = kernel.attention_query_tile
             self.drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids)
@@ -375,7 +378,8 @@ class Scheduler:
             return
         row_index = [first + i for _, first, drafts, _ in entries for i in range(len(drafts) + 1)]
         rows = [Row(seq, drafts[:i]) for seq, _, drafts, _ in entries for i in range(len(drafts) + 1)]
-        sampled = sample_rows(logits[torch.tensor(row_index, device=logits.device)], rows, self.eos_ids)
+        constrain = self.grammars().mask if any(row.seq.matcher is not None for row in rows) else None
+        sampled = sample_rows(logits[torch.tensor(row_index, device=logits.device)], rows, self.eos_ids, constrain)
         at = 0
         for seq, first, drafts, is_decoding in entries:
             emitted = accept_drafts(drafts, sampled.tokens[at : at + len(drafts) + 1])
@@ -420,6 +424,8 @@ class Scheduler:
             else:
                 own = []
             seq.pages = shared + own
+            if group.grammar is not None:
+                seq.matcher = self.grammars().matcher(group.grammar)
             share = group.reserved_pages // (group.params.n - i)
             seq.reserved_pages, group.reserved_pages = share, group.reserved_pages - share
             children.append(seq)
@@ -435,15 +441,23 @@ class Scheduler:
         self._running += children
         return children
 
+    def grammars(self) -> Grammars:
+        """The structured-output backend (xgrammar over the tokenizer), made at the first request with a grammar."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
+
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: list[tuple[float, int]]) -> None:
         params = seq.group.params
         seq.output_ids.append(token)
+        grammar_done = seq.matcher is not None and seq.matcher.accept_token(token) and seq.matcher.is_terminated()
         seq.output_logprobs.append(logprob)
         if seq.group.top_logprobs_num > 0 and seq.group.return_logprob:
             seq.output_top_logprobs.append(top)
         self.num_generated_tokens += 1
         stops = params.stop_strings()
-        if stops:  # the text so far is needed to match stop strings; otherwise it is decoded once, at the end
+        regexes = params.stop_regexes()
+        if stops or regexes:  # the text so far is needed to match stops; otherwise it is decoded once, at the end
             self._decode(seq)
         may_stop = len(seq.output_ids) >= params.min_new_tokens  # SGLang: no stop before min_new_tokens
         is_eos = token in self.eos_ids and not params.ignore_eos
@@ -453,6 +467,12 @@ class Scheduler:
             if not params.no_stop_trim:
                 seq.text = seq.text[: seq.text.index(matched)]
             self._finish(seq, finish_reason("stop", matched=matched))
+        elif may_stop and regexes and (found := _first_regex(seq.text, regexes)) is not None:
+            if not params.no_stop_trim:
+                seq.text = seq.text[: found.start()]
+            self._finish(seq, finish_reason("stop", matched=found.group(0)))
+        elif grammar_done:  # the grammar is complete and accepted its end token
+            self._finish(seq, finish_reason("stop", matched=token))
         elif len(seq.output_ids) >= params.max_new_tokens:
             self._finish(seq, finish_reason("length", length=len(seq.output_ids)))
         elif len(seq.tokens) >= self.context_length:
@@ -471,6 +491,8 @@ class Scheduler:
         text = seq.text
         if stops and not params.no_stop_trim:
             text = text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
+        if params.stop_regex is not None and not params.no_stop_trim:
+            text = ""  # a regex match can start anywhere: the text streams with the sample's last event
         response = build_response(seq, self._token_text_for(seq.group))
         response.text = text.rstrip("\ufffd")
         assert seq.group.on_progress is not None
@@ -489,7 +511,8 @@ class Scheduler:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))
 
     def _finish(self, seq: Sequence, reason: Any) -> None:
-        if not seq.group.params.stop_strings():
+        params = seq.group.params
+        if not (params.stop_strings() or params.stop_regexes()):  # else the text is decoded (and trimmed) already
             self._decode(seq)
         seq.finish = reason
         if seq in self._running:
@@ -530,6 +553,12 @@ class Scheduler:
                 group.on_progress(seq.sample_index, response, True)
         if group.future is not None and group.loop is not None:
             group.loop.call_soon_threadsafe(set_result, group.future, responses)
+
+
+def _first_regex(text: str, patterns: list[str]) -> re.Match[str] | None:
+    """The earliest match of any stop regex in `text` (SGLang's stop_regex)."""
+    found = [m for p in patterns if (m := re.search(p, text)) is not None]
+    return min(found, key=lambda m: m.start()) if found else None
 
 
 def _first_stop(text: str, stops: list[str]) -> str | None:

@@ -83,6 +83,7 @@ class Sequence:
     draft: DraftState = field(default_factory=DraftState)
     spec: SpecCounts | None = None  # speculative decoding's counts (None when the engine does not speculate)
     routed_experts: str | None = None  # SGLang's meta_info.routed_experts, gathered at finish (routed_experts.py)
+    matcher: Any = None  # structured output: the sample's xgrammar GrammarMatcher (grammar.py), None without one
 
     @property
     def tokens(self) -> list[int]:
@@ -135,6 +136,7 @@ class Group:
     # Streaming: called on the engine thread with (sample index, response so far, is it the last one) after each
     # token of a sample and once per sample when the group completes (`Engine.generate_stream`).
     on_progress: Callable[[int, GenerateResponse, bool], None] | None = None
+    grammar: Any = None  # structured output: the request's compiled grammar (grammar.py), None without one
 
     @property
     def is_prefilled(self) -> bool:
