@@ -405,6 +405,30 @@ def register_openai_routes(
             count(response)
         return responses
 
+    async def answer(native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        """The route's answer to `native`: a stream, or one completion object with a choice per sample."""
+        if body.stream:
+            return await stream(native, body)
+        responses = await run(native)
+        chat = isinstance(body, ChatCompletionRequest)
+        choices = []
+        for index, response in enumerate(responses):
+            finish, matched = _finish(response)
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "matched_stop": matched}
+            entries, tops = _new_logprobs(response, 0)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": response.text}
+                choice["logprobs"] = _chat_logprobs(entries, tops) if body.logprobs else None
+            else:
+                choice["text"] = response.text
+                choice["logprobs"] = _completion_logprobs(entries, tops) if body.logprobs is not None else None
+            choices.append(choice)
+        return JSONResponse({
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": body.model, "choices": choices, "usage": _usage(responses, body.n),
+        })  # fmt: skip
+
     async def stream(native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest) -> StreamingResponse:
         try:
             events = await engine.generate_stream(native)  # bad input raises here: a 4xx, not a broken stream
@@ -441,19 +465,7 @@ def register_openai_routes(
         native = _native(**{kind: prompt}, sampling_params=body.sampling_params(body.max_tokens),
                          return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
                          return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
-        if body.stream:
-            return await stream(native, body)
-        responses = await run(native)
-        choices = []
-        for index, response in enumerate(responses):
-            finish, matched = _finish(response)
-            logprobs = _completion_logprobs(*_new_logprobs(response, 0)) if body.logprobs is not None else None
-            choices.append({"index": index, "text": response.text, "logprobs": logprobs, "finish_reason": finish,
-                            "matched_stop": matched})  # fmt: skip
-        return JSONResponse({
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": body.model, "choices": choices, "usage": _usage(responses, body.n),
-        })  # fmt: skip
+        return await answer(native, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -478,19 +490,4 @@ def register_openai_routes(
         native = _native(input_ids=list(input_ids), sampling_params=body.sampling_params(max_tokens),
                          return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                          return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
-        if body.stream:
-            return await stream(native, body)
-        responses = await run(native)
-        choices = []
-        for index, response in enumerate(responses):
-            finish, matched = _finish(response)
-            choices.append({
-                "index": index, "message": {"role": "assistant", "content": response.text},
-                "logprobs": _chat_logprobs(*_new_logprobs(response, 0)) if body.logprobs else None,
-                "finish_reason": finish,
-                "matched_stop": matched,
-            })  # fmt: skip
-        return JSONResponse({
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.model, "choices": choices, "usage": _usage(responses, body.n),
-        })  # fmt: skip
+        return await answer(native, body)
