@@ -1,6 +1,6 @@
-"""The embedded rollout engine: the model, its weights and memory, request intake, and the thread that runs
-the scheduler (scheduler.py: continuous batching, paged KV + radix cache, sampling, stops). New weights arrive
-through `Engine.weights` (weight_receiver.py).
+"""The embedded rollout engine: the model, its weights and memory, and the thread that runs the scheduler
+(scheduler.py: continuous batching, paged KV + radix cache, sampling, stops). Requests become the scheduler's groups
+through `Engine.intake` (intake.py); new weights arrive through `Engine.weights` (weight_receiver.py).
 
 One background thread owns the model and runs scheduler steps in a loop; the asyncio side (server, in-process
 client) submits work and awaits futures. Control operations (weight updates, memory release) wait until no
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import logging
 import os
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -31,7 +29,8 @@ from miles_kernels import KernelConfig, load_model
 from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
-from miles_rollout.scheduler import Scheduler, ceil_div, set_exception, set_result
+from miles_rollout.intake import Intake
+from miles_rollout.scheduler import Scheduler, set_exception, set_result
 from miles_rollout.sequence import Group
 from miles_rollout.weight_receiver import WeightReceiver
 
@@ -77,6 +76,7 @@ class Engine:
         self.paused: str | None = None
         self.updating_weights = False
         self.weights = WeightReceiver(self)  # every way new weights arrive (weight_receiver.py)
+        self.intake = Intake(self)  # requests -> the scheduler's groups, or a 4xx (intake.py)
         self._incoming: list[Group] = []
         self._controls: deque[ControlItem] = deque()
         self._aborts: deque[str | None] = deque()
@@ -84,7 +84,6 @@ class Engine:
         self._new_watcher = False
         self._lock = threading.Condition()
         self._stopped = False
-        self._seed_counter = itertools.count()
         # Every torch op of the engine runs on its thread, model loading included: a second thread that has run
         # parallel ops keeps its own OpenMP team, and two teams on the same cores make each op wake the other's
         # threads (a decode step measured ~1.7x slower on 2 cores).
@@ -128,7 +127,7 @@ class Engine:
         """Run a generate request; returns one response per prompt and sample, prompt-major."""
         if request.stream:
             raise EngineError("stream=true: call Engine.generate_stream (or POST /generate), which streams")
-        groups = self._make_groups(request)
+        groups = self.intake.make_groups(request)
         self._submit(groups)
         results = await asyncio.gather(*(g.future for g in groups if g.future is not None))
         return [response for group_responses in results for response in group_responses]
@@ -139,7 +138,7 @@ class Engine:
         samples as `generate` orders them. Each sample's partial responses carry the tokens so far and a text that
         is a prefix of its final text; its last one is the final response. Leaving the iterator early (a client that
         disconnects) aborts the request, which frees its KV pages."""
-        groups = self._make_groups(request)
+        groups = self.intake.make_groups(request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
         base = 0
@@ -167,23 +166,6 @@ class Engine:
                 with self._lock:
                     self._aborts.extend(group.rid for group in groups)
                     self._lock.notify()
-
-    def _check_constraints(self, request: GenerateRequest) -> None:
-        """Structured output and logit bias need what they refer to: a tokenizer, token ids in the vocabulary."""
-        for i in range(request.batch_size):
-            params = request.params_for(i)
-            if params.grammar is not None:
-                if self.tokenizer is None:
-                    raise EngineError(f"sampling_params.{params.grammar} needs the model's tokenizer; this has none")
-                if self.scheduler.drafter is not None:
-                    raise EngineError(
-                        f"sampling_params.{params.grammar} with speculative decoding is not supported: serve without "
-                        "--speculative-algorithm for structured output"
-                    )
-            vocab = self.model_config.vocab_size
-            bad = [key for key in params.logit_bias or {} if int(key) >= vocab]
-            if bad:
-                raise EngineError(f"logit_bias token id {bad[0]} is outside the vocabulary (0 .. {vocab - 1})")
 
     def _submit(self, groups: list[Group]) -> None:
         with self._lock:
@@ -336,102 +318,6 @@ class Engine:
             )
         if self.weights_stale:
             raise EngineError("weights were released and not updated since; update weights before generating", 503)
-
-    def _tokenize(self, request: GenerateRequest) -> list[list[int]]:
-        if request.input_ids is not None:
-            rows = request.input_ids if request.is_batch else [request.input_ids]
-            prompts: list[list[int]] = [[int(t) for t in row] for row in rows]  # type: ignore[union-attr,arg-type]
-            vocab = self.model_config.vocab_size
-            for i, row in enumerate(prompts):
-                bad = [t for t in row if t >= vocab]
-                if bad:
-                    raise EngineError(f"input_ids[{i}] has token ids {bad[:5]} outside the vocabulary (size {vocab})")
-            return prompts
-        if self.tokenizer is None:
-            raise EngineError("this model directory has no tokenizer; send `input_ids` instead of `text`")
-        texts = request.text if isinstance(request.text, list) else [request.text]
-        return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts if t is not None]
-
-    def _check_routed_experts(self, request: GenerateRequest) -> None:
-        """SGLang aborts such requests (or, without its flag, returns no routing); Miles answers 400."""
-        if not request.return_routed_experts or self.scheduler.routed_experts is not None:
-            return
-        if not self.model_config.is_moe:
-            raise EngineError(
-                f"return_routed_experts: this {self.model_config.model_type} model has no MoE layer, so no token is "
-                "routed to experts; remove return_routed_experts"
-            )
-        raise EngineError(
-            "return_routed_experts needs a server started with --enable-return-routed-experts "
-            "(rollout.engine.enable_return_routed_experts in a run config); restart it so, or remove "
-            "return_routed_experts"
-        )
-
-    def _make_groups(self, request: GenerateRequest) -> list[Group]:
-        self._check_routed_experts(request)
-        self._check_constraints(request)
-        loop = asyncio.get_running_loop()
-        groups = []
-        for i, prompt in enumerate(self._tokenize(request)):
-            params = request.params_for(i)
-            logprob_start_len = request.logprob_start_len_for(i)
-            if logprob_start_len >= len(prompt):
-                raise EngineError(
-                    f"logprob_start_len={logprob_start_len} is past the prompt ({len(prompt)} tokens); "
-                    "use -1 for no input log-probs or a value below the prompt length"
-                )
-            if request.return_routed_experts and request.routed_experts_start_len > len(prompt):
-                raise EngineError(
-                    f"routed_experts_start_len={request.routed_experts_start_len} is past prompt {i} ({len(prompt)} "
-                    f"tokens); use a value in [0, {len(prompt)}] (0: the whole sequence)"
-                )
-            if len(prompt) >= self.context_length:
-                raise EngineError(
-                    f"the prompt has {len(prompt)} tokens; the context length is {self.context_length}: "
-                    "shorten the prompt"
-                )
-            if params.n > self.config.max_running_requests:
-                raise EngineError(
-                    f"sampling_params.n={params.n} exceeds the server's max_running_requests="
-                    f"{self.config.max_running_requests}"
-                )
-            max_tokens = min(len(prompt) + params.max_new_tokens, self.context_length)
-            pages = ceil_div(len(prompt), self.page_size) + params.n * (
-                ceil_div(max_tokens, self.page_size) - self.scheduler.num_shared_pages(len(prompt))
-            )
-            if pages > self.config.num_kv_pages - 1:
-                raise EngineError(
-                    f"prompt {i} needs {pages} KV pages ({len(prompt)} prompt tokens, max_new_tokens="
-                    f"{params.max_new_tokens}, n={params.n}) but the server has {self.config.num_kv_pages - 1}; "
-                    "lower max_new_tokens or n, or restart with more --kv-pages"
-                )
-            grammar = self.scheduler.grammars().compile(params) if params.grammar is not None else None
-            rid = request.rid[i] if isinstance(request.rid, list) else request.rid
-            rid = (rid if not request.is_batch else f"{rid}-{i}") if rid else uuid.uuid4().hex
-            seed = params.sampling_seed
-            if seed is None:
-                seed = (self.config.seed * 1_000_003 + next(self._seed_counter) * 7919) % (1 << 62)
-            groups.append(
-                Group(
-                    rid=rid,
-                    prompt_ids=prompt,
-                    params=params,
-                    seed=seed,
-                    return_logprob=request.return_logprob_for(i),
-                    logprob_start_len=logprob_start_len,
-                    top_logprobs_num=request.top_logprobs_num_for(i),
-                    return_text_in_logprobs=request.return_text_in_logprobs,
-                    return_routed_experts=request.return_routed_experts,
-                    routed_experts_start_len=request.routed_experts_start_len,
-                    weight_version=self.weight_version,
-                    future=loop.create_future(),
-                    loop=loop,
-                    reserved_pages=pages,
-                    total_pages=pages,
-                    grammar=grammar,
-                )
-            )
-        return groups
 
     # ------------------------------------------------------------------ the loop
 
