@@ -163,9 +163,7 @@ class Engine:
                 yield item
         finally:
             if remaining:  # the consumer left before the end: stop the generation and free its KV
-                with self._lock:
-                    self._aborts.extend(group.rid for group in groups)
-                    self._lock.notify()
+                self._queue_aborts([group.rid for group in groups])
 
     def _submit(self, groups: list[Group]) -> None:
         with self._lock:
@@ -175,8 +173,11 @@ class Engine:
 
     async def abort(self, rid: str | None) -> None:
         """Abort one request (by rid) or every request (None); they finish with `abort`."""
+        self._queue_aborts([rid])
+
+    def _queue_aborts(self, rids: list[str | None]) -> None:
         with self._lock:
-            self._aborts.append(rid)
+            self._aborts.extend(rids)
             self._lock.notify()
 
     async def control(self, fn: Callable[[], Any], needs_idle: bool) -> Any:

@@ -154,9 +154,14 @@ class _Sampling(BaseModel):
         return data
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
-        """The native sampling parameters (SGLang's defaults where a field is null)."""
-        fields: dict[str, Any] = {
+        """The native sampling parameters (a null field takes SGLang's default there, as `SamplingParams` reads it)."""
+        return {
             "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
             "n": self.n,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -174,16 +179,6 @@ class _Sampling(BaseModel):
             "stop_regex": self.stop_regex,
             "custom_params": self.custom_params,
         }
-        for key, value in (
-            ("temperature", self.temperature),
-            ("top_p", self.top_p),
-            ("top_k", self.top_k),
-            ("min_p", self.min_p),
-            ("repetition_penalty", self.repetition_penalty),
-        ):
-            if value is not None:
-                fields[key] = value
-        return fields
 
 
 class CompletionRequest(_Sampling):

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from miles_contracts import SamplingParams
 from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
@@ -457,7 +458,7 @@ class Scheduler:
         self.num_generated_tokens += 1
         stops = params.stop_strings()
         regexes = params.stop_regexes()
-        if stops or regexes:  # the text so far is needed to match stops; otherwise it is decoded once, at the end
+        if _text_per_token(params):
             self._decode(seq)
         may_stop = len(seq.output_ids) >= params.min_new_tokens  # SGLang: no stop before min_new_tokens
         is_eos = token in self.eos_ids and not params.ignore_eos
@@ -486,8 +487,8 @@ class Scheduler:
         prefix of the final text."""
         params = seq.group.params
         stops = params.stop_strings()
-        if not stops:
-            self._decode(seq)  # without stop strings the text is otherwise decoded once, at the end
+        if not _text_per_token(params):
+            self._decode(seq)  # otherwise decoded already, for the stops
         text = seq.text
         if stops and not params.no_stop_trim:
             text = text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
@@ -511,8 +512,7 @@ class Scheduler:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))
 
     def _finish(self, seq: Sequence, reason: Any) -> None:
-        params = seq.group.params
-        if not (params.stop_strings() or params.stop_regexes()):  # else the text is decoded (and trimmed) already
+        if not _text_per_token(seq.group.params):  # else the text is decoded (and trimmed) already
             self._decode(seq)
         seq.finish = reason
         if seq in self._running:
@@ -553,6 +553,12 @@ class Scheduler:
                 group.on_progress(seq.sample_index, response, True)
         if group.future is not None and group.loop is not None:
             group.loop.call_soon_threadsafe(set_result, group.future, responses)
+
+
+def _text_per_token(params: SamplingParams) -> bool:
+    """Whether a sample's text is decoded after each token (stop strings and regexes match on it); otherwise it is
+    decoded once, at the end (or per streamed event)."""
+    return bool(params.stop_strings() or params.stop_regexes())
 
 
 def _first_regex(text: str, patterns: list[str]) -> re.Match[str] | None:

@@ -21,13 +21,14 @@ import torch.nn.functional as F
 VECTOR_BLOCK = 64
 
 
-def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for an elementwise `fn`, computed so that each element's bits do not depend on the number of rows."""
-    width = x.shape[-1]
+def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """`fn(*xs)` for an elementwise `fn` of same-shape tensors, computed so that each element's bits do not depend
+    on the number of rows."""
+    width = xs[0].shape[-1]
     pad = -width % VECTOR_BLOCK
-    if pad == 0 or x.is_cuda:
-        return fn(x)
-    return fn(F.pad(x, (0, pad)))[..., :width]
+    if pad == 0 or xs[0].is_cuda:
+        return fn(*xs)
+    return fn(*(F.pad(x, (0, pad)) for x in xs))[..., :width]
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -50,10 +51,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class _SwiGLU(torch.autograd.Function):
-    """y = silu(g) u: du = dy silu(g), dg = silu'(g) dy u (torch's own `silu_backward`, on rows padded as the
-    forward's are): bit for bit the gradients autograd computes from the forward's ops. It keeps what autograd
-    keeps (g, u and silu(g)): recomputing silu(g) in the backward would save memory at the cost of a
-    transcendental pass per layer (measured slower here)."""
+    """y = silu(g) u: du = dy silu(g), dg = silu'(g) dy u (torch's own `silu_backward`, `rowwise` as the forward
+    runs): bit for bit the gradients autograd computes from the forward's ops. It keeps what autograd keeps (g, u
+    and silu(g)): recomputing silu(g) in the backward would save memory at the cost of a transcendental pass per
+    layer (measured slower here)."""
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -64,17 +65,6 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
         gate, up, activated = ctx.saved_tensors
-        grad_gate = _rowwise_silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_gate = rowwise(torch.ops.aten.silu_backward, grad * up, gate) if ctx.needs_input_grad[0] else None
         grad_up = grad * activated if ctx.needs_input_grad[1] else None
         return grad_gate, grad_up
-
-
-def _rowwise_silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`silu_backward(grad, x)` on rows padded as `rowwise` pads them (each element takes the forward's code path)."""
-    width = x.shape[-1]
-    pad = -width % VECTOR_BLOCK
-    if pad == 0 or x.is_cuda:
-        out: torch.Tensor = torch.ops.aten.silu_backward(grad, x)
-        return out
-    padded: torch.Tensor = torch.ops.aten.silu_backward(F.pad(grad, (0, pad)), F.pad(x, (0, pad)))
-    return padded[..., :width]
