@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig
+from miles_kernels import KernelConfig, WeightUpdateGroup
 from miles_orchestrator.cluster import CriticTargets, TrainerSettings
 from miles_orchestrator.trainer_rank import TrainerRank
-from miles_orchestrator.weight_transport import post_buckets, write_shared_file
+from miles_orchestrator.weight_transport import broadcast_buckets, post_buckets, write_shared_file
 from miles_rollout import Client, EngineConfig
 
 
@@ -39,25 +39,45 @@ def set_threads(num_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(max(1, num_threads))
 
 
+def pin_cpus(cpus: list[int] | None) -> None:
+    """Run this process on `cpus` only (`run.pin_cpus`), where the OS allows it."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+
+
+def node_address(host: str) -> str:
+    """The address other processes reach a server bound to `host` at: loopback as is, else this node's IP."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return host
+    if host not in ("0.0.0.0", "::"):
+        return host
+    import ray
+
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+
 class RolloutEngineActor:
-    """An embedded engine served over HTTP on 127.0.0.1 inside this actor (uvicorn in a thread)."""
+    """An embedded engine served over HTTP on `host` inside this actor (uvicorn in a thread); admin calls need the
+    run's key."""
 
     def __init__(
-        self, model_dir: str, kernel: KernelConfig, engine: EngineConfig, admin_key: str, num_threads: int
-    ) -> None:
+        self, model_dir: str, kernel: KernelConfig, engine: EngineConfig, admin_key: str, num_threads: int,
+        host: str = "127.0.0.1", cpus: list[int] | None = None,
+    ) -> None:  # fmt: skip
         import uvicorn
 
         from miles_rollout import KEEP_ALIVE_S, Engine, create_app, free_port
 
+        pin_cpus(cpus)
         set_threads(num_threads)
         self.engine = Engine(model_dir, kernel, engine)
         port = free_port()
-        app = create_app(self.engine, admin_key=admin_key, host="127.0.0.1")
+        app = create_app(self.engine, admin_key=admin_key, host=host)
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+            uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
         )
         threading.Thread(target=self.server.run, daemon=True, name="miles-rollout-http").start()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{node_address(host)}:{port}"
         asyncio.run(_wait_until_healthy(self.url))
 
     def get_url(self) -> str:
@@ -79,22 +99,27 @@ async def _wait_until_healthy(url: str) -> None:
 class TrainerRankActor:
     """One FSDP2 rank. `setup` must be called on every rank at once (it joins the gloo/NCCL group)."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int) -> None:
+    def __init__(self, rank: int, world_size: int, num_threads: int, cpus: list[int] | None = None) -> None:
+        pin_cpus(cpus)
         set_threads(num_threads)
         self.rank, self.world_size = rank, world_size
         self.trainer: TrainerRank | None = None
-        # Rank 0's client of the engine for bucket syncs, kept across syncs on one event loop of this actor's
-        # thread (a new connection per sync costs ~30 ms).
+        # Rank 0's clients of the engines for bucket and broadcast syncs, kept across syncs on one event loop of
+        # this actor's thread (a new connection per sync costs ~30 ms).
         self._loop = asyncio.new_event_loop()
-        self._client: Client | None = None
+        self._clients: list[Client] = []
+        self._group: WeightUpdateGroup | None = None  # rank 0: the weight-update group it hosts (distributed)
 
     def node_id(self) -> str:
         return _node_id()
 
     def address(self) -> tuple[str, int]:
+        return "127.0.0.1", self.free_port()
+
+    def free_port(self) -> int:
         from miles_rollout import free_port
 
-        return "127.0.0.1", free_port()
+        return free_port()
 
     def setup(self, master: tuple[str, int], model_dir: str, settings: TrainerSettings) -> str:
         import torch.distributed as dist
@@ -128,11 +153,28 @@ class TrainerRankActor:
         """`weight_transport.write_shared_file` on this rank (rank 0 writes)."""
         return write_shared_file(self._trainer, Path(directory), is_writer=self.rank == 0)
 
-    def send_weight_buckets(self, url: str, admin_key: str, version: int, bucket_bytes: int) -> dict[str, Any]:
-        """`weight_transport.post_buckets` on this rank (rank 0 posts, with a client kept across syncs)."""
-        if self.rank == 0 and self._client is None:
-            self._client = Client(url, admin_key=admin_key, timeout=600)
-        return post_buckets(self._trainer, self._client, self._loop, version, bucket_bytes)
+    def connect_engines(self, urls: list[str], admin_key: str) -> None:
+        """Rank 0 keeps a client of every engine (http and distributed syncs); other ranks only join the gathers."""
+        if self.rank == 0:
+            self._clients = [Client(url, admin_key=admin_key, timeout=600) for url in urls]
+
+    def host_weight_group(self, address: str, port: int, world_size: int, group_name: str) -> None:
+        """Rank 0: host the weight-update group at address:port as its rank 0 (blocks until every engine joined)."""
+        from miles_kernels import init_weight_update_group
+
+        self._group = init_weight_update_group(address, port, 0, world_size, group_name, "gloo")
+
+    def reachable_address(self, host: str) -> str:
+        """The address the engines reach this rank at: loopback when they bind loopback, else this node's IP."""
+        return node_address("0.0.0.0" if host != "127.0.0.1" else host)
+
+    def send_weight_buckets(self, version: int, bucket_bytes: int) -> dict[str, Any]:
+        """`weight_transport.post_buckets` on this rank (rank 0 posts to every engine)."""
+        return post_buckets(self._trainer, self._clients, self._loop, version, bucket_bytes)
+
+    def broadcast_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
+        """`weight_transport.broadcast_buckets` on this rank (rank 0 broadcasts to every engine)."""
+        return broadcast_buckets(self._trainer, self._group, self._clients, self._loop, version, bucket_bytes)
 
     def weights_checksum(self) -> str:
         return self._trainer.weights_checksum()

@@ -204,6 +204,45 @@ class RolloutSection(_Section):
         description="Send the /generate calls the prompt groups make at once as one batched request (one HTTP round "
         "trip, admitted together); false: one request each (e.g. for a router that spreads them over engines).",
     )
+    num_engines: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Rollout engines (run.cluster=ray). More than one: sglang-router (cache-aware by default) in "
+        "front of them, weights synced to every engine (docs/scale-out.md).",
+    )
+    engine_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources of each engine's placement bundle, e.g. {CPU: 8, GPU: 1}; a custom resource "
+        "that only some nodes advertise (ray start --resources) puts the engines on those nodes.",
+    )
+    engine_host: str = Field(
+        default="127.0.0.1",
+        description="Address each engine binds to. 127.0.0.1: engines on the driver's node only; engines on other "
+        "nodes need an address the driver's node reaches (0.0.0.0 binds every interface; admin calls keep the "
+        "run's key).",
+    )
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
+        default="cache_aware", description="sglang-router's policy in front of several engines."
+    )
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        default="retract",
+        description="run.mode=async: how a weight sync pauses the generations in flight. retract: the engine frees "
+        "their KV and continues them under the new weights (KV recomputed); abort: they stop and the rollout "
+        "continues (rollout.partial_rollout) or regenerates them. in_place is refused for training: it would "
+        "continue on KV the old weights computed.",
+    )
+    partial_rollout: bool = Field(
+        default=True,
+        description="run.mode=async with pause_mode=abort: continue an aborted generation under the new weights "
+        "from where it stopped (its earlier tokens keep their version); false: regenerate it from the start.",
+    )
+    partial_tokens: Literal["train", "mask"] = Field(
+        default="train",
+        description="Tokens of a partial rollout generated before its last weight update: train (against the "
+        "trainer's recomputed old log-probs; TIS/MIS-corrected when trainer.loss.is_mode is set) or mask (loss "
+        "mask 0).",
+    )
     engine: EngineConfig = Field(
         default_factory=lambda: EngineConfig(max_running_requests=64),
         description="The embedded engine (miles_rollout.config.EngineConfig; here max_running_requests defaults to "
@@ -330,6 +369,11 @@ class TrainerSection(_Section):
     global_batch_size: int = Field(default=256, ge=1, description="Samples per optimizer step, all ranks together.")
     steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
     num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
+    rank_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources of each trainer rank's placement bundle, e.g. {CPU: 8, GPU: 1}, or a custom "
+        "resource that puts the ranks on chosen nodes.",
+    )
     advantage_estimator: str = Field(
         default="grpo",
         description=f"One of {list(ADVANTAGE_ESTIMATOR_NAMES)}, 'gae' (PPO with a critic: trainer.critic), or a "
@@ -420,21 +464,49 @@ class RunSection(_Section):
     ray_address: str | None = Field(
         default=None, description="Ray cluster address (run.cluster=ray); null: start Ray locally."
     )
-    colocate: bool = Field(default=True, description="Engine and trainer share devices, offloading in turn.")
+    colocate: bool = Field(
+        default=True,
+        description="Engine and trainer share devices, offloading in turn (one placement group); false: "
+        "disaggregated, the engines and the trainer ranks in placement groups of their own.",
+    )
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        default="sync",
+        description="sync: generate, then train; one_step_off: the rollout of step k+1 overlaps the training of "
+        "step k (samples one version old); async: rollouts run ahead by up to run.max_staleness versions, weight "
+        "syncs pause the generations in flight (rollout.pause_mode). Both need run.cluster=ray, colocate=false.",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="run.mode=async: the most weight versions a trained token may lag the trained policy; older "
+        "samples are dropped, counted, never trained on.",
+    )
     sync_bucket_bytes: int = Field(
         default=512 << 20, ge=1, description="Largest weight-sync bucket over HTTP, in bytes (run.cluster=ray)."
     )
-    sync_transport: Literal["auto", "shm", "http"] = Field(
+    sync_transport: Literal["auto", "shm", "disk", "http", "distributed"] = Field(
         default="auto",
-        description="How weights reach the engine on run.cluster=ray (local copies them in memory). shm: a "
-        "safetensors checkpoint in /dev/shm that the engine loads "
-        "(same node; one copy of the weights in RAM); http: buckets over HTTP (a few buckets of memory); auto: shm "
-        "when the engine is on trainer rank 0's node and the checkpoint is at most 1 GiB, else http.",
+        description="How weights reach the engines on run.cluster=ray (local copies them in memory); trainer rank "
+        "0 sends the gathered weights every time. shm: a safetensors checkpoint in /dev/shm the engines load (on "
+        "rank 0's node; one copy in RAM); disk: the same in run.sync_dir, a directory every node reads; http: "
+        "buckets over HTTP to each engine; distributed: buckets broadcast over a torch.distributed group (gloo on "
+        "CPU, NCCL on GPU) of rank 0 and every engine; auto: shm when every engine is on rank 0's node and the "
+        "checkpoint is at most 1 GiB, else http for one engine and distributed for several.",
+    )
+    sync_dir: str | None = Field(
+        default=None,
+        description="run.sync_transport=disk: a directory every node reads (e.g. NFS); null: RUN_DIR/sync.",
     )
     num_threads: int | None = Field(
         default=None,
         ge=1,
         description="torch threads of the engine and of each trainer rank; null: the machine's CPU count.",
+    )
+    pin_cpus: bool = Field(
+        default=False,
+        description="run.cluster=ray: pin each trainer rank and engine to cores of its own (ranks first, then "
+        "engines; run.num_threads cores each, fewer if the node has too few), e.g. to measure overlap.",
     )
     log: LogSection = Field(default_factory=LogSection, description="Metric sinks.")
 
@@ -520,6 +592,7 @@ class RunConfig(_Section):
                 f"{', '.join(off_cpu)}: the Ray placement gives the engine and trainer actors CPUs only; use "
                 "run.cluster=local to run them on this machine's GPU, or the cpu device"
             )
+        check_scale_out(self)
         if self.filter.dynamic_sampling and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
                 "filter.dynamic_sampling drops groups whose rewards are all equal, which is every group when "
@@ -532,6 +605,33 @@ class RunConfig(_Section):
                 "a 'module:function' GroupRewardFn (or http) as reward.name"
             )
         return self
+
+
+def check_scale_out(cfg: RunConfig) -> None:
+    """Several engines, disaggregated placement and async modes: what they need of each other."""
+    rollout, run = cfg.rollout, cfg.run
+    if run.cluster == "local" and (rollout.num_engines > 1 or run.mode != "sync"):
+        what = f"rollout.num_engines={rollout.num_engines}" if rollout.num_engines > 1 else f"run.mode={run.mode}"
+        raise ValueError(f"{what} needs run.cluster=ray: run.cluster=local runs one engine and one trainer rank on "
+                         "one thread in this process")  # fmt: skip
+    if run.mode != "sync" and run.colocate:
+        raise ValueError(
+            f"run.mode={run.mode} overlaps rollout and training, which colocation (engine and trainer taking turns "
+            "on the same devices) forbids; set run.colocate=false"
+        )
+    if run.mode == "async" and rollout.pause_mode == "in_place":
+        raise ValueError(
+            "rollout.pause_mode=in_place keeps the paused generations' KV, computed by the old weights, so their next "
+            "tokens would come from neither policy; the engine refuses a weight update under it. Use retract (KV "
+            "recomputed under the new weights) or abort"
+        )
+    if run.mode == "async" and rollout.pause_mode == "retract" and not rollout.partial_rollout:
+        raise ValueError(
+            "rollout.pause_mode=retract continues paused generations under the new weights (a partial rollout); to "
+            "regenerate them from the start instead, set rollout.pause_mode=abort with rollout.partial_rollout=false"
+        )
+    if rollout.num_engines > 1 and "batch_requests" not in rollout.model_fields_set:
+        rollout.batch_requests = False  # one batched request would go to one engine: let the router spread them
 
 
 def check_batch_identity(cfg: RunConfig) -> None:

@@ -1,12 +1,16 @@
-"""`RayCluster` (`run.cluster=ray`): the engine actor and the trainer rank actors in one placement group, on a
-local Ray (started for the run) or an existing cluster (`run.ray_address`). The loop's one client of the engine
-is a `miles_rollout.Client` over HTTP. See cluster.py for the interface.
+"""`RayCluster` (`run.cluster=ray`): the engine actors and the trainer rank actors, on a local Ray (started for the
+run) or an existing cluster (`run.ray_address`). Colocated, all in one placement group; disaggregated
+(`run.colocate=false`), the ranks in one and the engines in another, each bundle with the resources the config
+gives (`trainer.rank_resources`, `rollout.engine_resources`). The loop's one client of the engines is an
+`EngineFleet` (engines.py): generation through sglang-router when there are several, admin calls to each engine
+over HTTP, exactly as it would talk to `miles-rollout serve` or SGLang servers. See cluster.py for the interface.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import secrets
 import shutil
@@ -26,7 +30,8 @@ from miles_contracts import Sample
 from miles_orchestrator.actors import RolloutEngineActor, TrainerRankActor
 from miles_orchestrator.cluster import CriticTargets, num_threads, trainer_settings
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.weight_transport import checkpoint_bytes, shared_sync_dir
+from miles_orchestrator.engines import EngineFleet, Router
+from miles_orchestrator.weight_transport import WEIGHT_GROUP, checkpoint_bytes, resolve_transport, sync_directory
 from miles_rollout import Client
 
 RAY_TEMP_MAX_CHARS = 40
@@ -49,16 +54,18 @@ def start_ray(address: str | None, run_dir: Path, num_cpus: int) -> None:
 
 
 class RayCluster:
-    """The engine actor, the trainer rank actors and their placement group."""
+    """The engine actors, the trainer rank actors, their placement groups and, for several engines, the router."""
 
     def __init__(self) -> None:
-        self.engine: Client
+        self.engine: EngineFleet
         self.trainer_fingerprint = ""
         self.sync_method = ""
+        self.transport = ""
         self.sync_dir: Path | None = None
-        self.group: Any = None
-        self.engine_actor: Any = None
+        self.groups: list[Any] = []
+        self.engine_actors: list[Any] = []
         self.trainers: list[Any] = []
+        self.router: Router | None = None
 
     @classmethod
     async def start(cls, cfg: RunConfig, model_dir: str, run_dir: Path) -> RayCluster:
@@ -71,35 +78,96 @@ class RayCluster:
         return self
 
     async def _start(self, cfg: RunConfig, model_dir: str, run_dir: Path) -> None:
-        num_ranks, threads = cfg.trainer.num_ranks, num_threads(cfg)
-        start_ray(cfg.run.ray_address, run_dir, max(threads, num_ranks + 1))
+        num_ranks, num_engines, threads = cfg.trainer.num_ranks, cfg.rollout.num_engines, num_threads(cfg)
+        rank_bundle, engine_bundle = dict(cfg.trainer.rank_resources), dict(cfg.rollout.engine_resources)
+        needed_cpus = num_ranks * rank_bundle.get("CPU", 0) + num_engines * engine_bundle.get("CPU", 0)
+        start_ray(cfg.run.ray_address, run_dir, max(threads, math.ceil(needed_cpus)))
         self.admin_key = secrets.token_hex(16)
-        self.group = placement_group([{"CPU": 1}] * (num_ranks + 1), strategy="PACK")
-        await asyncio.wait_for(self.group.ready(), timeout=120)
+        strategies = await self._place(cfg.run.colocate, [rank_bundle] * num_ranks, [engine_bundle] * num_engines)
+        cpus = cpu_sets(cfg, threads) if cfg.run.pin_cpus else None
 
-        def place(index: int) -> PlacementGroupSchedulingStrategy:
-            return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+        def actor(cls: type, bundle: dict[str, float], strategy: Any) -> Any:
+            return ray.remote(cls).options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            )  # fmt: skip
 
-        self.engine_actor = (
-            ray.remote(RolloutEngineActor)
-            .options(num_cpus=1, scheduling_strategy=place(num_ranks))
-            .remote(model_dir, cfg.kernel, cfg.rollout.engine, self.admin_key, threads)
-        )
+        engine_threads = threads if num_engines == 1 else max(1, threads // num_engines)
+        self.engine_actors = [
+            actor(RolloutEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
+                model_dir, cfg.kernel, cfg.rollout.engine, self.admin_key, engine_threads, cfg.rollout.engine_host,
+                None if cpus is None else cpus[num_ranks + i],
+            )
+            for i in range(num_engines)
+        ]  # fmt: skip
         self.trainers = [
-            ray.remote(TrainerRankActor)
-            .options(num_cpus=1, scheduling_strategy=place(rank))
-            .remote(rank, num_ranks, max(1, threads // num_ranks))
+            actor(TrainerRankActor, rank_bundle, strategies[rank]).remote(
+                rank, num_ranks, max(1, threads // num_ranks), None if cpus is None else cpus[rank]
+            )
             for rank in range(num_ranks)
         ]
         master = await self.trainers[0].address.remote()
         fingerprints = await self._all("setup", master, model_dir, trainer_settings(cfg, run_dir))
         self.trainer_fingerprint = fingerprints[0]
-        url = str(await self.engine_actor.get_url.remote())
-        self.engine = Client(url, admin_key=self.admin_key, timeout=600)
-        self.url = url
-        same_node = await self.engine_actor.node_id.remote() == await self.trainers[0].node_id.remote()
-        self.sync_dir = shared_sync_dir(cfg.run.sync_transport, run_dir, same_node, checkpoint_bytes(model_dir))
-        self.sync_method = "HTTP buckets" if self.sync_dir is None else f"shared memory ({self.sync_dir})"
+        self.urls = [str(url) for url in await asyncio.gather(*(a.get_url.remote() for a in self.engine_actors))]
+        members = [Client(url, admin_key=self.admin_key, timeout=600) for url in self.urls]
+        generator = members[0]
+        if num_engines > 1:
+            self.router = Router(self.urls, cfg.rollout.router_policy, run_dir / "router.log")
+            await self.router.wait_until_healthy()
+            generator = Client(self.router.url, timeout=600)
+        self.engine = EngineFleet(members, generator)
+        await self._setup_sync(cfg, model_dir, run_dir)
+
+    async def _place(
+        self, colocate: bool, rank_bundles: list[dict[str, float]], engine_bundles: list[dict[str, float]]
+    ) -> list[PlacementGroupSchedulingStrategy]:
+        """Placement groups, and the scheduling strategy of each actor (ranks first, then engines): colocated, all
+        bundles in one group; disaggregated, the ranks in one and the engines in another, so that they can land on
+        different nodes (`trainer.rank_resources`, `rollout.engine_resources`)."""
+        parts = [rank_bundles + engine_bundles] if colocate else [rank_bundles, engine_bundles]
+        self.groups = [placement_group(bundles, strategy="PACK") for bundles in parts]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(group.ready() for group in self.groups)), timeout=120)
+        except TimeoutError:
+            offered = ray.cluster_resources()  # type: ignore[no-untyped-call]
+            raise RuntimeError(
+                f"Ray could not place the trainer ranks {rank_bundles} and engines {engine_bundles} within 120 s: the "
+                f"cluster offers {offered}; lower trainer.rank_resources / rollout.engine_resources "
+                "or the counts, or add nodes"
+            ) from None
+        strategies = []
+        for group, bundles in zip(self.groups, parts, strict=True):
+            strategies += [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+                           for i in range(len(bundles))]  # fmt: skip
+        return strategies
+
+    async def _setup_sync(self, cfg: RunConfig, model_dir: str, run_dir: Path) -> None:
+        """Pick the weight transport (`run.sync_transport`) from where the engines landed, and set it up."""
+        rank0_node = await self.trainers[0].node_id.remote()
+        engine_nodes = await asyncio.gather(*(a.node_id.remote() for a in self.engine_actors))
+        same_node = all(node == rank0_node for node in engine_nodes)
+        num_engines = len(self.engine_actors)
+        self.transport = resolve_transport(cfg.run.sync_transport, same_node, checkpoint_bytes(model_dir), num_engines)
+        self.sync_dir = sync_directory(self.transport, run_dir, cfg.run.sync_dir)
+        await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)
+        if self.transport == "distributed":
+            address = await self.trainers[0].reachable_address.remote(cfg.rollout.engine_host)
+            port = await self.trainers[0].free_port.remote()
+            joins = [
+                member.init_weights_update_group(address, port, rank_offset=i + 1, world_size=num_engines + 1,
+                                                 group_name=WEIGHT_GROUP, backend="gloo")
+                for i, member in enumerate(self.engine.members)
+            ]  # fmt: skip
+            host = self.trainers[0].host_weight_group.remote(address, port, num_engines + 1, WEIGHT_GROUP)
+            await asyncio.gather(host, *joins)
+        where = {
+            "shm": f"shared memory ({self.sync_dir})",
+            "disk": f"a file in {self.sync_dir}",
+            "http": "HTTP buckets",
+            "distributed": "a gloo broadcast from trainer rank 0",
+        }[self.transport]
+        self.sync_method = f"{where} to {num_engines} engine{'s' if num_engines > 1 else ''}"
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
         return list(await asyncio.gather(*(getattr(t, method).remote(*args) for t in self.trainers)))
@@ -143,10 +211,13 @@ class RayCluster:
         return out
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        if self.sync_dir is None:
-            results = await self._all("send_weight_buckets", self.url, self.admin_key, version, bucket_bytes)
-            result: dict[str, Any] = results[0]
+        if self.transport == "http":
+            result: dict[str, Any] = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
             return result
+        if self.transport == "distributed":
+            result = (await self._all("broadcast_weights", version, bucket_bytes))[0]
+            return result
+        assert self.sync_dir is not None
         num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]
         reply = await self.engine.update_weights_from_disk(str(self.sync_dir), version)
         return {**reply, "num_buckets": 1, "num_bytes": num_bytes}
@@ -172,19 +243,36 @@ class RayCluster:
         await self._all("export", str(directory), tokenizer_dir)
 
     async def shutdown(self) -> None:
-        """Stop the engine, kill the actors, free the placement group; never masks the run's own error."""
+        """Stop the router and the engines, kill the actors, free the placement groups; never masks the run's own
+        error."""
+        if self.router is not None:
+            self.router.stop()
         if getattr(self, "engine", None) is not None:
+            await self.engine.aclose()
+        stops = [asyncio.wait_for(a.shutdown.remote(), timeout=30) for a in self.engine_actors]
+        await asyncio.gather(*stops, return_exceptions=True)  # an engine may be gone already
+        for actor in [*self.engine_actors, *self.trainers]:
             with contextlib.suppress(Exception):
-                await self.engine.aclose()
-        if self.engine_actor is not None:
-            with contextlib.suppress(Exception):  # the engine may be gone already
-                await asyncio.wait_for(self.engine_actor.shutdown.remote(), timeout=30)
-        for actor in [self.engine_actor, *self.trainers]:
-            if actor is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
-        if self.group is not None:
+                ray.kill(actor)
+        for group in self.groups:
             with contextlib.suppress(Exception):
-                remove_placement_group(self.group)
-        if self.sync_dir is not None:
+                remove_placement_group(group)
+        if self.transport == "shm" and self.sync_dir is not None:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+def cpu_sets(cfg: RunConfig, threads: int) -> list[list[int]]:
+    """`run.pin_cpus`: the CPUs of each actor, ranks first then engines, each its own consecutive block of the
+    cores this process may use (a block of `run.num_threads`, or of one core each when they are not enough)."""
+    if hasattr(os, "sched_getaffinity"):
+        available = sorted(os.sched_getaffinity(0))
+    else:
+        available = list(range(os.cpu_count() or 1))
+    num_actors = cfg.trainer.num_ranks + cfg.rollout.num_engines
+    if len(available) < num_actors:
+        raise ValueError(
+            f"run.pin_cpus gives each of {num_actors} actors (trainer ranks and engines) cores of its own, but only "
+            f"{len(available)} are available; set run.pin_cpus=false or use fewer ranks / engines"
+        )
+    width = max(1, min(threads, len(available) // num_actors))
+    return [available[i * width : (i + 1) * width] for i in range(num_actors)]

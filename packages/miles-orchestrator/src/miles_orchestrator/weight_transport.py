@@ -1,16 +1,20 @@
-"""How a run moves the trainer's weights to the engine (step 7 of the RL data path; docs/architecture.md, "Weight
+"""How a run moves the trainer's weights to the engines (step 7 of the RL data path; docs/architecture.md, "Weight
 sync"): the orchestrator's part of weight sync, between the trainer's sender (`miles_trainer/weight_sender.py`) and
-the engine's receiver (`miles_rollout/weight_receiver.py`).
+the engine's receiver (`miles_rollout/weight_receiver.py`). Every transport sends from trainer rank 0: all ranks
+gather each tensor from their shards (a collective), rank 0 sends the full tensors to every engine.
 
-- `shared_sync_dir` picks the transport of a Ray run (`run.sync_transport`): a safetensors file in /dev/shm when
-  the engine shares trainer rank 0's node and the model fits in RAM twice, else buckets over HTTP;
-- `write_shared_file`: every rank gathers the weights, rank 0 overwrites the file, the driver then tells the engine
-  to load it (`/update_weights_from_disk`);
-- `post_buckets`: every rank gathers the weights bucket by bucket, rank 0 posts each to the engine
-  (`/update_weights_from_tensor`; the last bucket applies the version);
+- `resolve_transport` picks the transport of a Ray run (`run.sync_transport`) and `sync_directory` the directory of
+  the file-based ones;
+- `write_shared_file` (shm, disk): rank 0 overwrites one safetensors file, the driver then tells every engine to load
+  it (`/update_weights_from_disk`): /dev/shm when the engines share rank 0's node, else a directory every node reads;
+- `post_buckets` (http): rank 0 posts each bucket to every engine (`/update_weights_from_tensor`; the last bucket
+  applies the version);
+- `broadcast_buckets` (distributed): rank 0 broadcasts each bucket's tensors over a `torch.distributed` group of its
+  own with every engine (`/update_weights_from_distributed`, bracketed by `/begin_weight_update` and
+  `/end_weight_update` so no request runs on half-updated weights);
 - `copy_in_process`: the local cluster's sync, one in-memory copy from the trainer into the engine's model.
 
-Nothing is pickled: a file or a bucket is safetensors, the in-process copy is tensors.
+Nothing is pickled: a file or a bucket is safetensors, a broadcast is raw tensors, the in-process copy is tensors.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import asyncio
 import hashlib
 import os
 import shutil
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
+from miles_kernels import WeightUpdateGroup, broadcast_tensors, dtype_name
 from miles_orchestrator.trainer_rank import TrainerRank
 from miles_rollout import Client, Engine
 
@@ -29,21 +35,36 @@ SHARED_MEMORY = Path("/dev/shm")
 SHM_SYNC_MAX_BYTES = 1 << 30  # `auto` syncs through shared memory up to this checkpoint size (one copy in RAM)
 
 
-def shared_sync_dir(transport: str, run_dir: Path, same_node: bool, weight_bytes: int) -> Path | None:
-    """Where weight syncs go through shared memory, or None for buckets over HTTP (`run.sync_transport`).
+WEIGHT_GROUP = "miles_weight_sync"  # the weight-update group of trainer rank 0 and the engines (distributed)
 
-    The directory is named after the run dir, so a resumed run reuses (and a finished run removes) the same one.
-    """
+
+def resolve_transport(transport: str, same_node: bool, weight_bytes: int, num_engines: int) -> str:
+    """The transport a Ray run syncs with (`run.sync_transport`); `same_node`: every engine is on trainer rank 0's
+    node. auto: shm when that holds, /dev/shm is writable and the checkpoint is at most `SHM_SYNC_MAX_BYTES`; else
+    http for one engine, distributed for several (one gather, one broadcast to all)."""
     usable = same_node and SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK)
     if transport == "shm" and not usable:
         raise ValueError(
-            "run.sync_transport=shm needs the engine on trainer rank 0's node and a writable /dev/shm; "
-            "use run.sync_transport=http (or auto)"
+            "run.sync_transport=shm needs every engine on trainer rank 0's node and a writable /dev/shm; use "
+            "run.sync_transport=disk (a directory every node reads), distributed, http or auto"
         )
-    if transport == "http" or (transport == "auto" and (not usable or weight_bytes > SHM_SYNC_MAX_BYTES)):
+    if transport != "auto":
+        return transport
+    if usable and weight_bytes <= SHM_SYNC_MAX_BYTES:
+        return "shm"
+    return "http" if num_engines == 1 else "distributed"
+
+
+def sync_directory(transport: str, run_dir: Path, sync_dir: str | None) -> Path | None:
+    """Where the file-based transports write the weights: /dev/shm for shm (named after the run dir, so a resumed run
+    reuses, and a finished run removes, the same one), `sync_dir` or RUN_DIR/sync for disk; None otherwise."""
+    if transport == "shm":
+        directory = SHARED_MEMORY / f"miles-sync-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]}"
+    elif transport == "disk":
+        directory = Path(sync_dir) if sync_dir else run_dir / "sync"
+    else:
         return None
-    directory = SHARED_MEMORY / f"miles-sync-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]}"
-    directory.mkdir(exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
     return directory
 
 
@@ -61,18 +82,55 @@ def write_shared_file(trainer: TrainerRank, directory: Path, is_writer: bool) ->
 
 
 def post_buckets(
-    trainer: TrainerRank, client: Client | None, loop: asyncio.AbstractEventLoop, version: int, bucket_bytes: int
+    trainer: TrainerRank, clients: list[Client], loop: asyncio.AbstractEventLoop, version: int, bucket_bytes: int
 ) -> dict[str, Any]:
-    """Every rank gathers the weights bucket by bucket (a collective); the rank holding a `client` (rank 0) posts
-    each bucket to the engine, whose reply to the last one carries the applied version. An engine that refuses a
-    bucket raises `RolloutClientError`."""
+    """Every rank gathers the weights bucket by bucket (a collective); the rank holding the engines' `clients`
+    (rank 0; the others pass none) posts each bucket to every engine at once; the replies to the last one carry the
+    applied version. An engine that refuses a bucket raises `RolloutClientError`."""
     result: dict[str, Any] = {"num_buckets": 0, "num_bytes": 0}
     for data in trainer.backend.iter_weight_buckets(version, bucket_bytes):
-        if client is not None:
-            result.update(loop.run_until_complete(client.update_weights_from_tensor(data)))
+        if clients:
+            replies = loop.run_until_complete(_together(*(c.update_weights_from_tensor(data) for c in clients)))
+            result.update(replies[0])
         result["num_buckets"] += 1
         result["num_bytes"] += len(data)
     return result
+
+
+def broadcast_buckets(
+    trainer: TrainerRank, group: WeightUpdateGroup | None, clients: list[Client], loop: asyncio.AbstractEventLoop,
+    version: int, bucket_bytes: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Every rank gathers the weights bucket by bucket (a collective); rank 0, which hosts the weight-update `group`
+    (rank 0 of it; engine i is rank i + 1) and holds the engines' `clients`, broadcasts each bucket while every
+    engine receives it (`/update_weights_from_distributed`), inside one `/begin_weight_update` ..
+    `/end_weight_update(version)` bracket."""
+    result: dict[str, Any] = {"num_buckets": 0, "num_bytes": 0}
+    if group is not None:
+        loop.run_until_complete(_together(*(c.begin_weight_update() for c in clients)))
+    for tensors in trainer.backend.iter_tensor_buckets(bucket_bytes):
+        if group is not None:
+            loop.run_until_complete(_broadcast_bucket(group, clients, tensors))
+        result["num_buckets"] += 1
+        result["num_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    if group is not None:
+        replies = loop.run_until_complete(_together(*(c.end_weight_update(version) for c in clients)))
+        result["weight_version"] = replies[0]["weight_version"]
+    return result
+
+
+async def _together(*calls: Awaitable[Any]) -> list[Any]:
+    """`asyncio.gather` inside a coroutine, so that it runs on the loop that runs the coroutine."""
+    return list(await asyncio.gather(*calls))
+
+
+async def _broadcast_bucket(group: WeightUpdateGroup, clients: list[Client], tensors: dict[str, Any]) -> None:
+    """Every engine receives the bucket (`/update_weights_from_distributed`) while rank 0 broadcasts it."""
+    values = list(tensors.values())
+    dtypes, shapes = [dtype_name(t.dtype) for t in values], [list(t.shape) for t in values]
+    names = list(tensors)
+    receives = [c.update_weights_from_distributed(names, dtypes, shapes, group_name=WEIGHT_GROUP) for c in clients]
+    await asyncio.gather(*receives, asyncio.to_thread(broadcast_tensors, group, values, 0))
 
 
 def copy_in_process(trainer: TrainerRank, engine: Engine, version: int) -> dict[str, Any]:

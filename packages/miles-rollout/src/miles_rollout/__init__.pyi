@@ -6,13 +6,14 @@ from .config import EngineConfig, ServeConfig
 from .engine import Engine
 from .engine_error import EngineError
 from .in_process import InProcessClient
-from .launch import free_port, launch_server
+from .launch import ROUTER_POLICIES, free_port, launch_server, router_command
 from .server import KEEP_ALIVE_S, create_app
 
 __version__: str
 
 __all__ = [
     "KEEP_ALIVE_S",
+    "ROUTER_POLICIES",
     "Client",
     "CoalescingClient",
     "Engine",
@@ -24,4 +25,5 @@ __all__ = [
     "create_app",
     "free_port",
     "launch_server",
+    "router_command",
 ]

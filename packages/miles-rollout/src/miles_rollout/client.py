@@ -319,6 +319,16 @@ class Client:
         """POST /abort_request: stop request `rid`, or every request with `abort_all=True`."""
         return await self._call("POST", "/abort_request", json={"rid": rid or "", "abort_all": abort_all}, admin=True)
 
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """POST /pause_generation: stop generating until `continue_generation`. `abort` ends the requests in flight
+        (finish reason abort), `retract` frees their KV and continues them afterwards (recomputing it with the
+        weights then served), `in_place` keeps them where they are (SGLang's three modes)."""
+        return await self._call("POST", "/pause_generation", json={"mode": mode}, admin=True)
+
+    async def continue_generation(self) -> dict[str, Any]:
+        """POST /continue_generation: generate again after `pause_generation`."""
+        return await self._call("POST", "/continue_generation", json={}, admin=True)
+
     # -- weights ---------------------------------------------------------------------------------------------
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
@@ -398,6 +408,16 @@ class Client:
             "flush_cache": flush_cache,
         }
         return _int_version(await self._call("POST", "/update_weights_from_distributed", json=body, admin=True))
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """POST /begin_weight_update (miles engine): open an update made of several calls (e.g. one
+        `/update_weights_from_distributed` per bucket); no request runs until `end_weight_update`."""
+        return await self._call("POST", "/begin_weight_update", json={}, admin=True)
+
+    async def end_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
+        """POST /end_weight_update: serve the weights loaded since `begin_weight_update`, as `weight_version`."""
+        body = {"weight_version": _version_field(weight_version)}
+        return _int_version(await self._call("POST", "/end_weight_update", json=body, admin=True))
 
     async def weights_checksum(self) -> str:
         """GET /weights_checksum (admin; miles engines): `miles_kernels.weights_checksum` of the served weights."""

@@ -108,6 +108,17 @@ class InProcessClient:
         )
         return {"success": True, "message": "resumed", "released": released}
 
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        def pause() -> int:
+            return self.engine.pause_generation(mode)
+
+        count = await self._call("/pause_generation", lambda: self.engine.control(pause, needs_idle=False))
+        return {"status": "ok", "mode": mode, "num_paused_requests": count}
+
+    async def continue_generation(self) -> dict[str, Any]:
+        await self.engine.control(self.engine.continue_generation, needs_idle=False)
+        return {"status": "ok"}
+
     async def flush_cache(self) -> dict[str, Any]:
         await self.engine.control(self.engine.flush_cache, needs_idle=False)
         return {"success": True, "message": "cache flushed"}

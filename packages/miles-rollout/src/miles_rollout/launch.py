@@ -1,5 +1,7 @@
 """Start `miles-rollout serve` as a subprocess and wait until it answers: for tests, benchmarks and callers
-that run engines out of process. The server log goes to a file, shown in the error if start-up fails."""
+that run engines out of process. The server log goes to a file, shown in the error if start-up fails.
+`router_command` is the sglang-router command line that `serve --dp-size` and the orchestrator put in front of
+several engines."""
 
 from __future__ import annotations
 
@@ -57,3 +59,20 @@ def launch_server(
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+def router_command(
+    worker_urls: list[str], host: str, port: int, policy: str = "cache_aware", log_level: str = "warning"
+) -> list[str]:
+    """The command line of sglang-router (`pip install sglang-router`, the router SGLang and slime deploy) in
+    front of `worker_urls`, listening on host:port with `policy` (cache_aware: a prompt goes to the engine that
+    caches the longest prefix of it), its Prometheus exporter on a free loopback port."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"unknown router policy {policy!r}; use one of {list(ROUTER_POLICIES)}")
+    level = "warn" if log_level == "warning" else log_level  # the router's spelling
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--host", host,
+            "--port", str(port), "--policy", policy, "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()), "--log-level", level]  # fmt: skip

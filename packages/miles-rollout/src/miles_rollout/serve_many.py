@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from miles_rollout.config import ServeConfig
-from miles_rollout.launch import free_port
+from miles_rollout.launch import free_port, router_command
 
 STARTUP_TIMEOUT_S = 300.0
 
@@ -86,12 +86,7 @@ def serve_behind_router(config: ServeConfig) -> int:
             _wait_healthy(url, process.is_alive, f"engine {i} ({url})")
             print(f"engine {i}: {url}", flush=True)
         urls = [url for _, url in engines]
-        log_level = "warn" if config.log_level == "warning" else config.log_level  # the router's spelling
-        router = subprocess.Popen([
-            sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", config.host,
-            "--port", str(config.port), "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(free_port()), "--log-level", log_level,
-        ])  # fmt: skip
+        router = subprocess.Popen(router_command(urls, config.host, config.port, log_level=config.log_level))
         print(f"sglang-router on http://{config.host}:{config.port} in front of {len(urls)} engines", flush=True)
         while not stopping:
             if router.poll() is not None or not all(process.is_alive() for process, _ in engines):

@@ -49,7 +49,13 @@ from miles_trainer.step import (
     mismatch_weights,
     resolve_loss_fn,
 )
-from miles_trainer.weight_sender import DEFAULT_BUCKET_BYTES, export_tensors, iter_weight_buckets, write_weights_file
+from miles_trainer.weight_sender import (
+    DEFAULT_BUCKET_BYTES,
+    export_tensors,
+    iter_tensor_buckets,
+    iter_weight_buckets,
+    write_weights_file,
+)
 
 
 def apply_activation_checkpointing(model: CausalLM) -> None:
@@ -431,6 +437,12 @@ class FSDP2Backend:
         memory at a time (every rank iterates to the end)."""
         self._check_onloaded()
         return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
+
+    def iter_tensor_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+        """The full weights bucket by bucket as {HF name: full CPU tensor in the kernel dtype}, for a broadcast to
+        engines over a weight-update group (every rank iterates to the end)."""
+        self._check_onloaded()
+        return iter_tensor_buckets(self.model, bucket_bytes=bucket_bytes)
 
     def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
         """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file (created atomically,

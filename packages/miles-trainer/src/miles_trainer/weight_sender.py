@@ -73,16 +73,30 @@ def iter_weight_buckets(
     Every rank of a sharded model must consume the iterator to the end (the gathers are collectives); every rank
     gets the same bytes, so any of them can send to its engine.
     """
-    dtype = dtype or model.kernel.torch_dtype
-    named = export_names(model)
-    sizes = [(name, param.numel() * export_dtype(param, dtype).itemsize) for name, param in named]
-    plan = plan_buckets(sizes, bucket_bytes)
-    params = dict(named)
-    for index, names in enumerate(plan):
-        tensors = {name: _gathered(params[name], export_dtype(params[name], dtype)) for name in names}
+    plan = bucket_plan(model, bucket_bytes, dtype)
+    for index, tensors in enumerate(iter_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype)):
         data = encode_bucket(tensors, version=version, index=index, count=len(plan))
         del tensors
         yield data
+
+
+def bucket_plan(model: CausalLM, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
+    """The HF names of each bucket of a weight sync (`miles_kernels.plan_buckets` over the export sizes)."""
+    dtype = dtype or model.kernel.torch_dtype
+    sizes = [(name, param.numel() * export_dtype(param, dtype).itemsize) for name, param in export_names(model)]
+    return plan_buckets(sizes, bucket_bytes)
+
+
+def iter_tensor_buckets(
+    model: CausalLM, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's full weights bucket by bucket (`bucket_plan`), each as {HF name: full CPU tensor in the engine's
+    dtype}: what a broadcast over a weight-update group sends, one bucket gathered at a time. Every rank of a
+    sharded model must consume the iterator to the end (the gathers are collectives)."""
+    dtype = dtype or model.kernel.torch_dtype
+    params = dict(export_names(model))
+    for names in bucket_plan(model, bucket_bytes, dtype):
+        yield {name: _gathered(params[name], export_dtype(params[name], dtype)) for name in names}
 
 
 def write_weights_file(
