@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_orchestrator.loop import batch_keys
+from miles_orchestrator.steps import batch_keys
 
 
 def test_trainer_reward_stats_do_not_overwrite_the_rollouts() -> None:
@@ -135,7 +135,7 @@ def test_advantages_follow_the_loss_masks() -> None:
     whitening; GAE's outcome reward sits on the last trained token."""
     from miles_contracts import Sample
     from miles_orchestrator.config import load_config
-    from miles_orchestrator.loop import gae_targets, group_advantages
+    from miles_orchestrator.steps import gae_targets, group_advantages
 
     def sample(i: int, mask: list[int], reward: float) -> Sample:
         tokens = list(range(len(mask)))

@@ -114,6 +114,13 @@ class Sample(BaseModel):
         """Prompt plus response length: what the trainer packs."""
         return len(self.prompt_tokens) + len(self.response_tokens)
 
+    def token_versions(self) -> list[int | None]:
+        """The policy version of each response token: `weight_versions` when the response spans a weight update
+        (a partial rollout), else `weight_version` for every token."""
+        if self.weight_versions is not None:
+            return list(self.weight_versions)
+        return [self.weight_version] * len(self.response_tokens)
+
     def effective_loss_mask(self) -> list[int]:
         """The loss mask, defaulting to all response tokens training."""
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_tokens)

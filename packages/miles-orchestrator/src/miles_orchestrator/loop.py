@@ -16,11 +16,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import torch
-
-from miles_contracts import Sample
 from miles_kernels import read_model_config
-from miles_orchestrator.cluster import Cluster, CriticTargets, start_cluster
+from miles_orchestrator.async_loop import run_overlapped
+from miles_orchestrator.cluster import Cluster, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples, check_data_source
 from miles_orchestrator.evaluation import evaluate_held_out
@@ -28,13 +26,9 @@ from miles_orchestrator.filters import build_filters
 from miles_orchestrator.rewards import RewardPool, check_reward
 from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
+from miles_orchestrator.steps import LoopParts, checked_versions, send_weights, train_batch
 from miles_trainer import (
-    compute_advantages,
-    estimator_kwargs,
-    explained_variance,
-    gae_advantages,
     load_advantage_estimator,
-    outcome_token_rewards,
     resolve_loss_fn,
 )
 
@@ -62,6 +56,10 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
             await turns.engine_turn()
             if start == 0 and eval_prompts and cfg.run.eval_every:
                 run.record(0, await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run))
+            if cfg.run.mode != "sync":
+                parts = LoopParts(source, rewards, filters, rollout_fn, encode, eval_prompts)
+                await run_overlapped(cfg, cluster, run, start, parts, model_dir)
+                return
             for step in range(start + 1, cfg.run.num_steps + 1):
                 began = time.perf_counter()
                 try:
@@ -74,16 +72,10 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
                         await cluster.save(run.checkpoint_dir(step - 1), position(step - 1, source))
                         await cluster.export(run.path / "final", model_dir)
                     break
-                critic = None
-                if not cfg.trainer.uses_critic:
-                    advantages = group_advantages(cfg, batch)
+                batch, version_metrics = checked_versions(batch, step - 1, 0, cfg, run)
+                metrics |= version_metrics
                 async with turns.trainer_turn():
-                    if cfg.trainer.uses_critic:  # PPO: GAE on the critic's values of this batch
-                        advantages, critic, critic_metrics = gae_targets(
-                            cfg, batch, await cluster.compute_values(batch)
-                        )
-                        metrics |= critic_metrics
-                    metrics |= await train(cfg, cluster, batch, advantages, run, critic)
+                    metrics |= await train_batch(cfg, cluster, batch, run)
                     is_last = step == cfg.run.num_steps
                     if is_last or (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
                         await cluster.save(run.pending_checkpoint_dir(step), position(step, source))
@@ -238,86 +230,9 @@ class Turns:
             await self.engine_turn()
 
 
-def loss_masks(batch: list[Sample]) -> torch.Tensor:
-    """The samples' loss masks (tool output and other untrained tokens are 0), right-padded: (N, T) float32."""
-    mask = torch.zeros(len(batch), max(len(s.response_tokens) for s in batch))
-    for i, s in enumerate(batch):
-        mask[i, : len(s.response_tokens)] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
-    return mask
-
-
-def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
-    """Per-token advantages from the configured outcome estimator, groups by prompt. Token-level estimators
-    (REINFORCE++) see the loss masks: untrained tokens neither carry a return nor join the whitening."""
-    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float32)
-    groups = torch.tensor([s.group_index for s in batch])
-    name = cfg.trainer.advantage_estimator
-    adv = compute_advantages(name, rewards, groups, loss_masks(batch), **estimator_kwargs(name, cfg.trainer.advantage))
-    return [adv[i, : len(s.response_tokens)].tolist() for i, s in enumerate(batch)]
-
-
-def gae_targets(
-    cfg: RunConfig, batch: list[Sample], values: list[list[float]]
-) -> tuple[list[list[float]], CriticTargets, dict[str, float]]:
-    """PPO: GAE advantages and returns from each sample's outcome reward (on its last trained token) and the
-    critic's values, and the critic's metrics over the batch's trained tokens (explained variance, value and
-    return means)."""
-    mask = loss_masks(batch)
-    width = mask.shape[1]
-    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float64)
-    values_NT = torch.tensor([row + [0.0] * (width - len(row)) for row in values], dtype=torch.float64)
-    token_rewards = outcome_token_rewards(rewards, mask)
-    knobs = cfg.trainer.advantage
-    adv, returns = gae_advantages(
-        token_rewards, values_NT, mask, gamma=knobs.gamma, lam=knobs.lam, whiten=knobs.whiten
-    )
-    is_valid = mask > 0
-    metrics = {
-        "critic_explained_variance": explained_variance(values_NT[is_valid], returns[is_valid]),
-        "critic_value_mean": float(values_NT[is_valid].mean()),
-        "critic_return_mean": float(returns[is_valid].mean()),
-    }
-    lengths = [len(s.response_tokens) for s in batch]
-    per_sample = [adv[i, :n].tolist() for i, n in enumerate(lengths)]
-    return per_sample, CriticTargets([returns[i, :n].tolist() for i, n in enumerate(lengths)], values), metrics
-
-
-async def train(
-    cfg: RunConfig, cluster: Cluster, batch: list[Sample], advantages: list[list[float]], run: RunDir,
-    critic: CriticTargets | None = None,
-) -> dict[str, float]:  # fmt: skip
-    """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs); with
-    `critic`, each step trains PPO's critic on its part of the batch too."""
-    began = time.perf_counter()
-    metrics: dict[str, float] = {}
-    old_logprobs = None if cfg.kernel.is_deterministic else await cluster.compute_logprobs(batch)
-    size = len(batch) // cfg.trainer.steps_per_rollout
-    with run.progress("train", cfg.trainer.steps_per_rollout) as advance:
-        for k in range(cfg.trainer.steps_per_rollout):
-            part = slice(k * size, (k + 1) * size)
-            old = None if old_logprobs is None else old_logprobs[part]
-            targets = None if critic is None else critic.part(part)
-            step_metrics = batch_keys(
-                await cluster.train(batch[part], advantages[part], old, measure=k == 0, critic=targets)
-            )
-            # the mismatch is defined under the rollout weights: keep the first step's measurement
-            metrics |= {key: v for key, v in step_metrics.items() if k == 0 or "logprob_abs_diff" not in key}
-            advance()
-    return metrics | {"train_time_s": time.perf_counter() - began}
-
-
-def batch_keys(train_metrics: dict[str, float]) -> dict[str, float]:
-    """The trainer's reward statistics are over the batch it trained on (after filtering): `batch_reward_*`, so
-    they never overwrite the rollout's `reward_mean` (every generated sample)."""
-    return {f"batch_{key}" if key.startswith("reward_") else key: v for key, v in train_metrics.items()}
-
-
 async def sync_weights(cfg: RunConfig, cluster: Cluster, turns: Turns, version: int, run: RunDir) -> dict[str, float]:
     """The engine takes its memory back and receives the trainer's weights as `version`."""
     began = time.perf_counter()
     await turns.resume_engine()
-    with run.progress("weight sync", 1) as advance:
-        sync = await cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
-        advance()
-    return {"sync_time_s": time.perf_counter() - began, "sync_bytes": float(sync["num_bytes"]),
-            "weight_version": float(version)}  # fmt: skip
+    synced = await send_weights(cfg, cluster, version, run)
+    return synced | {"sync_time_s": time.perf_counter() - began}

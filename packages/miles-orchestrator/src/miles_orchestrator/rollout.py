@@ -38,6 +38,7 @@ from miles_rollout import CoalescingClient
 
 if TYPE_CHECKING:
     from miles_orchestrator.cluster import Cluster
+    from miles_orchestrator.partial import Aborted
 
 SEED_STRIDE = 2**32
 
@@ -67,9 +68,24 @@ async def single_turn(
             "response_tokens": list(response.output_ids), "response": response.text,
             "rollout_logprobs": [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []],
             "finish_reason": reason, "status": _STATUS[reason], "weight_version": meta.weight_version,
-            "metadata": sample.metadata | _spec_counts(meta), "routed_experts": meta.routed_experts,
+            "weight_versions": token_versions(meta), "metadata": sample.metadata | _spec_counts(meta),
+            "routed_experts": meta.routed_experts,
         }))  # fmt: skip
     return out
+
+
+def token_versions(meta: MetaInfo) -> list[int] | None:
+    """Per-token weight versions from the engine's version spans (SGLang's `weight_versions`: {version, start,
+    end}), reported when the weights changed while the response was generated; None when they did not."""
+    if not meta.weight_versions:
+        return None
+    versions: list[int] = []
+    for span in meta.weight_versions:
+        version = str(span["version"])
+        if not version.isdigit():  # "default": the engine's unnumbered initial weights
+            return None
+        versions += [int(version)] * (int(span["end"]) - int(span["start"]))
+    return versions
 
 
 def _spec_counts(meta: MetaInfo) -> dict[str, JsonValue]:
@@ -131,10 +147,12 @@ async def run_groups(
     rollout_fn: RolloutFn,
     on_done: Callable[[], Any] | None = None,
     batch_requests: bool = True,
+    aborted: Aborted | None = None,
 ) -> list[list[Sample]]:
     """Roll out every group concurrently; a group whose rollout raises comes back `failed` (never a crash).
     Returned in the order given (sample-index order), whatever order they finish in. With `batch_requests`, the
-    `/generate` calls the groups make in the same event-loop turn go as one batched request (`CoalescingClient`)."""
+    `/generate` calls the groups make in the same event-loop turn go as one batched request (`CoalescingClient`).
+    `aborted`: what becomes of generations a weight sync aborts (async runs; partial.py); None: they stay aborted."""
     if batch_requests:
         client = CoalescingClient(client)
 
@@ -144,6 +162,8 @@ async def run_groups(
             result = await rollout_fn(client, group, seeded)
             if len(result) != len(group):
                 raise ValueError(f"the rollout function returned {len(result)} samples for a group of {len(group)}")
+            if aborted is not None:
+                result = await aborted.complete(client, group, result, seeded, rollout_fn)
         except Exception as error:  # user code or the engine: record it on the samples, keep the run going
             message = f"rollout failed: {type(error).__name__}: {error}"
             result = [s.model_copy(update={"status": SampleStatus.FAILED, "error": message}) for s in group]
@@ -160,7 +180,7 @@ class DataExhausted(Exception):
 
 async def generate_batch(
     cfg: RunConfig, cluster: Cluster, rewards: RewardPool, source: Any, filters: Any, rollout_fn: Any,
-    encode: PromptEncoder, run: RunDir,
+    encode: PromptEncoder, run: RunDir, aborted: Aborted | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:  # fmt: skip
     """Generate and score prompt groups until `num_prompts_per_step` pass the filters (at most
     `filter.max_oversample_rounds` extra rounds); the batch comes back in sample-index order."""
@@ -183,7 +203,9 @@ async def generate_batch(
         groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
         label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
         with run.progress(label, len(groups)) as advance:
-            groups = await run_groups(client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests)
+            groups = await run_groups(
+                client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests, aborted
+            )
         for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
             run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
             num_failed_groups += 1

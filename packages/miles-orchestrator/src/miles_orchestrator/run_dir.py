@@ -81,6 +81,7 @@ class RunDir:
         )
         self._previous: dict[str, Any] = {}
         self._warned: set[str] = set()
+        self._showing = False  # a progress bar is on the console
 
     def log(self, message: str) -> None:
         with (self.path / "run.log").open("a") as f:
@@ -98,11 +99,19 @@ class RunDir:
 
     @contextlib.contextmanager
     def progress(self, label: str, total: int) -> Iterator[Callable[[], None]]:
-        """A transient rich progress bar; yields `advance()`."""
+        """A transient rich progress bar; yields `advance()`. While one is shown (overlapped runs: the rollout's and
+        the trainer's at once), another is not: a console shows one live display at a time."""
+        if self._showing:
+            yield lambda: None
+            return
         columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=self.console, transient=True, disable=not self.console.is_terminal) as bar:
-            task = bar.add_task(label, total=total)
-            yield lambda: bar.advance(task)
+        self._showing = True
+        try:
+            with Progress(*columns, console=self.console, transient=True, disable=not self.console.is_terminal) as bar:
+                task = bar.add_task(label, total=total)
+                yield lambda: bar.advance(task)
+        finally:
+            self._showing = False
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / CHECKPOINTS / f"step_{step:06d}"
@@ -137,9 +146,10 @@ class RunDir:
 STEP_LINE_KEYS = (
     ("reward_mean", "reward {:.3f}"), ("pass_rate", "pass {:.1%}"), ("eval_pass@1", "eval pass@1 {:.1%}"),
     ("train_rollout_logprob_abs_diff", "mismatch {:.3g}"), ("kl", "kl {:.4f}"), ("tokens_per_s", "{:.0f} tok/s"),
-    ("num_filtered_groups_trained", "{:.0f} filtered group(s) trained"), ("step_time_s", "{:.1f} s"),
+    ("num_filtered_groups_trained", "{:.0f} filtered group(s) trained"), ("staleness_mean", "staleness {:.2f}"),
+    ("num_stale_groups_dropped", "{:.0f} stale group(s) dropped"), ("step_time_s", "{:.1f} s"),
 )  # fmt: skip
-SHOWN_WHEN_NONZERO = {"num_filtered_groups_trained"}
+SHOWN_WHEN_NONZERO = {"num_filtered_groups_trained", "staleness_mean", "num_stale_groups_dropped"}
 PERSISTENT_WARNINGS = {
     "num_filtered_groups_trained": "fewer prompt groups than rollout.num_prompts_per_step pass the filters, so "
     "some groups the filters dropped are trained on (num_filtered_groups_trained in the metrics); raise "

@@ -170,7 +170,8 @@ def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None
         "prompt_tokens": len(group.prompt_ids),
         "completion_tokens": len(seq.output_ids),
         "cached_tokens": group.cached_tokens,
-        "weight_version": group.weight_version,
+        # the newest version it was generated with (a retracted sequence continued under updated weights: theirs)
+        "weight_version": seq.version_starts[-1][0] if seq.version_starts else group.weight_version,
         "e2e_latency": time.perf_counter() - group.arrived_at,
     }
     if seq.spec is not None:

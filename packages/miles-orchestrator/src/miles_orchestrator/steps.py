@@ -1,0 +1,159 @@
+"""The phases of one RL step, shared by the sync loop (loop.py) and the overlapped one (async_loop.py): the
+weight-version check of a batch, advantages (group estimators or PPO's GAE), the optimizer steps, and the weight
+sync to the engines (docs/architecture.md, "The RL data path", steps 5-7).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_contracts import Sample
+from miles_orchestrator.cluster import Cluster, CriticTargets
+from miles_orchestrator.config import RunConfig
+from miles_orchestrator.rewards import RewardPool
+from miles_orchestrator.rollout import PromptEncoder
+from miles_orchestrator.run_dir import RunDir
+from miles_orchestrator.staleness import bound_staleness, has_off_policy_tokens, onpolicy_mismatch
+from miles_trainer import (
+    compute_advantages,
+    estimator_kwargs,
+    explained_variance,
+    gae_advantages,
+    outcome_token_rewards,
+)
+
+
+@dataclass(frozen=True)
+class LoopParts:
+    """The components a run's steps use, built once at start-up."""
+
+    source: Any
+    rewards: RewardPool
+    filters: Any
+    rollout_fn: Any
+    encode: PromptEncoder
+    eval_prompts: list[Sample]
+
+
+def checked_versions(
+    batch: list[Sample], trained_version: int, max_staleness: int, cfg: RunConfig, run: RunDir
+) -> tuple[list[Sample], dict[str, float]]:
+    """The batch without the groups staler than `max_staleness` (staleness.py; logged), and its version metrics."""
+    kept, metrics, dropped = bound_staleness(
+        batch, trained_version, max_staleness, mask_partial=cfg.rollout.partial_tokens == "mask"
+    )
+    if dropped:
+        run.log(f"{len(dropped)} prompt group(s) not trained: tokens more than {max_staleness} weight version(s) "
+                f"older than the trained version {trained_version} (groups {dropped[:8]})")  # fmt: skip
+    if not kept:
+        raise RuntimeError(f"every sample of the batch is staler than {max_staleness} version(s); see run.log")
+    return kept, metrics
+
+
+async def train_batch(
+    cfg: RunConfig, cluster: Cluster, batch: list[Sample], run: RunDir, trained_version: int | None = None
+) -> dict[str, float]:
+    """Advantages (group estimators, or PPO's GAE on the critic's values of this batch), then `train`."""
+    critic, metrics = None, dict[str, float]()
+    if cfg.trainer.uses_critic:
+        advantages, critic, metrics = gae_targets(cfg, batch, await cluster.compute_values(batch))
+    else:
+        advantages = group_advantages(cfg, batch)
+    return metrics | await train(cfg, cluster, batch, advantages, run, critic, trained_version)
+
+
+def loss_masks(batch: list[Sample]) -> torch.Tensor:
+    """The samples' loss masks (tool output and other untrained tokens are 0), right-padded: (N, T) float32."""
+    mask = torch.zeros(len(batch), max(len(s.response_tokens) for s in batch))
+    for i, s in enumerate(batch):
+        mask[i, : len(s.response_tokens)] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
+    return mask
+
+
+def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
+    """Per-token advantages from the configured outcome estimator, groups by prompt. Token-level estimators
+    (REINFORCE++) see the loss masks: untrained tokens neither carry a return nor join the whitening."""
+    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float32)
+    groups = torch.tensor([s.group_index for s in batch])
+    name = cfg.trainer.advantage_estimator
+    adv = compute_advantages(name, rewards, groups, loss_masks(batch), **estimator_kwargs(name, cfg.trainer.advantage))
+    return [adv[i, : len(s.response_tokens)].tolist() for i, s in enumerate(batch)]
+
+
+def gae_targets(
+    cfg: RunConfig, batch: list[Sample], values: list[list[float]]
+) -> tuple[list[list[float]], CriticTargets, dict[str, float]]:
+    """PPO: GAE advantages and returns from each sample's outcome reward (on its last trained token) and the
+    critic's values, and the critic's metrics over the batch's trained tokens (explained variance, value and
+    return means)."""
+    mask = loss_masks(batch)
+    width = mask.shape[1]
+    rewards = torch.tensor([s.reward or 0.0 for s in batch], dtype=torch.float64)
+    values_NT = torch.tensor([row + [0.0] * (width - len(row)) for row in values], dtype=torch.float64)
+    token_rewards = outcome_token_rewards(rewards, mask)
+    knobs = cfg.trainer.advantage
+    adv, returns = gae_advantages(
+        token_rewards, values_NT, mask, gamma=knobs.gamma, lam=knobs.lam, whiten=knobs.whiten
+    )
+    is_valid = mask > 0
+    metrics = {
+        "critic_explained_variance": explained_variance(values_NT[is_valid], returns[is_valid]),
+        "critic_value_mean": float(values_NT[is_valid].mean()),
+        "critic_return_mean": float(returns[is_valid].mean()),
+    }
+    lengths = [len(s.response_tokens) for s in batch]
+    per_sample = [adv[i, :n].tolist() for i, n in enumerate(lengths)]
+    return per_sample, CriticTargets([returns[i, :n].tolist() for i, n in enumerate(lengths)], values), metrics
+
+
+async def train(
+    cfg: RunConfig, cluster: Cluster, batch: list[Sample], advantages: list[list[float]], run: RunDir,
+    critic: CriticTargets | None = None, trained_version: int | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs); with
+    `critic`, each step trains PPO's critic on its part of the batch too. `trained_version` (overlapped runs): the
+    version of the trainer's weights; when some tokens come from another one, π_old is the trainer's recomputation
+    at this version (whatever the kernels) and the mismatch metric covers the tokens this version generated only
+    (staleness.onpolicy_mismatch)."""
+    began = time.perf_counter()
+    metrics: dict[str, float] = {}
+    off_policy = trained_version is not None and has_off_policy_tokens(batch, trained_version)
+    recompute = off_policy or not cfg.kernel.is_deterministic
+    old_logprobs = await cluster.compute_logprobs(batch) if recompute else None
+    if off_policy:
+        assert old_logprobs is not None and trained_version is not None
+        metrics |= onpolicy_mismatch(batch, old_logprobs, trained_version)
+    size = len(batch) // cfg.trainer.steps_per_rollout
+    with run.progress("train", cfg.trainer.steps_per_rollout) as advance:
+        for k in range(cfg.trainer.steps_per_rollout):
+            part = slice(k * size, (k + 1) * size)
+            old = None if old_logprobs is None else old_logprobs[part]
+            targets = None if critic is None else critic.part(part)
+            step_metrics = batch_keys(
+                await cluster.train(batch[part], advantages[part], old, measure=k == 0 and not off_policy,
+                                    critic=targets)
+            )  # fmt: skip
+            # the mismatch is defined under the rollout weights: keep the first step's measurement
+            metrics |= {key: v for key, v in step_metrics.items() if k == 0 or "logprob_abs_diff" not in key}
+            advance()
+    return metrics | {"train_time_s": time.perf_counter() - began}
+
+
+def batch_keys(train_metrics: dict[str, float]) -> dict[str, float]:
+    """The trainer's reward statistics are over the batch it trained on (after filtering): `batch_reward_*`, so
+    they never overwrite the rollout's `reward_mean` (every generated sample)."""
+    return {f"batch_{key}" if key.startswith("reward_") else key: v for key, v in train_metrics.items()}
+
+
+async def send_weights(cfg: RunConfig, cluster: Cluster, version: int, run: RunDir) -> dict[str, float]:
+    """The trainer's weights to every engine as `version`."""
+    began = time.perf_counter()
+    with run.progress("weight sync", 1) as advance:
+        sync = await cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
+        advance()
+    return {"sync_time_s": time.perf_counter() - began, "sync_bytes": float(sync["num_bytes"]),
+            "weight_version": float(version)}  # fmt: skip
