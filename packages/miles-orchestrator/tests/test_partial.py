@@ -104,9 +104,10 @@ def test_an_aborted_group_without_partial_rollouts_is_regenerated_under_the_new_
 
 
 def _sample(index: int, group_index: int, versions: list[int], logprobs: list[float] | None = None) -> Sample:
-    return Sample(index=index, group_index=group_index, prompt="p", prompt_tokens=[1], response_tokens=[2] * len(versions),
-                  rollout_logprobs=logprobs or [-1.0] * len(versions), weight_version=max(versions),
-                  weight_versions=versions if len(set(versions)) > 1 else None)  # fmt: skip
+    per_token = versions if len(set(versions)) > 1 else None
+    return Sample(index=index, group_index=group_index, prompt="p", prompt_tokens=[1],
+                  response_tokens=[2] * len(versions), rollout_logprobs=logprobs or [-1.0] * len(versions),
+                  weight_version=max(versions), weight_versions=per_token)  # fmt: skip
 
 
 def test_staleness_bound_drops_whole_groups_and_reports_the_histogram() -> None:
