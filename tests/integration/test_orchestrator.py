@@ -22,39 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from orchestrator_runs import DETERMINISTIC_KEYS, SHORT, SMALL, cli, history, policy_dir
 from safetensors.torch import load_file
-
-# The default example, shortened for CI: fewer bootstrap and RL steps, a smaller held-out set.
-SHORT = ["run.num_steps=20", "run.eval_every=20", "data.num_eval_prompts=100"]
-SMALL = ["rollout.num_prompts_per_step=8", "trainer.global_batch_size=64", "filter.dynamic_sampling=false"]
-DETERMINISTIC_KEYS = (
-    "reward_mean", "pass_rate", "loss", "pg_loss", "grad_norm", "entropy", "clip_fraction", "num_tokens",
-    "response_len_mean", "train_rollout_logprob_abs_diff", "weight_version",
-)  # fmt: skip
-
-
-def cli(*args: str, cache: Path, timeout: float = 900, **popen: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MILES_CACHE_DIR": str(cache), "PYTHONPATH": str(Path(__file__).parent)}
-    return subprocess.run(["miles-orchestrator", "run", "--quiet", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, **popen)  # type: ignore[call-overload]  # fmt: skip
-
-
-def history(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def cold_run(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("cold")
-    cache, run_dir = root / "cache", root / "run"
-    result = cli(*SHORT, f"run.run_dir={run_dir}", cache=cache)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return run_dir, cache
-
-
-def policy_dir(cache: Path) -> Path:
-    (policy,) = cache.glob("bootstrap/*/policy")
-    return policy
 
 
 @pytest.mark.timeout(1500)

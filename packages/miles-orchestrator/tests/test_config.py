@@ -325,3 +325,29 @@ def test_the_moe_examples_load(name: str) -> None:
     cfg = load_config(Path(__file__).parents[3] / "examples" / name, [])
     assert cfg.model.bootstrap_architecture in ("qwen3_moe", "glm4_moe") and cfg.trainer.routing_replay == "rollout"
     assert cfg.rollout.engine.enable_return_routed_experts and cfg.kernel.mode == "deterministic"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["run.cluster=local", "rollout.num_engines=2"], r"rollout\.num_engines=2 needs run\.cluster=ray"),
+        (["run.cluster=local", "run.mode=async", "run.colocate=false"], r"run\.mode=async needs run\.cluster=ray"),
+        (["run.mode=one_step_off"], r"run\.mode=one_step_off overlaps rollout and training.*run\.colocate=false"),
+        (["run.mode=async", "run.colocate=false", "rollout.pause_mode=in_place"], r"in_place keeps .*retract"),
+        (["run.mode=async", "run.colocate=false", "rollout.partial_rollout=false"], r"pause_mode=abort with"),
+        (["run.sync_transport=nccl"], r"run\.sync_transport: Input should be 'auto', 'shm', 'disk', 'http' or"),
+        (["rollout.router_policy=least_load"], r"rollout\.router_policy: Input should be 'cache_aware'"),
+        (["run.max_staleness=-1"], r"run\.max_staleness: Input should be greater than or equal to 0"),
+    ],
+)
+def test_scale_out_settings_that_cannot_work_together_are_refused(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ValueError, match=expected):
+        load_config(None, overrides)
+
+
+def test_several_engines_spread_requests_unless_told_otherwise() -> None:
+    assert load_config(None, ["rollout.num_engines=2"]).rollout.batch_requests is False
+    assert load_config(None, ["rollout.num_engines=2", "rollout.batch_requests=true"]).rollout.batch_requests is True
+    assert load_config(None, []).rollout.batch_requests is True
+    cfg = load_config(None, ["run.mode=async", "run.colocate=false", "rollout.pause_mode=abort"])
+    assert (cfg.run.mode, cfg.rollout.pause_mode, cfg.rollout.partial_rollout) == ("async", "abort", True)

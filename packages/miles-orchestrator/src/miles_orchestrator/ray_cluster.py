@@ -167,7 +167,9 @@ class RayCluster:
             "http": "HTTP buckets",
             "distributed": "a gloo broadcast from trainer rank 0",
         }[self.transport]
-        self.sync_method = f"{where} to {num_engines} engine{'s' if num_engines > 1 else ''}"
+        engines = "1 engine" if num_engines == 1 else f"{num_engines} engines"
+        nodes = ", ".join(node[:8] for node in engine_nodes)
+        self.sync_method = f"{where} (Ray node {rank0_node[:8]}) to {engines} (Ray nodes {nodes})"
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
         return list(await asyncio.gather(*(getattr(t, method).remote(*args) for t in self.trainers)))

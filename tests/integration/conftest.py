@@ -1,0 +1,21 @@
+"""The integration tier's shared fixture: the shortened default example, run once per session on a cold cache."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests import orchestrator_runs (pytest's importlib mode)
+
+from orchestrator_runs import SHORT, cli
+
+
+@pytest.fixture(scope="session")
+def cold_run(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("cold")
+    cache, run_dir = root / "cache", root / "run"
+    result = cli(*SHORT, f"run.run_dir={run_dir}", cache=cache)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return run_dir, cache

@@ -1,0 +1,34 @@
+"""Helpers of the integration tier's `miles-orchestrator run` tests: the CLI in a subprocess, a run's metric lines,
+the cached bootstrap policy. The cold run they share is `conftest.cold_run` (one bootstrap per session)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+# The default example, shortened for CI: fewer bootstrap and RL steps, a smaller held-out set.
+SHORT = ["run.num_steps=20", "run.eval_every=20", "data.num_eval_prompts=100"]
+SMALL = ["rollout.num_prompts_per_step=8", "trainer.global_batch_size=64", "filter.dynamic_sampling=false"]
+DETERMINISTIC_KEYS = (
+    "reward_mean", "pass_rate", "loss", "pg_loss", "grad_norm", "entropy", "clip_fraction", "num_tokens",
+    "response_len_mean", "train_rollout_logprob_abs_diff", "weight_version",
+)  # fmt: skip
+
+
+def cli(
+    *args: str, cache: Path, timeout: float = 900, env_extra: dict[str, str] | None = None, **popen: object
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **(env_extra or {}), "MILES_CACHE_DIR": str(cache), "PYTHONPATH": str(Path(__file__).parent)}
+    return subprocess.run(["miles-orchestrator", "run", "--quiet", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, **popen)  # type: ignore[call-overload]  # fmt: skip
+
+
+def history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def policy_dir(cache: Path) -> Path:
+    (policy,) = cache.glob("bootstrap/*/policy")
+    return policy
