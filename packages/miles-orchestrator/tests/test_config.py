@@ -338,6 +338,8 @@ def test_the_moe_examples_load(name: str) -> None:
         (["run.sync_transport=nccl"], r"run\.sync_transport: Input should be 'auto', 'shm', 'disk', 'http' or"),
         (["rollout.router_policy=least_load"], r"rollout\.router_policy: Input should be 'cache_aware'"),
         (["run.max_staleness=-1"], r"run\.max_staleness: Input should be greater than or equal to 0"),
+        (["rollout.engine_resources={CPU: -1}"], r"rollout\.engine_resources\.CPU: Input should be greater than or"),
+        (["trainer.rank_resources={}"], r"trainer\.rank_resources: Dictionary should have at least 1 item"),
     ],
 )
 def test_scale_out_settings_that_cannot_work_together_are_refused(overrides: list[str], expected: str) -> None:

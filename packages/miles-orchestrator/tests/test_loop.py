@@ -16,23 +16,70 @@ def test_trainer_reward_stats_do_not_overwrite_the_rollouts() -> None:
     }  # fmt: skip
 
 
-def test_weight_sync_goes_through_shared_memory_only_when_it_can(tmp_path, monkeypatch) -> None:
+def test_the_weight_transport_follows_where_the_engines_landed(tmp_path, monkeypatch) -> None:
     from miles_orchestrator import weight_transport
 
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setattr(weight_transport, "SHARED_MEMORY", shm)
-    choose = weight_transport.shared_sync_dir
+    choose = weight_transport.resolve_transport
+    assert choose("auto", same_node=True, weight_bytes=10 << 20, num_engines=2) == "shm"
+    assert choose("auto", same_node=True, weight_bytes=2 << 30, num_engines=1) == "http"  # too big for RAM twice
+    assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=1) == "http"
+    assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=3) == "distributed"
+    assert choose("shm", same_node=True, weight_bytes=2 << 30, num_engines=1) == "shm"  # asked for: used
+    assert choose("disk", same_node=False, weight_bytes=1, num_engines=2) == "disk"
+    with pytest.raises(ValueError, match="sync_transport=shm needs every engine on trainer rank 0's node"):
+        choose("shm", same_node=False, weight_bytes=1, num_engines=1)
     run_dir = tmp_path / "run"
-    chosen = choose("auto", run_dir, same_node=True, weight_bytes=10 << 20)
+    chosen = weight_transport.sync_directory("shm", run_dir, None)
     assert chosen is not None and chosen.parent == shm and chosen.is_dir()
-    assert choose("auto", run_dir, True, 10 << 20) == chosen  # a resumed run: the same directory
-    assert choose("http", run_dir, True, 10 << 20) is None
-    assert choose("auto", run_dir, same_node=False, weight_bytes=10 << 20) is None
-    assert choose("auto", run_dir, True, weight_bytes=2 << 30) is None  # too big for RAM twice
-    assert choose("shm", run_dir, True, weight_bytes=2 << 30) == chosen  # asked for: used
-    with pytest.raises(ValueError, match="sync_transport=shm needs the engine on trainer rank 0's node"):
-        choose("shm", run_dir, same_node=False, weight_bytes=1)
+    assert weight_transport.sync_directory("shm", run_dir, None) == chosen  # a resumed run: the same directory
+    assert weight_transport.sync_directory("disk", run_dir, None) == run_dir / "sync"
+    assert weight_transport.sync_directory("disk", run_dir, str(tmp_path / "nfs")) == tmp_path / "nfs"
+    assert weight_transport.sync_directory("http", run_dir, None) is None
+
+
+def test_pinned_actors_get_cores_of_their_own(monkeypatch) -> None:
+    import os
+
+    from miles_orchestrator.config import load_config
+    from miles_orchestrator.ray_cluster import cpu_sets
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    cfg = load_config(None, ["run.pin_cpus=true", "rollout.num_engines=2", "run.colocate=false"])
+    assert cpu_sets(cfg, threads=1) == [[0], [1], [2]]  # rank 0, then engines 0 and 1
+    assert cpu_sets(cfg, threads=4) == [[0], [1], [2]]  # five cores: one each, not four
+    cfg = load_config(None, ["run.pin_cpus=true"])
+    assert cpu_sets(cfg, threads=2) == [[0, 1], [2, 3]]
+    cfg = load_config(None, ["run.pin_cpus=true", "rollout.num_engines=5", "trainer.num_ranks=2"])
+    with pytest.raises(ValueError, match=r"each of 7 actors .* only 5 are available"):
+        cpu_sets(cfg, threads=1)
+
+
+def test_the_fleet_checks_that_its_engines_agree() -> None:
+    import asyncio
+
+    from miles_orchestrator.engines import EngineFleet
+
+    class FakeEngine:
+        def __init__(self, checksum: str, fingerprint: str, kv: int) -> None:
+            self.checksum, self.fingerprint, self.kv = checksum, fingerprint, kv
+
+        async def weights_checksum(self) -> str:
+            return self.checksum
+
+        async def get_server_info(self) -> dict[str, object]:
+            return {"kernel_config": {"fingerprint": self.fingerprint}, "memory_bytes": {"kv_cache": self.kv}}
+
+    same = EngineFleet([FakeEngine("a" * 64, "f", 3), FakeEngine("a" * 64, "f", 4)], None)  # type: ignore[list-item,arg-type]
+    assert asyncio.run(same.weights_checksum()) == "a" * 64
+    assert asyncio.run(same.get_server_info())["memory_bytes"] == {"kv_cache": 7}  # the room all engines take
+    other = EngineFleet([FakeEngine("a" * 64, "f", 1), FakeEngine("b" * 64, "g", 1)], None)  # type: ignore[list-item,arg-type]
+    with pytest.raises(RuntimeError, match=r"engines \[1\] hold \['bbbb"):
+        asyncio.run(other.weights_checksum())
+    with pytest.raises(RuntimeError, match="different kernel configs"):
+        asyncio.run(other.get_server_info())
 
 
 def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:

@@ -53,6 +53,8 @@ HTTP_REWARD = "http"  # the built-in remote reward (miles_orchestrator.http_rewa
 DATA_SUFFIXES = (".jsonl", ".parquet")
 HF_PREFIX = "hf:"  # a local Hugging Face dataset (miles_orchestrator.hf_data); reserved, so never a plug-in path
 CLUSTERS = ("ray", "local")
+# A Ray placement bundle: resource name -> amount (CPU, GPU, memory or a custom resource a node advertises)
+RayResources = Annotated[dict[str, Annotated[float, Field(ge=0)]], Field(min_length=1)]
 
 
 class _Section(BaseModel):
@@ -211,7 +213,7 @@ class RolloutSection(_Section):
         description="Rollout engines (run.cluster=ray). More than one: sglang-router (cache-aware by default) in "
         "front of them, weights synced to every engine (docs/scale-out.md).",
     )
-    engine_resources: dict[str, float] = Field(
+    engine_resources: RayResources = Field(
         default_factory=lambda: {"CPU": 1.0},
         description="Ray resources of each engine's placement bundle, e.g. {CPU: 8, GPU: 1}; a custom resource "
         "that only some nodes advertise (ray start --resources) puts the engines on those nodes.",
@@ -369,7 +371,7 @@ class TrainerSection(_Section):
     global_batch_size: int = Field(default=256, ge=1, description="Samples per optimizer step, all ranks together.")
     steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
     num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
-    rank_resources: dict[str, float] = Field(
+    rank_resources: RayResources = Field(
         default_factory=lambda: {"CPU": 1.0},
         description="Ray resources of each trainer rank's placement bundle, e.g. {CPU: 8, GPU: 1}, or a custom "
         "resource that puts the ranks on chosen nodes.",
