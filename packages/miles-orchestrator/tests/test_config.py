@@ -268,8 +268,10 @@ def test_cluster_choice_is_checked_against_what_it_can_run() -> None:
     assert load_config(None, ["run.cluster=local"]).run.cluster == "local"
     with pytest.raises(ValueError, match=r"run\.cluster=local runs one trainer rank .* use run\.cluster=ray"):
         load_config(None, ["run.cluster=local", "trainer.num_ranks=2"])
-    with pytest.raises(ValueError, match=r"trainer\.backend\.device=cuda: the Ray placement .* run\.cluster=local"):
+    with pytest.raises(ValueError, match=r"trainer\.backend\.device=cuda: the Ray placement .* add a GPU, e\.g\."):
         load_config(None, ["trainer.backend.device=cuda"])
+    gpus = ["trainer.backend.device=cuda", "trainer.rank_resources={CPU: 4, GPU: 1}"]
+    assert load_config(None, gpus).trainer.rank_resources == {"CPU": 4.0, "GPU": 1.0}
     assert load_config(None, ["run.cluster=local", "rollout.engine.device=cuda"]).rollout.engine.device == "cuda"
 
 

@@ -587,13 +587,16 @@ class RunConfig(_Section):
                 f"run.cluster=local runs one trainer rank in this process, not trainer.num_ranks="
                 f"{self.trainer.num_ranks}; use run.cluster=ray for more ranks"
             )
-        devices = {"rollout.engine": self.rollout.engine.device, "trainer.backend": self.trainer.backend.device}
-        off_cpu = [f"{name}.device={device}" for name, device in devices.items() if device != "cpu"]
-        if self.run.cluster == "ray" and off_cpu:
-            raise ValueError(
-                f"{', '.join(off_cpu)}: the Ray placement gives the engine and trainer actors CPUs only; use "
-                "run.cluster=local to run them on this machine's GPU, or the cpu device"
-            )
+        devices = {
+            "rollout.engine": (self.rollout.engine.device, "rollout.engine_resources", self.rollout.engine_resources),
+            "trainer.backend": (self.trainer.backend.device, "trainer.rank_resources", self.trainer.rank_resources),
+        }
+        for name, (device, field, resources) in devices.items():
+            if self.run.cluster == "ray" and device != "cpu" and resources.get("GPU", 0) <= 0:
+                raise ValueError(
+                    f"{name}.device={device}: the Ray placement gives these actors only the resources in {field} "
+                    f"({resources}); add a GPU, e.g. {field}={{CPU: 8, GPU: 1}}, or use the cpu device"
+                )
         check_scale_out(self)
         if self.filter.dynamic_sampling and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
