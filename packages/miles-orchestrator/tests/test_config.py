@@ -337,6 +337,10 @@ def test_the_moe_examples_load(name: str) -> None:
         (["run.mode=one_step_off"], r"run\.mode=one_step_off overlaps rollout and training.*run\.colocate=false"),
         (["run.mode=async", "run.colocate=false", "rollout.pause_mode=in_place"], r"in_place keeps .*retract"),
         (["run.mode=async", "run.colocate=false", "rollout.partial_rollout=false"], r"pause_mode=abort with"),
+        (
+            ["run.mode=async", "run.colocate=false", "rollout.pause_mode=abort", "trainer.routing_replay=rollout"],
+            r"routed experts cover its new tokens only.*pause_mode=retract",
+        ),
         (["run.sync_transport=nccl"], r"run\.sync_transport: Input should be 'auto', 'shm', 'disk', 'http' or"),
         (["rollout.router_policy=least_load"], r"rollout\.router_policy: Input should be 'cache_aware'"),
         (["run.max_staleness=-1"], r"run\.max_staleness: Input should be greater than or equal to 0"),

@@ -635,6 +635,13 @@ def check_scale_out(cfg: RunConfig) -> None:
             "rollout.pause_mode=retract continues paused generations under the new weights (a partial rollout); to "
             "regenerate them from the start instead, set rollout.pause_mode=abort with rollout.partial_rollout=false"
         )
+    continues_aborted = run.mode == "async" and rollout.pause_mode == "abort" and rollout.partial_rollout
+    if continues_aborted and rollout.return_routed_experts:
+        raise ValueError(
+            "rollout.partial_rollout continues an aborted generation as a new request, whose routed experts cover its "
+            "new tokens only, so routing replay would not match the sample; use rollout.pause_mode=retract (the "
+            "engine keeps each token's routing with its KV) or rollout.partial_rollout=false"
+        )
     if rollout.num_engines > 1 and "batch_requests" not in rollout.model_fields_set:
         rollout.batch_requests = False  # one batched request would go to one engine: let the router spread them
 
