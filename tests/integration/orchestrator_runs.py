@@ -8,8 +8,10 @@ import os
 import subprocess
 from pathlib import Path
 
-# The default example, shortened for CI: fewer bootstrap and RL steps, a smaller held-out set.
-SHORT = ["run.num_steps=20", "run.eval_every=20", "data.num_eval_prompts=100"]
+# The default example, shortened for CI: fewer RL steps, a smaller held-out set. 30 steps, not 20: how soon the reward
+# rises depends on the CPU's numerics (on an AVX-512 machine the first 20 steps are flat, 0.236 -> 0.231, and steps
+# 26-30 reach 0.314).
+SHORT = ["run.num_steps=30", "run.eval_every=30", "data.num_eval_prompts=100"]
 SMALL = ["rollout.num_prompts_per_step=8", "trainer.global_batch_size=64", "filter.dynamic_sampling=false"]
 DETERMINISTIC_KEYS = (
     "reward_mean", "pass_rate", "loss", "pg_loss", "grad_norm", "entropy", "clip_fraction", "num_tokens",

@@ -2,7 +2,7 @@
 
 - the shortened default example on a cold cache (a fresh MILES_CACHE_DIR, so a broken bootstrap cannot hide
   behind a cached one): it bootstraps, trains and evaluates, the training reward rises, and the train/rollout
-  mismatch is exactly 0 at every step (20 steps are too few for the held-out pass rate to rise reliably; the
+  mismatch is exactly 0 at every step (30 steps are too few for the held-out pass rate to rise reliably; the
   full default run's rise is measured by `benchmarks/default_run.py`, in `benchmarks/results/default_run.json`);
 - a run SIGKILLed after a checkpoint and resumed with `--resume` continues with exactly the steps of an
   uninterrupted run (metrics and final weights, bitwise);
@@ -34,9 +34,10 @@ def test_default_example_runs_with_zero_mismatch_on_a_cold_cache(cold_run) -> No
     assert (policy_dir(cache) / "config.json").is_file(), "the bootstrap should have been built in the fresh cache"
     rows = history(run_dir)
     train_rows = [r for r in rows if r["step"] > 0]
-    assert len(train_rows) == 20
-    # The reward rises: mean reward of every generated sample, steps 16-20 against steps 1-5. Measured on this
-    # CPU: 0.330 -> 0.431 (the run is bitwise reproducible; run.seed=1 / 2 of the same config: +0.080 / +0.133).
+    assert len(train_rows) == 30
+    # The reward rises: mean reward of every generated sample, steps 26-30 against steps 1-5. The run is bitwise
+    # reproducible on one machine, but its numbers depend on the CPU: on an AVX-512 VM 0.236 -> 0.314 (steps 16-20
+    # were 0.231: flat); on the machine this test was first tuned on, steps 16-20 already gave 0.330 -> 0.431.
     first, last = (sum(r["reward_mean"] for r in window) / 5 for window in (train_rows[:5], train_rows[-5:]))
     assert last >= first + 0.04, (first, last)
     assert all(r["train_rollout_logprob_abs_diff"] == 0.0 for r in train_rows)

@@ -61,7 +61,7 @@ def test_decode_sdpa_differs_from_prefill_last_row() -> None:
 
 def test_contiguous_operands_give_bmm_one_path_for_one_tile_or_many() -> None:
     """The same reshape gives a strided view for one tile and a copy for many. Whether bmm's bits follow that layout
-    depends on the CPU (they differed on the AVX2 machines this was first measured on, not on an AVX-512 one), so
+    depends on the CPU (they differed on the machine this was first measured on, not on an AVX-512 one), so
     the attention makes its operands contiguous; with contiguous operands one tile and many agree everywhere."""
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(23, 2, 8, 16, generator=generator)
