@@ -1,0 +1,496 @@
+"""The run config's sections (docs/architecture.md, "Config"): one pydantic model per component the loop owns --
+model, task, data, rollout, reward, filter, trainer, logging, run -- each nesting its package's own config model
+where there is one. `RunConfig` (config.py) puts them together and checks them against each other.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
+from miles_orchestrator.task import BuiltinTask
+from miles_rollout.config import EngineConfig
+from miles_trainer.config import (
+    ADVANTAGE_ESTIMATOR_NAMES,
+    AdvantageConfig,
+    CriticConfig,
+    FSDP2Config,
+    OptimizerConfig,
+    PolicyLossConfig,
+)
+
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "task")
+HTTP_REWARD = "http"  # the built-in remote reward (miles_orchestrator.http_reward)
+DATA_SUFFIXES = (".jsonl", ".parquet")
+HF_PREFIX = "hf:"  # a local Hugging Face dataset (miles_orchestrator.hf_data); reserved, so never a plug-in path
+CLUSTERS = ("ray", "local")
+# A Ray placement bundle: resource name -> amount (CPU, GPU, memory or a custom resource a node advertises)
+RayResources = Annotated[dict[str, Annotated[float, Field(ge=0)]], Field(min_length=1)]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors (the loader names the closest valid one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(Section):
+    """The policy: a Hugging Face checkpoint, or the built-in tiny Qwen3 bootstrapped by SFT on the built-in task."""
+
+    path: str | None = Field(default=None, description="HF model directory; null: bootstrap the built-in policy.")
+    bootstrap_steps: int = Field(
+        default=400, ge=0, description="Most SFT steps of the built-in policy (path=null); the LR schedule's length."
+    )
+    bootstrap_target_pass_rate: float | None = Field(
+        default=0.35, gt=0, le=1,
+        description="Stop the bootstrap SFT at the first check (every 25 steps) where greedy pass@1 on 128 "
+        "train-split probe prompts reaches this; null: run all bootstrap_steps.",
+    )  # fmt: skip
+    bootstrap_lr: float = Field(default=3e-3, gt=0, description="SFT learning rate of the built-in policy.")
+    bootstrap_batch_size: int = Field(default=32, ge=1, description="SFT rows per step of the built-in policy.")
+    bootstrap_vocab_size: int = Field(
+        default=264, ge=259, description="Tokenizer size of the built-in policy (its corpus bounds it: ~265)."
+    )
+    bootstrap_architecture: Literal["qwen3", "qwen3_moe", "glm4_moe"] = Field(
+        default="qwen3",
+        description="The built-in policy's family: a dense Qwen3, a Qwen3-MoE (8 experts, top-2) or a GLM-4.5-style "
+        "MoE (8 experts, top-2, a shared expert, a dense first layer); the sizes are in miles_orchestrator.bootstrap.",
+    )
+
+
+class TaskSection(Section):
+    """Difficulty of the built-in arithmetic task (`miles_orchestrator.task.BuiltinTask`)."""
+
+    num_digits: int | list[int] = Field(default=2, description="Digits of each operand, or a list: one per operand.")
+    operations: list[Literal["+", "-", "*"]] = Field(default=["+"], min_length=1, description="Operators drawn.")
+    num_operands: int = Field(default=2, ge=2, le=8, description="Operands per problem.")
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1, description="Share of problems kept for evaluation.")
+
+    @model_validator(mode="after")
+    def _valid_task(self) -> TaskSection:
+        self.to_task()  # the task checks its own knobs (and how they combine)
+        return self
+
+    def to_task(self) -> BuiltinTask:
+        """The `BuiltinTask` these knobs describe."""
+        return BuiltinTask(
+            num_digits=self.num_digits if isinstance(self.num_digits, int) else tuple(self.num_digits),
+            operations=tuple(self.operations),
+            num_operands=self.num_operands,
+            heldout_fraction=self.heldout_fraction,
+        )
+
+
+DataSourceKind = Literal["builtin", "file", "hf", "plugin"]
+
+
+def data_source_kind(value: str) -> DataSourceKind | None:
+    """What a `data.source` / `data.eval_path` value names (None: nothing valid), by shape only."""
+    if value == "builtin":
+        return "builtin"
+    if value.startswith(HF_PREFIX):
+        return "hf" if value.removeprefix(HF_PREFIX).strip() else None
+    if value.endswith(DATA_SUFFIXES):
+        return "file"
+    return "plugin" if is_plugin_path(value) else None
+
+
+class DataSection(Section):
+    """Where prompts come from (step 1 of the data path)."""
+
+    source: str = Field(
+        default="builtin",
+        description="'builtin' (the arithmetic task), a .jsonl / .parquet file, 'hf:PATH' (a local Hugging Face "
+        "dataset: a save_to_disk directory, a folder of data files, or one .json/.jsonl/.parquet/.csv/.arrow file; "
+        "needs the hf extra), or a 'module:Class' DataSource plug-in.",
+    )
+    source_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of a 'module:Class' data.source, built as Class(data_section, **source_args).",
+    )
+    hf_split: str = Field(default="train", description="Split of an 'hf:' data.source that has several.")
+    prompt_key: str = Field(default="prompt", description="Row key of the prompt (text or chat messages).")
+    label_key: str = Field(default="label", description="Row key of the reference answer.")
+    apply_chat_template: bool = Field(default=False, description="Send the prompt as a user chat message.")
+    shuffle: bool = Field(default=True, description="Shuffle rows each epoch (file sources).")
+    seed: int = Field(default=0, ge=0, description="Seed of the shuffle and of the built-in task's problems.")
+    num_epochs: int = Field(default=1, ge=1, description="Passes over a file source; the built-in task never ends.")
+    eval_path: str | None = Field(
+        default=None, description="Held-out .jsonl / .parquet file or 'hf:PATH'; null: the task's held-out."
+    )
+    hf_eval_split: str = Field(default="test", description="Split of an 'hf:' data.eval_path that has several.")
+    num_eval_prompts: int = Field(default=200, ge=0, description="Held-out prompts per evaluation (0: no evaluation).")
+    task: TaskSection = Field(default_factory=TaskSection, description="The built-in task's difficulty.")
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if data_source_kind(value) is not None:
+            return value
+        raise ValueError(
+            f"{value!r} is neither 'builtin', a {' / '.join(DATA_SUFFIXES)} file, 'hf:PATH' (a local Hugging Face "
+            "dataset, e.g. hf:data/gsm8k or hf:train.csv) nor a 'package.module:Class' DataSource plug-in; give one "
+            "of these"
+        )
+
+    @field_validator("eval_path")
+    @classmethod
+    def _known_eval_path(cls, value: str | None) -> str | None:
+        if value is None or data_source_kind(value) in ("file", "hf"):
+            return value
+        raise ValueError(
+            f"{value!r} is neither a {' / '.join(DATA_SUFFIXES)} file nor 'hf:PATH' (a local Hugging Face dataset); "
+            "null evaluates on the built-in task's held-out problems, and a plug-in is for data.source only"
+        )
+
+    @model_validator(mode="after")
+    def _source_args_need_a_plugin(self) -> DataSection:
+        if self.source_args and data_source_kind(self.source) != "plugin":
+            raise ValueError(
+                f"data.source_args={self.source_args!r} are keyword arguments of a 'module:Class' data.source, but "
+                f"data.source={self.source!r}; drop data.source_args or name a plug-in class"
+            )
+        return self
+
+
+class RolloutSection(Section):
+    """How responses are generated (step 2)."""
+
+    num_prompts_per_step: int = Field(default=32, ge=1, description="Prompts per rollout.")
+    n_samples_per_prompt: int = Field(default=8, ge=1, description="Responses per prompt (the GRPO group size).")
+    max_new_tokens: int = Field(default=16, ge=1, le=MAX_NEW_TOKENS_LIMIT, description="Longest response.")
+    temperature: float = Field(default=1.0, ge=0, le=100, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass in (0, 1].")
+    allow_greedy: bool = Field(default=False, description="Allow temperature=0 for training rollouts.")
+    eval_temperature: float = Field(default=0.0, ge=0, le=100, description="Temperature of evaluation (0: greedy).")
+    eval_k: int = Field(default=1, ge=1, le=64, description="Also report pass@k over k samples (1: pass@1 only).")
+    rollout_fn: PluginPath | None = Field(
+        default=None, description="'module:function' RolloutFn; null: one-turn rollout."
+    )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="MoE policies: the one-turn rollout asks the engine for the experts of every token (SGLang's "
+        "return_routed_experts) and keeps them on the samples, for the routing metrics (moe_routing_flip_frac); "
+        "on whenever trainer.routing_replay=rollout. A sample holds (tokens - 1) x layers x top_k int32 (4 bytes "
+        "each, as base64 a third more); a custom rollout_fn must request and copy them itself.",
+    )
+    batch_requests: bool = Field(
+        default=True,
+        description="Send the /generate calls the prompt groups make at once as one batched request (one HTTP round "
+        "trip, admitted together); false: one request each (e.g. for a router that spreads them over engines).",
+    )
+    num_engines: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Rollout engines (run.cluster=ray). More than one: sglang-router (cache-aware by default) in "
+        "front of them, weights synced to every engine (docs/scale-out.md).",
+    )
+    engine_resources: RayResources = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources of each engine's placement bundle, e.g. {CPU: 8, GPU: 1}; a custom resource "
+        "that only some nodes advertise (ray start --resources) puts the engines on those nodes.",
+    )
+    engine_host: str = Field(
+        default="127.0.0.1",
+        description="Address each engine binds to. 127.0.0.1: engines on the driver's node only; engines on other "
+        "nodes need an address the driver's node reaches (0.0.0.0 binds every interface; admin calls keep the "
+        "run's key).",
+    )
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
+        default="cache_aware", description="sglang-router's policy in front of several engines."
+    )
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        default="retract",
+        description="run.mode=async: how a weight sync pauses the generations in flight. retract: the engine frees "
+        "their KV and continues them under the new weights (KV recomputed); abort: they stop and the rollout "
+        "continues (rollout.partial_rollout) or regenerates them. in_place is refused for training: it would "
+        "continue on KV the old weights computed.",
+    )
+    partial_rollout: bool = Field(
+        default=True,
+        description="run.mode=async with pause_mode=abort: continue an aborted generation under the new weights "
+        "from where it stopped (its earlier tokens keep their version); false: regenerate it from the start.",
+    )
+    partial_tokens: Literal["train", "mask"] = Field(
+        default="train",
+        description="Tokens of a partial rollout generated before its last weight update: train (against the "
+        "trainer's recomputed old log-probs; TIS/MIS-corrected when trainer.loss.is_mode is set) or mask (loss "
+        "mask 0).",
+    )
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(max_running_requests=64),
+        description="The embedded engine (miles_rollout.config.EngineConfig; here max_running_requests defaults to "
+        "64, where `miles-rollout serve` defaults to 256).",
+    )
+
+    @model_validator(mode="after")
+    def _sampling(self) -> RolloutSection:
+        if self.temperature == 0 and not self.allow_greedy:
+            raise ValueError(
+                "temperature=0 makes every response of a group identical, so GRPO learns nothing; set "
+                "rollout.temperature>0 (e.g. 1.0), or rollout.allow_greedy=true if that is what you want"
+            )
+        return self
+
+
+class RewardSection(Section):
+    """How responses are scored (step 3): user code runs in worker processes with a timeout; the http reward asks a
+    server."""
+
+    name: str = Field(
+        default="task",
+        description="'exact_match', 'math', 'task', 'http' (a reward server at reward.url), or a 'module:function' "
+        "path.",
+    )
+    is_group: bool = Field(default=False, description="The function scores a whole prompt group at once.")
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="Seconds per reward call (http: per attempt) before it counts as failed."
+    )
+    num_workers: int = Field(
+        default=2, ge=1, le=256, description="Reward worker processes (unused by reward.name=http)."
+    )
+    url: str | None = Field(
+        default=None,
+        description="The http reward's endpoint, e.g. http://127.0.0.1:8000/reward: each call POSTs the sample(s) as "
+        "JSON there.",
+    )
+    health_url: str | None = Field(
+        default=None,
+        description="http reward: a URL that must answer GET with 2xx at start-up; null: a GET of reward.url must "
+        "get any answer but 404.",
+    )
+    max_retries: int = Field(
+        default=3, ge=0, le=20,
+        description="http reward: extra attempts of a call after a connection error, a timeout, a 5xx or a 429 "
+        "(never after another 4xx).",
+    )  # fmt: skip
+    backoff_s: float = Field(
+        default=0.5, gt=0, description="http reward: wait before the first retry; doubles per retry."
+    )
+    max_backoff_s: float = Field(default=8.0, gt=0, description="http reward: the longest wait between retries.")
+    max_concurrency: int = Field(
+        default=32, ge=1, le=4096, description="http reward: most requests in flight at once."
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="http reward: environment variable holding an API key, sent as 'Authorization: Bearer KEY' "
+        "(the key itself stays out of config files); null: no key.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value in BUILTIN_REWARD_NAMES or value == HTTP_REWARD or is_plugin_path(value):
+            return value
+        raise ValueError(
+            f"reward.name={value!r}: use one of {[*BUILTIN_REWARD_NAMES, HTTP_REWARD]} or a 'module:function' path"
+        )
+
+    @field_validator("url", "health_url")
+    @classmethod
+    def _http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme in ("http", "https") and parts.hostname and not any(c.isspace() for c in value):
+            try:
+                _ = parts.port  # an out-of-range or non-numeric port raises here
+                return value
+            except ValueError:
+                pass
+        raise ValueError(
+            f"reward.{info.field_name}={value!r} is not an http(s) URL with a host; give e.g. "
+            "http://127.0.0.1:8000/reward"
+        )
+
+    @model_validator(mode="after")
+    def _http_settings(self) -> RewardSection:
+        if self.name == HTTP_REWARD and self.url is None:
+            raise ValueError(
+                "reward.name=http needs reward.url, the endpoint that scores samples (e.g. "
+                "reward.url=http://127.0.0.1:8000/reward)"
+            )
+        if self.name != HTTP_REWARD and (self.url is not None or self.health_url is not None):
+            raise ValueError(
+                f"reward.url / reward.health_url are for reward.name=http, not reward.name={self.name!r}; set "
+                "reward.name=http or drop them"
+            )
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(
+                f"reward.max_backoff_s={self.max_backoff_s:g} is below reward.backoff_s={self.backoff_s:g}; raise "
+                "max_backoff_s or lower backoff_s"
+            )
+        return self
+
+
+class FilterSection(Section):
+    """Which prompt groups train (step 4)."""
+
+    dynamic_sampling: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
+    max_oversample_rounds: int = Field(default=4, ge=0, description="Extra rollouts to refill dropped groups.")
+    custom: PluginPath | None = Field(
+        default=None, description="'module:function' SampleFilter applied to each group."
+    )
+
+
+def _run_optimizer() -> OptimizerConfig:
+    return OptimizerConfig(lr=2e-4)
+
+
+class TrainerSection(Section):
+    """The policy update (steps 5-6): batch shape, data-parallel ranks, advantages, and the trainer's own models."""
+
+    global_batch_size: int = Field(default=256, ge=1, description="Samples per optimizer step, all ranks together.")
+    steps_per_rollout: int = Field(default=1, ge=1, description="Optimizer steps per rollout.")
+    num_ranks: int = Field(default=1, ge=1, description="Trainer processes (FSDP2 data parallel).")
+    rank_resources: RayResources = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources of each trainer rank's placement bundle, e.g. {CPU: 8, GPU: 1}, or a custom "
+        "resource that puts the ranks on chosen nodes.",
+    )
+    advantage_estimator: str = Field(
+        default="grpo",
+        description=f"One of {list(ADVANTAGE_ESTIMATOR_NAMES)}, 'gae' (PPO with a critic: trainer.critic), or a "
+        "'module:function' plug-in.",
+    )
+    advantage: AdvantageConfig = Field(
+        default_factory=AdvantageConfig,
+        description="Knobs of the estimators (miles_trainer.config.AdvantageConfig): GRPO's scale_rewards and "
+        "std epsilon, the discount and GAE lambda, whitening.",
+    )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig,
+        description="PPO's critic (miles_trainer.config.CriticConfig), used when advantage_estimator=gae.",
+    )
+    optimizer: OptimizerConfig = Field(
+        default_factory=_run_optimizer,
+        description="AdamW and its schedule (miles_trainer.config.OptimizerConfig; here lr defaults to 2e-4, "
+        "where the trainer's own default is 1e-5).",
+    )
+    loss: PolicyLossConfig = Field(
+        default_factory=PolicyLossConfig,
+        description="The policy loss (miles_trainer.config.PolicyLossConfig); its temperature follows "
+        "rollout.temperature.",
+    )
+    backend: FSDP2Config = Field(
+        default_factory=FSDP2Config, description="The FSDP2 backend (miles_trainer.config.FSDP2Config)."
+    )
+    routing_replay: Literal["off", "rollout"] = Field(
+        default="off",
+        description="MoE policies: 'rollout' routes each token in the trainer's forward passes to the experts the "
+        "rollout engine chose (R3, routing replay; the router still learns through the replayed experts' scores); "
+        "'off': the trainer's router decides. True on-policy runs agree without it (deterministic mode routes the "
+        "same bits on both sides); it matters in fast mode and bf16, where routing can flip.",
+    )
+    log_kl: bool = Field(
+        default=False,
+        description="Keep the initial policy and log 'kl', its KL to the current policy on the rollout's response "
+        "tokens (trainer.loss.kl_estimator), every step, also when trainer.loss.kl_coef = 0 (then it is a metric "
+        "only: the update is unchanged). With kl_coef > 0 it is logged anyway.",
+    )
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _estimator(cls, value: str) -> str:
+        if value in (*ADVANTAGE_ESTIMATOR_NAMES, "gae") or is_plugin_path(value):
+            return value
+        raise ValueError(
+            f"trainer.advantage_estimator={value!r}: use one of {[*ADVANTAGE_ESTIMATOR_NAMES, 'gae']} or a "
+            "'module:function' advantage plug-in"
+        )
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO: GAE needs the critic's values."""
+        return self.advantage_estimator == "gae"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerSection:
+        if self.global_batch_size % self.num_ranks:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not split over num_ranks={self.num_ranks}; "
+                "make global_batch_size a multiple of num_ranks"
+            )
+        return self
+
+
+class LogSection(Section):
+    """Metric sinks; JSONL is always written."""
+
+    tensorboard: bool = Field(default=False, description="Also write TensorBoard events (needs the extra).")
+    wandb: bool = Field(default=False, description="Also log to Weights & Biases (needs wandb installed).")
+    wandb_project: str = Field(default="miles", description="W&B project name.")
+
+
+class RunSection(Section):
+    """Steps, seeds, outputs and logging of the whole run."""
+
+    run_dir: str = Field(default="runs/miles", description="Outputs: metrics, checkpoints, plots, the config.")
+    seed: int = Field(default=0, ge=0, description="Run seed; sample seeds derive from it and the sample index.")
+    num_steps: int = Field(default=120, ge=1, description="RL steps (rollouts) to run.")
+    eval_every: int = Field(default=20, ge=0, description="Evaluate every this many steps (0: never).")
+    checkpoint_every: int = Field(default=0, ge=0, description="Checkpoint every this many steps (0: only at end).")
+    cluster: Literal["ray", "local"] = Field(
+        default="ray",
+        description="Where engine and trainer run. ray: Ray actors (a local Ray, or run.ray_address), any number of "
+        "trainer ranks; local: the engine and one trainer rank in this process (no Ray, no HTTP).",
+    )
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster address (run.cluster=ray); null: start Ray locally."
+    )
+    colocate: bool = Field(
+        default=True,
+        description="Engine and trainer share devices, offloading in turn (one placement group); false: "
+        "disaggregated, the engines and the trainer ranks in placement groups of their own.",
+    )
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        default="sync",
+        description="sync: generate, then train; one_step_off: the rollout of step k+1 overlaps the training of "
+        "step k (samples one version old); async: rollouts run ahead by up to run.max_staleness versions, weight "
+        "syncs pause the generations in flight (rollout.pause_mode). Both need run.cluster=ray, colocate=false.",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="run.mode=async: the most weight versions a trained token may lag the trained policy; older "
+        "samples are dropped, counted, never trained on.",
+    )
+    sync_bucket_bytes: int = Field(
+        default=512 << 20, ge=1, description="Largest weight-sync bucket over HTTP, in bytes (run.cluster=ray)."
+    )
+    sync_transport: Literal["auto", "shm", "disk", "http", "distributed"] = Field(
+        default="auto",
+        description="How weights reach the engines on run.cluster=ray (local copies them in memory); trainer rank "
+        "0 sends the gathered weights every time. shm: a safetensors checkpoint in /dev/shm the engines load (on "
+        "rank 0's node; one copy in RAM); disk: the same in run.sync_dir, a directory every node reads; http: "
+        "buckets over HTTP to each engine; distributed: buckets broadcast over a torch.distributed group (gloo on "
+        "CPU, NCCL on GPU) of rank 0 and every engine; auto: shm when every engine is on rank 0's node and the "
+        "checkpoint is at most 1 GiB, else http for one engine and distributed for several.",
+    )
+    sync_dir: str | None = Field(
+        default=None,
+        description="run.sync_transport=disk: a directory every node reads (e.g. NFS); null: RUN_DIR/sync.",
+    )
+    num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads of the engine and of each trainer rank; null: the machine's CPU count.",
+    )
+    pin_cpus: bool = Field(
+        default=False,
+        description="run.cluster=ray: pin each trainer rank and engine to cores of its own (ranks first, then "
+        "engines; run.num_threads cores each, fewer if the node has too few), e.g. to measure overlap.",
+    )
+    log: LogSection = Field(default_factory=LogSection, description="Metric sinks.")
