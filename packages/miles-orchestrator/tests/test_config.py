@@ -359,3 +359,8 @@ def test_several_engines_spread_requests_unless_told_otherwise() -> None:
     assert load_config(None, []).rollout.batch_requests is True
     cfg = load_config(None, ["run.mode=async", "run.colocate=false", "rollout.pause_mode=abort"])
     assert (cfg.run.mode, cfg.rollout.pause_mode, cfg.rollout.partial_rollout) == ("async", "abort", True)
+    assert cfg.trainer.loss.is_mode == "truncate"  # stale tokens are importance-weighted by default
+    overlapped = ["run.mode=one_step_off", "run.colocate=false"]
+    assert load_config(None, [*overlapped, "trainer.loss.is_mode=mask"]).trainer.loss.is_mode == "mask"
+    assert load_config(None, [*overlapped, "trainer.loss.is_mode=null"]).trainer.loss.is_mode is None
+    assert load_config(None, []).trainer.loss.is_mode is None

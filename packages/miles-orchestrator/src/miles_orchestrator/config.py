@@ -176,6 +176,10 @@ def check_scale_out(cfg: RunConfig) -> None:
             "new tokens only, so routing replay would not match the sample; use rollout.pause_mode=retract (the "
             "engine keeps each token's routing with its KV) or rollout.partial_rollout=false"
         )
+    loss = cfg.trainer.loss
+    if run.mode != "sync" and "is_mode" not in loss.model_fields_set:
+        # stale tokens: weight each by pi_old / pi_behaviour, truncated (TIS), unless the config says otherwise
+        cfg.trainer.loss = loss.model_copy(update={"is_mode": "truncate"})
     if rollout.num_engines > 1 and "batch_requests" not in rollout.model_fields_set:
         rollout.batch_requests = False  # one batched request would go to one engine: let the router spread them
 

@@ -458,7 +458,8 @@ class RunSection(Section):
         default="sync",
         description="sync: generate, then train; one_step_off: the rollout of step k+1 overlaps the training of "
         "step k (samples one version old); async: rollouts run ahead by up to run.max_staleness versions, weight "
-        "syncs pause the generations in flight (rollout.pause_mode). Both need run.cluster=ray, colocate=false.",
+        "syncs pause the generations in flight (rollout.pause_mode). Both need run.cluster=ray, colocate=false, and "
+        "make trainer.loss.is_mode default to truncate (TIS against the rollout's log-probs).",
     )
     max_staleness: int = Field(
         default=1,
