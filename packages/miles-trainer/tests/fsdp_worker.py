@@ -274,11 +274,13 @@ def measure_host_peaks(backend: FSDP2Backend, out_dir: Path, checkpoint: Path) -
             meter.sample()
             time.sleep(0.002)
 
-    sampler = threading.Thread(target=sample_until_done)
+    sampler = threading.Thread(target=sample_until_done, daemon=True)
     sampler.start()
-    save_checkpoint(backend, checkpoint)
-    done.set()
-    sampler.join()
+    try:
+        save_checkpoint(backend, checkpoint)
+    finally:  # the sampler stops whatever happens, so a failed save ends the process
+        done.set()
+        sampler.join()
     out["checkpoint_growth_bytes"], out["checkpoint_samples"] = float(meter.growth), float(meter.num_samples)
     values = torch.tensor(list(out.values()), dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)

@@ -57,8 +57,14 @@ def run_ranks(
         command = [sys.executable, str(WORKER), str(model_dir), str(out_dir), mode, str(out_dir.parent / "checkpoint")]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))  # fmt: skip
-    for process in processes:
-        output, _ = process.communicate(timeout=240)
+    try:
+        collected = [process.communicate(timeout=240)[0] for process in processes]
+    finally:  # a rank that fails or hangs must not outlive the test (its peers wait in collectives)
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for process, output in zip(processes, collected, strict=True):
         if outputs is not None:
             outputs.append((process.returncode, output))
         elif expect_killed:

@@ -11,10 +11,13 @@ never on a hot path.
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 from collections.abc import Callable
 
 import torch
+
+SCAN_SWITCH_INTERVAL_S = 10.0  # longer than any scan: the scanning thread keeps the GIL until it is done
 
 
 def live_tensor_bytes(device_type: str = "cpu") -> int:
@@ -31,9 +34,7 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
         if storage.nbytes() and storage.filename is None:  # a mapped file's pages are the file's, not allocations
             seen[storage.data_ptr()] = storage.nbytes()
 
-    with warnings.catch_warnings():  # isinstance() on deprecated module attributes (torch.distributed.reduce_op)
-        warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    tensors = _tracked_tensors()
     for obj in tensors:
         try:
             count(obj)
@@ -42,6 +43,24 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage (fakes, functional)
             continue
     return sum(seen.values())
+
+
+def _tracked_tensors() -> list[torch.Tensor]:
+    """Every tensor the garbage collector tracks. While gc's list of all objects is alive no other thread may run
+    (the switch interval is raised for the scan): from a sampling thread, the list would also hold an object another
+    thread is still building, and CPython fails resizing that tuple (SystemError in _PyTuple_Resize) once it holds
+    a second reference."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SCAN_SWITCH_INTERVAL_S)
+    try:
+        with warnings.catch_warnings():  # isinstance() on deprecated module attributes (torch.distributed.reduce_op)
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            tensors = [obj for obj in objects if isinstance(obj, torch.Tensor)]
+            del objects
+    finally:
+        sys.setswitchinterval(interval)
+    return tensors
 
 
 class PeakMeter:
