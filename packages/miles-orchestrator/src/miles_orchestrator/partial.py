@@ -15,11 +15,10 @@ import asyncio
 from dataclasses import dataclass
 
 from miles_contracts import GenerateClient, GenerateRequest, RolloutFn, Sample, SampleStatus, SamplingParams
-from miles_orchestrator.rollout import token_versions
+from miles_orchestrator.rollout import STATUS_OF_FINISH, token_versions
 
 MAX_RESUMES = 16  # a generation aborted this many times in a row fails (its group is not trained)
 RESEED = 1 << 40  # retry k of sample seed s draws with s + k * RESEED (seeds stay distinct for any run)
-_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ async def continue_sample(
         + [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []],
         "weight_version": meta.weight_version,
         "weight_versions": known if len(set(versions)) > 1 and len(known) == len(versions) else None,
-        "finish_reason": reason, "status": _STATUS[reason],
+        "finish_reason": reason, "status": STATUS_OF_FINISH[reason],
         "metadata": sample.metadata | {"partial_rollout_resumes": num_resumes},
     })  # fmt: skip
 

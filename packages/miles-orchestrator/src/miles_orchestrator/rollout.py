@@ -48,7 +48,7 @@ def sample_seed(run_seed: int, sample_index: int) -> int:
     return run_seed * SEED_STRIDE + sample_index
 
 
-_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+STATUS_OF_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 async def single_turn(
@@ -67,7 +67,7 @@ async def single_turn(
         out.append(sample.model_copy(update={
             "response_tokens": list(response.output_ids), "response": response.text,
             "rollout_logprobs": [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []],
-            "finish_reason": reason, "status": _STATUS[reason], "weight_version": meta.weight_version,
+            "finish_reason": reason, "status": STATUS_OF_FINISH[reason], "weight_version": meta.weight_version,
             "weight_versions": token_versions(meta), "metadata": sample.metadata | _spec_counts(meta),
             "routed_experts": meta.routed_experts,
         }))  # fmt: skip
