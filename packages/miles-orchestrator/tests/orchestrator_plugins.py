@@ -123,3 +123,38 @@ class UnsavableSource(CountingSource):
 
     def state_dict(self) -> dict[str, Any]:
         return {"next_index": {self.next_index}}
+
+
+class ScriptedEnv:
+    """An Environment plug-in (rollout.agent.env=orchestrator_plugins:ScriptedEnv): observes "obs K" after turn K and
+    is done after `done_after` turns with reward 1 per turn. A sample's metadata["mode"] makes it misbehave at its
+    second step: "raise", "hang" (sleeps an hour) or "crash" (the worker process exits)."""
+
+    def __init__(self, done_after: int = 2) -> None:
+        self.done_after = done_after
+        self.mode = "ok"
+
+    def reset(self, sample: Sample) -> None:
+        self.mode = str(sample.metadata.get("mode", "ok"))
+
+    async def step(self, message: Any) -> dict[str, Any]:  # async and returning a dict: both are allowed
+        if message.turn == 1 and self.mode == "raise":
+            raise RuntimeError("the environment broke")
+        if message.turn == 1 and self.mode == "hang":
+            time.sleep(3600)
+        if message.turn == 1 and self.mode == "crash":
+            os._exit(3)
+        done = message.turn + 1 >= self.done_after
+        return {"observation": f"obs {message.turn}", "reward": 1.0, "is_done": done, "info": {"last": message.turn}}
+
+
+class OpeningEnv:
+    """An Environment whose reset opens the conversation itself (a system and a user message)."""
+
+    def reset(self, sample: Sample) -> list[dict[str, str]]:
+        return [{"role": "system", "content": "You add."}, {"role": "user", "content": f"{sample.prompt}!"}]
+
+    def step(self, message: Any) -> Any:
+        from miles_contracts import StepResult
+
+        return StepResult(is_done=True, reward=0.5)

@@ -4,8 +4,17 @@
 - `GenerateRequest` / `SamplingParams` / `GenerateResponse` / `MetaInfo`: SGLang's `/generate` schema.
 - Plug-in Protocols (`RewardFn`, `GroupRewardFn`, `DataSource`, `RolloutFn`, `SampleFilter`), `load_plugin` and
   `PluginPath` (a config field holding a `module:function` path).
+- The environment interface of agentic rollouts: `Environment`, `AgentMessage`, `ToolCall`, `StepResult`.
 """
 
+from miles_contracts.environment import (
+    AgentMessage,
+    Environment,
+    Observation,
+    StepResult,
+    ToolCall,
+    observation_messages,
+)
 from miles_contracts.generate import (
     MAX_NEW_TOKENS_LIMIT,
     FinishReason,
@@ -33,8 +42,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MAX_NEW_TOKENS_LIMIT",
+    "AgentMessage",
     "ChatMessage",
     "DataSource",
+    "Environment",
     "FinishReason",
     "FinishReasonType",
     "GenerateClient",
@@ -43,6 +54,7 @@ __all__ = [
     "GroupRewardFn",
     "LogprobEntry",
     "MetaInfo",
+    "Observation",
     "PluginPath",
     "RewardFn",
     "RolloutFn",
@@ -50,7 +62,10 @@ __all__ = [
     "SampleFilter",
     "SampleStatus",
     "SamplingParams",
+    "StepResult",
+    "ToolCall",
     "is_plugin_path",
     "load_plugin",
+    "observation_messages",
     "version_string",
 ]

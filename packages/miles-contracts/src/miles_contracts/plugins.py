@@ -14,6 +14,7 @@ from typing import Annotated, Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import AfterValidator
 
+from miles_contracts.environment import Environment
 from miles_contracts.generate import GenerateRequest, GenerateResponse, SamplingParams
 from miles_contracts.sample import Sample
 
@@ -79,6 +80,11 @@ class RolloutFn(Protocol):
 P = TypeVar("P")
 
 _NUM_POSITIONAL = {RewardFn: 1, GroupRewardFn: 1, SampleFilter: 1, RolloutFn: 3}
+# Protocols of classes (or objects) checked by their methods, not called: the data source, the environment
+_METHODS: dict[Any, tuple[str, ...]] = {
+    DataSource: ("get_samples", "state_dict", "load_state_dict"),
+    Environment: ("reset", "step"),
+}
 
 
 def is_plugin_path(value: str) -> bool:
@@ -112,10 +118,13 @@ def load_plugin(path: str, protocol: type[P]) -> P:
         if not hasattr(obj, part):
             raise ValueError(f"plug-in {path!r}: module {module_name!r} has no attribute {attribute!r}")
         obj = getattr(obj, part)
-    if protocol is DataSource:
-        missing = [m for m in ("get_samples", "state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+    methods = _METHODS.get(protocol)
+    if methods is not None:
+        missing = [m for m in methods if not callable(getattr(obj, m, None))]
         if missing:
-            raise TypeError(f"plug-in {path!r} is not a DataSource: it lacks {', '.join(missing)}")
+            raise TypeError(f"plug-in {path!r} is not a {protocol.__name__}: it lacks {', '.join(missing)}")
+        if protocol is Environment and not isinstance(obj, type):
+            raise TypeError(f"plug-in {path!r} is not a class; an Environment is a class, built once per episode")
         return obj  # type: ignore[no-any-return]
     if not callable(obj):
         raise TypeError(f"plug-in {path!r} is not callable; a {protocol.__name__} is a function")

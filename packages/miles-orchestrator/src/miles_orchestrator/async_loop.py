@@ -80,8 +80,8 @@ async def run_overlapped(
     served, bound = Served(start), lag(cfg)
     queue: asyncio.Queue[Produced | DataExhausted] = asyncio.Queue()
     generating = asyncio.Lock()  # held while a batch is generated; one_step_off's sync waits for it
-    aborted = aborted_policy(cfg.run.mode, cfg.rollout.pause_mode, cfg.rollout.partial_rollout,
-                             cfg.rollout.rollout_fn)  # fmt: skip
+    is_default_fn = cfg.rollout.rollout_fn is None and cfg.rollout.agent.env is None
+    aborted = aborted_policy(cfg.run.mode, cfg.rollout.pause_mode, cfg.rollout.partial_rollout, is_default_fn)
 
     async def produce() -> None:
         for step in range(start + 1, cfg.run.num_steps + 1):
@@ -125,7 +125,9 @@ async def run_overlapped(
             await served.set(step)
             last_position = item.position
             if parts.eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                metrics |= await evaluate_held_out(cfg, cluster, parts.rewards, parts.eval_prompts, parts.encode, run)
+                metrics |= await evaluate_held_out(
+                    cfg, cluster, parts.rewards, parts.eval_prompts, parts.encode, run, parts.eval_fn
+                )
             now = time.perf_counter()
             run.record(step, metrics | {"step_time_s": now - finished})
             finished = now

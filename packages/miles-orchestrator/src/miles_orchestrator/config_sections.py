@@ -29,8 +29,9 @@ from miles_trainer.config import (
     PolicyLossConfig,
 )
 
-BUILTIN_REWARD_NAMES = ("exact_match", "math", "task")
+BUILTIN_REWARD_NAMES = ("exact_match", "math", "task", "env")
 HTTP_REWARD = "http"  # the built-in remote reward (miles_orchestrator.http_reward)
+BUILTIN_ENV_NAMES = ("calculator",)  # miles_orchestrator.environments.BUILTIN_ENVS
 DATA_SUFFIXES = (".jsonl", ".parquet")
 HF_PREFIX = "hf:"  # a local Hugging Face dataset (miles_orchestrator.hf_data); reserved, so never a plug-in path
 CLUSTERS = ("ray", "local")
@@ -163,6 +164,45 @@ class DataSection(Section):
         return self
 
 
+class AgentSection(Section):
+    """Agentic rollouts (docs/agentic.md): each sample is an episode of turns between the policy and an environment,
+    which runs in sandboxed worker processes."""
+
+    env: str | None = Field(
+        default=None,
+        description="'calculator' (the built-in task with a calculator tool) or a 'module:Class' Environment; "
+        "null: one-turn rollouts.",
+    )
+    env_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment, built as Env(**env_args) per episode."
+    )
+    max_turns: int = Field(default=4, ge=1, le=256, description="Most model turns per episode.")
+    max_response_tokens: int = Field(
+        default=256, ge=1, le=MAX_NEW_TOKENS_LIMIT,
+        description="Most response tokens per episode, the model's and the observations' (each turn also stops at "
+        "rollout.max_new_tokens).",
+    )  # fmt: skip
+    tool_call_format: Literal["hermes"] = Field(
+        default="hermes",
+        description='How tool calls are written: hermes is Qwen\'s <tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call>.",
+    )
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="Seconds per environment call (reset, step) before the episode fails."
+    )
+    num_workers: int = Field(default=2, ge=1, le=256, description="Environment worker processes.")
+
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, value: str | None) -> str | None:
+        if value is None or value in BUILTIN_ENV_NAMES or is_plugin_path(value):
+            return value
+        raise ValueError(
+            f"rollout.agent.env={value!r}: use one of {list(BUILTIN_ENV_NAMES)} or a 'package.module:Class' "
+            "Environment"
+        )
+
+
 class RolloutSection(Section):
     """How responses are generated (step 2)."""
 
@@ -228,6 +268,9 @@ class RolloutSection(Section):
         "trainer's recomputed old log-probs; TIS/MIS-corrected when trainer.loss.is_mode is set) or mask (loss "
         "mask 0).",
     )
+    agent: AgentSection = Field(
+        default_factory=AgentSection, description="Multi-turn rollouts with an environment (rollout.agent.env)."
+    )
     engine: EngineConfig = Field(
         default_factory=lambda: EngineConfig(max_running_requests=64),
         description="The embedded engine (miles_rollout.config.EngineConfig; here max_running_requests defaults to "
@@ -236,6 +279,11 @@ class RolloutSection(Section):
 
     @model_validator(mode="after")
     def _sampling(self) -> RolloutSection:
+        if self.agent.env is not None and self.rollout_fn is not None:
+            raise ValueError(
+                f"rollout.agent.env={self.agent.env!r} plays multi-turn episodes with its own rollout function, and "
+                f"rollout.rollout_fn={self.rollout_fn!r} names another; drop one of them"
+            )
         if self.temperature == 0 and not self.allow_greedy:
             raise ValueError(
                 "temperature=0 makes every response of a group identical, so GRPO learns nothing; set "
@@ -250,8 +298,8 @@ class RewardSection(Section):
 
     name: str = Field(
         default="task",
-        description="'exact_match', 'math', 'task', 'http' (a reward server at reward.url), or a 'module:function' "
-        "path.",
+        description="'exact_match', 'math', 'task', 'env' (the episode's environment reward; needs "
+        "rollout.agent.env), 'http' (a reward server at reward.url), or a 'module:function' path.",
     )
     is_group: bool = Field(default=False, description="The function scores a whole prompt group at once.")
     timeout_s: float = Field(

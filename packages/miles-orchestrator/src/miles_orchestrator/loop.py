@@ -17,14 +17,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from miles_kernels import read_model_config
+from miles_orchestrator.agentic import agent_rollout
 from miles_orchestrator.async_loop import run_overlapped
 from miles_orchestrator.cluster import Cluster, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.data import build_data_source, build_eval_samples, check_data_source
+from miles_orchestrator.env_pool import resolve_env
 from miles_orchestrator.evaluation import evaluate_held_out
 from miles_orchestrator.filters import build_filters
 from miles_orchestrator.rewards import RewardPool, check_reward
-from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn
+from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn, single_turn
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.steps import LoopParts, checked_versions, send_weights, train_batch
 from miles_trainer import (
@@ -44,9 +46,10 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     check_model(cfg, model_dir)
     source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
     encode = PromptEncoder(model_dir)
-    rollout_fn = resolve_rollout_fn(cfg.rollout.rollout_fn, cfg.rollout.return_routed_experts)
     filters = build_filters(cfg.filter)
-    with RewardPool.from_config(cfg.reward) as rewards:
+    with RewardPool.from_config(cfg.reward) as rewards, agent_rollout(cfg.rollout, encode.tokenizer) as agent:
+        rollout_fn = agent or resolve_rollout_fn(cfg.rollout.rollout_fn, cfg.rollout.return_routed_experts)
+        eval_fn = agent or single_turn  # a held-out episode plays as a training one
         cluster = await start_cluster(cfg, model_dir, run.path)
         turns = Turns(cluster, is_colocated=cfg.run.colocate, is_partial=cfg.memory.partial_offload)
         try:
@@ -55,9 +58,9 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
             await check_on_policy(cfg, cluster, version=start, log=run.log)
             await turns.engine_turn()
             if start == 0 and eval_prompts and cfg.run.eval_every:
-                run.record(0, await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run))
+                run.record(0, await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run, eval_fn))
             if cfg.run.mode != "sync":
-                parts = LoopParts(source, rewards, filters, rollout_fn, encode, eval_prompts)
+                parts = LoopParts(source, rewards, filters, rollout_fn, encode, eval_prompts, eval_fn)
                 await run_overlapped(cfg, cluster, run, start, parts, model_dir)
                 return
             for step in range(start + 1, cfg.run.num_steps + 1):
@@ -83,7 +86,7 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
                         await cluster.export(run.path / "final", model_dir)
                     metrics |= await sync_weights(cfg, cluster, turns, version=step, run=run)
                 if eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                    metrics |= await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run)
+                    metrics |= await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run, eval_fn)
                 metrics |= turns.memory_metrics()
                 run.record(step, metrics | {"step_time_s": time.perf_counter() - began})
                 run.commit_checkpoint(step)  # only now: the step's metrics line is written
@@ -103,6 +106,7 @@ def check_plugins(cfg: RunConfig) -> None:
         ("data.source", cfg.data.source, lambda: check_data_source(cfg.data)),
         ("reward.name", cfg.reward.name, lambda: check_reward(cfg.reward)),
         ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
+        ("rollout.agent.env", cfg.rollout.agent.env, lambda: resolve_env(cfg.rollout.agent.env or "calculator")),
         ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
         ("trainer.loss.loss_fn", cfg.trainer.loss.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss.loss_fn)),
         ("trainer.advantage_estimator", cfg.trainer.advantage_estimator, lambda: _check_estimator(cfg)),

@@ -94,8 +94,10 @@ async def continue_sample(
     })  # fmt: skip
 
 
-def aborted_policy(mode: str, pause_mode: str, partial_rollout: bool, rollout_fn_path: str | None) -> Aborted | None:
-    """The run's `Aborted`, or None when no weight sync aborts generations (sync modes, or pause_mode=retract)."""
+def aborted_policy(mode: str, pause_mode: str, partial_rollout: bool, is_default_fn: bool) -> Aborted | None:
+    """The run's `Aborted`, or None when no weight sync aborts generations (sync modes, or pause_mode=retract).
+    `is_default_fn`: the run rolls out with the one-turn default (neither rollout.rollout_fn nor rollout.agent.env;
+    a multi-turn episode aborted mid-way is played again from the start)."""
     if mode != "async" or pause_mode != "abort":
         return None
-    return Aborted(is_partial=partial_rollout, is_default_fn=rollout_fn_path is None)
+    return Aborted(is_partial=partial_rollout, is_default_fn=is_default_fn)

@@ -1,16 +1,17 @@
 """Rewards: step 3 of the RL data path, between the rollout (which fills `response`) and the filters.
 
 - Built-ins, by name: `exact_match` (normalized string compare), `math` (`math-verify`), `task` (the built-in
-  arithmetic task's verifier). Anything else is a `module:function` `RewardFn` (or `GroupRewardFn` with
-  `is_group`), checked at start-up with `miles_contracts.load_plugin`. `http` asks a reward server instead
-  (http_reward.py: no worker processes, the same failure semantics).
-- `RewardPool` runs the reward in spawned worker processes, one call per sample (or per prompt group), each with a
-  timeout; a step's calls reach each worker as one chunk and the replies stream back one by one. Samples cross to
-  a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as pickles. A call that
-  raises, returns a non-finite or non-numeric value, kills its worker, or runs past the timeout marks its
+  arithmetic task's verifier), `env` (the reward an agentic rollout's environment gave the episode). Anything else
+  is a `module:function` `RewardFn` (or `GroupRewardFn` with `is_group`), checked at start-up with
+  `miles_contracts.load_plugin`. `http` asks a reward server instead (http_reward.py: no worker processes, the
+  same failure semantics).
+- `RewardPool` runs the reward in spawned worker processes (sandbox.py), one call per sample (or per prompt group),
+  each with a timeout; a step's calls reach each worker as one chunk and the replies stream back one by one.
+  Samples cross to a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as pickles. A
+  call that raises, returns a non-finite or non-numeric value, kills its worker, or runs past the timeout marks its
   sample(s) `failed` (`status=FAILED`, `error` says why) with `reward = 0.0`, so a group's advantages stay
-  computable and a failure counts as a wrong answer; the loop may drop such groups by status.
-  A hung or dead worker is killed and replaced; the pool keeps working and the run never crashes on user code.
+  computable and a failure counts as a wrong answer; the loop may drop such groups by status. A hung or dead worker
+  is killed and replaced; the pool keeps working and the run never crashes on user code.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import asyncio
 import inspect
 import json
 import math
-import multiprocessing
 import queue
 import re
 import signal
@@ -29,27 +29,26 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.context import ForkServerContext, SpawnContext
-from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
 from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
 from miles_orchestrator import task
 from miles_orchestrator.config import BUILTIN_REWARD_NAMES, HTTP_REWARD, RewardSection
 from miles_orchestrator.http_reward import CallResult, HttpReward
+from miles_orchestrator.sandbox import Worker, exit_code, spawn_worker, stop_worker, wait_ready
 
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardPool",
     "RewardStats",
     "check_reward",
+    "env_reward",
     "exact_match",
     "math_reward",
     "resolve_reward",
     "task_reward",
 ]
 
-_STARTUP_TIMEOUT_S = 120.0  # a spawned worker imports pydantic and the reward's module before it is ready
 _MAX_ERRORS_KEPT = 5
 
 
@@ -87,9 +86,21 @@ def task_reward(sample: Sample) -> float:
     return task.verify(sample.response, sample.label)
 
 
+def env_reward(sample: Sample) -> float:
+    """The reward an agentic rollout's environment gave the episode: the sum of its steps' rewards
+    (`sample.metadata["agent"]["reward"]`, written by miles_orchestrator.agentic)."""
+    agent = sample.metadata.get("agent")
+    if not isinstance(agent, dict) or not isinstance(agent.get("reward"), int | float):
+        raise ValueError(
+            "the env reward reads the episode's environment reward, but this sample has none; set rollout.agent.env "
+            "(a multi-turn rollout) or choose another reward.name"
+        )
+    return float(agent["reward"])  # type: ignore[arg-type]
+
+
 # Named in the run config (`reward.name`); the names are config.py's, checked there without importing rewards.
 BUILTIN_REWARDS: dict[str, RewardFn] = dict(
-    zip(BUILTIN_REWARD_NAMES, (exact_match, math_reward, task_reward), strict=True)
+    zip(BUILTIN_REWARD_NAMES, (exact_match, math_reward, task_reward, env_reward), strict=True)
 )
 
 
@@ -134,12 +145,6 @@ class RewardStats:
         }
 
 
-@dataclass
-class _Worker:
-    process: BaseProcess
-    conn: Connection
-
-
 class RewardPool:
     """Runs a reward function in `num_workers` worker processes, each call under `timeout_s`; or, given `remote`
     (the http reward), sends each call to its server instead.
@@ -167,12 +172,8 @@ class RewardPool:
             remote.check_reachable()
         else:
             resolve_reward(name, is_group=is_group)  # fail here, in the caller, on a bad name or signature
-        self._context: SpawnContext | ForkServerContext = (
-            multiprocessing.get_context("spawn")
-            if start_method == "spawn"
-            else multiprocessing.get_context("forkserver")
-        )
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._start_method = start_method
+        self._idle: queue.Queue[Worker] = queue.Queue()
         self._threads = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="reward")
         self.num_restarts = 0
         self.total_failed = 0
@@ -281,8 +282,7 @@ class RewardPool:
                     else:
                         results.append(([float(r) for r in reply["rewards"]], None, False))
             except (EOFError, OSError):
-                worker.process.join(timeout=1.0)  # the pipe closes a moment before the exit code is known
-                code = worker.process.exitcode
+                code = exit_code(worker)
                 worker = self._replace(worker)
                 results.append((None, f"reward {self.name!r} worker died (exit code {code}) while scoring", False))
                 pending.pop(0)
@@ -290,38 +290,20 @@ class RewardPool:
                 self._idle.put(worker)
         return results
 
-    def _replace(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: Worker) -> Worker:
         self._stop(worker)
         self.num_restarts += 1
         return self._wait_ready(self._spawn())
 
-    def _spawn(self) -> _Worker:
-        parent, child = self._context.Pipe()
-        process = self._context.Process(
-            target=_worker_main, args=(child, self.name, self.is_group), name="miles-reward", daemon=True
-        )
-        process.start()
-        child.close()
-        return _Worker(process, parent)
+    def _spawn(self) -> Worker:
+        return spawn_worker(_worker_main, (self.name, self.is_group), "miles-reward", self._start_method)
 
-    def _wait_ready(self, worker: _Worker) -> _Worker:
-        ready = worker.conn.poll(_STARTUP_TIMEOUT_S)
-        try:
-            reply = json.loads(worker.conn.recv_bytes()) if ready else {"error": "no answer"}
-        except (EOFError, OSError):
-            reply = {"error": f"exited with code {worker.process.exitcode}"}
-        if "error" in reply:
-            self._stop(worker)
-            raise RuntimeError(f"reward worker for {self.name!r} failed to start: {reply['error']}")
-        return worker
+    def _wait_ready(self, worker: Worker) -> Worker:
+        return wait_ready(worker, f"reward worker for {self.name!r}")
 
     @staticmethod
-    def _stop(worker: _Worker) -> None:
-        worker.conn.close()  # a waiting worker sees EOF and exits; a busy one is killed below
-        worker.process.join(timeout=0.5)
-        if worker.process.is_alive():
-            worker.process.kill()
-            worker.process.join(timeout=5)
+    def _stop(worker: Worker) -> None:
+        stop_worker(worker)
 
 
 def _worker_main(conn: Connection, name: str, is_group: bool) -> None:

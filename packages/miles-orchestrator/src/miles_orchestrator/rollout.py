@@ -30,6 +30,7 @@ from miles_contracts import (
     SamplingParams,
     load_plugin,
 )
+from miles_orchestrator.agent_metrics import agent_metrics
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.filters import apply_filters
 from miles_orchestrator.rewards import RewardPool
@@ -206,10 +207,12 @@ async def generate_batch(
             groups = await run_groups(
                 client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests, aborted
             )
-        for group in [g for g in groups if g[0].status == SampleStatus.FAILED]:
-            run.log(f"prompt group {group[0].group_index} not trained: {group[0].error}")
+        # Before rewards, a failed sample is the rollout's (an engine error, a crashed environment): its group cannot
+        # be compared within itself, so it is not trained.
+        for group in [g for g in groups if _failed_sample(g)]:
+            run.log(f"prompt group {group[0].group_index} not trained: {_failed_sample(group).error}")  # type: ignore[union-attr]
             num_failed_groups += 1
-        groups = [g for g in groups if g[0].status != SampleStatus.FAILED]
+        groups = [g for g in groups if not _failed_sample(g)]
         scoring = time.perf_counter()
         stats = await rewards.score([s for g in groups for s in g])
         reward_seconds += time.perf_counter() - scoring
@@ -242,7 +245,12 @@ async def generate_batch(
         "reward_time_s": reward_seconds,  # part of rollout_time_s
         "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
         **spec_metrics(generated),
+        **agent_metrics(generated),
     }  # fmt: skip
+
+
+def _failed_sample(group: list[Sample]) -> Sample | None:
+    return next((s for s in group if s.status == SampleStatus.FAILED), None)
 
 
 class PromptEncoder:

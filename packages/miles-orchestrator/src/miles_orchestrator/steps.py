@@ -37,6 +37,7 @@ class LoopParts:
     rollout_fn: Any
     encode: PromptEncoder
     eval_prompts: list[Sample]
+    eval_fn: Any  # the rollout function of held-out evaluation
 
 
 def checked_versions(

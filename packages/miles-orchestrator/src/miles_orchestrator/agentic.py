@@ -1,0 +1,249 @@
+"""Agentic rollouts: step 2 of the RL data path when `rollout.agent.env` is set (docs/agentic.md). Each sample is
+one episode: the policy's turns alternate with an environment's steps (env_pool.py runs it, sandboxed) until the
+environment says done, `rollout.agent.max_turns` turns were played or `rollout.agent.max_response_tokens` are
+spent.
+
+The conversation stays token ids end to end (docs/architecture.md, "Agentic rollouts"):
+
+- the model's tokens are kept exactly as generated (nothing is re-tokenized) with their log-probs and versions,
+  loss mask 1;
+- an observation is appended as the chat template's delta: the tokens that follow the model's end-of-turn token
+  when the observation's messages and the next generation prompt are rendered (`ChatTemplate.delta`), loss mask 0,
+  log-prob 0.0;
+- the next turn sends the whole sequence as `input_ids`; the engine's prefix cache keeps the earlier turns.
+
+So the trainer sees the same tokens the engine computed, and under true on-policy the trainer's log-probs of every
+model token equal the rollout's, whatever the turn. Tool calls are parsed from each turn (tool_calls.py); a
+malformed call is answered with an observation saying what is wrong, and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import JsonValue
+
+from miles_contracts import (
+    AgentMessage,
+    ChatMessage,
+    GenerateClient,
+    GenerateRequest,
+    Sample,
+    SampleStatus,
+    SamplingParams,
+    StepResult,
+    observation_messages,
+)
+from miles_orchestrator.config_sections import RolloutSection
+from miles_orchestrator.env_pool import EnvError, EnvPool
+from miles_orchestrator.rollout import STATUS_OF_FINISH, token_versions
+from miles_orchestrator.tool_calls import parse_tool_calls
+
+# A fixed conversation the deltas are rendered after: only what follows its assistant turn's end matters.
+_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+class ChatTemplate:
+    """The tokenizer's chat template as token ids: the conversation's opening, and the delta of new messages."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.eos_token_id)
+        eos = tokenizer.convert_ids_to_tokens(self.eos_id)
+        prefix = self._render(_BASE, add_generation_prompt=False)
+        if f"a{eos}" not in prefix:
+            raise ValueError(
+                f"the chat template does not end an assistant turn with the EOS token {eos!r}, so a model's turn "
+                "cannot be continued token by token; use a chat model's tokenizer (e.g. Qwen's)"
+            )
+        self._prefix = prefix
+        self._after_eos = prefix.rindex(f"a{eos}") + 1 + len(eos)  # where the text after the turn's EOS starts
+        self._delta_cache: dict[str, list[int]] = {}
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
+        return str(self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        ))  # fmt: skip
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def opening(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """The first prompt: `messages` with the generation prompt (and the tools' schemas, when the template
+        renders them)."""
+        extra = {"tools": tools} if tools else {}
+        return self.encode(self._render(messages, add_generation_prompt=True, **extra))
+
+    def delta(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens after a model turn's EOS that append `messages` and open the next assistant turn."""
+        full = self._render([*_BASE, *messages], add_generation_prompt=True)
+        if not full.startswith(self._prefix):
+            raise ValueError("the chat template is not prefix-stable (appending messages rewrites earlier turns)")
+        text = full[self._after_eos :]
+        if text not in self._delta_cache:
+            self._delta_cache[text] = self.encode(text)
+        return list(self._delta_cache[text])
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+
+
+@dataclass(frozen=True)
+class AgentRollout:
+    """The multi-turn `RolloutFn` (`await rollout(client, group, params)`): one episode per sample, concurrently.
+    Per turn a sample draws with its own seed (group seed + position), so a resumed run replays its episodes."""
+
+    pool: EnvPool
+    chat: ChatTemplate
+    max_turns: int
+    max_response_tokens: int
+    routed_experts: bool = False
+
+    async def __call__(self, client: GenerateClient, group: list[Sample], params: SamplingParams) -> list[Sample]:
+        return list(await asyncio.gather(
+            *(self.episode(client, sample, params, position) for position, sample in enumerate(group))
+        ))  # fmt: skip
+
+    async def episode(self, client: GenerateClient, sample: Sample, params: SamplingParams, position: int) -> Sample:
+        """One sample's episode; an environment failure fails the sample (and so its group), not the run."""
+        try:
+            opened = await self.pool.open(sample)
+        except EnvError as error:
+            return _failed(sample, str(error))
+        try:
+            return await self._play(client, sample, params, position, opened.episode, opened.messages, opened.tools)
+        except EnvError as error:
+            return _failed(sample, str(error))
+        finally:
+            await self.pool.close(opened.episode)
+
+    async def _play(
+        self, client: GenerateClient, sample: Sample, params: SamplingParams, position: int, episode: Any,
+        messages: list[ChatMessage] | None, tools: list[dict[str, Any]] | None,
+    ) -> Sample:  # fmt: skip
+        opening = [m.model_dump() for m in messages] if messages is not None else _prompt_messages(sample)
+        prompt = self.chat.opening(opening, tools)
+        seed = None if params.sampling_seed is None else params.sampling_seed + position
+        trace = _Trace()
+        status, reason = SampleStatus.TRUNCATED, "length"
+        for turn in range(self.max_turns):
+            budget = min(params.max_new_tokens, self.max_response_tokens - len(trace.tokens))
+            if budget <= 0:
+                trace.end = "budget"
+                break
+            request = GenerateRequest(
+                input_ids=prompt + trace.tokens, return_logprob=True, return_routed_experts=self.routed_experts,
+                sampling_params=params.model_copy(update={"n": 1, "max_new_tokens": budget, "sampling_seed": seed}),
+            )  # fmt: skip
+            (response,) = await client.generate(request)
+            meta = response.meta_info
+            reason = meta.finish_reason.type if meta.finish_reason else "length"
+            trace.add_turn(list(response.output_ids), meta)
+            if reason != "stop":  # cut by the budget or the context (truncated), or aborted by a weight sync
+                status, trace.end = STATUS_OF_FINISH[reason], "truncated" if reason == "length" else "aborted"
+                break
+            parsed = parse_tool_calls(response.text)
+            trace.num_tool_calls += parsed.num_attempts
+            trace.num_tool_errors += len(parsed.errors)
+            result = StepResult()  # a turn of malformed calls only never reaches the environment
+            if parsed.calls or not parsed.errors:
+                message = AgentMessage(content=response.text, tool_calls=parsed.calls, turn=turn)
+                result = await self.pool.step(episode, message)
+            trace.add_step(result)
+            if result.is_done:
+                status, trace.end = SampleStatus.COMPLETED, "done"
+                break
+            if turn == self.max_turns - 1:
+                trace.end = "max_turns"
+                break
+            errors = [{"role": "tool", "content": error} for error in parsed.errors]
+            observed = observation_messages(result.observation, called_tools=parsed.num_attempts > 0) + errors
+            delta = self.chat.delta(observed)
+            if response.output_ids[-1] != self.chat.eos_id:  # a stop string or token ended the turn, not EOS
+                delta = [self.chat.eos_id, *delta]
+            if len(trace.tokens) + len(delta) >= self.max_response_tokens:
+                trace.end = "budget"
+                break
+            trace.add_observation(delta)
+        return trace.sample(sample, prompt, status, reason, self.chat.decode(trace.tokens))
+
+
+class _Trace:
+    """An episode's response as it grows: tokens, log-probs, loss mask and versions, one entry per token."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.mask: list[int] = []
+        self.versions: list[int | None] = []
+        self.turn_spans: list[list[int]] = []
+        self.reward = 0.0
+        self.num_tool_calls = self.num_tool_errors = 0
+        self.end = "max_turns"
+        self.info: dict[str, JsonValue] = {}
+        self.version: int | None = None
+        self.routed_experts: str | None = None
+
+    def add_turn(self, output_ids: list[int], meta: Any) -> None:
+        start = len(self.tokens)
+        self.tokens += output_ids
+        self.logprobs += [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []]
+        self.mask += [1] * len(output_ids)
+        spans = token_versions(meta)
+        self.versions += [meta.weight_version] * len(output_ids) if spans is None else spans
+        self.version = meta.weight_version
+        self.routed_experts = meta.routed_experts
+        self.turn_spans.append([start, len(self.tokens)])
+
+    def add_step(self, result: StepResult) -> None:
+        self.reward += result.reward
+        self.num_tool_errors += result.num_tool_errors
+        self.info |= result.info
+
+    def add_observation(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.mask += [0] * len(tokens)
+        self.versions += [self.versions[-1] if self.versions else self.version] * len(tokens)
+
+    def sample(self, sample: Sample, prompt: list[int], status: SampleStatus, reason: str, text: str) -> Sample:
+        known = [v for v in self.versions if v is not None]
+        is_spanning = len(set(self.versions)) > 1 and len(known) == len(self.versions)
+        agent: dict[str, JsonValue] = {
+            "turns": len(self.turn_spans), "turn_spans": self.turn_spans,  # type: ignore[dict-item]
+            "tool_calls": self.num_tool_calls, "tool_errors": self.num_tool_errors, "reward": self.reward,
+            "end": self.end, "info": self.info,
+        }  # fmt: skip
+        return sample.model_copy(update={
+            "prompt_tokens": prompt, "response_tokens": self.tokens, "response": text,
+            "rollout_logprobs": self.logprobs, "loss_mask": self.mask, "status": status, "finish_reason": reason,
+            "weight_version": self.version, "weight_versions": known if is_spanning else None,
+            "routed_experts": self.routed_experts, "metadata": sample.metadata | {"agent": agent},
+        })  # fmt: skip
+
+
+def _prompt_messages(sample: Sample) -> list[dict[str, Any]]:
+    if isinstance(sample.prompt, str):
+        return [{"role": "user", "content": sample.prompt}]
+    return [m.model_dump() for m in sample.prompt]
+
+
+def _failed(sample: Sample, error: str) -> Sample:
+    return sample.model_copy(update={"status": SampleStatus.FAILED, "error": f"environment failed: {error}"})
+
+
+@contextlib.contextmanager
+def agent_rollout(cfg: RolloutSection, tokenizer: Any) -> Iterator[AgentRollout | None]:
+    """The run's multi-turn rollout function and its environment workers (stopped on exit); None without
+    `rollout.agent.env`."""
+    agent = cfg.agent
+    if agent.env is None:
+        yield None
+        return
+    with EnvPool(agent.env, agent.env_args, timeout_s=agent.timeout_s, num_workers=agent.num_workers) as pool:
+        yield AgentRollout(pool, ChatTemplate(tokenizer), agent.max_turns, agent.max_response_tokens,
+                           routed_experts=cfg.return_routed_experts)  # fmt: skip
