@@ -12,12 +12,15 @@ lines are equal on every key but the timings (the runs are bitwise reproducible,
 `--config FILE` runs an example config instead (`miles-orchestrator run --config FILE`); a PPO run's JSON adds the
 critic's explained variance (mean over the first and the last 10 steps) and its value loss; an MoE policy's adds the
 largest routing flip fraction of any step and the expert load imbalance and router entropy (means over the first and
-the last 10 steps).
+the last 10 steps); an agentic run's (rollout.agent.env) adds its per-step reward, tool-use share and turns, and
+their means over the first and the last 5 steps.
 
     uv run python benchmarks/default_run.py --cold --out benchmarks/results/default_run.json
     uv run python benchmarks/default_run.py --cluster local --baseline runs/before   # a refactor check
     uv run python benchmarks/default_run.py --cluster ray --config examples/ppo_gae.yaml \
         --out benchmarks/results/ppo_example.json
+    uv run python benchmarks/default_run.py --cold --cluster ray --config examples/agentic_calculator.yaml \
+        --out benchmarks/results/agentic_example.json
 """
 
 from __future__ import annotations
@@ -102,9 +105,21 @@ def run_once(cluster: str, run_dir: Path, env: dict[str, str], config: str | Non
         for key in ("moe_load_imbalance", "moe_router_entropy"):
             moe[f"{key}_first_10_steps"] = round(statistics.mean(line[key] for line in steps[:10]), 3)
             moe[f"{key}_last_10_steps"] = round(statistics.mean(line[key] for line in steps[-10:]), 3)
+    agent = {}
+    if any("agent_tool_use_frac" in line for line in steps):  # an agentic run: its curve of tool use and reward
+        agent = {
+            "reward_mean_per_step": [round(line["reward_mean"], 4) for line in steps],
+            "agent_tool_use_frac_per_step": [round(line["agent_tool_use_frac"], 4) for line in steps],
+            "agent_turns_mean_per_step": [round(line["agent_turns_mean"], 3) for line in steps],
+            "agent_tool_errors_total": sum(line["agent_tool_errors"] for line in steps),
+        }
+        for key in ("reward_mean", "agent_tool_use_frac", "agent_turns_mean", "agent_tokens_per_turn"):
+            agent[f"{key}_first_5_steps"] = round(statistics.mean(line[key] for line in steps[:5]), 4)
+            agent[f"{key}_last_5_steps"] = round(statistics.mean(line[key] for line in steps[-5:]), 4)
     return (
         critic
         | moe
+        | agent
         | {
             "command": " ".join(command),
             "wall_time_s": round(wall, 1),

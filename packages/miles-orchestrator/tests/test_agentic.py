@@ -264,3 +264,31 @@ def test_tool_calls_reach_the_calculator_and_malformed_ones_come_back_as_observa
     metrics = agent_metrics([done.model_copy(update={"reward": 1.0})])
     assert metrics["agent_tool_calls_mean"] == 2 and metrics["agent_tool_error_frac"] == 0.5
     assert metrics["agent_reward_turns_3"] == 1.0 and metrics["agent_end_done_frac"] == 1.0
+
+
+# ---- the example's bootstrap and reward (pure logic) ----
+
+
+def test_the_bootstrap_teaches_the_calculator_on_a_share_of_its_rows() -> None:
+    from miles_orchestrator.bootstrap import sft_rows
+    from miles_orchestrator.config import load_config
+
+    cfg = load_config(Path(__file__).parents[3] / "examples" / "agentic_calculator.yaml", [])
+    rows = sft_rows(cfg, 400, seed=1)
+    with_tool = [row["messages"] for row in rows if len(row["messages"]) == 4]
+    assert 0.18 < len(with_tool) / len(rows) < 0.32  # model.bootstrap_tool_use = 0.25
+    for user, call, tool, answer in with_tool:
+        (parsed,) = parse_tool_calls(call["content"]).calls
+        assert user["content"] == f"What is {parsed.arguments['expression']}?"
+        assert calculate(parsed.arguments["expression"]) == int(tool["content"]) == int(answer["content"])
+    default = load_config(None, [])
+    assert sft_rows(default, 8, seed=1) == default.data.task.to_task().sft_rows(8, seed=1)  # unchanged without tools
+
+
+def test_the_env_reward_reads_the_episodes_reward() -> None:
+    from miles_orchestrator.rewards import env_reward
+
+    sample = Sample(index=0, group_index=0, prompt="q", metadata={"agent": {"reward": 0.75}})
+    assert env_reward(sample) == 0.75
+    with pytest.raises(ValueError, match=r"set rollout\.agent\.env"):
+        env_reward(Sample(index=0, group_index=0, prompt="q"))

@@ -35,3 +35,16 @@ def test_an_unreachable_http_reward_is_refused_naming_the_url() -> None:
         url = f"http://127.0.0.1:{probe.getsockname()[1]}/reward"
     with pytest.raises(ValueError, match=rf"reward\.name='http': reward\.url='{url}': no reward server answers there"):
         check_plugins(load_config(None, ["reward.name=http", f"reward.url={url}", "reward.max_retries=0"]))
+
+
+def test_a_bad_environment_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(PLUGINS)
+    check_plugins(load_config(None, ["rollout.agent.env=orchestrator_plugins:ScriptedEnv"]))
+    cases = {
+        "orchestrator_plugins:CountingSource": r"rollout\.agent\.env='orchestrator_plugins:CountingSource': plug-in "
+        r".* is not an Environment: it lacks reset, step",
+        "no_such_module_xyz:Env": r"rollout\.agent\.env='no_such_module_xyz:Env': plug-in .* cannot import module",
+    }
+    for env, expected in cases.items():
+        with pytest.raises(ValueError, match=expected):
+            check_plugins(load_config(None, [f"rollout.agent.env={env}"]))

@@ -182,6 +182,22 @@ def test_cross_section_checks() -> None:
         load_config(None, ["trainer.num_ranks=3"])
 
 
+def test_agentic_settings_are_checked_together() -> None:
+    example = Path(__file__).parents[3] / "examples" / "agentic_calculator.yaml"
+    cfg = load_config(example, [])
+    assert cfg.rollout.agent.env == "calculator" and cfg.reward.name == "env" and cfg.model.bootstrap_tool_use > 0
+    with pytest.raises(ValueError, match=r"drop one of them"):
+        load_config(example, ["rollout.rollout_fn=my_rollouts:fn"])
+    with pytest.raises(ValueError, match=r"rollout\.agent\.env is not set"):
+        load_config(None, ["reward.name=env"])
+    with pytest.raises(ValueError, match=r"set data\.apply_chat_template=true"):
+        load_config(example, ["data.apply_chat_template=false"])
+    with pytest.raises(ValueError, match=r"rollout\.agent\.env='calculater': use one of \['calculator'\]"):
+        load_config(None, ["rollout.agent.env=calculater"])
+    with pytest.raises(ValueError, match=r"rollout\.agent\.max_turns"):
+        load_config(None, ["rollout.agent.max_turns=0"])
+
+
 def test_yaml_must_be_a_mapping(tmp_path: Path) -> None:
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")

@@ -103,3 +103,30 @@ def test_data_source_example(my_plugins) -> None:
     resumed = build_data_source(cfg)
     resumed.load_state_dict(first.state_dict())
     assert resumed.get_samples(2) == expected[4:]
+
+
+def test_environment_examples(my_plugins) -> None:
+    from miles_contracts import AgentMessage, Environment, ToolCall
+    from miles_orchestrator.env_pool import EnvPool
+
+    game = load_plugin("my_plugins:GuessTheNumber", Environment)()
+    assert "Guess it" in game.reset(Sample(index=0, group_index=0, prompt="", label="42"))
+    assert game.step(AgentMessage(content="50", turn=0)).observation == "Lower."
+    assert game.step(AgentMessage(content="I say", turn=1)).observation == "Answer with a number."
+    won = game.step(AgentMessage(content="It is 42", turn=2))
+    assert won.is_done and won.reward == pytest.approx(0.8)
+    tools = load_plugin("my_plugins:WordTools", Environment)()
+    tools.reset(Sample(index=0, group_index=0, prompt="How many words?", label="3"))
+    call = ToolCall(name="count_words", arguments={"text": "a b c"})
+    counted = tools.step(AgentMessage(content="", tool_calls=[call], turn=0))
+    assert counted.observation[0].content == "3" and not counted.is_done
+    assert tools.step(AgentMessage(content="3", turn=1)).reward == 1.0
+    # in a sandboxed worker, as a run loads it
+    with EnvPool("my_plugins:GuessTheNumber", {}, timeout_s=30, num_workers=1) as pool:
+
+        async def episode():
+            opened = await pool.open(Sample(index=0, group_index=0, prompt="", label="7"))
+            assert opened.messages[0].role == "user" and opened.tools is None
+            return await pool.step(opened.episode, AgentMessage(content="7", turn=0))
+
+        assert asyncio.run(episode()).is_done

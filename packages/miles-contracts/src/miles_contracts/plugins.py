@@ -122,7 +122,8 @@ def load_plugin(path: str, protocol: type[P]) -> P:
     if methods is not None:
         missing = [m for m in methods if not callable(getattr(obj, m, None))]
         if missing:
-            raise TypeError(f"plug-in {path!r} is not a {protocol.__name__}: it lacks {', '.join(missing)}")
+            article = "an" if protocol.__name__[0] in "AEIOU" else "a"
+            raise TypeError(f"plug-in {path!r} is not {article} {protocol.__name__}: it lacks {', '.join(missing)}")
         if protocol is Environment and not isinstance(obj, type):
             raise TypeError(f"plug-in {path!r} is not a class; an Environment is a class, built once per episode")
         return obj  # type: ignore[no-any-return]

@@ -18,15 +18,18 @@ import hashlib
 import inspect
 import json
 import os
+import random
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from miles_contracts import ToolCall
 from miles_kernels import KernelConfig, ModelConfig
 from miles_kernels.testing import build_tokenizer, greedy_generate, save_random_model, tiny_config
 from miles_orchestrator import task as task_module
+from miles_orchestrator import tool_calls
 from miles_orchestrator.config import RunConfig
 from miles_spec import MTPLoss
 from miles_trainer import SFTConfig, load_sft_samples, pack_samples, run_sft
@@ -49,6 +52,33 @@ def _threads(num_threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def sft_rows(cfg: RunConfig, num_rows: int, seed: int) -> list[dict[str, Any]]:
+    """The bootstrap's SFT rows from the task's train split: `{"prompt", "response"}` rows answering directly, or,
+    with `model.bootstrap_tool_use`, chat `messages` rows of which that share (drawn per row) first call the
+    calculator with the question's expression, read its result, then answer (`rollout.agent.env=calculator`)."""
+    task = cfg.data.task.to_task()
+    share = cfg.model.bootstrap_tool_use
+    if not share:
+        return task.sft_rows(num_rows, seed=seed)
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    for problem in task.problems(num_rows, seed=seed):
+        answer = task_module.response_format(problem)
+        messages = [{"role": "user", "content": problem.question}]
+        if rng.random() < share:
+            expression = problem.question.removeprefix("What is ").removesuffix("?")
+            call = tool_calls.format_tool_call(ToolCall(name="calculator", arguments={"expression": expression}))
+            messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": str(problem.answer)}]
+        rows.append({"messages": [*messages, {"role": "assistant", "content": answer}]})
+    return rows
+
+
+def _corpus_line(row: dict[str, Any]) -> str:
+    if "messages" in row:
+        return " ".join(m["content"] for m in row["messages"])
+    return f"{row['prompt']} {row['response']}"
 
 
 def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
@@ -124,7 +154,7 @@ def bootstrap_key(cfg: RunConfig) -> str:
         "chat": cfg.data.apply_chat_template,
         "code": [
             inspect.getsource(m)
-            for m in (task_module, *_modules_of(run_sft, pack_samples, MTPLoss), sys.modules[__name__])
+            for m in (task_module, tool_calls, *_modules_of(run_sft, pack_samples, MTPLoss), sys.modules[__name__])
         ],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -160,8 +190,8 @@ def _build(cfg: RunConfig, staging: Path, log: Any) -> None:
     """The base model, its tokenizer and the SFT rows in `staging`, then the SFT into `staging / "policy"`."""
     task = cfg.data.task.to_task()
     size = cfg.model.bootstrap_batch_size
-    rows = task.sft_rows(max(1, cfg.model.bootstrap_steps) * size, seed=cfg.data.seed + 1)
-    corpus = [row["prompt"] + " " + row["response"] for row in rows[:2000]]
+    rows = sft_rows(cfg, max(1, cfg.model.bootstrap_steps) * size, seed=cfg.data.seed + 1)
+    corpus = [_corpus_line(row) for row in rows[:2000]]
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.model.bootstrap_vocab_size)
     config = policy_config(len(tokenizer), cfg.model.bootstrap_architecture)
     save_random_model(staging / "base", config, seed=cfg.data.seed, tokenizer=tokenizer)

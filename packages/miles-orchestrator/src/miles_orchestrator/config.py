@@ -143,6 +143,11 @@ class RunConfig(Section):
                 f"reward.name={self.reward.name!r} scores one sample at a time; set reward.is_group=false, or give "
                 "a 'module:function' GroupRewardFn (or http) as reward.name"
             )
+        if self.model.bootstrap_tool_use and not self.data.apply_chat_template:
+            raise ValueError(
+                f"model.bootstrap_tool_use={self.model.bootstrap_tool_use} teaches tool calls in chat turns; set "
+                "data.apply_chat_template=true"
+            )
         if self.reward.name == "env" and self.rollout.agent.env is None:
             raise ValueError(
                 "reward.name=env scores a sample by its episode's environment reward, but rollout.agent.env is not "

@@ -62,6 +62,11 @@ class ModelSection(Section):
     bootstrap_vocab_size: int = Field(
         default=264, ge=259, description="Tokenizer size of the built-in policy (its corpus bounds it: ~265)."
     )
+    bootstrap_tool_use: float = Field(
+        default=0.0, ge=0, le=1,
+        description="Share of the built-in policy's SFT rows that call the calculator tool before answering "
+        "(rollout.agent.env=calculator; needs data.apply_chat_template=true); 0: every row answers directly.",
+    )  # fmt: skip
     bootstrap_architecture: Literal["qwen3", "qwen3_moe", "glm4_moe"] = Field(
         default="qwen3",
         description="The built-in policy's family: a dense Qwen3, a Qwen3-MoE (8 experts, top-2) or a GLM-4.5-style "
