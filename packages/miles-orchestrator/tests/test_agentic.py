@@ -292,3 +292,24 @@ def test_the_env_reward_reads_the_episodes_reward() -> None:
     assert env_reward(sample) == 0.75
     with pytest.raises(ValueError, match=r"set rollout\.agent\.env"):
         env_reward(Sample(index=0, group_index=0, prompt="q"))
+
+
+def test_observation_deltas_under_qwen3s_own_chat_template() -> None:
+    """Qwen3's published template (qwen3_chat_template.jinja) wraps tool results in <tool_response> inside one user
+    turn, renders the tools into a system prompt, and re-renders the last assistant turn without its <think> block
+    once messages follow it: the delta is still exactly what follows the model's EOS."""
+    tokenizer = build_tokenizer(vocab_size=300)
+    tokenizer.chat_template = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text()
+    chat = ChatTemplate(tokenizer)
+    two_results = [{"role": "tool", "content": "1776"}, {"role": "tool", "content": "12"}]
+    expected = "\n<|im_start|>user\n<tool_response>\n1776\n</tool_response>\n<tool_response>\n12\n</tool_response>"
+    assert chat.delta(two_results) == tokenizer.encode(expected + "<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.delta([{"role": "user", "content": "higher"}]) == tokenizer.encode(
+        "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    )
+    opening = tokenizer.decode(chat.opening([{"role": "user", "content": "What is 3 * 4?"}], CalculatorEnv.tools))
+    assert opening.startswith("<|im_start|>system\n# Tools") and '"name": "calculator"' in opening
+    assert opening.endswith("<|im_start|>user\nWhat is 3 * 4?<|im_end|>\n<|im_start|>assistant\n")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="does not end an assistant turn with the EOS token"):
+        ChatTemplate(tokenizer)

@@ -43,8 +43,10 @@ from miles_orchestrator.env_pool import EnvError, EnvPool
 from miles_orchestrator.rollout import STATUS_OF_FINISH, token_versions
 from miles_orchestrator.tool_calls import parse_tool_calls
 
-# A fixed conversation the deltas are rendered after: only what follows its assistant turn's end matters.
-_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+# A fixed conversation the deltas are rendered after: only what follows its assistant turn's end matters. The
+# marker finds that end wherever a template re-renders earlier turns (Qwen3 drops an earlier turn's <think> block).
+_MARK = "MILES_END_OF_ASSISTANT_TURN"
+_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 
 
 class ChatTemplate:
@@ -53,15 +55,12 @@ class ChatTemplate:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
-        eos = tokenizer.convert_ids_to_tokens(self.eos_id)
-        prefix = self._render(_BASE, add_generation_prompt=False)
-        if f"a{eos}" not in prefix:
+        self._turn_end = _MARK + tokenizer.convert_ids_to_tokens(self.eos_id)
+        if self._turn_end not in self._render(_BASE, add_generation_prompt=False):
             raise ValueError(
-                f"the chat template does not end an assistant turn with the EOS token {eos!r}, so a model's turn "
-                "cannot be continued token by token; use a chat model's tokenizer (e.g. Qwen's)"
+                f"the chat template does not end an assistant turn with the EOS token {tokenizer.eos_token!r}, so a "
+                "model's turn cannot be continued token by token; use a chat model's tokenizer (e.g. Qwen's)"
             )
-        self._prefix = prefix
-        self._after_eos = prefix.rindex(f"a{eos}") + 1 + len(eos)  # where the text after the turn's EOS starts
         self._delta_cache: dict[str, list[int]] = {}
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
@@ -81,9 +80,9 @@ class ChatTemplate:
     def delta(self, messages: list[dict[str, Any]]) -> list[int]:
         """The tokens after a model turn's EOS that append `messages` and open the next assistant turn."""
         full = self._render([*_BASE, *messages], add_generation_prompt=True)
-        if not full.startswith(self._prefix):
-            raise ValueError("the chat template is not prefix-stable (appending messages rewrites earlier turns)")
-        text = full[self._after_eos :]
+        if full.count(self._turn_end) != 1:
+            raise ValueError("the chat template does not end an earlier assistant turn with its EOS token")
+        text = full[full.index(self._turn_end) + len(self._turn_end) :]
         if text not in self._delta_cache:
             self._delta_cache[text] = self.encode(text)
         return list(self._delta_cache[text])
