@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
+
+PLUGINS = str(Path(__file__).parent)  # orchestrator_plugins.py: the plug-ins the tests load by path
+
+
+@pytest.fixture(scope="module")
+def plugins_on_path() -> Iterator[None]:
+    """This folder on `sys.path` for a test module (spawned workers inherit it, as they would a user's module's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(PLUGINS)
+        yield
 
 
 @pytest.fixture(autouse=True)

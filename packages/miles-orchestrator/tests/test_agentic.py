@@ -33,7 +33,6 @@ from miles_orchestrator.rollout import run_groups
 from miles_orchestrator.tool_calls import format_tool_call, parse_tool_calls
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
-PLUGINS = str(Path(__file__).parent)
 EOS_BIAS = {"2": 4.6}  # <|im_end|> (id 2) about a quarter of the draws: turns of a few tokens that end by themselves
 
 
@@ -99,17 +98,7 @@ def test_the_calculator_environment_runs_tools_then_scores_the_answer() -> None:
         CalculatorEnv(x=1)
 
 
-# ---- the sandbox (multi-process) ----
-
-
-@pytest.fixture(scope="module")
-def plugins_on_path() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(PLUGINS)
-        yield
-
-
-# ---- the multi-turn rollout (CPU numerics) ----
+# ---- the multi-turn rollout (CPU numerics) and the sandbox (multi-process) ----
 
 
 @pytest.fixture(scope="module")

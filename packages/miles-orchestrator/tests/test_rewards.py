@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from pydantic import JsonValue
@@ -19,18 +18,9 @@ from pydantic import JsonValue
 from miles_contracts import Sample, SampleStatus
 from miles_orchestrator.rewards import RewardPool, exact_match, math_reward, resolve_reward, task_reward
 
-PLUGINS = str(Path(__file__).parent)
-
 
 def make(response: str, label: JsonValue = None, *, index: int = 0, group: int = 0, mode: str = "ok") -> Sample:
     return Sample(index=index, group_index=group, prompt="q", label=label, response=response, metadata={"mode": mode})
-
-
-@pytest.fixture(scope="module")
-def plugins_on_path() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(PLUGINS)
-        yield
 
 
 @pytest.fixture(scope="module")
