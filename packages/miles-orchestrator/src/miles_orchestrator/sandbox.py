@@ -13,6 +13,7 @@ import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
@@ -35,7 +36,9 @@ def spawn_worker(
 ) -> Worker:
     """Start `target(conn, *args)` in a fresh process (not yet waited for: start several, then `wait_ready` each,
     so their imports overlap)."""
-    context = multiprocessing.get_context(start_method)
+    context: SpawnContext | ForkServerContext = (
+        multiprocessing.get_context("spawn") if start_method == "spawn" else multiprocessing.get_context("forkserver")
+    )
     parent, child = context.Pipe()
     process = context.Process(target=target, args=(child, *args), name=name, daemon=True)
     process.start()
