@@ -1,7 +1,8 @@
 """Numerical parity of Miles' model with Hugging Face `transformers`, per supported family, as JSON.
 
-For each family (Qwen3 dense, Qwen3-MoE, GLM-4.5 MoE: `miles_kernels.testing.tiny_config`, tied and untied
-embeddings, random weights, GLM's router bias nonzero) and each kernel mode: the largest |difference| of the
+For each family (Qwen3 dense, Qwen2.5, Llama 3.x with Llama 3 RoPE scaling, Qwen3-MoE, GLM-4.5 MoE:
+`miles_kernels.testing.tiny_config`, tied and untied embeddings, random weights, biases and GLM's router bias
+nonzero) and each kernel mode: the largest |difference| of the
 logits and of the next-token log-probs (`log_softmax`, float32) between Miles (packed sequences, the trainer's
 path) and `AutoModelForCausalLM` on the same directory, over random sequences of several lengths (no exact router
 ties: transformers' `topk(sorted=False)` leaves their order unspecified). The tests (packages/miles-kernels/tests/
@@ -25,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from miles_kernels import KernelConfig, load_model
 from miles_kernels.testing import packed_logits, save_random_model, tiny_config
 
-FAMILIES = {"qwen3": "dense", "qwen3_moe": "moe", "glm4_moe": "glm"}
+FAMILIES = {"qwen3": "dense", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "moe", "glm4_moe": "glm"}
 MODES = {"deterministic": KernelConfig(), "fast": KernelConfig(mode="fast")}
 
 
@@ -58,7 +59,7 @@ def main() -> None:
                     config = tiny_config(kind, tie_word_embeddings=tied)
                     save_random_model(model_dir, config, seed=seed)
                     generator = torch.Generator().manual_seed(seed)
-                    seqs = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (1, 7, 33, 64)]
+                    seqs = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (1, 7, 33, 100)]
                     for mode, values in measure(model_dir, seqs).items():
                         row = worst.setdefault(mode, dict.fromkeys(values, 0.0))
                         for key, value in values.items():

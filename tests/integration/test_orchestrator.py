@@ -202,3 +202,25 @@ def test_the_moe_examples_run_true_on_policy_with_routing_replay(example: str, t
         assert row["train_rollout_logprob_abs_diff"] == 0.0 == row["train_rollout_logprob_abs_diff_max"], row
         assert row["moe_routing_flip_frac"] == 0.0 and row["moe_load_imbalance"] >= 1.0, row
         assert row["moe_router_entropy"] > 0.0 and "moe_load_imbalance_l3" in row
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("example", ["qwen25.yaml", "llama3.yaml"])
+def test_the_dense_family_examples_run_true_on_policy(example: str, tmp_path) -> None:
+    """examples/qwen25.yaml and llama3.yaml, shortened for CI as the MoE ones (an un-bootstrapped policy of the
+    family, 2 steps of 16 samples on the local cluster) with the prompts through the family's chat template: the engine
+    and the trainer agree bit for bit at every step. Their full runs are measured by benchmarks/default_run.py."""
+    run_dir = tmp_path / "run"
+    config = Path(__file__).parents[2] / "examples" / example
+    result = cli("--config", str(config), "model.bootstrap_steps=0", "rollout.num_prompts_per_step=4",
+                 "rollout.n_samples_per_prompt=4", "trainer.global_batch_size=16", "filter.dynamic_sampling=false",
+                 "run.cluster=local", "run.num_steps=2", "run.eval_every=0", "data.num_eval_prompts=0",
+                 "trainer.loss.entropy_coef=0.01", "data.apply_chat_template=true", f"run.run_dir={run_dir}",
+                 cache=tmp_path / "cache")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = history(run_dir)
+    assert [r["weight_version"] for r in rows] == [1, 2] and all(r["skipped_update"] == 0.0 for r in rows)
+    for row in rows:
+        assert row["train_rollout_logprob_abs_diff"] == 0.0 == row["train_rollout_logprob_abs_diff_max"], row
+    family = {"qwen25.yaml": "qwen2", "llama3.yaml": "llama"}[example]
+    assert f'"model_type": "{family}"' in (run_dir / "final" / "config.json").read_text()

@@ -28,7 +28,7 @@ CUDA = pytest.param(
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
 def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, kind: str, device: str) -> None:
     model_dir = tmp_path / kind
     save_random_model(

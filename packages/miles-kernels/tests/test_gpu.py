@@ -13,7 +13,7 @@ from miles_kernels.testing import PagedRunner, packed_logits, random_model, tiny
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
 def test_cuda_model_is_batch_invariant_and_matches_cpu(kind: str) -> None:
     kernel = KernelConfig(page_size=16, attention_query_tile=4, linear_tile=8, moe_tile=8)
     cpu = random_model(tiny_config(kind), kernel, seed=0)

@@ -1,6 +1,6 @@
 """CPU numerics: the miles model equals Hugging Face `transformers` on the same weights (logits within 1e-4 in
-fp32) for Qwen3 dense, Qwen3-MoE and GLM-4.5 MoE, tied and untied embeddings, GQA ratios 1, 2 and 4, in both kernel
-modes; and HF directories round-trip through `load_model` / `save_model` in both directions.
+fp32) for Qwen3 dense, Qwen2.5, Llama 3.x, Qwen3-MoE and GLM-4.5 MoE, tied and untied embeddings, GQA ratios 1, 2
+and 4, in both kernel modes; and HF directories round-trip through `load_model` / `save_model` in both directions.
 
 Parity inputs are random floats, so no two router scores tie exactly (transformers' `topk(sorted=False)` leaves the
 order of ties unspecified; Miles' tie rule is tested in test_ops.py)."""
@@ -46,6 +46,95 @@ def test_logits_match_transformers(tmp_path, kind: str, tied: bool, num_kv_heads
         ours = packed_logits(load_model(tmp_path, kernel), seqs)
         for got, want in zip(ours, reference, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=lambda m, mode=mode: f"{mode}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_qwen25_and_llama3_logits_match_transformers(tmp_path, kind: str, tied: bool, num_kv_heads: int) -> None:
+    """Qwen2.5 (q / k / v biases, no QK-norm) and Llama 3.x (Llama 3 RoPE scaling with all three frequency bands at
+    this head size, no QK-norm), over sequences past the scaling's original context (64 positions)."""
+    config = tiny_config(kind, tie_word_embeddings=tied, num_key_value_heads=num_kv_heads)
+    save_random_model(tmp_path, config, seed=40 + num_kv_heads)
+    assert_matches_transformers(tmp_path, random_seqs(config.vocab_size, [1, 6, 19, 90], seed=num_kv_heads))
+
+
+@pytest.mark.parametrize("kind", ["dense", "qwen2", "llama"])
+def test_dense_families_gradients_match_transformers(tmp_path, kind: str) -> None:
+    """The trainer's backward (the hand-written attention / RMSNorm / RoPE / SwiGLU passes) gives every parameter
+    the gradient transformers' autograd gives it, within 1e-5 of its largest entry, in both kernel modes."""
+    from miles_kernels import build_packed_batch
+
+    save_random_model(tmp_path, tiny_config(kind, tie_word_embeddings=False), seed=1)
+    (seq,) = random_seqs(256, [40], seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    (-hf(seq[None]).logits[0].log_softmax(-1)[:-1].gather(1, seq[1:, None]).sum()).backward()
+    reference = dict(hf.named_parameters())
+    for mode, kernel in KERNELS.items():
+        model = load_model(tmp_path, kernel)
+        for param in model.parameters():
+            param.requires_grad_(True)
+        batch = build_packed_batch([len(seq)], kernel.page_size, kernel.attention_query_tile, seq.device)
+        logits = model.logits(model.forward_hidden(seq, batch))
+        (-logits.log_softmax(-1)[:-1].gather(1, seq[1:, None]).sum()).backward()
+        for name, param in model.named_parameters():
+            want = reference[name].grad
+            assert param.grad is not None and want is not None, name
+            scale = want.abs().max().item()
+            assert (param.grad - want).abs().max().item() <= 1e-5 * scale, f"{mode}: {name}"
+
+
+def test_llama_with_attention_biases_and_no_scaling_matches_transformers(tmp_path) -> None:
+    config = tiny_config("llama", attention_bias=True, rope_type="default", tie_word_embeddings=False)
+    save_random_model(tmp_path, config, seed=51)
+    assert_matches_transformers(tmp_path, random_seqs(config.vocab_size, [7, 30], seed=51))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_loads_qwen25_and_llama3_directories_written_by_transformers(tmp_path, family: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=family == "llama",
+                 max_position_embeddings=256)  # fmt: skip
+    if family == "llama":  # Llama 3.2's settings, scaled down
+        hf_config = LlamaConfig(**shape, rope_theta=500000.0, rms_norm_eps=1e-5, rope_scaling={
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})  # fmt: skip
+        model_class = LlamaForCausalLM
+    else:
+        hf_config, model_class = Qwen2Config(**shape, rope_theta=1000000.0), Qwen2ForCausalLM
+    torch.manual_seed(0)
+    hf = model_class(hf_config).eval()
+    with torch.no_grad():  # transformers initializes biases to zeros: give them values
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    seqs = random_seqs(128, [9, 60], seed=0)
+    with torch.no_grad():
+        reference = [hf(s[None]).logits[0] for s in seqs]
+    config = read_model_config(tmp_path)
+    assert config.model_type == family and not config.use_qk_norm
+    assert config.rope_type == ("llama3" if family == "llama" else "default")
+    model = load_model(tmp_path)
+    for got, want in zip(packed_logits(model, seqs), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    again = load_model(save_model(model, tmp_path / "again"))  # save → load is bit-exact, and transformers reads it
+    for name, tensor in checkpoint_tensors(model).items():
+        assert torch.equal(tensor, checkpoint_tensors(again)[name]), name
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "again")).__name__ == model_class.__name__
+
+
+def test_family_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"qwen2 .* has biases on q / k / v: attention_bias=True"):
+        tiny_config("qwen2", attention_bias=False)
+    with pytest.raises(ValueError, match="llama has no QK-norm: use_qk_norm=False"):
+        tiny_config("llama", use_qk_norm=True)
+    with pytest.raises(ValueError, match=r"unsupported RoPE scaling 'llama3' for qwen3; implemented: \['default'\]"):
+        tiny_config("dense", rope_type="llama3")
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        tiny_config("llama", rope_low_freq_factor=4.0)
 
 
 def test_moe_with_dense_layers_and_unnormalized_topk(tmp_path) -> None:
@@ -171,7 +260,7 @@ def test_loads_a_directory_written_by_transformers(tmp_path) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "qwen2", "llama"])
 def test_save_is_bit_exact_and_shards(tmp_path, kind: str) -> None:
     config = tiny_config(kind)
     source = save_random_model(tmp_path / "src", config, seed=3)
@@ -196,8 +285,11 @@ def test_bfloat16_save_and_load(tmp_path) -> None:
 
 
 def test_unsupported_architecture_is_named(tmp_path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"unsupported architecture: model_type='llama'.*LlamaForCausalLM"):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    )
+    with pytest.raises(ValueError, match=r"unsupported architecture: model_type='mistral'.*'LlamaForCausalLM', "
+                       r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM'"):  # fmt: skip
         load_model(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"config.json not found"):
         load_model(tmp_path / "nowhere")

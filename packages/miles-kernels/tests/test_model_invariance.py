@@ -33,7 +33,7 @@ def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not bad, f"{what}: rows {bad[:10]} differ (max abs diff {(got - want).abs().max().item():.3g})"
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_batch_composition(kind: str, seed: int) -> None:
     model = make_model(kind, seed)
@@ -46,7 +46,7 @@ def test_packed_batch_composition(kind: str, seed: int) -> None:
         assert_rows_equal(got, reference[j], f"seq {j} among others")
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
     model = make_model(kind, seed)
@@ -82,7 +82,7 @@ def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
     assert_rows_equal(got, packed_logits(model, [newcomer])[0][cached:], "prefix reuse")
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_verify_shaped_steps_equal_one_token_decode(kind: str, seed: int) -> None:
     """Speculative decoding's verify forward: k + 1 new tokens per sequence after a cached prefix, next to

@@ -162,3 +162,28 @@ def test_trl_loads_it(saved_dir: Path) -> None:
     example = {"prompt": [{"role": "user", "content": "What is 12 + 7?"}]}
     out = trl_data_utils.maybe_apply_chat_template(example, processor)
     assert out["prompt"] == "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("chat_format", ["qwen2.5", "qwen3", "llama3"])
+def test_family_chat_formats_save_and_reload(tmp_path: Path, chat_format: str) -> None:
+    """Each family's template and special tokens survive save_pretrained / AutoTokenizer, render a conversation as
+    that family does, and the special tokens stay single ids."""
+    built = build_tokenizer(vocab_size=300, chat_format=chat_format, save_dir=tmp_path)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    text = loaded.apply_chat_template(messages, tokenize=False)
+    assert text == built.apply_chat_template(messages, tokenize=False)
+    assert (loaded.eos_token, loaded.eos_token_id) == (built.eos_token, built.eos_token_id)
+    if chat_format == "llama3":
+        assert loaded.eos_token == "<|eot_id|>" and loaded.bos_token == "<|begin_of_text|>"
+        assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge")
+        assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n5<|eot_id|>")
+    else:
+        assert loaded.eos_token == "<|im_end|>"
+        think = "<think>\n\n</think>\n\n" if chat_format == "qwen3" else ""  # Qwen3: the last turn's empty think
+        assert text.endswith(f"<|im_start|>assistant\n{think}5<|im_end|>\n")
+        assert text.startswith("<|im_start|>system\nYou are Qwen") == (chat_format == "qwen2.5")
+    for token in loaded.all_special_tokens:
+        assert len(loaded.encode(token, add_special_tokens=False)) == 1, token
+    with pytest.raises(ValueError, match="chat_format='mistral'"):
+        build_tokenizer(chat_format="mistral")

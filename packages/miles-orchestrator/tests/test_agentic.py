@@ -284,11 +284,10 @@ def test_the_env_reward_reads_the_episodes_reward() -> None:
 
 
 def test_observation_deltas_under_qwen3s_own_chat_template() -> None:
-    """Qwen3's published template (qwen3_chat_template.jinja) wraps tool results in <tool_response> inside one user
-    turn, renders the tools into a system prompt, and re-renders the last assistant turn without its <think> block
-    once messages follow it: the delta is still exactly what follows the model's EOS."""
-    tokenizer = build_tokenizer(vocab_size=300)
-    tokenizer.chat_template = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text()
+    """Qwen3's published template wraps tool results in <tool_response> inside one user turn, renders the tools into
+    a system prompt, and re-renders the last assistant turn without its <think> block once messages follow it: the
+    delta is still exactly what follows the model's EOS."""
+    tokenizer = build_tokenizer(vocab_size=300, chat_format="qwen3")
     chat = ChatTemplate(tokenizer)
     two_results = [{"role": "tool", "content": "1776"}, {"role": "tool", "content": "12"}]
     expected = "\n<|im_start|>user\n<tool_response>\n1776\n</tool_response>\n<tool_response>\n12\n</tool_response>"
@@ -302,3 +301,22 @@ def test_observation_deltas_under_qwen3s_own_chat_template() -> None:
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ValueError, match="does not end an assistant turn with the EOS token"):
         ChatTemplate(tokenizer)
+
+
+def test_observation_deltas_under_llama31s_and_qwen25s_chat_templates() -> None:
+    """Llama 3.1's template ends every turn with <|eot_id|> (its EOS) and sends tool results as ipython turns;
+    Qwen2.5's opens with its default system prompt: the opening and the deltas are those templates' own tokens."""
+    llama = build_tokenizer(vocab_size=300, chat_format="llama3")
+    chat = ChatTemplate(llama)
+    assert chat.eos_id == llama.convert_tokens_to_ids("<|eot_id|>")
+    assert chat.delta([{"role": "tool", "content": "1776"}]) == llama.encode(
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"1776"<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
+        "\n\n",
+        add_special_tokens=False,
+    )
+    opening = llama.decode(chat.opening([{"role": "user", "content": "What is 3 * 4?"}], None))
+    assert opening.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge")
+    assert opening.endswith("What is 3 * 4?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    qwen25 = build_tokenizer(vocab_size=300, chat_format="qwen2.5")
+    opening = qwen25.decode(ChatTemplate(qwen25).opening([{"role": "user", "content": "Hi"}], None))
+    assert opening.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")

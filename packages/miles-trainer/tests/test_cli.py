@@ -87,6 +87,28 @@ def test_loss_masks_cover_only_responses(model_dir, tmp_path) -> None:
     assert tokenizer.decode(trained) == "5<|im_end|>8<|im_end|>"  # assistant turns only, each with its EOS
 
 
+@pytest.mark.parametrize(("chat_format", "eos"), [("qwen2.5", "<|im_end|>"), ("qwen3", "<|im_end|>"),
+                                                   ("llama3", "<|eot_id|>")])  # fmt: skip
+def test_loss_masks_under_each_familys_chat_template(tmp_path, chat_format: str, eos: str) -> None:
+    """Qwen2.5's (a default system prompt), Qwen3's and Llama 3.1's (a dated system header, <|eot_id|>) templates:
+    the rows' tokens are the template's, and only the assistant turns with their end-of-turn token train."""
+    tokenizer = build_tokenizer(vocab_size=300, chat_format=chat_format)
+    messages = [
+        {"role": "user", "content": "2 + 3"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "and 4 + 4"},
+        {"role": "assistant", "content": "8"},
+    ]
+    (chat,) = load_sft_samples(write_jsonl(tmp_path / "rows.jsonl", [{"messages": messages}]), tokenizer)
+    full = chat.prompt_tokens + chat.response_tokens
+    assert tokenizer.decode(full) == tokenizer.apply_chat_template(messages, tokenize=False)
+    trained = [t for t, m in zip(chat.response_tokens, chat.loss_mask, strict=True) if m]
+    assert tokenizer.decode(trained) == f"5{eos}8{eos}"
+    assert tokenizer.decode(chat.prompt_tokens).endswith(
+        "<|start_header_id|>assistant<|end_header_id|>\n\n" if chat_format == "llama3" else "<|im_start|>assistant\n"
+    )
+
+
 def test_token_rows_in_miles_and_slime_fields(model_dir, tmp_path) -> None:
     from transformers import AutoTokenizer
 

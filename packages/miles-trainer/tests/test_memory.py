@@ -176,3 +176,19 @@ def test_the_planner_predicts_a_gpu_steps_peak(tmp_path) -> None:
     subprocess.run([sys.executable, str(script), "--out", str(out)], check=True, timeout=900)
     for run in json.loads(out.read_text())["runs"]:
         assert abs(run["error"]) <= 0.10, run
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_planner_counts_every_tensor_of_each_family(kind: str, tied: bool) -> None:
+    """The planner's tensor list (miles_memory.ModelShape, read from config.json) holds exactly the model's
+    checkpoint tensors, shape for shape: the q / k / v / o biases, QK-norms and router biases of each family."""
+    from miles_kernels import checkpoint_tensors
+
+    config = tiny_config(kind, tie_word_embeddings=tied)
+    shape = ModelShape.from_hf(config.to_hf())
+    planned = sorted((t.shape, t.copies) for t in shape.tensors())
+    tensors = checkpoint_tensors(random_model(config, seed=0))
+    assert shape.params() == sum(t.numel() for t in tensors.values())
+    expert_free = sorted(((tuple(t.shape), 1) for name, t in tensors.items() if ".experts." not in name))
+    assert [p for p in planned if p[1] == 1] == expert_free

@@ -1,4 +1,5 @@
-"""The Qwen3 dense / Qwen3-MoE / GLM-4.5 MoE causal LM that both the rollout engine and the trainer run.
+"""The Qwen3 / Qwen2.5 / Llama 3.x dense and Qwen3-MoE / GLM-4.5 MoE causal LM that both the rollout engine and the
+trainer run.
 
 One plain, single-device definition (parallelism, checkpointing and compilation are applied from outside).
 Parameter names are the Hugging Face checkpoint names, so `state_dict()` *is* the checkpoint (minus the tied
@@ -31,7 +32,7 @@ from miles_kernels.ops.attention_batch import AttentionBatch
 from miles_kernels.ops.linear import linear
 from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
 from miles_kernels.ops.norm import rms_norm
-from miles_kernels.ops.rope import apply_rope, inv_frequencies, rope_cos_sin
+from miles_kernels.ops.rope import apply_rope, inv_frequencies, llama3_inv_frequencies, rope_cos_sin
 from miles_kernels.ops.sampling import token_logprobs
 
 
@@ -409,6 +410,8 @@ class CausalLM(nn.Module):
         """RoPE cos / sin of the batch's positions; the frequencies are recomputed per call (head_dim / 2 values) so
         they are always float32, whatever the model dtype."""
         inv_freq = inv_frequencies(self.config.rotary_dim, self.config.rope_theta, like.device)
+        if self.config.rope_scaling is not None:
+            inv_freq = llama3_inv_frequencies(inv_freq, **self.config.rope_scaling)
         return rope_cos_sin(batch.positions_N, inv_freq, like.dtype)
 
     def mtp_logits(self, hidden_NH: torch.Tensor, detach_trunk: bool = False) -> torch.Tensor:

@@ -1,9 +1,15 @@
-"""`ModelConfig`: the Qwen3 / Qwen3-MoE / GLM-4.5 MoE architectures, read from and written to a Hugging Face
-config.json.
+"""`ModelConfig`: the Qwen3 / Qwen2.5 / Llama 3.x dense and Qwen3-MoE / GLM-4.5 MoE architectures, read from and
+written to a Hugging Face config.json.
 
 Unsupported options are errors that name the option, rather than silently different numerics.
 
-The families differ in their MoE router and a few attention details (docs/architecture.md, "Model families"):
+The families differ in their MoE router and a few attention details (docs/architecture.md, "MoE: model families and
+routing replay"):
+- Qwen3 (`qwen3`): QK-norm, `attention_bias` on all four projections (off in released checkpoints).
+- Qwen2.5 (`qwen2`): biases on q / k / v (always), none on o_proj, no QK-norm. Sliding-window attention
+  (`use_sliding_window`, off in every released Qwen2.5 checkpoint) is refused by name.
+- Llama 3.x (`llama`): no QK-norm, `attention_bias` on all four projections, Llama 3 RoPE scaling (`rope_type:
+  llama3`: `factor`, `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`).
 - Qwen3-MoE: softmax router (fp32), top-k, optional renormalization; no shared expert; `decoder_sparse_step` /
   `mlp_only_layers` pick the dense layers.
 - GLM-4.5 (`glm4_moe`): sigmoid router scores in fp32 plus the fp32 `e_score_correction_bias` for the choice only,
@@ -18,8 +24,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+}  # fmt: skip
 MOE_TYPES = ("qwen3_moe", "glm4_moe")
+NO_QK_NORM_TYPES = ("qwen2", "llama")  # families without QK-norm (GLM-4.5's is its `use_qk_norm`)
+ROPE_TYPES = {"llama": ("default", "llama3")}  # RoPE scalings each family may use; every other family: default
 # Architectures that are recognized but need a part Miles does not implement yet: model_type -> what is missing.
 NOT_YET = {
     "deepseek_v3": "Multi-head Latent Attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, "
@@ -66,6 +77,12 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     partial_rotary_factor: float = 1.0
     use_qk_norm: bool = True
+    # RoPE scaling (Llama 3.x: rope_type "llama3" and its four parameters; "default": none)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     # MTP (multi-token prediction) modules after the trunk, DeepSeek-V3 / GLM-4.5 style (0: none)
     num_nextn_predict_layers: int = 0
     # Token ids (may be None in a bare config)
@@ -95,9 +112,33 @@ class ModelConfig:
             )
         if self.model_type == "glm4_moe":
             self._check_glm()
-        elif any(getattr(self, name) != getattr(ModelConfig, name) for name in _GLM4_MOE_FIELDS):
+        else:
+            family = [name for name in _GLM4_MOE_FIELDS if name != "use_qk_norm"]
+            if any(getattr(self, name) != getattr(ModelConfig, name) for name in family):
+                raise ValueError(f"{', '.join(family)} are glm4_moe settings; {self.model_type} has none of them")
+            has_qk_norm = self.model_type not in NO_QK_NORM_TYPES
+            if self.use_qk_norm != has_qk_norm:
+                raise ValueError(
+                    f"{self.model_type} {'has' if has_qk_norm else 'has no'} QK-norm: use_qk_norm={has_qk_norm}"
+                )
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ValueError("qwen2 (Qwen2.5) has biases on q / k / v: attention_bias=True")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        allowed = ROPE_TYPES.get(self.model_type, ("default",))
+        if self.rope_type not in allowed:
             raise ValueError(
-                f"{', '.join(_GLM4_MOE_FIELDS)} are glm4_moe settings; {self.model_type} has none of them"
+                f"unsupported RoPE scaling {self.rope_type!r} for {self.model_type}; implemented: {list(allowed)}"
+            )
+        if self.rope_type == "llama3" and not (
+            self.rope_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_max_position_embeddings > 0
+        ):  # fmt: skip
+            raise ValueError(
+                f"llama3 RoPE scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+                f"original_max_position_embeddings > 0 (got {self.rope_factor}, {self.rope_low_freq_factor}, "
+                f"{self.rope_high_freq_factor}, {self.rope_original_max_position_embeddings})"
             )
 
     def _check_glm(self) -> None:
@@ -142,8 +183,17 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Qwen3 puts `attention_bias` on all four projections, GLM-4.5 on q / k / v only."""
-        return self.attention_bias and self.model_type != "glm4_moe"
+        """Qwen3 and Llama put `attention_bias` on all four projections, GLM-4.5 and Qwen2.5 on q / k / v only."""
+        return self.attention_bias and self.model_type not in ("glm4_moe", "qwen2")
+
+    @property
+    def rope_scaling(self) -> dict[str, float] | None:
+        """The Llama 3 scaling parameters (ops/rope.py, `llama3_inv_frequencies`); None for the default RoPE."""
+        if self.rope_type == "default":
+            return None
+        return {"factor": self.rope_factor, "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": float(self.rope_original_max_position_embeddings)}  # fmt: skip
 
     @property
     def architecture(self) -> str:
@@ -183,12 +233,20 @@ class ModelConfig:
             )
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported RoPE scaling {rope_type!r}; only the default RoPE is implemented")
+        if rope_type not in ROPE_TYPES.get(model_type, ("default",)):
+            raise ValueError(
+                f"unsupported RoPE scaling {rope_type!r} for {model_type}; implemented: "
+                f"{list(ROPE_TYPES.get(model_type, ('default',)))}"
+            )
         if hf.get("use_sliding_window"):
-            raise ValueError("unsupported: use_sliding_window=true (Qwen3 sliding-window attention)")
+            raise ValueError(
+                f"unsupported: use_sliding_window=true ({model_type} sliding-window attention); every released "
+                "Qwen2.5 and Qwen3 checkpoint has it off"
+            )
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; Qwen3 and GLM-4.5 use 'silu'")
+            raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; every supported family uses 'silu'")
+        if hf.get("mlp_bias"):
+            raise ValueError("unsupported: mlp_bias=true (biases on the MLP projections)")
         if model_type == "glm4_moe" and hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"unsupported topk_method {hf.get('topk_method')!r}; GLM-4.5 routes with 'noaux_tc'")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
@@ -212,6 +270,17 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
             "num_nextn_predict_layers": hf.get("num_nextn_predict_layers") or 0,
         }
+        if model_type in NO_QK_NORM_TYPES:
+            values["use_qk_norm"] = False
+        if model_type == "qwen2":
+            values["attention_bias"] = True  # Qwen2Attention: q / k / v always biased, o_proj never
+        if rope_type == "llama3":
+            values |= {
+                "rope_type": "llama3", "rope_factor": float(rope["factor"]),
+                "rope_low_freq_factor": float(rope["low_freq_factor"]),
+                "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                "rope_original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+            }  # fmt: skip
         if model_type == "glm4_moe":
             values |= {
                 "num_experts": hf.get("n_routed_experts", 0),
@@ -256,15 +325,27 @@ class ModelConfig:
         }
         own = {
             "qwen3": (),
+            "qwen2": (),
+            "llama": (),
             "qwen3_moe": _MOE_FIELDS + _QWEN3_MOE_FIELDS,
             "glm4_moe": _MOE_FIELDS + _GLM4_MOE_FIELDS,
         }[self.model_type]
         for key, value in values.items():
             if key in _MOE_FIELDS + _QWEN3_MOE_FIELDS + _GLM4_MOE_FIELDS and key not in own:
                 continue
+            if key.startswith("rope_") and key != "rope_theta":
+                continue  # in rope_parameters
             if key == "num_nextn_predict_layers" and not value and self.model_type != "glm4_moe":
                 continue  # a model without MTP modules keeps the plain Qwen3 config
             hf[key] = list(value) if isinstance(value, tuple) else value
+        if self.rope_scaling is not None:
+            hf["rope_parameters"] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **self.rope_scaling}
+            hf["rope_parameters"]["original_max_position_embeddings"] = self.rope_original_max_position_embeddings
+        if self.model_type == "llama":
+            hf |= {"mlp_bias": False, "pretraining_tp": 1}
+        if self.model_type == "qwen2":
+            hf.pop("attention_bias")  # not a Qwen2Config field: q / k / v are always biased
+            hf["max_window_layers"] = self.num_hidden_layers
         if self.model_type == "glm4_moe":
             hf["n_routed_experts"] = hf.pop("num_experts")
             hf["topk_method"] = "noaux_tc"

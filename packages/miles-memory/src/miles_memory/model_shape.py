@@ -2,7 +2,8 @@
 shape, parameter counts, and KV-cache width. Torch-free.
 
 Four families: `qwen3` / `qwen3_moe` (the miles-kernels model, miles_kernels/model.py: q/k norms, the MoE router
-`gate`, optional tied embeddings, DeepSeek-style MTP modules whose embedding and LM head are the trunk's), `glm4_moe`
+`gate`, optional tied embeddings, DeepSeek-style MTP modules whose embedding and LM head are the trunk's) with the
+dense `qwen2` (Qwen2.5: q/k/v biases, no q/k norms) and `llama` (Llama 3.x: no q/k norms), `glm4_moe`
 (GLM-4.5: qkv bias, optional q/k norms, dense first layers, one shared expert, router with a score-correction bias)
 and `deepseek_v3` / `kimi_k2` (MLA attention: low-rank q and a compressed KV latent; Hugging Face's
 modeling_deepseek_v3.py names). Profiles of public models live in `profiles/models.yaml`.
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = ["MODELS", "ModelShape", "Tensor", "load_model_profile", "model_profiles", "resolve_model"]
 
-FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "kimi_k2")
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "kimi_k2")
 
 
 class Tensor(NamedTuple):
@@ -90,6 +91,8 @@ class ModelShape(BaseModel):
         values["num_nextn_predict_layers"] = hf.get("num_nextn_predict_layers") or 0
         values["mlp_only_layers"] = tuple(hf.get("mlp_only_layers") or ())
         values["torch_dtype"] = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+        if model_type == "qwen2":
+            values["attention_bias"] = True  # Qwen2.5 biases q / k / v always (no config field)
         return cls(**values)
 
     @property
@@ -149,7 +152,11 @@ class ModelShape(BaseModel):
             add("q_proj.bias", heads * d)
             add("k_proj.bias", kv * d)
             add("v_proj.bias", kv * d)
-            if self.model_type in ("qwen3", "qwen3_moe"):  # miles' Linear (and HF Qwen3) bias o_proj too
+            if self.model_type in (
+                "qwen3",
+                "qwen3_moe",
+                "llama",
+            ):  # miles' Linear (and HF Qwen3, Llama) bias o_proj too
                 add("o_proj.bias", h)
         if self.has_qk_norm:
             add("q_norm.weight", d)

@@ -38,6 +38,8 @@ from miles_trainer import SFTConfig, load_sft_samples, pack_samples, run_sft
 # ops; 16-token KV pages fit the task's ~15-token rows (64-token pages would mostly be padding).
 BOOTSTRAP_KERNEL = KernelConfig(mode="fast", page_size=16)
 PROBE_SIZE, PROBE_FROM, PROBE_EVERY = 128, 100, 25  # early-stop probe: prompts, first check, check interval
+# The tokenizer's chat template and special tokens per family (miles_kernels.testing.chat_templates); others: ChatML
+CHAT_FORMAT = {"qwen2": "qwen2.5", "llama": "llama3"}
 
 
 @contextlib.contextmanager
@@ -83,7 +85,11 @@ def _corpus_line(row: dict[str, Any]) -> str:
 
 def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
     """Qwen3: hidden 256, intermediate 768, 4 layers, 8 heads / 4 KV heads, head dim 32, tied embeddings; one MTP
-    module (DeepSeek-V3's layout, `model.layers.4`). The MoE families keep that trunk and swap the MLPs:
+    module (DeepSeek-V3's layout, `model.layers.4`). Qwen2.5 (`qwen2`: q/k/v biases, no QK-norm) and Llama 3.x
+    (`llama`: no QK-norm, Llama 3.1's RoPE scaling, factor 8 over an original context of 256 with the trunk's RoPE
+    base 10,000: at head dim 32 Llama's base 500,000 leaves a 4-layer model too few position-sensitive dimensions to
+    learn the task) keep that shape. The MoE
+    families keep that trunk and swap the MLPs:
     - qwen3_moe: 8 experts of intermediate 384, top-2 (renormalized): the dense MLP's active size;
     - glm4_moe: the first layer dense (768), then 8 routed experts of 256, top-2 of one group, one shared expert
       of 256, routed scaling 2.5, partial rotary 0.5, q/k/v biases, QK-norm (GLM-4.5's settings, scaled down)."""
@@ -94,6 +100,10 @@ def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
     }  # fmt: skip
     if architecture == "qwen3":
         return tiny_config("dense", **shape)
+    if architecture == "qwen2":  # Qwen2.5: q/k/v biases, no QK-norm
+        return tiny_config("qwen2", **shape)
+    if architecture == "llama":  # Llama 3.x: no QK-norm, Llama 3 RoPE scaling (scaled down: see the docstring)
+        return tiny_config("llama", **shape, rope_theta=10_000.0, rope_original_max_position_embeddings=256)
     if architecture == "qwen3_moe":
         return tiny_config("moe", **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384)
     if architecture == "glm4_moe":
@@ -101,7 +111,7 @@ def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
             "glm", **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
             n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, partial_rotary_factor=0.5,
         )  # fmt: skip
-    raise ValueError(f"model.bootstrap_architecture={architecture!r}: use qwen3, qwen3_moe or glm4_moe")
+    raise ValueError(f"model.bootstrap_architecture={architecture!r}: use qwen3, qwen2, llama, qwen3_moe or glm4_moe")
 
 
 class ProbeStop:
@@ -192,7 +202,8 @@ def _build(cfg: RunConfig, staging: Path, log: Any) -> None:
     size = cfg.model.bootstrap_batch_size
     rows = sft_rows(cfg, max(1, cfg.model.bootstrap_steps) * size, seed=cfg.data.seed + 1)
     corpus = [_corpus_line(row) for row in rows[:2000]]
-    tokenizer = build_tokenizer(corpus, vocab_size=cfg.model.bootstrap_vocab_size)
+    chat_format = CHAT_FORMAT.get(cfg.model.bootstrap_architecture, "qwen")
+    tokenizer = build_tokenizer(corpus, vocab_size=cfg.model.bootstrap_vocab_size, chat_format=chat_format)
     config = policy_config(len(tokenizer), cfg.model.bootstrap_architecture)
     save_random_model(staging / "base", config, seed=cfg.data.seed, tokenizer=tokenizer)
     data = staging / "sft.jsonl"

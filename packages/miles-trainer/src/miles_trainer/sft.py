@@ -71,14 +71,17 @@ def _messages(tokenizer: Any, row: dict[str, Any]) -> Tokens:
     tokens = _template(tokenizer, messages)
     mask = [0] * len(tokens)
     for k in assistant:
-        start = len(_template(tokenizer, messages[:k], add_generation_prompt=True))
-        end = len(_template(tokenizer, messages[: k + 1]))
-        if tokens[:end] != _template(tokenizer, messages[: k + 1]):
+        # The turn starts where the conversation before it, with the generation prompt, ends in the whole row's
+        # tokens, and runs through its end-of-turn token (EOS): what a rollout of that turn generates. The turn
+        # itself may render differently once later messages follow it (Qwen3 drops an earlier turn's <think>).
+        opening = _template(tokenizer, messages[:k], add_generation_prompt=True)
+        start = len(opening)
+        if tokens[:start] != opening:
             raise ValueError("the tokenizer's chat template is not prefix-stable; use prompt/response rows")
-        span = tokens[start:end]
-        # Train the assistant's content and its end-of-turn token, not the template's newline after it.
-        if tokenizer.eos_token_id in span:
-            end = start + span.index(tokenizer.eos_token_id) + 1
+        ends = [i for i in range(start, len(tokens)) if tokens[i] == tokenizer.eos_token_id]
+        if not ends:
+            raise ValueError(f"assistant message {k} has no end-of-turn token {tokenizer.eos_token!r} after it")
+        end = ends[0] + 1
         mask[start:end] = [1] * (end - start)
     first = assistant[0]
     num_prompt = len(_template(tokenizer, messages[:first], add_generation_prompt=True))

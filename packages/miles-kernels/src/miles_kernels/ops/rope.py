@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE, rotate-half layout as in Hugging Face Qwen3; partial rotary as in GLM-4.5:
-cos / sin narrower than the head rotate its leading dimensions and the rest pass through unchanged).
+cos / sin narrower than the head rotate its leading dimensions and the rest pass through unchanged; Llama 3's
+frequency scaling, `llama3_inv_frequencies`).
 
 Batch-invariant as written: angles are computed per position (`position * inv_freq`, elementwise, no
 reduction), so a token's rotation depends only on its absolute position, never on the batch or chunk it is in.
@@ -8,6 +9,7 @@ Shapes: x_NHD (tokens, heads, head_dim), positions_N.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,6 +19,23 @@ def inv_frequencies(head_dim: int, theta: float, device: torch.device | None = N
     """`1 / theta^(2i / head_dim)` for i < head_dim / 2, in float32 (as Hugging Face computes it)."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
     return 1.0 / (theta**exponent)
+
+
+def llama3_inv_frequencies(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+    original_max_position_embeddings: float,
+) -> torch.Tensor:  # fmt: skip
+    """Llama 3's scaled frequencies (Meta's reference, as transformers' `rope_type: llama3`): wavelengths shorter
+    than `original / high_freq_factor` keep their frequency, those longer than `original / low_freq_factor` are
+    divided by `factor`, and the band between interpolates smoothly between the two."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 def rope_cos_sin(

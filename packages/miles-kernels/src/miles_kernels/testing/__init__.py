@@ -1,18 +1,22 @@
 """Scaffolding for tests, examples and benchmarks: small random models, a small chat tokenizer, and the simplest
 drivers of the model (nothing is downloaded). Not part of the engine or the trainer.
 
-- `tiny_config` / `random_model` / `save_random_model`, `BENCHMARK_MODEL`: small Qwen3 / Qwen3-MoE models;
-- `build_tokenizer`, `DEFAULT_CORPUS`: a byte-level BPE tokenizer with a Qwen chat template;
+- `tiny_config` / `random_model` / `save_random_model`, `BENCHMARK_MODEL`: small models of every family (Qwen3,
+  Qwen2.5, Llama 3.x, Qwen3-MoE, GLM-4.5);
+- `build_tokenizer`, `DEFAULT_CORPUS`: a byte-level BPE tokenizer with a family's chat template (`CHAT_FORMATS`:
+  plain ChatML, Qwen2.5, Qwen3, Llama 3.1);
 - `PagedRunner`, `greedy_generate`: paged decode without a scheduler (the reference for engine tests);
   `packed_logits`: the trainer's packed path.
 """
 
+from miles_kernels.testing.chat_templates import CHAT_FORMATS
 from miles_kernels.testing.paged_runner import PagedRunner, greedy_generate, packed_logits
 from miles_kernels.testing.random_model import BENCHMARK_MODEL, random_model, save_random_model, tiny_config
 from miles_kernels.testing.tokenizer import DEFAULT_CORPUS, build_tokenizer
 
 __all__ = [
     "BENCHMARK_MODEL",
+    "CHAT_FORMATS",
     "DEFAULT_CORPUS",
     "PagedRunner",
     "build_tokenizer",

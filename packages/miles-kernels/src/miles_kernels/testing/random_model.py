@@ -32,11 +32,12 @@ BENCHMARK_MODEL: dict[str, Any] = {
 }
 
 
-def tiny_config(kind: Literal["dense", "moe", "glm"] = "dense", **overrides: Any) -> ModelConfig:
-    """A small Qwen3 (dense), Qwen3-MoE or GLM-4.5 MoE config; keyword overrides use Miles' field names (HF's,
-    with GLM's `n_routed_experts` as `num_experts`). The GLM config exercises every part of the family: grouped
-    routing (2 groups, 1 kept), a shared expert, a dense first layer, partial rotary, q/k/v biases, QK-norm and a
-    routed scaling factor."""
+def tiny_config(kind: Literal["dense", "moe", "glm", "qwen2", "llama"] = "dense", **overrides: Any) -> ModelConfig:
+    """A small Qwen3 (dense), Qwen3-MoE, GLM-4.5 MoE, Qwen2.5 or Llama 3.x config; keyword overrides use Miles'
+    field names (HF's, with GLM's `n_routed_experts` as `num_experts`). The GLM config exercises every part of the
+    family: grouped routing (2 groups, 1 kept), a shared expert, a dense first layer, partial rotary, q/k/v biases,
+    QK-norm and a routed scaling factor. The Llama config uses Llama 3.1's RoPE scaling with a short original context
+    (64 positions) so that its three frequency bands all occur at this head size."""
     values: dict[str, Any] = {
         "model_type": "qwen3",
         "vocab_size": 256,
@@ -74,6 +75,14 @@ def tiny_config(kind: Literal["dense", "moe", "glm"] = "dense", **overrides: Any
             "attention_bias": True,
             "use_qk_norm": True,
         }
+    if kind == "qwen2":
+        values |= {"model_type": "qwen2", "attention_bias": True, "use_qk_norm": False}
+    if kind == "llama":
+        values |= {
+            "model_type": "llama", "use_qk_norm": False, "rope_theta": 500_000.0, "rms_norm_eps": 1e-5,
+            "rope_type": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+            "rope_original_max_position_embeddings": 64,
+        }  # fmt: skip
     values |= overrides
     if "mlp_only_layers" in values:
         values["mlp_only_layers"] = tuple(values["mlp_only_layers"])

@@ -7,9 +7,10 @@ model's, so `build_tokenizer` trains one in well under a second, with the `token
 
 - byte-level BPE, pre-tokenized with Qwen2's split pattern (digits one at a time, which suits arithmetic tasks),
   so any Unicode text encodes and decodes back exactly;
-- the special tokens ``<|endoftext|>`` (pad, id 0), ``<|im_start|>`` (id 1) and ``<|im_end|>`` (EOS, id 2);
-- Qwen's chat template: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
-  ``<|im_start|>assistant\\n`` when ``add_generation_prompt``.
+- by default the special tokens ``<|endoftext|>`` (pad, id 0), ``<|im_start|>`` (id 1) and ``<|im_end|>`` (EOS,
+  id 2) and a plain ChatML template: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
+  ``<|im_start|>assistant\\n`` when ``add_generation_prompt``; `chat_format` gives Qwen2.5's, Qwen3's or Llama
+  3.1's template and special tokens instead (testing/chat_templates.py).
 
 Saved with ``save_dir``, it loads with ``transformers.AutoTokenizer.from_pretrained`` (and so with TRL) with its
 EOS, pad and chat template intact, next to a random model saved in the same folder.
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from miles_kernels.testing.chat_templates import CHAT_FORMATS, QWEN
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
@@ -35,14 +39,7 @@ _QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+CHAT_TEMPLATE = QWEN  # the built-in example's (chat_format="qwen")
 
 DEFAULT_CORPUS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -93,18 +90,25 @@ def build_tokenizer(
     *,
     vocab_size: int = 512,
     save_dir: str | os.PathLike[str] | None = None,
+    chat_format: str = "qwen",
 ) -> transformers.PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer with Qwen-style special tokens and chat template on `corpus`.
+    """Train a byte-level BPE tokenizer with a model family's special tokens and chat template on `corpus`.
 
     Args:
         corpus: lines of training text. The same corpus always gives the same vocabulary and merges.
-        vocab_size: the exact size of the result, ``len(tokenizer)``, *including* the 256 byte symbols and the 3
-            special tokens, so at least 259; the rest are BPE merges learned from `corpus`. A model built for this
-            tokenizer needs an embedding of at least this many rows. If `corpus` has too few distinct pairs to
-            learn that many merges, a ValueError says how many it allows.
+        vocab_size: the exact size of the result, ``len(tokenizer)``, *including* the 256 byte symbols and the
+            special tokens (3 for the Qwen formats, 5 for llama3), so at least 259 / 261; the rest are BPE merges
+            learned from `corpus`. A model built for this tokenizer needs an embedding of at least this many rows.
+            If `corpus` has too few distinct pairs to learn that many merges, a ValueError says how many it allows.
         save_dir: when given, the tokenizer is saved there with ``save_pretrained`` (tokenizer.json,
             tokenizer_config.json, chat template), ready for ``AutoTokenizer.from_pretrained(save_dir)``.
+        chat_format: the family's chat template and special tokens (`miles_kernels.testing.chat_templates`):
+            "qwen" (plain ChatML, the default), "qwen2.5", "qwen3" (EOS ``<|im_end|>``) or "llama3" (Llama 3.1's:
+            BOS ``<|begin_of_text|>``, EOS ``<|eot_id|>``).
     """
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"chat_format={chat_format!r}: use one of {sorted(CHAT_FORMATS)}")
+    template, specials = CHAT_FORMATS[chat_format]
     if isinstance(corpus, str | bytes):
         # A str is an Iterable[str] of characters; training on it would silently learn nothing useful.
         raise TypeError("corpus must be an iterable of lines of text, not a single string; wrap it in a list")
@@ -116,10 +120,11 @@ def build_tokenizer(
             raise TypeError(f"corpus lines must be str, got {type(line).__name__} {line!r}")
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
-    if vocab_size < MIN_VOCAB_SIZE:
+    smallest = NUM_BYTE_TOKENS + len(specials)
+    if vocab_size < smallest:
         raise ValueError(
             f"vocab_size={vocab_size} is too small: a byte-level tokenizer needs {NUM_BYTE_TOKENS} byte symbols plus "
-            f"{len(SPECIAL_TOKENS)} special tokens, so vocab_size >= {MIN_VOCAB_SIZE}"
+            f"{len(specials)} special tokens, so vocab_size >= {smallest}"
         )
 
     tokenizer = Tokenizer(models.BPE())
@@ -133,24 +138,30 @@ def build_tokenizer(
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(  # type: ignore[no-untyped-call]
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),  # listed first, so they get ids 0, 1, 2
+        special_tokens=list(specials),  # listed first, so they get ids 0, 1, 2, ...
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even those the corpus lacks
         show_progress=False,
     )
     tokenizer.train_from_iterator(lines, trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(
-            f"the corpus supports only {tokenizer.get_vocab_size()} tokens ({MIN_VOCAB_SIZE} fixed + "
-            f"{tokenizer.get_vocab_size() - MIN_VOCAB_SIZE} merges), fewer than vocab_size={vocab_size}; "
+            f"the corpus supports only {tokenizer.get_vocab_size()} tokens ({smallest} fixed + "
+            f"{tokenizer.get_vocab_size() - smallest} merges), fewer than vocab_size={vocab_size}; "
             "pass a smaller vocab_size or a larger corpus"
         )
 
+    if specials[0] == PAD_TOKEN:  # the Qwen formats
+        family: dict[str, Any] = {
+            "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "extra_special_tokens": [IM_START_TOKEN]
+        }  # fmt: skip
+    else:  # llama3: <|end_of_text|> pads, <|begin_of_text|> begins, <|eot_id|> ends a turn
+        named = ("<|end_of_text|>", "<|begin_of_text|>", "<|eot_id|>")
+        family = {"pad_token": named[0], "bos_token": named[1], "eos_token": named[2],
+                  "extra_special_tokens": [t for t in specials if t not in named]}  # fmt: skip
     hf_tokenizer = transformers.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        extra_special_tokens=[IM_START_TOKEN],
-        chat_template=CHAT_TEMPLATE,
+        **family,
+        chat_template=template,
         # Decoding must give back exactly the text that was encoded; the legacy cleanup rewrites " ." as ".".
         clean_up_tokenization_spaces=False,
     )
