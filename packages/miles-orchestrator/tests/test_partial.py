@@ -49,8 +49,10 @@ async def roll_out(engine: Engine, aborted: Aborted | None) -> list[Sample]:
 async def roll_out_across_a_sync(engine: Engine, new_policy: Path, mode: str, aborted: Aborted | None) -> list[Sample]:
     """The group rolled out while the weights change to version 1 once PAUSE_AFTER tokens are generated."""
     client = InProcessClient(engine)
+    # The counter is the engine's total (the reference run's tokens included): count from here
+    before = (await engine.wait_until(lambda stats: True))["num_generated_tokens"]
     running = asyncio.create_task(roll_out(engine, aborted))
-    await engine.wait_until(lambda stats: stats["num_generated_tokens"] >= PAUSE_AFTER)
+    await engine.wait_until(lambda stats: stats["num_generated_tokens"] >= before + PAUSE_AFTER)
     await client.pause_generation(mode)
     await client.update_weights_from_disk(str(new_policy), 1)
     await client.continue_generation()

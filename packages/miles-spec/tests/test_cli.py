@@ -132,13 +132,13 @@ def test_bad_models_and_outputs_are_refused(checkpoints, tmp_path, capsys) -> No
     code, err = run_main(capsys, "train", "--model", str(tmp_path / "nowhere"), "--data", rows, "--out",
                          str(tmp_path / "o1"))  # fmt: skip
     assert code == 2 and "no Hugging Face checkpoint" in err
-    llama = tmp_path / "llama"
-    shutil.copytree(checkpoints["with_mtp"], llama)
-    config = json.loads((llama / "config.json").read_text())
-    (llama / "config.json").write_text(json.dumps(config | {"model_type": "llama",
-                                                            "architectures": ["LlamaForCausalLM"]}))  # fmt: skip
-    code, err = run_main(capsys, "train", "--model", str(llama), "--data", rows, "--out", str(tmp_path / "o2"))
-    assert code == 2 and "model_type='llama'" in err, err[-2000:]
+    mistral = tmp_path / "mistral"  # an architecture the kernels do not run
+    shutil.copytree(checkpoints["with_mtp"], mistral)
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps(config | {"model_type": "mistral",
+                                                              "architectures": ["MistralForCausalLM"]}))  # fmt: skip
+    code, err = run_main(capsys, "train", "--model", str(mistral), "--data", rows, "--out", str(tmp_path / "o2"))
+    assert code == 2 and "model_type='mistral'" in err, err[-2000:]
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
