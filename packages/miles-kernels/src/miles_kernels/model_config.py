@@ -193,7 +193,7 @@ class ModelConfig:
             return None
         return {"factor": self.rope_factor, "low_freq_factor": self.rope_low_freq_factor,
                 "high_freq_factor": self.rope_high_freq_factor,
-                "original_max_position_embeddings": float(self.rope_original_max_position_embeddings)}  # fmt: skip
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings}  # fmt: skip
 
     @property
     def architecture(self) -> str:
@@ -340,7 +340,6 @@ class ModelConfig:
             hf[key] = list(value) if isinstance(value, tuple) else value
         if self.rope_scaling is not None:
             hf["rope_parameters"] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **self.rope_scaling}
-            hf["rope_parameters"]["original_max_position_embeddings"] = self.rope_original_max_position_embeddings
         if self.model_type == "llama":
             hf |= {"mlp_bias": False, "pretraining_tp": 1}
         if self.model_type == "qwen2":

@@ -40,7 +40,7 @@ from miles_contracts import (
 )
 from miles_orchestrator.config_sections import RolloutSection
 from miles_orchestrator.env_pool import EnvError, EnvPool
-from miles_orchestrator.rollout import STATUS_OF_FINISH, token_versions
+from miles_orchestrator.rollout import STATUS_OF_FINISH, output_logprobs, output_versions, spanning_versions
 from miles_orchestrator.tool_calls import parse_tool_calls
 
 # A fixed conversation the deltas are rendered after: only what follows its assistant turn's end matters. The
@@ -190,10 +190,9 @@ class _Trace:
     def add_turn(self, output_ids: list[int], meta: Any) -> None:
         start = len(self.tokens)
         self.tokens += output_ids
-        self.logprobs += [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []]
+        self.logprobs += output_logprobs(meta)
         self.mask += [1] * len(output_ids)
-        spans = token_versions(meta)
-        self.versions += [meta.weight_version] * len(output_ids) if spans is None else spans
+        self.versions += output_versions(meta, len(output_ids))
         self.version = meta.weight_version
         self.routed_experts = meta.routed_experts
         self.turn_spans.append([start, len(self.tokens)])
@@ -210,8 +209,6 @@ class _Trace:
         self.versions += [self.versions[-1] if self.versions else self.version] * len(tokens)
 
     def sample(self, sample: Sample, prompt: list[int], status: SampleStatus, reason: str, text: str) -> Sample:
-        known = [v for v in self.versions if v is not None]
-        is_spanning = len(set(self.versions)) > 1 and len(known) == len(self.versions)
         agent: dict[str, JsonValue] = {
             "turns": len(self.turn_spans), "turn_spans": self.turn_spans,  # type: ignore[dict-item]
             "tool_calls": self.num_tool_calls, "tool_errors": self.num_tool_errors, "reward": self.reward,
@@ -220,7 +217,7 @@ class _Trace:
         return sample.model_copy(update={
             "prompt_tokens": prompt, "response_tokens": self.tokens, "response": text,
             "rollout_logprobs": self.logprobs, "loss_mask": self.mask, "status": status, "finish_reason": reason,
-            "weight_version": self.version, "weight_versions": known if is_spanning else None,
+            "weight_version": self.version, "weight_versions": spanning_versions(self.versions),
             "routed_experts": self.routed_experts, "metadata": sample.metadata | {"agent": agent},
         })  # fmt: skip
 

@@ -194,8 +194,7 @@ def _serve(
         env = episodes[episode_id] = env_class(**env_args)
         opening = _await(env.reset(Sample.model_validate(request["sample"])), loop)
         messages = None if opening is None else _opening_messages(opening)
-        tools = getattr(env, "tools", None) or None
-        return {"messages": messages, "tools": json.loads(json.dumps(tools)) if tools else None}
+        return {"messages": messages, "tools": getattr(env, "tools", None) or None}
     result = _await(episodes[episode_id].step(AgentMessage.model_validate(request["message"])), loop)
     if isinstance(result, dict):
         result = StepResult.model_validate(result)

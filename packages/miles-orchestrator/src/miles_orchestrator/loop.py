@@ -102,11 +102,12 @@ def position(step: int, source: Any) -> dict[str, Any]:
 def check_plugins(cfg: RunConfig) -> None:
     """Import and check every plug-in the config names (data source, reward, rollout function, filters, loss,
     advantage; the http reward's server), so a wrong path or signature fails at start-up with the field named."""
+    env = cfg.rollout.agent.env
     checks: list[tuple[str, str | None, Callable[[], object]]] = [
         ("data.source", cfg.data.source, lambda: check_data_source(cfg.data)),
         ("reward.name", cfg.reward.name, lambda: check_reward(cfg.reward)),
         ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
-        ("rollout.agent.env", cfg.rollout.agent.env, lambda: resolve_env(cfg.rollout.agent.env or "calculator")),
+        ("rollout.agent.env", env, lambda: env is not None and resolve_env(env)),
         ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
         ("trainer.loss.loss_fn", cfg.trainer.loss.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss.loss_fn)),
         ("trainer.advantage_estimator", cfg.trainer.advantage_estimator, lambda: _check_estimator(cfg)),

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from miles_contracts import GenerateClient, GenerateRequest, RolloutFn, Sample, SampleStatus, SamplingParams
-from miles_orchestrator.rollout import STATUS_OF_FINISH, token_versions
+from miles_orchestrator.rollout import STATUS_OF_FINISH, output_logprobs, output_versions, spanning_versions
 
 MAX_RESUMES = 16  # a generation aborted this many times in a row fails (its group is not trained)
 RESEED = 1 << 40  # retry k of sample seed s draws with s + k * RESEED (seeds stay distinct for any run)
@@ -76,19 +76,14 @@ async def continue_sample(
     meta = response.meta_info
     reason = meta.finish_reason.type if meta.finish_reason else "length"
     new_tokens = list(response.output_ids)
-    spans = token_versions(meta)
-    new_versions: list[int | None] = [meta.weight_version] * len(new_tokens) if spans is None else list(spans)
-    versions = [*sample.token_versions(), *new_versions]
-    known = [v for v in versions if v is not None]
+    versions = [*sample.token_versions(), *output_versions(meta, len(new_tokens))]
     resumes = sample.metadata.get("partial_rollout_resumes")
     num_resumes = (resumes if isinstance(resumes, int) else 0) + 1
     return sample.model_copy(update={
         "response_tokens": sample.response_tokens + new_tokens,
         "response": (sample.response or "") + response.text,
-        "rollout_logprobs": (sample.rollout_logprobs or [])
-        + [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []],
-        "weight_version": meta.weight_version,
-        "weight_versions": known if len(set(versions)) > 1 and len(known) == len(versions) else None,
+        "rollout_logprobs": (sample.rollout_logprobs or []) + output_logprobs(meta),
+        "weight_version": meta.weight_version, "weight_versions": spanning_versions(versions),
         "finish_reason": reason, "status": STATUS_OF_FINISH[reason],
         "metadata": sample.metadata | {"partial_rollout_resumes": num_resumes},
     })  # fmt: skip

@@ -67,12 +67,30 @@ async def single_turn(
         reason = meta.finish_reason.type if meta.finish_reason else "length"
         out.append(sample.model_copy(update={
             "response_tokens": list(response.output_ids), "response": response.text,
-            "rollout_logprobs": [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []],
+            "rollout_logprobs": output_logprobs(meta),
             "finish_reason": reason, "status": STATUS_OF_FINISH[reason], "weight_version": meta.weight_version,
             "weight_versions": token_versions(meta), "metadata": sample.metadata | _spec_counts(meta),
             "routed_experts": meta.routed_experts,
         }))  # fmt: skip
     return out
+
+
+def output_logprobs(meta: MetaInfo) -> list[float]:
+    """The log-prob of each output token (SGLang's `output_token_logprobs` entries: [logprob, token id, text])."""
+    return [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []]
+
+
+def output_versions(meta: MetaInfo, num_tokens: int) -> list[int | None]:
+    """The version of each of a response's `num_tokens` output tokens: its spans, or `weight_version` for all."""
+    spans = token_versions(meta)
+    return [meta.weight_version] * num_tokens if spans is None else list(spans)
+
+
+def spanning_versions(versions: list[int | None]) -> list[int] | None:
+    """`Sample.weight_versions` for a response assembled from several generations: the per-token versions when
+    they differ (and are all known), else None (`weight_version` says it)."""
+    known = [v for v in versions if v is not None]
+    return known if len(set(versions)) > 1 and len(known) == len(versions) else None
 
 
 def token_versions(meta: MetaInfo) -> list[int] | None:

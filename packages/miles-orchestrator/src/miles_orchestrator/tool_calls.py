@@ -41,24 +41,17 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     """Every `<tool_call>…</tool_call>` block of `text`, parsed as `{"name": str, "arguments": object}`."""
     parsed = ParsedTurn()
     for k, match in enumerate(_CALL.finditer(text)):
-        body, closed = match.group(1).strip(), match.group(0).endswith(CLOSE)
-        error = _check(body, closed)
-        if error is None:
-            try:
-                value = json.loads(body)
-                arguments = value.get("arguments", value.get("parameters", {}))
-                if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI does
-                    arguments = json.loads(arguments)
-                parsed.calls.append(ToolCall(name=value["name"], arguments=arguments))
-                continue
-            except (json.JSONDecodeError, ValidationError, TypeError, KeyError, AttributeError) as exc:
-                error = _describe(exc)
-        parsed.errors.append(f"tool call {k + 1} is malformed: {error}; write {EXAMPLE}")
+        call = _parse(match.group(1).strip(), is_closed=match.group(0).endswith(CLOSE))
+        if isinstance(call, ToolCall):
+            parsed.calls.append(call)
+        else:
+            parsed.errors.append(f"tool call {k + 1} is malformed: {call}; write {EXAMPLE}")
     return parsed
 
 
-def _check(body: str, closed: bool) -> str | None:
-    if not closed:
+def _parse(body: str, is_closed: bool) -> ToolCall | str:
+    """The call in one block's body, or what is wrong with it."""
+    if not is_closed:
         return f"{OPEN} is never closed by {CLOSE}"
     try:
         value = json.loads(body)
@@ -68,15 +61,16 @@ def _check(body: str, closed: bool) -> str | None:
         return f"its body is a JSON {type(value).__name__}, not an object"
     if not isinstance(value.get("name"), str) or not value["name"]:
         return 'it has no "name" string'
-    return None
-
-
-def _describe(error: Exception) -> str:
-    if isinstance(error, ValidationError):
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI does
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            return f'"arguments" is a string that is not JSON ({error.msg})'
+    try:
+        return ToolCall.model_validate({"name": value["name"], "arguments": arguments})
+    except ValidationError:
         return '"arguments" must be a JSON object of keyword arguments'
-    if isinstance(error, json.JSONDecodeError):
-        return f'"arguments" is a string that is not JSON ({error.msg})'
-    return '"arguments" must be a JSON object of keyword arguments'
 
 
 def format_tool_call(call: ToolCall) -> str:

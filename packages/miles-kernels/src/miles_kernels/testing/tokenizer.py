@@ -25,12 +25,12 @@ from typing import Any
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from miles_kernels.testing.chat_templates import CHAT_FORMATS, QWEN
+from miles_kernels.testing.chat_templates import CHAT_FORMATS, QWEN, QWEN_SPECIALS
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"  # Qwen chat models end a turn, and so a response, with <|im_end|>
-SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
+SPECIAL_TOKENS = QWEN_SPECIALS  # (pad, <|im_start|>, EOS): ids 0, 1, 2
 NUM_BYTE_TOKENS = 256  # byte-level BPE starts from one symbol per byte, so every input is encodable
 MIN_VOCAB_SIZE = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
 
