@@ -38,9 +38,9 @@ from miles_contracts import (
     StepResult,
     observation_messages,
 )
-from miles_orchestrator.config_sections import RolloutSection
 from miles_orchestrator.env_pool import EnvError, EnvPool
 from miles_orchestrator.rollout import STATUS_OF_FINISH, output_logprobs, output_versions, spanning_versions
+from miles_orchestrator.rollout_config import RolloutSection
 from miles_orchestrator.tool_calls import parse_tool_calls
 
 # A fixed conversation the deltas are rendered after: only what follows its assistant turn's end matters. The

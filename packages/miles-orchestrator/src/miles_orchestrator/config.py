@@ -33,12 +33,12 @@ from miles_orchestrator.config_sections import (
     FilterSection,
     ModelSection,
     RewardSection,
-    RolloutSection,
     RunSection,
     Section,
     TrainerSection,
     data_source_kind,
 )
+from miles_orchestrator.rollout_config import RolloutSection
 from miles_spec.config import SpecConfig
 
 __all__ = [
