@@ -1,8 +1,8 @@
 """Numerical parity of Miles' model with Hugging Face `transformers`, per supported family, as JSON.
 
-For each family (Qwen3 dense, Qwen2.5, Llama 3.x with Llama 3 RoPE scaling, Qwen3-MoE, GLM-4.5 MoE:
-`miles_kernels.testing.tiny_config`, tied and untied embeddings, random weights, biases and GLM's router bias
-nonzero) and each kernel mode: the largest |difference| of the
+For each family (Qwen3 dense, Qwen2.5, Qwen2.5 with sliding-window attention on its second layer (a 16-key window),
+Llama 3.x with Llama 3 RoPE scaling, Qwen3-MoE, GLM-4.5 MoE: `miles_kernels.testing.tiny_config`, tied and untied
+embeddings, random weights, biases and GLM's router bias nonzero) and each kernel mode: the largest |difference| of the
 logits and of the next-token log-probs (`log_softmax`, float32) between Miles (packed sequences, the trainer's
 path) and `AutoModelForCausalLM` on the same directory, over random sequences of several lengths (no exact router
 ties: transformers' `topk(sorted=False)` leaves their order unspecified). The tests (packages/miles-kernels/tests/
@@ -26,7 +26,11 @@ from transformers import AutoModelForCausalLM
 from miles_kernels import KernelConfig, load_model
 from miles_kernels.testing import packed_logits, save_random_model, tiny_config
 
-FAMILIES = {"qwen3": "dense", "qwen2": "qwen2", "llama": "llama", "qwen3_moe": "moe", "glm4_moe": "glm"}
+SLIDING = {"sliding_window": 16, "layer_types": ("full_attention", "sliding_attention")}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("dense", {}), "qwen2": ("qwen2", {}), "qwen2_sliding_window": ("qwen2", SLIDING),
+    "llama": ("llama", {}), "qwen3_moe": ("moe", {}), "glm4_moe": ("glm", {}),
+}  # fmt: skip
 MODES = {"deterministic": KernelConfig(), "fast": KernelConfig(mode="fast")}
 
 
@@ -51,12 +55,12 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for family, kind in FAMILIES.items():
+        for family, (kind, overrides) in FAMILIES.items():
             for tied in (True, False):
                 worst: dict[str, dict[str, float]] = {}
                 for seed in range(args.seeds):
                     model_dir = Path(tmp) / f"{family}-{tied}-{seed}"
-                    config = tiny_config(kind, tie_word_embeddings=tied)
+                    config = tiny_config(kind, tie_word_embeddings=tied, **overrides)
                     save_random_model(model_dir, config, seed=seed)
                     generator = torch.Generator().manual_seed(seed)
                     seqs = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (1, 7, 33, 100)]

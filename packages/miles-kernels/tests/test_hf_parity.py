@@ -126,6 +126,79 @@ def test_loads_qwen25_and_llama3_directories_written_by_transformers(tmp_path, f
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "again")).__name__ == model_class.__name__
 
 
+WINDOWED = {
+    "qwen2": ("full_attention", "sliding_attention"),  # Qwen2.5's max_window_layers rule: the later layers windowed
+    "dense": ("sliding_attention", "sliding_attention"),  # Qwen3
+    "moe": ("sliding_attention", "sliding_attention"),  # Qwen3-MoE windows every layer
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WINDOWED))
+@pytest.mark.parametrize("window", [5, 11])
+def test_sliding_window_matches_transformers(tmp_path, kind: str, window: int) -> None:
+    """Sliding-window attention (Qwen2.5, Qwen3, Qwen3-MoE) against transformers' sliding-window mask, in both modes
+    (fast mode's SDPA path for the 60-token sequence), windows inside a page of 8 and across pages; the window
+    changes the logits of the long sequences."""
+    config = tiny_config(kind, sliding_window=window, layer_types=WINDOWED[kind], tie_word_embeddings=False)
+    save_random_model(tmp_path, config, seed=60 + window)
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    assert hf_config["use_sliding_window"] and hf_config["sliding_window"] == window
+    seqs = random_seqs(config.vocab_size, [1, 6, 19, 60], seed=window)
+    assert_matches_transformers(tmp_path, seqs)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert [layer.self_attn.sliding_window for layer in hf.model.layers] == [
+        window if layer_type == "sliding_attention" else None for layer_type in WINDOWED[kind]
+    ]
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config, "use_sliding_window": False}))
+    unwindowed = packed_logits(load_model(tmp_path), seqs[-1:])[0]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    assert (packed_logits(load_model(tmp_path), seqs[-1:])[0] - unwindowed).abs().max() > 1e-2
+
+
+def test_loads_a_windowed_qwen25_directory_written_by_transformers(tmp_path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf_config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
+                            max_window_layers=1)  # fmt: skip
+    torch.manual_seed(1)
+    hf = Qwen2ForCausalLM(hf_config).eval()
+    hf.save_pretrained(tmp_path)
+    config = read_model_config(tmp_path)
+    assert config.sliding_window == 6
+    assert config.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
+    seqs = random_seqs(128, [30], seed=1)
+    with torch.no_grad():
+        reference = hf(seqs[0][None]).logits[0]
+    model = load_model(tmp_path)
+    torch.testing.assert_close(packed_logits(model, seqs)[0], reference, rtol=0, atol=1e-4)
+    again = AutoModelForCausalLM.from_pretrained(save_model(model, tmp_path / "again"))
+    assert again.config.layer_types == list(config.layer_types) and again.config.sliding_window == 6
+
+
+def test_sliding_window_settings_are_checked() -> None:
+    from miles_kernels import ModelConfig
+
+    # no layer_types: the max_window_layers rule, as transformers applies it
+    hf = tiny_config("qwen2").to_hf() | {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+    assert ModelConfig.from_hf(hf).layer_types == ("full_attention", "sliding_attention")
+    assert ModelConfig.from_hf({**hf, "use_sliding_window": False}).sliding_window is None
+    moe = tiny_config("moe").to_hf() | {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+    assert ModelConfig.from_hf(moe).layer_types == ("sliding_attention",) * 2  # Qwen3-MoE: every layer
+    with pytest.raises(ValueError, match=r"use_sliding_window=true; llama has no sliding-window attention"):
+        ModelConfig.from_hf(tiny_config("llama").to_hf() | {"use_sliding_window": True, "sliding_window": 4})
+    with pytest.raises(ValueError, match="glm4_moe has no sliding-window attention"):
+        tiny_config("glm", sliding_window=4, layer_types=("sliding_attention",) * 3)
+    with pytest.raises(ValueError, match=r"sliding_window=0 must be >= 1"):
+        tiny_config("qwen2", sliding_window=0, layer_types=("sliding_attention",) * 2)
+    with pytest.raises(ValueError, match=r"layer_types needs one of .* per layer \(2\)"):
+        tiny_config("qwen2", sliding_window=4, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="layer_types is given without a sliding_window"):
+        tiny_config("qwen2", layer_types=("sliding_attention",) * 2)
+    with pytest.raises(ValueError, match="qwen3_moe windows every layer"):
+        tiny_config("moe", sliding_window=4, layer_types=("full_attention", "sliding_attention"))
+
+
 def test_family_settings_are_checked() -> None:
     with pytest.raises(ValueError, match=r"qwen2 .* has biases on q / k / v: attention_bias=True"):
         tiny_config("qwen2", attention_bias=False)
@@ -319,7 +392,6 @@ def test_unsupported_options_are_named(tmp_path) -> None:
     config = json.loads((source / "config.json").read_text())
     for change, message in (
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "unsupported RoPE scaling 'yarn'"),
-        ({"use_sliding_window": True}, "use_sliding_window"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads=3"),
     ):

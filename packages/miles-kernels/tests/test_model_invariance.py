@@ -2,8 +2,8 @@
 
 Every row of every sequence must equal, bit for bit, the trainer-style packed forward of the same sequences,
 whatever the engine-style schedule: alone or in batches of 1..64, prefill vs decode vs chunked prefill, with a
-reused prefix, with 1 or 2 threads, dense, Qwen3-MoE and GLM-4.5 MoE, fp32 and bf16. Several seeds, because one row
-can match by luck.
+reused prefix, with 1 or 2 threads, every family (Qwen2.5 with a sliding-window layer too), fp32 and bf16.
+Several seeds, because one row can match by luck.
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ def random_seqs(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]
     return [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
 
 
+# Qwen2.5 with its second layer windowed (11 keys: a row's window spans two or three pages of 8, and the pages
+# before it are wholly masked once the row is past position 18).
+SLIDING = {"sliding_window": 11, "layer_types": ("full_attention", "sliding_attention")}
+
+
 def make_model(kind: str, seed: int, dtype: str = "float32", **overrides):
     kernel = SMALL_KERNEL.model_copy(update={"dtype": dtype})
+    if kind == "qwen2-window":
+        kind, overrides = "qwen2", SLIDING | overrides
     return random_model(tiny_config(kind, **overrides), kernel, seed=seed)
 
 
@@ -33,7 +40,7 @@ def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not bad, f"{what}: rows {bad[:10]} differ (max abs diff {(got - want).abs().max().item():.3g})"
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_batch_composition(kind: str, seed: int) -> None:
     model = make_model(kind, seed)
@@ -46,7 +53,7 @@ def test_packed_batch_composition(kind: str, seed: int) -> None:
         assert_rows_equal(got, reference[j], f"seq {j} among others")
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
     model = make_model(kind, seed)
@@ -82,7 +89,7 @@ def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
     assert_rows_equal(got, packed_logits(model, [newcomer])[0][cached:], "prefix reuse")
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_verify_shaped_steps_equal_one_token_decode(kind: str, seed: int) -> None:
     """Speculative decoding's verify forward: k + 1 new tokens per sequence after a cached prefix, next to

@@ -95,8 +95,9 @@ def test_attention_matches_sdpa(group: int) -> None:
         torch.testing.assert_close(packed_attention(config, q, k, v, lens), torch.cat(reference), rtol=0, atol=1e-5)
 
 
-def sdpa_reference(q, k, v, lens: list[int], parents: list[int | None]) -> torch.Tensor:
-    """Causal attention per sequence in float64, a child sequence attending to its parent's keys first."""
+def sdpa_reference(q, k, v, lens: list[int], parents: list[int | None], window: int | None = None) -> torch.Tensor:
+    """Causal attention per sequence in float64, a child sequence attending to its parent's keys first; with a
+    `window`, each query sees only its last `window` keys (transformers' sliding-window mask)."""
     starts = [sum(lens[:i]) for i in range(len(lens))]
     outs = []
     for s, (start, length) in enumerate(zip(starts, lens, strict=True)):
@@ -106,7 +107,10 @@ def sdpa_reference(q, k, v, lens: list[int], parents: list[int | None]) -> torch
         ks = torch.cat([k[r] for r in [*keys, own]]).double()
         vs = torch.cat([v[r] for r in [*keys, own]]).double()
         prefix = ks.shape[0] - length
-        mask = torch.arange(ks.shape[0])[None, :] <= prefix + torch.arange(length)[:, None]
+        key_pos, query_pos = torch.arange(ks.shape[0])[None, :], prefix + torch.arange(length)[:, None]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
         out = F.scaled_dot_product_attention(
             q[own].double().transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
             attn_mask=mask, enable_gqa=True,
@@ -146,6 +150,37 @@ def test_packed_attention_gradients_match_float64_reference(
     (reference * weights.double()).sum().backward()
     for got, want in ((q, q64), (k, k64), (v, v64)):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 13])
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 1])
+def test_sliding_window_attention_and_gradients_match_float64_reference(
+    window: int, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sliding-window attention (windows inside one page, exactly one, across several; rows whose first blocks lie
+    wholly before their window): both modes' forwards (fast mode's SDPA path too: the 60-token sequence) and the
+    deterministic backward, chunked by many blocks or one, against float64 masked SDPA. The window changes the
+    result (the reference without it differs)."""
+    import miles_kernels.ops.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "MAX_CHUNK_BYTES", chunk_bytes)
+    generator = torch.Generator().manual_seed(window)
+    lens, parents = [11, 3, 60, 1, 20], [None, 0, None, None, 3]
+    inputs = [torch.randn(sum(lens), h, 16, generator=generator) for h in (4, 2, 2)]
+    weights = torch.randn(sum(lens), 4, 16, generator=generator)
+    q64, k64, v64 = (t.double().requires_grad_() for t in inputs)
+    reference = sdpa_reference(q64, k64, v64, lens, parents, window)
+    assert (reference - sdpa_reference(q64, k64, v64, lens, parents)).abs().max() > 0.1
+    (reference * weights.double()).sum().backward()
+    for config in (DET, FAST):
+        batch = build_packed_batch(lens, config.page_size, config.attention_query_tile, parents=parents)
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        out = attention_module.packed_attention(q, k, v, batch, 16**-0.5, config, window)
+        torch.testing.assert_close(out.double(), reference.detach(), rtol=0, atol=1e-5)
+        if config is DET:
+            (out * weights).sum().backward()
+            for got, want in ((q, q64), (k, k64), (v, v64)):
+                torch.testing.assert_close(got.grad.double(), want.grad, rtol=0, atol=1e-4)
 
 
 def test_attention_over_pages_is_differentiable() -> None:

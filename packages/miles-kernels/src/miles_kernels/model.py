@@ -69,7 +69,7 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
         super().__init__()
         heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         bias = config.attention_bias
@@ -81,6 +81,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(dim, config.rms_norm_eps) if config.use_qk_norm else None
         self.shape = (heads, kv_heads, dim)
         self.scale = dim**-0.5
+        self.window = config.attention_window(layer)
         self.kernel = kernel
 
     def forward(
@@ -101,10 +102,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x_NH).view(num_tokens, kv_heads, dim)
         if k_pages is None or v_pages is None:  # no cache (the trainer): the batch's own keys, in a temporary store
-            out = packed_attention(q, k, v, batch, self.scale, self.kernel)
+            out = packed_attention(q, k, v, batch, self.scale, self.kernel, self.window)
         else:  # the engine's cache: write in place, then attend over everything the sequences hold
             write_kv(k_pages, v_pages, k, v, batch)
-            out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel)
+            out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
         return projected
 
@@ -199,7 +200,7 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, kernel)
+        self.self_attn = Attention(config, kernel, layer)
         self.mlp: nn.Module = (
             SparseMoE(config, kernel)
             if config.is_moe_layer(layer)

@@ -6,8 +6,11 @@ Unsupported options are errors that name the option, rather than silently differ
 The families differ in their MoE router and a few attention details (docs/architecture.md, "MoE: model families and
 routing replay"):
 - Qwen3 (`qwen3`): QK-norm, `attention_bias` on all four projections (off in released checkpoints).
-- Qwen2.5 (`qwen2`): biases on q / k / v (always), none on o_proj, no QK-norm. Sliding-window attention
-  (`use_sliding_window`, off in every released Qwen2.5 checkpoint) is refused by name.
+- Qwen2.5 (`qwen2`): biases on q / k / v (always), none on o_proj, no QK-norm.
+- Sliding-window attention (`use_sliding_window`, `sliding_window`; off in every released Qwen2.5 / Qwen3
+  checkpoint): Qwen2.5 and Qwen3 window the layers `layer_types` names "sliding_attention" (by default those from
+  `max_window_layers` on), Qwen3-MoE windows every layer (as transformers does); a row sees its last
+  `sliding_window` keys, itself included. Llama and GLM-4.5 have none.
 - Llama 3.x (`llama`): no QK-norm, `attention_bias` on all four projections, Llama 3 RoPE scaling (`rope_type:
   llama3`: `factor`, `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`).
 - Qwen3-MoE: softmax router (fp32), top-k, optional renormalization; no shared expert; `decoder_sparse_step` /
@@ -30,6 +33,8 @@ ARCHITECTURES = {
 }  # fmt: skip
 MOE_TYPES = ("qwen3_moe", "glm4_moe")
 NO_QK_NORM_TYPES = ("qwen2", "llama")  # families without QK-norm (GLM-4.5's is its `use_qk_norm`)
+SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "qwen3_moe")  # families with (optional) sliding-window attention
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = {"llama": ("default", "llama3")}  # RoPE scalings each family may use; every other family: default
 # Architectures that are recognized but need a part Miles does not implement yet: model_type -> what is missing.
 NOT_YET = {
@@ -83,6 +88,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # Sliding-window attention (None: off); `layer_types` names each layer's attention when it is on
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = field(default_factory=tuple)
     # MTP (multi-token prediction) modules after the trunk, DeepSeek-V3 / GLM-4.5 style (0: none)
     num_nextn_predict_layers: int = 0
     # Token ids (may be None in a bare config)
@@ -124,6 +132,27 @@ class ModelConfig:
         if self.model_type == "qwen2" and not self.attention_bias:
             raise ValueError("qwen2 (Qwen2.5) has biases on q / k / v: attention_bias=True")
         self._check_rope()
+        self._check_sliding_window()
+
+    def _check_sliding_window(self) -> None:
+        if self.sliding_window is None:
+            if self.layer_types:
+                raise ValueError("layer_types is given without a sliding_window; set sliding_window or drop it")
+            return
+        if self.model_type not in SLIDING_WINDOW_TYPES:
+            raise ValueError(
+                f"{self.model_type} has no sliding-window attention (sliding_window={self.sliding_window}); "
+                f"families with one: {list(SLIDING_WINDOW_TYPES)}"
+            )
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (keys each query sees)")
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types needs one of {list(LAYER_TYPES)} per layer ({self.num_hidden_layers}); got "
+                f"{list(self.layer_types)}"
+            )
+        if self.model_type == "qwen3_moe" and "full_attention" in self.layer_types:
+            raise ValueError("qwen3_moe windows every layer when sliding_window is set (as transformers does)")
 
     def _check_rope(self) -> None:
         allowed = ROPE_TYPES.get(self.model_type, ("default",))
@@ -199,6 +228,13 @@ class ModelConfig:
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
 
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`'s attention (None: full causal attention; MTP modules, whose
+        index follows the trunk's, have none)."""
+        if self.sliding_window is None or layer >= self.num_hidden_layers:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a sparse MLP (Qwen3-MoE's and GLM-4.5's rules; an MTP module's layer
         index follows the trunk's)."""
@@ -238,10 +274,10 @@ class ModelConfig:
                 f"unsupported RoPE scaling {rope_type!r} for {model_type}; implemented: "
                 f"{list(ROPE_TYPES.get(model_type, ('default',)))}"
             )
-        if hf.get("use_sliding_window"):
+        if hf.get("use_sliding_window") and model_type not in SLIDING_WINDOW_TYPES:
             raise ValueError(
-                f"unsupported: use_sliding_window=true ({model_type} sliding-window attention); every released "
-                "Qwen2.5 and Qwen3 checkpoint has it off"
+                f"unsupported: use_sliding_window=true; {model_type} has no sliding-window attention (families "
+                f"with one: {list(SLIDING_WINDOW_TYPES)})"
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; every supported family uses 'silu'")
@@ -274,6 +310,7 @@ class ModelConfig:
             values["use_qk_norm"] = False
         if model_type == "qwen2":
             values["attention_bias"] = True  # Qwen2Attention: q / k / v always biased, o_proj never
+        values |= _sliding_window_from_hf(hf, model_type)
         if rope_type == "llama3":
             values |= {
                 "rope_type": "llama3", "rope_factor": float(rope["factor"]),
@@ -337,6 +374,8 @@ class ModelConfig:
                 continue  # in rope_parameters
             if key == "num_nextn_predict_layers" and not value and self.model_type != "glm4_moe":
                 continue  # a model without MTP modules keeps the plain Qwen3 config
+            if key in ("sliding_window", "layer_types"):
+                continue  # below
             hf[key] = list(value) if isinstance(value, tuple) else value
         if self.rope_scaling is not None:
             hf["rope_parameters"] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **self.rope_scaling}
@@ -344,9 +383,32 @@ class ModelConfig:
             hf |= {"mlp_bias": False, "pretraining_tp": 1}
         if self.model_type == "qwen2":
             hf.pop("attention_bias")  # not a Qwen2Config field: q / k / v are always biased
+        if self.sliding_window is not None:
+            hf |= {"use_sliding_window": True, "sliding_window": self.sliding_window}
+            if self.model_type != "qwen3_moe":  # Qwen3-MoE windows every layer; the others follow layer_types
+                windowed = [i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention"]
+                first = windowed[0] if windowed else self.num_hidden_layers
+                suffix = windowed == list(range(first, self.num_hidden_layers))
+                hf["max_window_layers"] = first if suffix else self.num_hidden_layers
+                hf["layer_types"] = list(self.layer_types)
+        elif self.model_type == "qwen2":
             hf["max_window_layers"] = self.num_hidden_layers
         if self.model_type == "glm4_moe":
             hf["n_routed_experts"] = hf.pop("num_experts")
             hf["topk_method"] = "noaux_tc"
             hf["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
         return hf
+
+
+def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` as transformers resolves them (a window only under use_sliding_window)."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is None:
+        return {}
+    num_layers = hf["num_hidden_layers"]
+    if model_type == "qwen3_moe":
+        return {"sliding_window": window, "layer_types": ("sliding_attention",) * num_layers}
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(num_layers)
+    ]
+    return {"sliding_window": window, "layer_types": tuple(layer_types)}

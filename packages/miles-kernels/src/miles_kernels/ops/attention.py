@@ -13,6 +13,10 @@ Deterministic mode (batch-invariant by construction):
   fully masked for it and is an exact no-op (scale 1, adds exact zeros), so a query's arithmetic depends only on
   its own position and keys, whatever the tile, chunk, batch or prefix-cache state around it.
 - Padding rows in a tile copy the tile's last real position (never a NaN row) and are dropped.
+- Sliding-window layers (`window`: a row sees its last `window` keys) mask the keys before the window too. A row
+  whose running max is still -inf (every block so far before its window) takes its block's max as 0 when shifting:
+  its probabilities and corrections are exact zeros, so those blocks leave its state exactly empty, and its first
+  visible block starts it as block 0 starts any other row. A row still depends only on its position and keys.
 - Tiles are ordered by descending last position, so the tiles that reach a key block are a prefix of the tile
   list: per-block state is sliced (views), not gathered. Tile order never changes a tile's arithmetic.
 Fast mode (`torch-hybrid`) runs the same blocked attention for decode and short chunks, and
@@ -45,10 +49,12 @@ def attention(
     batch: AttentionBatch,
     scale: float,
     config: KernelConfig,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the batch's query tokens over their sequences' stored keys; returns (N, H, D)."""
+    """Causal attention of the batch's query tokens over their sequences' stored keys (a sliding `window`: each
+    query sees only its last `window` keys, itself included); returns (N, H, D)."""
     backend = get_backend(f"attention:{config.mode}", config.attention_backend)
-    out: torch.Tensor = backend.fn(q_NHD, k_pages_PgHPD, v_pages_PgHPD, batch, scale)
+    out: torch.Tensor = backend.fn(q_NHD, k_pages_PgHPD, v_pages_PgHPD, batch, scale, window)
     return out
 
 
@@ -80,6 +86,7 @@ def packed_attention(
     batch: AttentionBatch,
     scale: float,
     config: KernelConfig,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of a forward with no KV cache (the trainer's): the keys are the batch's own tokens (K/V (N, Hkv, D)),
     laid out in a temporary paged store exactly as the engine's cache holds them, so the forward runs the engine's
@@ -90,14 +97,14 @@ def packed_attention(
     backend = get_backend(f"attention:{config.mode}", config.attention_backend).fn
     if backend is _blocked_attention or (backend is _hybrid_attention and not _uses_sdpa(batch)):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD)):
-            out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages)
+            out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
             return out
-        return _blocked_attention(q_NHD, *_scratch_pages(k_NKD, v_NKD, batch, num_pages), batch, scale)
+        return _blocked_attention(q_NHD, *_scratch_pages(k_NKD, v_NKD, batch, num_pages), batch, scale, window)
     shape = (num_pages, k_NKD.shape[1], batch.page_size, k_NKD.shape[2])
     k_all, v_all, where = _kv_writes(k_NKD, v_NKD, batch)  # out of place: gradients flow through the backend's ops
     k_pages = k_NKD.new_zeros(shape).index_put(where, k_all)
     v_pages = v_NKD.new_zeros(shape).index_put(where, v_all)
-    return attention(q_NHD, k_pages, v_pages, batch, scale, config)
+    return attention(q_NHD, k_pages, v_pages, batch, scale, config, window)
 
 
 def _scratch_pages(
@@ -160,7 +167,12 @@ def _chunk_scores(
 
 
 def _online_softmax(
-    q_tiles: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
+    q_tiles: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The blocked attention's forward on tiles: (normalized output (NT, Hkv, rows, D), running max, running sum),
     float32, no autograd.
@@ -172,6 +184,7 @@ def _online_softmax(
     no-op for a row (c = 1, adds exact zeros). A chunk's scores, maxes (a cumulative max over its blocks: max is
     exact), p_b, c_b, p_b @ v_b and row sums run as batched ops, each pair's arithmetic that of its own fixed-shape
     product; only the accumulator update (its last column the running sum) goes block by block, two ops each.
+    With a `window`, m_b may still be -inf (no visible key yet): the shift is then 0 (see the module docstring).
     """
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     page = k_pages.shape[2]
@@ -179,12 +192,13 @@ def _online_softmax(
     acc = q_tiles.new_empty(num_tiles, num_kv_heads, rows, head_dim + 1)
     running_max = q_tiles.new_full((num_tiles, num_kv_heads, rows, 1), float("-inf"))
     max_pairs = _max_pairs(num_kv_heads, rows, page, head_dim)
-    for chunk in batch.block_chunks(rows // batch.tile_tokens_NT_Tq.shape[1], max_pairs):
+    for chunk in batch.block_chunks(rows // batch.tile_tokens_NT_Tq.shape[1], max_pairs, window):
         scores, _, _ = _chunk_scores(q_tiles, k_pages, chunk, scale)
         if len(chunk.plans) == 1:  # one block: its active tiles' maxes directly
             active = chunk.plans[0].num_active
             block_max = torch.maximum(running_max[:active], scores.amax(dim=-1, keepdim=True))
-            corrections = torch.exp(running_max[:active] - block_max)
+            shift = _shift(block_max, window)
+            corrections = torch.exp(running_max[:active] - shift)
             running_max[:active] = block_max
         else:
             # m_b for every pair at once: a cumulative max over the chunk's blocks (exact, as max is), from the state
@@ -193,10 +207,10 @@ def _online_softmax(
             maxes[0] = running_max
             maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X] = scores.amax(dim=-1, keepdim=True)
             maxes = torch.cummax(maxes, dim=0).values
-            block_max = maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X]
-            corrections = torch.exp(maxes[chunk.pair_blocks_X, chunk.pair_tiles_X] - block_max)
+            shift = _shift(maxes[chunk.pair_blocks_X + 1, chunk.pair_tiles_X], window)
+            corrections = torch.exp(maxes[chunk.pair_blocks_X, chunk.pair_tiles_X] - shift)
             running_max = maxes[-1]
-        probs = scores.sub_(block_max).exp_()
+        probs = scores.sub_(shift).exp_()
         v_x = v_pages.index_select(0, chunk.pair_pages_X).to(torch.float32).view(-1, page, head_dim)
         pv = invariant_bmm(probs.view(-1, rows, page), v_x).view(-1, num_kv_heads, rows, head_dim)
         updates = torch.cat((pv, probs.sum(dim=-1, keepdim=True)), dim=-1)
@@ -209,14 +223,27 @@ def _online_softmax(
     return acc[..., :head_dim] / running_sum, running_max, running_sum
 
 
+def _shift(block_max: torch.Tensor, window: int | None) -> torch.Tensor:
+    """What a block's scores are shifted by: m_b, or 0 for a windowed row that has seen no visible key yet (its
+    probabilities and corrections are then exact zeros, where -inf - -inf would give NaN)."""
+    if window is None:  # every row sees key 0: m_b is finite from block 0 on
+        return block_max
+    return block_max.masked_fill(block_max == float("-inf"), 0.0)
+
+
 def _blocked_attention(
-    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_pages, v_pages)):
-        out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_pages, v_pages, batch, scale, None)
+        out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_pages, v_pages, batch, scale, None, window)
         return out
     q_tiles = _query_tiles(q_NHD, batch, k_pages.shape[1])
-    out_tiles, _, _ = _online_softmax(q_tiles, k_pages, v_pages, batch, scale)
+    out_tiles, _, _ = _online_softmax(q_tiles, k_pages, v_pages, batch, scale, window)
     return _token_rows(out_tiles, batch).to(q_NHD.dtype)
 
 
@@ -237,12 +264,13 @@ class _BlockedAttention(torch.autograd.Function):
         batch: AttentionBatch,
         scale: float,
         num_pages: int | None,
+        window: int | None,
     ) -> torch.Tensor:
         k_pages, v_pages = (k_in, v_in) if num_pages is None else _scratch_pages(k_in, v_in, batch, num_pages)
         q_tiles = _query_tiles(q_NHD, batch, k_pages.shape[1])
-        out_tiles, running_max, running_sum = _online_softmax(q_tiles, k_pages, v_pages, batch, scale)
+        out_tiles, running_max, running_sum = _online_softmax(q_tiles, k_pages, v_pages, batch, scale, window)
         ctx.save_for_backward(q_tiles, k_pages, v_pages, out_tiles, running_max + torch.log(running_sum))
-        ctx.batch, ctx.scale, ctx.per_token = batch, scale, num_pages is not None
+        ctx.batch, ctx.scale, ctx.window, ctx.per_token = batch, scale, window, num_pages is not None
         ctx.dtypes = (q_NHD.dtype, k_in.dtype, v_in.dtype)
         return _token_rows(out_tiles, batch).to(q_NHD.dtype)
 
@@ -261,7 +289,7 @@ class _BlockedAttention(torch.autograd.Function):
         dq_tiles = torch.zeros_like(q_tiles)
         dk_pages = torch.zeros(k_pages.shape, dtype=torch.float32, device=k_pages.device)
         dv_pages = torch.zeros_like(dk_pages)
-        for chunk in batch.block_chunks(rows // tile, _max_pairs(num_kv_heads, rows, page, head_dim)):
+        for chunk in batch.block_chunks(rows // tile, _max_pairs(num_kv_heads, rows, page, head_dim), ctx.window):
             tiles = chunk.pair_tiles_X
             scores, q_x, k_x = _chunk_scores(q_tiles, k_pages, chunk, ctx.scale)
             probs = scores.sub_(lse.index_select(0, tiles)).exp_().view(-1, rows, page)
@@ -285,9 +313,9 @@ class _BlockedAttention(torch.autograd.Function):
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         dq = _token_rows(dq_tiles, batch).to(q_dtype)
         if not ctx.per_token:
-            return dq, dk_pages.to(k_dtype), dv_pages.to(v_dtype), None, None, None
+            return dq, dk_pages.to(k_dtype), dv_pages.to(v_dtype), None, None, None, None
         dk, dv = (_read_tokens(pages, batch) for pages in (dk_pages, dv_pages))
-        return dq, dk.to(k_dtype), dv.to(v_dtype), None, None, None
+        return dq, dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
 
 
 def _read_tokens(pages: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -299,7 +327,12 @@ def _read_tokens(pages: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
 
 
 def _sdpa_attention(
-    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Fast mode: decode sequences (one query each) in one padded SDPA call, each prefill chunk in its own, so a
     long prompt in the batch never pads every decode row to its length."""
@@ -310,7 +343,8 @@ def _sdpa_attention(
     groups = ([decode] if decode else []) + [[s] for s, n in enumerate(lengths) if n > 1]
     for seqs in groups:
         tokens = torch.cat([torch.arange(starts[s], starts[s] + lengths[s]) for s in seqs]).to(q_NHD.device)
-        out[tokens] = _sdpa_group(q_NHD, k_pages, v_pages, batch, scale, seqs, [lengths[s] for s in seqs], tokens)
+        lengths_of = [lengths[s] for s in seqs]
+        out[tokens] = _sdpa_group(q_NHD, k_pages, v_pages, batch, scale, window, seqs, lengths_of, tokens)
     return out
 
 
@@ -321,14 +355,19 @@ HYBRID_SDPA_FROM_TOKENS = 48
 
 
 def _hybrid_attention(
-    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch, scale: float
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Fast mode: the blocked attention for decode and short chunks (SDPA would gather every sequence's K/V into a
     padded batch per layer), SDPA where some sequence brings a long chunk (the blocked kernel's per-block GEMMs grow
     with the square of its length)."""
     if _uses_sdpa(batch):
-        return _sdpa_attention(q_NHD, k_pages, v_pages, batch, scale)
-    return _blocked_attention(q_NHD, k_pages, v_pages, batch, scale)
+        return _sdpa_attention(q_NHD, k_pages, v_pages, batch, scale, window)
+    return _blocked_attention(q_NHD, k_pages, v_pages, batch, scale, window)
 
 
 def _uses_sdpa(batch: AttentionBatch) -> bool:
@@ -341,6 +380,7 @@ def _sdpa_group(
     v_pages: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    window: int | None,
     seqs: list[int],
     lengths: list[int],
     tokens: torch.Tensor,
@@ -364,7 +404,10 @@ def _sdpa_group(
     q_pos = torch.full((num_seqs, max_q), -1, dtype=torch.int64, device=device)
     q_pos[seq_of_row, slot] = batch.positions_N[tokens]
     key_pos = torch.arange(max_keys, device=device)
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) | (q_pos[:, :, None] < 0)  # pad rows see all: no NaN
+    visible = key_pos[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        visible &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    mask = visible | (q_pos[:, :, None] < 0)  # pad rows see all: no NaN
     out = F.scaled_dot_product_attention(
         q_SQHD.transpose(1, 2), k_SHLD, v_SHLD, attn_mask=mask[:, None], scale=scale,
         enable_gqa=num_heads != num_kv_heads,

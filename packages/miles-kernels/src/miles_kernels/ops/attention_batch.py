@@ -26,7 +26,7 @@ class BlockPlan:
     block: int
     num_active: int  # tiles are sorted by descending last position, so the active ones are a prefix
     pages_A: torch.Tensor  # page holding this block for each active tile's sequence
-    visible_A_rows_P: torch.Tensor  # key position <= row position (causal mask), rows = (t, g) pairs
+    visible_A_rows_P: torch.Tensor  # row position - window < key position <= row position, rows = (t, g) pairs
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,9 @@ class AttentionBatch:
     copy_tokens_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
     copy_pages_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
     copy_offsets_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
-    _plans: dict[tuple[int, int], list[BlockChunk]] = field(default_factory=dict, repr=False, compare=False)
+    _plans: dict[tuple[int, int, int | None], list[BlockChunk]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -84,13 +86,18 @@ class AttentionBatch:
     def num_seqs(self) -> int:
         return int(self.kv_lens_S.shape[0])
 
-    def block_chunks(self, group: int, max_pairs: int) -> list[BlockChunk]:
+    def block_chunks(self, group: int, max_pairs: int, window: int | None = None) -> list[BlockChunk]:
         """The key blocks, in ascending order, grouped into chunks of at most `max_pairs` (tile, block) pairs (a
-        block with more active tiles is a chunk of its own), for `group` query heads per KV head; computed once per
-        batch and shared by every layer."""
-        key = (group, max_pairs)
+        block with more active tiles is a chunk of its own), for `group` query heads per KV head and a sliding
+        `window` (a row sees its last `window` keys, itself included; None: every earlier key); computed once per
+        batch and shared by every layer with that window.
+
+        A block's active tiles are those whose last row reaches it, windowed or not: the blocks before a row's
+        window are fully masked for it (ops/attention.py keeps them exact no-ops), so the active tiles stay a
+        prefix of the tile list. A windowed layer therefore costs what a full-attention one does."""
+        key = (group, max_pairs, window)
         if key not in self._plans:
-            self._plans[key] = _chunk_plans(self._make_block_plans(group), max_pairs)
+            self._plans[key] = _chunk_plans(self._make_block_plans(group, window), max_pairs)
         return self._plans[key]
 
     def token_tile_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +105,7 @@ class AttentionBatch:
         tile = self.tile_tokens_NT_Tq.shape[1]
         return self.tile_row_of_token_N // tile, self.tile_row_of_token_N % tile
 
-    def _make_block_plans(self, group: int) -> list[BlockPlan]:
+    def _make_block_plans(self, group: int, window: int | None) -> list[BlockPlan]:
         page = self.page_size
         row_positions = self.tile_positions_NT_Tq.repeat_interleave(group, dim=1)  # rows are (t, g), g fastest
         tile_max_position = self.tile_positions_NT_Tq.max(dim=1).values
@@ -107,7 +114,11 @@ class AttentionBatch:
         plans = []
         for block in range(int(tile_max_position.max().item()) // page + 1):
             num_active = int((tile_max_position >= block * page).sum().item())
-            visible = (block * page + key_offsets)[None, None, :] <= row_positions[:num_active, :, None]
+            keys = (block * page + key_offsets)[None, None, :]
+            rows = row_positions[:num_active, :, None]
+            visible = keys <= rows
+            if window is not None:
+                visible &= keys > rows - window
             plans.append(BlockPlan(block, num_active, tile_tables[:num_active, block], visible))
         return plans
 
