@@ -83,6 +83,9 @@ class RolloutEngineActor:
     def get_url(self) -> str:
         return self.url
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def node_id(self) -> str:
         return _node_id()
 

@@ -129,7 +129,7 @@ async def run_overlapped(
                     cfg, cluster, parts.rewards, parts.eval_prompts, parts.encode, run, parts.eval_fn
                 )
             now = time.perf_counter()
-            run.record(step, metrics | {"step_time_s": now - finished})
+            run.record(step, metrics | cluster.fault_metrics() | {"step_time_s": now - finished})
             finished = now
             run.commit_checkpoint(step)
     finally:

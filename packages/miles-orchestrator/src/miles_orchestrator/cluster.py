@@ -15,6 +15,7 @@ parameters and optimizer state (`FSDP2Backend.offload`). Every trainer call goes
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,6 +76,9 @@ class Cluster(Protocol):
     async def load(self, directory: Path) -> dict[str, Any]: ...
     async def export(self, directory: Path, tokenizer_dir: str) -> None: ...
     async def shutdown(self) -> None: ...
+    def fault_metrics(self) -> dict[str, float]:
+        """Engine restarts since the last call (`engine_restarts`, `engine_recovery_s`, `engine_calls_reissued`;
+        engine_health.py)."""
 
 
 @dataclass(frozen=True)
@@ -127,12 +131,13 @@ def num_threads(cfg: RunConfig) -> int:
     return cfg.run.num_threads or os.cpu_count() or 1
 
 
-async def start_cluster(cfg: RunConfig, model_dir: str, run_dir: Path) -> Cluster:
-    """The cluster `run.cluster` names, started: engine up, trainer ranks set up."""
+async def start_cluster(cfg: RunConfig, model_dir: str, run_dir: Path, log: Callable[[str], None] = print) -> Cluster:
+    """The cluster `run.cluster` names, started: engine up, trainer ranks set up; `log` gets its events (engine
+    restarts)."""
     if cfg.run.cluster == "local":
         from miles_orchestrator.local_cluster import LocalCluster
 
         return await LocalCluster.start(cfg, model_dir, run_dir)
     from miles_orchestrator.ray_cluster import RayCluster
 
-    return await RayCluster.start(cfg, model_dir, run_dir)
+    return await RayCluster.start(cfg, model_dir, run_dir, log)

@@ -4,6 +4,10 @@ Generation goes through sglang-router (`Router`, cache-aware by default), which 
 as it does in front of SGLang servers; every other call the loop makes (memory release and resume, pause and
 continue, weight updates, checksums, server info) goes to each engine, and the fleet checks that they agree. With
 one engine there is no router: the fleet is that engine's client, so a one-engine run is unchanged.
+
+With an `EngineSupervisor` (engine_health.py; run.cluster=ray), a call that fails for an engine's sake (no
+connection, HTTP 5xx) checks every engine, waits for the failed ones' restarts, and is re-issued unchanged (a
+/generate with the same seeds) up to `retries` times; a restarted engine replaces its member (`replace`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from typing import Any
 import httpx
 
 from miles_contracts import GenerateRequest, GenerateResponse
-from miles_rollout import Client, free_port, router_command
+from miles_orchestrator.engine_health import EngineSupervisor, is_engine_failure
+from miles_rollout import Client, RolloutClientError, free_port, router_command
 
 ROUTER_STARTUP_S = 60.0
+ROUTER_WORKER_S = 60.0  # how long a worker added to (removed from) the router may take to be listed healthy (gone)
 
 
 class Router:
@@ -57,6 +63,36 @@ class Router:
                     )
                 await asyncio.sleep(0.2)
 
+    async def add_worker(self, url: str) -> None:
+        """Register `url` (POST /workers) and wait until the router lists it healthy."""
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            response = await http.post(f"{self.url}/workers", json={"url": url})
+            if response.is_error:
+                raise RuntimeError(f"sglang-router refused worker {url}: HTTP {response.status_code} {response.text}")
+            await self._wait_for(http, lambda workers: workers.get(url, False), f"add {url}")
+
+    async def remove_worker(self, url: str) -> None:
+        """Unregister `url` (DELETE /workers/{id}) and wait until the router no longer lists it; nothing if it is not
+        listed."""
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            listed = (await http.get(f"{self.url}/workers")).json().get("workers", [])
+            for worker in listed:
+                if worker.get("url") == url:
+                    (await http.delete(f"{self.url}/workers/{worker['id']}")).raise_for_status()
+            await self._wait_for(http, lambda workers: url not in workers, f"remove {url}")
+
+    async def _wait_for(self, http: httpx.AsyncClient, done: Any, what: str) -> None:
+        deadline = time.monotonic() + ROUTER_WORKER_S
+        while True:
+            listed = (await http.get(f"{self.url}/workers")).json().get("workers", [])
+            if done({worker.get("url"): bool(worker.get("is_healthy")) for worker in listed}):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"sglang-router did not {what} within {ROUTER_WORKER_S:.0f} s (log: {self.log_path})"
+                )
+            await asyncio.sleep(0.2)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -70,34 +106,81 @@ class EngineFleet:
     """Every engine's admin client (`members`, in engine order) and the client generation goes through: the
     router's, or the only engine's."""
 
-    def __init__(self, members: list[Client], generator: Client) -> None:
+    def __init__(
+        self, members: list[Client], generator: Client, supervisor: EngineSupervisor | None = None, retries: int = 0
+    ) -> None:
         if not members:
             raise ValueError("an engine fleet needs at least one engine")
         self.members, self.generator = members, generator
+        self.supervisor, self.retries = supervisor, retries
+        self.released = False  # every engine's memory is released (a restarted engine is brought to this state)
+        self.paused: str | None = None  # the mode generation is paused in, if it is
+        self.reissued = 0  # calls re-issued after an engine failure, since the last `take_reissued`
 
     def __len__(self) -> int:
         return len(self.members)
 
+    def take_reissued(self) -> int:
+        """Calls re-issued since the last call."""
+        count, self.reissued = self.reissued, 0
+        return count
+
+    def replace(self, engine: int, client: Client) -> None:
+        """A restarted engine's client takes its place (and generation's, when there is no router)."""
+        if self.generator is self.members[engine]:
+            self.generator = client
+        self.members[engine] = client
+
     async def _each(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(getattr(member, method)(*args) for member in self.members)))
+        return list(await asyncio.gather(*(self._call(i, method, *args) for i in range(len(self.members)))))
+
+    async def _call(self, engine: int | None, method: str, *args: Any) -> Any:
+        """`method` on engine `engine` (None: the generator), re-issued after the engines recover from a failure."""
+        attempt = 0
+        while True:
+            if self.supervisor is not None:
+                self.supervisor.raise_if_failed()
+            client = self.generator if engine is None else self.members[engine]
+            try:
+                return await getattr(client, method)(*args)
+            except RolloutClientError as error:
+                if self.supervisor is None or attempt >= self.retries or not is_engine_failure(error):
+                    raise
+                attempt += 1
+                await self.supervisor.check_now()
+                self.reissued += 1
 
     async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:
-        return await self.generator.generate(request)
+        responses: list[GenerateResponse] = await self._call(None, "generate", request)
+        return responses
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        self._set_serving(False)
         result: dict[str, Any] = (await self._each("release_memory_occupation", tags))[0]
+        self.released = True
         return result
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = (await self._each("resume_memory_occupation", tags))[0]
+        self.released = False
+        self._set_serving(self.paused is None)
         return result
 
     async def pause_generation(self, mode: str) -> int:
         """Pause every engine in `mode`; the number of requests paused (aborted for abort) over all of them."""
-        return sum(int(reply.get("num_paused_requests", 0)) for reply in await self._each("pause_generation", mode))
+        self._set_serving(False)
+        replies = await self._each("pause_generation", mode)
+        self.paused = mode
+        return sum(int(reply.get("num_paused_requests", 0)) for reply in replies)
 
     async def continue_generation(self) -> None:
         await self._each("continue_generation")
+        self.paused = None
+        self._set_serving(not self.released)
+
+    def _set_serving(self, serving: bool) -> None:
+        if self.supervisor is not None:
+            self.supervisor.serving = serving
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
         replies = await self._each("update_weights_from_disk", model_path, weight_version)
@@ -130,6 +213,8 @@ class EngineFleet:
         return await self._each("get_weight_version")
 
     async def aclose(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         for client in {id(c): c for c in [*self.members, self.generator]}.values():
             with contextlib.suppress(Exception):
                 await client.aclose()

@@ -108,6 +108,10 @@ class LocalCluster:
     async def export(self, directory: Path, tokenizer_dir: str) -> None:
         await self._on_engine(lambda: self._trainer.export(str(directory), tokenizer_dir))
 
+    def fault_metrics(self) -> dict[str, float]:
+        """The engine runs in this process: nothing restarts it (rollout.fault_tolerance is for run.cluster=ray)."""
+        return {}
+
     async def shutdown(self) -> None:
         self._engine.shutdown()
         if self._owns_process_group:

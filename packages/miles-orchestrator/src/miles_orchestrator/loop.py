@@ -50,7 +50,7 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     with RewardPool.from_config(cfg.reward) as rewards, agent_rollout(cfg.rollout, encode.tokenizer) as agent:
         rollout_fn = agent or resolve_rollout_fn(cfg.rollout.rollout_fn, cfg.rollout.return_routed_experts)
         eval_fn = agent or single_turn  # a held-out episode plays as a training one
-        cluster = await start_cluster(cfg, model_dir, run.path)
+        cluster = await start_cluster(cfg, model_dir, run.path, run.log)
         turns = Turns(cluster, is_colocated=cfg.run.colocate, is_partial=cfg.memory.partial_offload)
         try:
             await turns.measure_engine()
@@ -87,7 +87,7 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
                     metrics |= await sync_weights(cfg, cluster, turns, version=step, run=run)
                 if eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
                     metrics |= await evaluate_held_out(cfg, cluster, rewards, eval_prompts, encode, run, eval_fn)
-                metrics |= turns.memory_metrics()
+                metrics |= turns.memory_metrics() | cluster.fault_metrics()
                 run.record(step, metrics | {"step_time_s": time.perf_counter() - began})
                 run.commit_checkpoint(step)  # only now: the step's metrics line is written
         finally:

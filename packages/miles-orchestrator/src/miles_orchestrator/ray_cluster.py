@@ -4,17 +4,24 @@ run) or an existing cluster (`run.ray_address`). Colocated, all in one placement
 gives (`trainer.rank_resources`, `rollout.engine_resources`). The loop's one client of the engines is an
 `EngineFleet` (engines.py): generation through sglang-router when there are several, admin calls to each engine
 over HTTP, exactly as it would talk to `miles-rollout serve` or SGLang servers. See cluster.py for the interface.
+
+Engine failures (`rollout.fault_tolerance`, docs/fault-tolerance.md): an `EngineSupervisor` (engine_health.py)
+watches the engines; `restart_engine` replaces a dead or hung one on its bundle, loads the last synced weights from
+the weight file, checks them against a healthy engine, brings it to the fleet's state (memory released, generation
+paused) and re-adds it to the router. `RUN_DIR/engines.json` lists each engine's URL, process id and node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +37,13 @@ from miles_contracts import Sample
 from miles_orchestrator.actors import RolloutEngineActor, TrainerRankActor
 from miles_orchestrator.cluster import CriticTargets, num_threads, trainer_settings
 from miles_orchestrator.config import RunConfig
+from miles_orchestrator.engine_health import EngineSupervisor
 from miles_orchestrator.engines import EngineFleet, Router
 from miles_orchestrator.weight_transport import WEIGHT_GROUP, checkpoint_bytes, resolve_transport, sync_directory
 from miles_rollout import Client
 
 RAY_TEMP_MAX_CHARS = 40
+ENGINE_START_S = 300.0  # a restarted engine's actor must be placed and serving within this
 
 
 def start_ray(address: str | None, run_dir: Path, num_cpus: int) -> None:
@@ -66,10 +75,16 @@ class RayCluster:
         self.engine_actors: list[Any] = []
         self.trainers: list[Any] = []
         self.router: Router | None = None
+        self.supervisor: EngineSupervisor | None = None
+        self.last_version: int | None = None  # the weights the engines hold (and the weight file, for shm / disk)
+        self.log: Callable[[str], None] = print
 
     @classmethod
-    async def start(cls, cfg: RunConfig, model_dir: str, run_dir: Path) -> RayCluster:
+    async def start(
+        cls, cfg: RunConfig, model_dir: str, run_dir: Path, log: Callable[[str], None] = print
+    ) -> RayCluster:
         self = cls()
+        self.log = log
         try:
             await self._start(cfg, model_dir, run_dir)
         except BaseException:
@@ -85,23 +100,18 @@ class RayCluster:
         self.admin_key = secrets.token_hex(16)
         strategies = await self._place(cfg.run.colocate, [rank_bundle] * num_ranks, [engine_bundle] * num_engines)
         cpus = cpu_sets(cfg, threads) if cfg.run.pin_cpus else None
-
-        def actor(cls: type, bundle: dict[str, float], strategy: Any) -> Any:
-            return ray.remote(cls).options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-            )  # fmt: skip
-
         engine_threads = threads if num_engines == 1 else max(1, threads // num_engines)
-        self.engine_actors = [
-            actor(RolloutEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
+
+        def new_engine(i: int) -> Any:
+            return _actor(RolloutEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
                 model_dir, cfg.kernel, cfg.rollout.engine, self.admin_key, engine_threads, cfg.rollout.engine_host,
                 None if cpus is None else cpus[num_ranks + i],
-            )
-            for i in range(num_engines)
-        ]  # fmt: skip
+            )  # fmt: skip
+
+        self.new_engine, self.run_dir = new_engine, run_dir
+        self.engine_actors = [new_engine(i) for i in range(num_engines)]
         self.trainers = [
-            actor(TrainerRankActor, rank_bundle, strategies[rank]).remote(
+            _actor(TrainerRankActor, rank_bundle, strategies[rank]).remote(
                 rank, num_ranks, max(1, threads // num_ranks), None if cpus is None else cpus[rank]
             )
             for rank in range(num_ranks)
@@ -110,14 +120,71 @@ class RayCluster:
         fingerprints = await self._all("setup", master, model_dir, trainer_settings(cfg, run_dir))
         self.trainer_fingerprint = fingerprints[0]
         self.urls = [str(url) for url in await asyncio.gather(*(a.get_url.remote() for a in self.engine_actors))]
+        await self._write_engine_list()
         members = [Client(url, admin_key=self.admin_key, timeout=600) for url in self.urls]
         generator = members[0]
         if num_engines > 1:
             self.router = Router(self.urls, cfg.rollout.router_policy, run_dir / "router.log")
             await self.router.wait_until_healthy()
             generator = Client(self.router.url, timeout=600)
-        self.engine = EngineFleet(members, generator)
+        faults = cfg.rollout.fault_tolerance
+        if faults.enabled:
+            self.supervisor = EngineSupervisor(lambda: list(self.urls), self.restart_engine, faults, self.log,
+                                               admin_key=self.admin_key)  # fmt: skip
+        self.engine = EngineFleet(members, generator, self.supervisor, faults.generate_retries)
         await self._setup_sync(cfg, model_dir, run_dir)
+        if self.supervisor is not None:
+            self.supervisor.start()
+
+    async def restart_engine(self, engine: int, cause: str) -> None:
+        """Replace engine `engine` (dead or hung: `cause`) by a new actor on its bundle holding the weights the others
+        hold, in the fleet's state, back behind the router."""
+        if self.transport not in ("shm", "disk"):
+            raise RuntimeError(
+                f"a restarted engine re-syncs from the weight file, which run.sync_transport={self.transport} does "
+                "not keep; use run.sync_transport=shm (one node) or disk (a shared run.sync_dir)"
+            )
+        old_url = self.urls[engine]
+        if self.router is not None:
+            await self.router.remove_worker(old_url)
+        with contextlib.suppress(Exception):
+            ray.kill(self.engine_actors[engine], no_restart=True)
+        actor = self.new_engine(engine)
+        url = str(await asyncio.wait_for(actor.get_url.remote(), timeout=ENGINE_START_S))
+        client = Client(url, admin_key=self.admin_key, timeout=600)
+        if self.last_version is not None:
+            assert self.sync_dir is not None
+            await client.update_weights_from_disk(str(self.sync_dir), self.last_version)
+        peers = [m for i, m in enumerate(self.engine.members) if i != engine]
+        if peers:  # the weights the fleet serves: a healthy engine's
+            want, got = await peers[0].weights_checksum(), await client.weights_checksum()
+            if got != want:
+                raise RuntimeError(f"the restarted engine holds weights {got[:16]}, the others {want[:16]}")
+        if self.engine.released:
+            await client.release_memory_occupation()
+        if self.engine.paused is not None:
+            await client.pause_generation(self.engine.paused)
+        self.engine_actors[engine], self.urls[engine] = actor, url
+        self.engine.replace(engine, client)
+        await self._write_engine_list()
+        if self.router is not None:
+            await self.router.add_worker(url)
+
+    def fault_metrics(self) -> dict[str, float]:
+        """Engine restarts since the last call (`engine_restarts`, `engine_recovery_s`) and the engine calls
+        re-issued after a failure (`engine_calls_reissued`); {} when there were none."""
+        if self.supervisor is None:
+            return {}
+        reissued = self.engine.take_reissued()
+        return self.supervisor.take_metrics() | ({"engine_calls_reissued": float(reissued)} if reissued else {})
+
+    async def _write_engine_list(self) -> None:
+        """RUN_DIR/engines.json: each engine's URL, process id and Ray node (for operators, and the fault tests)."""
+        pids = await asyncio.gather(*(a.pid.remote() for a in self.engine_actors))
+        nodes = await asyncio.gather(*(a.node_id.remote() for a in self.engine_actors))
+        listing = [{"engine": i, "url": url, "pid": pid, "node": node}
+                   for i, (url, pid, node) in enumerate(zip(self.urls, pids, nodes, strict=True))]  # fmt: skip
+        (self.run_dir / "engines.json").write_text(json.dumps(listing, indent=2) + "\n")
 
     async def _place(
         self, colocate: bool, rank_bundles: list[dict[str, float]], engine_bundles: list[dict[str, float]]
@@ -213,16 +280,18 @@ class RayCluster:
         return out
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
+        result: dict[str, Any]
         if self.transport == "http":
-            result: dict[str, Any] = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
-            return result
-        if self.transport == "distributed":
+            result = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
+        elif self.transport == "distributed":
             result = (await self._all("broadcast_weights", version, bucket_bytes))[0]
-            return result
-        assert self.sync_dir is not None
-        num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]
-        reply = await self.engine.update_weights_from_disk(str(self.sync_dir), version)
-        return {**reply, "num_buckets": 1, "num_bytes": num_bytes}
+        else:
+            assert self.sync_dir is not None
+            num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]
+            reply = await self.engine.update_weights_from_disk(str(self.sync_dir), version)
+            result = {**reply, "num_buckets": 1, "num_bytes": num_bytes}
+        self.last_version = version
+        return result
 
     async def trainer_checksum(self) -> str:
         result: str = (await self._all("weights_checksum"))[0]
@@ -247,6 +316,8 @@ class RayCluster:
     async def shutdown(self) -> None:
         """Stop the router and the engines, kill the actors, free the placement groups; never masks the run's own
         error."""
+        if self.supervisor is not None:  # first: engines stopping below are not failures
+            await self.supervisor.stop()
         if self.router is not None:
             self.router.stop()
         if getattr(self, "engine", None) is not None:
@@ -261,6 +332,14 @@ class RayCluster:
                 remove_placement_group(group)
         if self.transport == "shm" and self.sync_dir is not None:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+def _actor(cls: type, bundle: dict[str, float], strategy: Any) -> Any:
+    """`cls` as a Ray actor class placed by `strategy` with `bundle`'s resources."""
+    return ray.remote(cls).options(
+        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
+        resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+    )  # fmt: skip
 
 
 def cpu_sets(cfg: RunConfig, threads: int) -> list[list[int]]:

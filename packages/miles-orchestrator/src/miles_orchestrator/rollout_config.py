@@ -55,6 +55,34 @@ class AgentSection(Section):
         )
 
 
+class FaultToleranceSection(Section):
+    """Engine failures (run.cluster=ray; docs/fault-tolerance.md): a dead or hung engine is killed, restarted on its
+    bundle, re-synced and re-added to the router; the requests it held are re-issued with the same seeds."""
+
+    enabled: bool = Field(default=True, description="Watch the engines and restart one that dies or hangs.")
+    check_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="Seconds between health checks of each engine."
+    )
+    check_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="A health check (/health_generate while the engine serves, /health otherwise) that has not "
+        "answered in this many seconds fails: the engine is dead or hung.",
+    )  # fmt: skip
+    failure_threshold: int = Field(
+        default=2, ge=1, le=100, description="Consecutive failed checks before an engine is restarted."
+    )
+    max_restarts_per_hour: int = Field(
+        default=4, ge=0, le=1000,
+        description="Engine restarts allowed in any hour of the run (all engines together); one more stops the run "
+        "with an error (its last checkpoint resumes it). 0: never restart, a failed engine stops the run.",
+    )  # fmt: skip
+    generate_retries: int = Field(
+        default=3, ge=0, le=100,
+        description="Times a /generate call that failed for an engine's sake (no connection, HTTP 5xx) is re-issued, "
+        "with the same request and seeds, once the engines are healthy again.",
+    )  # fmt: skip
+
+
 class RolloutSection(Section):
     """How responses are generated (step 2)."""
 
@@ -122,6 +150,11 @@ class RolloutSection(Section):
     )
     agent: AgentSection = Field(
         default_factory=AgentSection, description="Multi-turn rollouts with an environment (rollout.agent.env)."
+    )
+    fault_tolerance: FaultToleranceSection = Field(
+        default_factory=FaultToleranceSection,
+        description="Dead or hung engines restarted, re-synced and re-added (run.cluster=ray; "
+        "docs/fault-tolerance.md).",
     )
     engine: EngineConfig = Field(
         default_factory=lambda: EngineConfig(max_running_requests=64),

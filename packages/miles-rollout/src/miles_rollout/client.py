@@ -465,6 +465,11 @@ class Client:
         """GET /health_generate (the server runs a one-token generation): True on 200, else False."""
         return await self._check("/health_generate", retry=True) is None
 
+    async def check_health(self, generate: bool = False) -> str | None:
+        """None when GET /health (or /health_generate, a one-token generation) answers 200 within the client's
+        timeout, else why not (no connection, a timeout, another status); one attempt, never raises a client error."""
+        return await self._check("/health_generate" if generate else "/health", retry=False)
+
     async def wait_until_healthy(self, timeout: float = 60.0, interval: float = 0.2) -> None:
         """Poll /health every `interval` seconds until it answers 200; RolloutClientError after `timeout`."""
         if not timeout > 0 or interval < 0:
