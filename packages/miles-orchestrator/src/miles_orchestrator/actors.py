@@ -116,6 +116,13 @@ class TrainerRankActor:
     def node_id(self) -> str:
         return _node_id()
 
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> bool:
+        """The heartbeat (rank_health.py): called in its own concurrency group, it answers while the rank works."""
+        return True
+
     def address(self) -> tuple[str, int]:
         return "127.0.0.1", self.free_port()
 

@@ -284,6 +284,13 @@ class TrainerSection(Section):
         description="Ray resources of each trainer rank's placement bundle, e.g. {CPU: 8, GPU: 1}, or a custom "
         "resource that puts the ranks on chosen nodes.",
     )
+    hang_timeout_s: float = Field(
+        default=30.0, ge=0, le=86400,
+        description="run.cluster=ray: while the ranks work, each is pinged (a heartbeat answered beside its work); "
+        "one that has not answered within this many seconds is hung, and the run stops naming it (a rank that "
+        "dies stops it at once). Resume from the last checkpoint. 0: no heartbeat (a hung single rank then "
+        "blocks the run; peers still time out after memory.collective_timeout_s).",
+    )  # fmt: skip
     advantage_estimator: str = Field(
         default="grpo",
         description=f"One of {list(ADVANTAGE_ESTIMATOR_NAMES)}, 'gae' (PPO with a critic: trainer.critic), or a "

@@ -8,7 +8,8 @@ over HTTP, exactly as it would talk to `miles-rollout serve` or SGLang servers. 
 Engine failures (`rollout.fault_tolerance`, docs/fault-tolerance.md): an `EngineSupervisor` (engine_health.py)
 watches the engines; `restart_engine` replaces a dead or hung one on its bundle, loads the last synced weights from
 the weight file, checks them against a healthy engine, brings it to the fleet's state (memory released, generation
-paused) and re-adds it to the router. `RUN_DIR/engines.json` lists each engine's URL, process id and node.
+paused) and re-adds it to the router. Trainer ranks that die or hang stop the run naming them (rank_health.py).
+`RUN_DIR/actors.json` lists each engine's URL, process id and node, and each trainer rank's process id and node.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from miles_orchestrator.cluster import CriticTargets, num_threads, trainer_setti
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.engine_health import EngineSupervisor
 from miles_orchestrator.engines import EngineFleet, Router
+from miles_orchestrator.rank_health import HEALTH_GROUP, collective
 from miles_orchestrator.weight_transport import WEIGHT_GROUP, checkpoint_bytes, resolve_transport, sync_directory
 from miles_rollout import Client
 
@@ -110,8 +112,9 @@ class RayCluster:
 
         self.new_engine, self.run_dir = new_engine, run_dir
         self.engine_actors = [new_engine(i) for i in range(num_engines)]
+        self.hang_timeout_s = cfg.trainer.hang_timeout_s
         self.trainers = [
-            _actor(TrainerRankActor, rank_bundle, strategies[rank]).remote(
+            _actor(TrainerRankActor, rank_bundle, strategies[rank], {HEALTH_GROUP: 1}).remote(
                 rank, num_ranks, max(1, threads // num_ranks), None if cpus is None else cpus[rank]
             )
             for rank in range(num_ranks)
@@ -120,7 +123,7 @@ class RayCluster:
         fingerprints = await self._all("setup", master, model_dir, trainer_settings(cfg, run_dir))
         self.trainer_fingerprint = fingerprints[0]
         self.urls = [str(url) for url in await asyncio.gather(*(a.get_url.remote() for a in self.engine_actors))]
-        await self._write_engine_list()
+        await self._write_actor_list()
         members = [Client(url, admin_key=self.admin_key, timeout=600) for url in self.urls]
         generator = members[0]
         if num_engines > 1:
@@ -166,7 +169,7 @@ class RayCluster:
             await client.pause_generation(self.engine.paused)
         self.engine_actors[engine], self.urls[engine] = actor, url
         self.engine.replace(engine, client)
-        await self._write_engine_list()
+        await self._write_actor_list()
         if self.router is not None:
             await self.router.add_worker(url)
 
@@ -178,13 +181,22 @@ class RayCluster:
         reissued = self.engine.take_reissued()
         return self.supervisor.take_metrics() | ({"engine_calls_reissued": float(reissued)} if reissued else {})
 
-    async def _write_engine_list(self) -> None:
-        """RUN_DIR/engines.json: each engine's URL, process id and Ray node (for operators, and the fault tests)."""
-        pids = await asyncio.gather(*(a.pid.remote() for a in self.engine_actors))
-        nodes = await asyncio.gather(*(a.node_id.remote() for a in self.engine_actors))
-        listing = [{"engine": i, "url": url, "pid": pid, "node": node}
-                   for i, (url, pid, node) in enumerate(zip(self.urls, pids, nodes, strict=True))]  # fmt: skip
-        (self.run_dir / "engines.json").write_text(json.dumps(listing, indent=2) + "\n")
+    async def _write_actor_list(self) -> None:
+        """RUN_DIR/actors.json: each engine's URL, process id and Ray node, each trainer rank's process id and node
+        (for operators, and the fault tests)."""
+
+        async def where(actor: Any) -> dict[str, Any]:
+            return {"pid": await actor.pid.remote(), "node": await actor.node_id.remote()}
+
+        engines = await asyncio.gather(*(where(a) for a in self.engine_actors))
+        ranks = await asyncio.gather(*(where(t) for t in self.trainers))
+        listing = {
+            "engines": [
+                {"engine": i, "url": url, **info} for i, (url, info) in enumerate(zip(self.urls, engines, strict=True))
+            ],
+            "trainer_ranks": [{"rank": rank, **info} for rank, info in enumerate(ranks)],
+        }
+        (self.run_dir / "actors.json").write_text(json.dumps(listing, indent=2) + "\n")
 
     async def _place(
         self, colocate: bool, rank_bundles: list[dict[str, float]], engine_bundles: list[dict[str, float]]
@@ -239,11 +251,16 @@ class RayCluster:
         self.sync_method = f"{where} (Ray node {rank0_node[:8]}) to {engines} (Ray nodes {nodes})"
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(getattr(t, method).remote(*args) for t in self.trainers)))
+        return await self._collective(method, [getattr(t, method).remote(*args) for t in self.trainers])
 
     async def _sharded(self, method: str, per_rank: list[Any], *args: Any) -> list[Any]:
-        calls = (getattr(t, method).remote(share, *args) for t, share in zip(self.trainers, per_rank, strict=True))
-        return list(await asyncio.gather(*calls))
+        calls = [getattr(t, method).remote(share, *args) for t, share in zip(self.trainers, per_rank, strict=True)]
+        return await self._collective(method, calls)
+
+    async def _collective(self, method: str, refs: list[Any]) -> list[Any]:
+        """Every rank's result; a rank that dies or hangs stops the run naming it (rank_health.py)."""
+        hint = f"resume it from its last checkpoint: miles-orchestrator run --resume {self.run_dir}"
+        return await collective(self.trainers, method, refs, self.hang_timeout_s, hint)
 
     def _shares(self, samples: list[Sample]) -> list[list[dict[str, Any]]]:
         world = len(self.trainers)
@@ -261,7 +278,7 @@ class RayCluster:
             )
             for rank, (trainer, share) in enumerate(zip(self.trainers, self._shares(samples), strict=True))
         ]  # fmt: skip
-        results: list[dict[str, float]] = await asyncio.gather(*calls)
+        results: list[dict[str, float]] = await self._collective("train", calls)
         return results[0]
 
     async def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -334,9 +351,13 @@ class RayCluster:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
 
 
-def _actor(cls: type, bundle: dict[str, float], strategy: Any) -> Any:
-    """`cls` as a Ray actor class placed by `strategy` with `bundle`'s resources."""
-    return ray.remote(cls).options(
+def _actor(
+    cls: type, bundle: dict[str, float], strategy: Any, concurrency_groups: dict[str, int] | None = None
+) -> Any:
+    """`cls` as a Ray actor class placed by `strategy` with `bundle`'s resources (and `concurrency_groups`: threads
+    for methods called beside the others, e.g. a heartbeat)."""
+    remote = ray.remote(concurrency_groups=concurrency_groups)(cls) if concurrency_groups else ray.remote(cls)
+    return remote.options(
         num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
         resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
     )  # fmt: skip
