@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests import orchestrator_runs (pytest's importlib mode)
 
-from orchestrator_runs import SHORT, cli
+from orchestrator_runs import INTERRUPTED, SHORT, cli, policy_dir
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +19,14 @@ def cold_run(tmp_path_factory) -> tuple[Path, Path]:
     result = cli(*SHORT, f"run.run_dir={run_dir}", cache=cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return run_dir, cache
+
+
+@pytest.fixture(scope="session")
+def straight_run(cold_run) -> Path:
+    """`INTERRUPTED` run without interruption (shared memory sync, one engine, colocated): what every killed, stopped
+    or restarted run must reproduce bit for bit."""
+    _, cache = cold_run
+    run_dir = cold_run[0].parent / "straight"
+    result = cli(f"model.path={policy_dir(cache)}", *INTERRUPTED, f"run.run_dir={run_dir}", cache=cache)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return run_dir

@@ -13,6 +13,9 @@ from pathlib import Path
 # 26-30 reach 0.314).
 SHORT = ["run.num_steps=30", "run.eval_every=30", "data.num_eval_prompts=100"]
 SMALL = ["rollout.num_prompts_per_step=8", "trainer.global_batch_size=64", "filter.dynamic_sampling=false"]
+# The runs that are killed, stopped and resumed (test_orchestrator.py, test_fault_tolerance.py), and the uninterrupted
+# run they are compared with (conftest.straight_run): 6 steps, a checkpoint every 2.
+INTERRUPTED = [*SMALL, "run.num_steps=6", "run.checkpoint_every=2", "run.eval_every=0"]
 DETERMINISTIC_KEYS = (
     "reward_mean", "pass_rate", "loss", "pg_loss", "grad_norm", "entropy", "clip_fraction", "num_tokens",
     "response_len_mean", "train_rollout_logprob_abs_diff", "weight_version",

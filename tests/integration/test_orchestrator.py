@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from orchestrator_runs import DETERMINISTIC_KEYS, SHORT, SMALL, cli, history, policy_dir
+from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, SHORT, SMALL, cli, history, policy_dir
 from safetensors.torch import load_file
 
 
@@ -49,19 +49,11 @@ def test_default_example_runs_with_zero_mismatch_on_a_cold_cache(cold_run) -> No
 
 
 @pytest.mark.timeout(1500)
-def test_resume_after_sigkill_repeats_the_uninterrupted_steps(cold_run, tmp_path) -> None:
+def test_resume_after_sigkill_repeats_the_uninterrupted_steps(cold_run, straight_run, tmp_path) -> None:
     _, cache = cold_run
-    common = [
-        f"model.path={policy_dir(cache)}",
-        *SMALL,
-        "run.num_steps=4",
-        "run.checkpoint_every=2",
-        "run.eval_every=0",
-        "run.sync_transport=http",  # the default run syncs through shared memory; this one covers the buckets
-    ]
-    straight = tmp_path / "straight"
-    result = cli(*common, f"run.run_dir={straight}", cache=cache)
-    assert result.returncode == 0, result.stderr[-5000:]
+    # The straight run syncs through shared memory; this one covers the buckets (the same bits either way)
+    common = [f"model.path={policy_dir(cache)}", *INTERRUPTED, "run.sync_transport=http"]
+    straight = straight_run
 
     killed = tmp_path / "killed"
     env = {**os.environ, "MILES_CACHE_DIR": str(cache)}
@@ -80,7 +72,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_steps(cold_run, tmp_path
     result = cli("--resume", str(killed), cache=cache)
     assert result.returncode == 0, result.stderr[-5000:]
     expected, got = history(straight), history(killed)
-    assert [r["step"] for r in got] == [1, 2, 3, 4], "a step was lost or repeated"
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6], "a step was lost or repeated"
     # The same samples, rewards, losses and weights bit for bit: nothing lost, duplicated or computed differently
     # (benchmarks/README.md, "Bitwise reproducibility": the trainer's backward is deterministic).
     for want, have in zip(expected, got, strict=True):

@@ -88,6 +88,10 @@ class EngineSupervisor:
         await self.wait_recovered()
         self.raise_if_failed()
 
+    def recovering(self) -> set[int]:
+        """The engines whose restart is under way."""
+        return {engine for engine, task in self._recovering.items() if not task.done()}
+
     async def wait_recovered(self) -> None:
         """Until no restart is in progress."""
         while pending := [t for t in self._recovering.values() if not t.done()]:

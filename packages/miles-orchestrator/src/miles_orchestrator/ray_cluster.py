@@ -123,7 +123,9 @@ class RayCluster:
         fingerprints = await self._all("setup", master, model_dir, trainer_settings(cfg, run_dir))
         self.trainer_fingerprint = fingerprints[0]
         self.urls = [str(url) for url in await asyncio.gather(*(a.get_url.remote() for a in self.engine_actors))]
-        await self._write_actor_list()
+        self.engine_where = list(await asyncio.gather(*(_where(a) for a in self.engine_actors)))
+        self.rank_where = list(await asyncio.gather(*(_where(t) for t in self.trainers)))
+        self._write_actor_list()
         members = [Client(url, admin_key=self.admin_key, timeout=600) for url in self.urls]
         generator = members[0]
         if num_engines > 1:
@@ -158,20 +160,31 @@ class RayCluster:
         if self.last_version is not None:
             assert self.sync_dir is not None
             await client.update_weights_from_disk(str(self.sync_dir), self.last_version)
-        peers = [m for i, m in enumerate(self.engine.members) if i != engine]
-        if peers:  # the weights the fleet serves: a healthy engine's
-            want, got = await peers[0].weights_checksum(), await client.weights_checksum()
-            if got != want:
-                raise RuntimeError(f"the restarted engine holds weights {got[:16]}, the others {want[:16]}")
+        await self._check_restarted_weights(engine, client)
         if self.engine.released:
             await client.release_memory_occupation()
         if self.engine.paused is not None:
             await client.pause_generation(self.engine.paused)
         self.engine_actors[engine], self.urls[engine] = actor, url
+        self.engine_where[engine] = await _where(actor)
         self.engine.replace(engine, client)
-        await self._write_actor_list()
+        self._write_actor_list()
         if self.router is not None:
             await self.router.add_worker(url)
+
+    async def _check_restarted_weights(self, engine: int, client: Client) -> None:
+        """The restarted engine must hold what a healthy engine holds (one not being restarted itself); with none
+        healthy, the weight file they all loaded is trusted."""
+        assert self.supervisor is not None
+        restarting = self.supervisor.recovering() | {engine}
+        healthy = [member for i, member in enumerate(self.engine.members) if i not in restarting]
+        if not healthy:
+            return
+        timeout = self.supervisor.settings.check_timeout_s
+        want = await asyncio.wait_for(healthy[0].weights_checksum(), timeout)
+        got = await client.weights_checksum()
+        if got != want:
+            raise RuntimeError(f"the restarted engine holds weights {got[:16]}, a healthy one {want[:16]}")
 
     def fault_metrics(self) -> dict[str, float]:
         """Engine restarts since the last call (`engine_restarts`, `engine_recovery_s`) and the engine calls
@@ -181,15 +194,10 @@ class RayCluster:
         reissued = self.engine.take_reissued()
         return self.supervisor.take_metrics() | ({"engine_calls_reissued": float(reissued)} if reissued else {})
 
-    async def _write_actor_list(self) -> None:
+    def _write_actor_list(self) -> None:
         """RUN_DIR/actors.json: each engine's URL, process id and Ray node, each trainer rank's process id and node
         (for operators, and the fault tests)."""
-
-        async def where(actor: Any) -> dict[str, Any]:
-            return {"pid": await actor.pid.remote(), "node": await actor.node_id.remote()}
-
-        engines = await asyncio.gather(*(where(a) for a in self.engine_actors))
-        ranks = await asyncio.gather(*(where(t) for t in self.trainers))
+        engines, ranks = self.engine_where, self.rank_where
         listing = {
             "engines": [
                 {"engine": i, "url": url, **info} for i, (url, info) in enumerate(zip(self.urls, engines, strict=True))
@@ -349,6 +357,11 @@ class RayCluster:
                 remove_placement_group(group)
         if self.transport == "shm" and self.sync_dir is not None:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
+
+
+async def _where(actor: Any) -> dict[str, Any]:
+    """A live actor's process id and Ray node."""
+    return {"pid": await actor.pid.remote(), "node": await actor.node_id.remote()}
 
 
 def _actor(

@@ -32,6 +32,7 @@ from miles_contracts import (
 )
 from miles_orchestrator.agent_metrics import agent_metrics
 from miles_orchestrator.config import RunConfig
+from miles_orchestrator.engine_health import EngineFailed
 from miles_orchestrator.filters import apply_filters
 from miles_orchestrator.rewards import RewardPool
 from miles_orchestrator.run_dir import RunDir
@@ -183,6 +184,8 @@ async def run_groups(
                 raise ValueError(f"the rollout function returned {len(result)} samples for a group of {len(group)}")
             if aborted is not None:
                 result = await aborted.complete(client, group, result, seeded, rollout_fn)
+        except EngineFailed:  # the engines failed beyond what the run allows: it stops (engine_health.py)
+            raise
         except Exception as error:  # user code or the engine: record it on the samples, keep the run going
             message = f"rollout failed: {type(error).__name__}: {error}"
             result = [s.model_copy(update={"status": SampleStatus.FAILED, "error": message}) for s in group]

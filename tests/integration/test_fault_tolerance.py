@@ -1,0 +1,121 @@
+"""Integration tier (a real local Ray cluster, real processes): runs that survive their engines, and runs whose
+trainer rank fails stop cleanly and resume exactly (docs/fault-tolerance.md).
+
+- Two engines behind sglang-router; after step 1 one engine is SIGKILLed and the other SIGSTOPped (a hang), in the
+  middle of step 2's rollout. Both are detected, restarted on their bundles, re-synced and re-added; the run finishes
+  with every step equal, bit for bit, to the uninterrupted run's (deterministic mode: the re-issued requests carry
+  the same seeds), and the engines that serve the last steps are new processes.
+- The trainer rank is SIGSTOPped (a hang), then after resuming SIGKILLed: each time the run stops within seconds
+  with an error naming the rank, and the resumed runs end with every step and the final weights of the
+  uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, history, policy_dir
+from safetensors.torch import load_file
+
+FAST_CHECKS = ["rollout.fault_tolerance.check_interval_s=1", "rollout.fault_tolerance.check_timeout_s=5"]
+
+
+class Run:
+    """`miles-orchestrator run ARGS` in its own process group, its stderr in a file."""
+
+    def __init__(self, args: list[str], cache: Path, stderr: Path) -> None:
+        env = {**os.environ, "MILES_CACHE_DIR": str(cache)}
+        self.stderr_path = stderr
+        with open(stderr, "w") as err:
+            self.process = subprocess.Popen(["miles-orchestrator", "run", "--quiet", *args], env=env,
+                                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)  # fmt: skip
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def wait_for_line(self, run_dir: Path, text: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            log = run_dir / "run.log"
+            if log.is_file() and text in log.read_text():
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.wait(0)
+                raise AssertionError(f"{text!r} not logged (the run ended or took too long): {self.stderr[-3000:]}")
+            time.sleep(0.1)
+
+
+def actors(run_dir: Path) -> dict:
+    return json.loads((run_dir / "actors.json").read_text())
+
+
+def assert_same_steps(run_dir: Path, straight: Path) -> None:
+    expected, got = history(straight), history(run_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in expected], "a step was lost or repeated"
+    for want, have in zip(expected, got, strict=True):
+        for key in DETERMINISTIC_KEYS:
+            assert have.get(key) == want.get(key), (want["step"], key)
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_and_a_hung_engine_are_replaced_and_the_steps_are_unchanged(cold_run, straight_run, tmp_path) -> None:
+    _, cache = cold_run
+    run_dir = tmp_path / "engines"
+    run = Run([f"model.path={policy_dir(cache)}", *INTERRUPTED, *FAST_CHECKS, "run.colocate=false",
+               "rollout.num_engines=2", f"run.run_dir={run_dir}"], cache, tmp_path / "stderr")  # fmt: skip
+    run.wait_for_line(run_dir, " step 1:")
+    before = actors(run_dir)["engines"]
+    os.kill(before[1]["pid"], signal.SIGKILL)  # dead
+    os.kill(before[0]["pid"], signal.SIGSTOP)  # hung
+    assert run.wait(timeout=600) == 0, run.stderr[-5000:]
+    assert_same_steps(run_dir, straight_run)
+    rows = history(run_dir)
+    assert sum(r.get("engine_restarts", 0) for r in rows) == 2
+    assert max(r.get("engine_recovery_s", 0) for r in rows) < 120
+    after = actors(run_dir)["engines"]
+    assert {e["pid"] for e in after}.isdisjoint({e["pid"] for e in before}), "both engines should be new processes"
+    log = (run_dir / "run.log").read_text()
+    assert "rollout engine 0 failed (" in log and "rollout engine 1 failed (" in log
+    assert "rollout engine 0 is back after" in log and "rollout engine 1 is back after" in log
+    assert "timed out" in log or "no answer within" in log  # the hung one
+
+
+@pytest.mark.timeout(900)
+def test_a_hung_then_a_killed_trainer_rank_stops_the_run_and_resume_is_exact(cold_run, straight_run, tmp_path) -> None:
+    _, cache = cold_run
+    run_dir = tmp_path / "ranks"
+    args = [f"model.path={policy_dir(cache)}", *INTERRUPTED, "trainer.hang_timeout_s=4", f"run.run_dir={run_dir}"]
+    for checkpoint, sig, named in ((2, signal.SIGSTOP, "trainer rank 0 is hung"),
+                                   (4, signal.SIGKILL, "trainer rank 0 died")):  # fmt: skip
+        run = Run(args if checkpoint == 2 else ["--resume", str(run_dir)], cache, tmp_path / f"stderr{checkpoint}")
+        run.wait_for_line(run_dir, f" step {checkpoint + 1}:")
+        os.kill(actors(run_dir)["trainer_ranks"][0]["pid"], sig)
+        signalled = time.monotonic()
+        assert run.wait(timeout=120) == 1, run.stderr[-3000:]
+        stopped_after = time.monotonic() - signalled
+        assert named in run.stderr and f"miles-orchestrator run --resume {run_dir}" in run.stderr, run.stderr[-3000:]
+        assert stopped_after < 60, stopped_after  # the heartbeat, or the dead actor, not a 30-minute timeout
+        assert not (run_dir / "final").exists()
+    run = Run(["--resume", str(run_dir)], cache, tmp_path / "stderr6")
+    assert run.wait(timeout=600) == 0, run.stderr[-5000:]
+    assert_same_steps(run_dir, straight_run)
+    for path in (straight_run / "final").glob("*.safetensors"):
+        want, got = load_file(path), load_file(run_dir / "final" / path.name)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), f"{path.name}: {key}"
