@@ -34,9 +34,9 @@ async def collective(
 ) -> list[Any]:
     """The ranks' results of `refs` (one call of `method` per rank, in rank order); a `TrainerRankFailed` naming
     the ranks that died or hung, or the call's own error when every rank is alive."""
-    gathered = asyncio.gather(*refs)
+    gathered: asyncio.Future[Any] = asyncio.gather(*refs)
     gathered.add_done_callback(_consume)  # its error, once the failure is reported, is not news
-    watchdog = None
+    watchdog: asyncio.Future[Any] | None = None
     if hang_timeout_s > 0:
         watchdog = asyncio.get_running_loop().create_task(_watch(trainers, method, hang_timeout_s, resume_hint))
     try:

@@ -369,7 +369,9 @@ def _actor(
 ) -> Any:
     """`cls` as a Ray actor class placed by `strategy` with `bundle`'s resources (and `concurrency_groups`: threads
     for methods called beside the others, e.g. a heartbeat)."""
-    remote = ray.remote(concurrency_groups=concurrency_groups)(cls) if concurrency_groups else ray.remote(cls)
+    remote = ray.remote(cls)
+    if concurrency_groups:
+        remote = ray.remote(concurrency_groups=concurrency_groups)(cls)  # type: ignore[call-overload]
     return remote.options(
         num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
         resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
