@@ -369,7 +369,7 @@ def _actor(
 ) -> Any:
     """`cls` as a Ray actor class placed by `strategy` with `bundle`'s resources (and `concurrency_groups`: threads
     for methods called beside the others, e.g. a heartbeat)."""
-    remote = ray.remote(cls)
+    remote: Any = ray.remote(cls)
     if concurrency_groups:
         remote = ray.remote(concurrency_groups=concurrency_groups)(cls)  # type: ignore[call-overload]
     return remote.options(
