@@ -116,6 +116,30 @@ def test_check_now_restarts_at_once_and_is_shared() -> None:
     asyncio.run(scenario())
 
 
+def test_a_probe_begun_before_a_restart_does_not_restart_the_new_engine() -> None:
+    async def scenario() -> None:
+        probes = Probes(1)
+        supervisor, _ = probes.supervisor(failure_threshold=1)
+        probes.causes[0] = "connection refused"
+        fast = supervisor._probe
+
+        async def slow(url: str) -> str | None:
+            cause = await fast(url)  # answered now (the old engine), reported late
+            await asyncio.sleep(0.2)
+            return cause
+
+        supervisor._probe = slow  # type: ignore[method-assign]
+        stale = asyncio.create_task(supervisor._check_all(1))
+        await asyncio.sleep(0.01)
+        supervisor._probe = fast  # type: ignore[method-assign]
+        await supervisor.check_now()  # restarts engine 0 while the slow round still waits
+        await stale
+        await supervisor.wait_recovered()
+        assert probes.restarted == [(0, "connection refused")]
+
+    asyncio.run(scenario())
+
+
 def test_the_restart_limit_stops_the_run_naming_engines_and_causes() -> None:
     async def scenario() -> None:
         probes = Probes(2)

@@ -2,8 +2,9 @@
 engine of an `EngineFleet` and restarts one that dies or hangs, within a limit of restarts per hour.
 
 - Every `check_interval_s` each engine is probed with a client of its own whose timeout is `check_timeout_s`:
-  `/health_generate` (a one-token generation) while the fleet serves, `/health` while its memory is released or
-  generation is paused (a probe would wait for the resume). `failure_threshold` failures in a row, and the engine is
+  `/health_generate` (a one-token generation) while the fleet serves, `/health` while its memory is released,
+  generation is paused or weights load (a probe would wait for them). A probe begun before an engine's restart is
+  about the old engine and is ignored. `failure_threshold` failures in a row, and the engine is
   restarted: the cluster's `restart(engine, cause)` kills it, starts a new one on its bundle, re-syncs it and
   re-adds it to the router (ray_cluster.py).
 - A `/generate` that fails for an engine's sake (no connection, HTTP 5xx) triggers a check of every engine at once,
@@ -57,6 +58,7 @@ class EngineSupervisor:
         self.restarts: list[Restart] = []
         self.failed: EngineFailed | None = None
         self._failures: dict[int, int] = {}
+        self._restarted: dict[int, int] = {}  # restarts per engine: a probe begun before one is about the old engine
         self._recovering: dict[int, asyncio.Task[None]] = {}
         self._round: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -113,11 +115,11 @@ class EngineSupervisor:
             await self._check_all(self.settings.failure_threshold)
 
     async def _check_all(self, threshold: int) -> None:
-        urls = self.urls()
+        urls, restarted = self.urls(), dict(self._restarted)
         causes = await asyncio.gather(*(self._probe(url) for url in urls))
         for engine, cause in enumerate(causes):
-            if engine in self._recovering and not self._recovering[engine].done():
-                continue  # its restart is under way: the probe saw the old or the starting engine
+            if engine in self.recovering() or self._restarted.get(engine) != restarted.get(engine):
+                continue  # restarted, or being restarted, since the probe began: it probed the old engine
             if cause is None:
                 self._failures[engine] = 0
                 continue
@@ -156,6 +158,7 @@ class EngineSupervisor:
             return
         restart = Restart(engine, cause, began, time.monotonic() - began)
         self.restarts.append(restart)
+        self._restarted[engine] = self._restarted.get(engine, 0) + 1
         self.log(f"rollout engine {engine} is back after {restart.recovery_s:.1f} s (restart {len(self.restarts)})")
 
 

@@ -22,7 +22,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +305,24 @@ class RayCluster:
         return out
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
+        with self._loading_weights():
+            result = await self._sync_weights(version, bucket_bytes)
+        self.last_version = version
+        return result
+
+    @contextlib.contextmanager
+    def _loading_weights(self) -> Iterator[None]:
+        """While the engines load weights their scheduler is busy (a one-token probe would wait for the load): the
+        health checks ask `/health` only."""
+        if self.supervisor is not None:
+            self.supervisor.serving = False
+        try:
+            yield
+        finally:
+            if self.supervisor is not None:
+                self.supervisor.serving = not self.engine.released and self.engine.paused is None
+
+    async def _sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
         result: dict[str, Any]
         if self.transport == "http":
             result = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
@@ -315,7 +333,6 @@ class RayCluster:
             num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]
             reply = await self.engine.update_weights_from_disk(str(self.sync_dir), version)
             result = {**reply, "num_buckets": 1, "num_bytes": num_bytes}
-        self.last_version = version
         return result
 
     async def trainer_checksum(self) -> str:
