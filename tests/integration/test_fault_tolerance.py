@@ -1,13 +1,15 @@
 """Integration tier (a real local Ray cluster, real processes): runs that survive their engines, and runs whose
 trainer rank fails stop cleanly and resume exactly (docs/fault-tolerance.md).
 
-- Two engines behind sglang-router; after step 1 one engine is SIGKILLed and the other SIGSTOPped (a hang), in the
-  middle of step 2's rollout. Both are detected, restarted on their bundles, re-synced and re-added; every step
-  equals, bit for bit, the uninterrupted run's (deterministic mode: the re-issued requests carry the same seeds),
-  and the engines that serve the later steps are new processes. After step 5 the trainer rank is SIGSTOPped: its
-  missed heartbeat stops the run within seconds, naming it.
-- The trainer rank is SIGKILLed after a checkpoint: the run stops at once naming it, and `--resume` ends with every
-  step and the final weights of the uninterrupted run.
+- Two engines behind sglang-router, weights broadcast over a gloo group (`run.sync_transport=distributed`): after
+  step 1 one engine is SIGKILLed in the middle of step 2's rollout; once it is back, the other is SIGSTOPped (a
+  hang). Each is detected, restarted on its bundle, loaded with a healthy engine's weights and re-added; the next
+  sync rebuilds the weight-update group. Every step equals, bit for bit, the uninterrupted run's (deterministic
+  mode: the re-issued requests carry the same seeds), and the engines serving the later steps are new processes.
+  After step 5 the trainer rank is SIGSTOPped: its missed heartbeat stops the run within seconds, naming it.
+- One colocated engine, no router, weights through shared memory (the default run): the engine is SIGKILLed and
+  comes back from the weight file; then the trainer rank is SIGKILLed after a checkpoint: the run stops at once
+  naming it, and `--resume` ends with every step and the final weights of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -74,18 +76,20 @@ def assert_same_steps(run_dir: Path, straight: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_and_a_hung_engine_are_replaced_then_a_hung_trainer_rank_stops_the_run(
+def test_engines_killed_and_hung_are_replaced_then_a_hung_trainer_rank_stops_the_run(
     cold_run, straight_run, tmp_path
 ) -> None:
     _, cache = cold_run
     run_dir = tmp_path / "engines"
     run = Run([f"model.path={policy_dir(cache)}", *INTERRUPTED, *FAST_CHECKS, "run.colocate=false",
-               "rollout.num_engines=2", "trainer.hang_timeout_s=4", f"run.run_dir={run_dir}"], cache,
-              tmp_path / "stderr")  # fmt: skip
+               "rollout.num_engines=2", "run.sync_transport=distributed", "trainer.hang_timeout_s=4",
+               f"run.run_dir={run_dir}"], cache, tmp_path / "stderr")  # fmt: skip
     run.wait_for_line(run_dir, " step 1:")
     before = actors(run_dir)["engines"]
     os.kill(before[1]["pid"], signal.SIGKILL)  # dead
+    run.wait_for_line(run_dir, "rollout engine 1 is back after")
     os.kill(before[0]["pid"], signal.SIGSTOP)  # hung
+    run.wait_for_line(run_dir, "rollout engine 0 is back after")
     run.wait_for_line(run_dir, " step 5:")
     os.kill(actors(run_dir)["trainer_ranks"][0]["pid"], signal.SIGSTOP)
     signalled = time.monotonic()
@@ -103,16 +107,21 @@ def test_a_killed_and_a_hung_engine_are_replaced_then_a_hung_trainer_rank_stops_
     after = actors(run_dir)["engines"]
     assert {e["pid"] for e in after}.isdisjoint({e["pid"] for e in before}), "both engines should be new processes"
     log = (run_dir / "run.log").read_text()
-    assert "rollout engine 0 failed (" in log and "rollout engine 1 failed (" in log
-    assert "rollout engine 0 is back after" in log and "rollout engine 1 is back after" in log
+    assert "rollout engine 1 failed (" in log and "rollout engine 0 failed (" in log
     assert "timed out" in log or "no answer within" in log  # the hung one
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_trainer_rank_stops_the_run_naming_it_and_resume_is_exact(cold_run, straight_run, tmp_path) -> None:
+def test_a_lone_engine_comes_back_then_a_killed_trainer_rank_stops_the_run_and_resume_is_exact(
+    cold_run, straight_run, tmp_path
+) -> None:
     _, cache = cold_run
     run_dir = tmp_path / "ranks"
-    run = Run([f"model.path={policy_dir(cache)}", *INTERRUPTED, f"run.run_dir={run_dir}"], cache, tmp_path / "e1")
+    run = Run([f"model.path={policy_dir(cache)}", *INTERRUPTED, *FAST_CHECKS, f"run.run_dir={run_dir}"], cache,
+              tmp_path / "e1")  # fmt: skip
+    run.wait_for_line(run_dir, " step 1:")
+    os.kill(actors(run_dir)["engines"][0]["pid"], signal.SIGKILL)
+    run.wait_for_line(run_dir, "rollout engine 0 is back after")
     run.wait_for_line(run_dir, " step 3:")  # the checkpoint of step 2 is committed
     os.kill(actors(run_dir)["trainer_ranks"][0]["pid"], signal.SIGKILL)
     signalled = time.monotonic()
@@ -123,6 +132,7 @@ def test_a_killed_trainer_rank_stops_the_run_naming_it_and_resume_is_exact(cold_
     run = Run(["--resume", str(run_dir)], cache, tmp_path / "e2")
     assert run.wait(timeout=600) == 0, run.stderr[-5000:]
     assert_same_steps(run_dir, straight_run)
+    assert sum(r.get("engine_restarts", 0) for r in history(run_dir)) <= 1  # the resumed run replaced its steps
     for path in (straight_run / "final").glob("*.safetensors"):
         want, got = load_file(path), load_file(run_dir / "final" / path.name)
         for key, value in want.items():

@@ -345,3 +345,31 @@ def test_only_a_shared_memory_weight_file_stays_mapped(dense_dir, second_model, 
     finally:
         engine.shutdown()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_restarted_engine_copies_the_weights_of_a_healthy_one(server, dense_dir, second_model, start_server) -> None:
+    """`GET /weight_buckets` (admin) hands out the served weights bucket by bucket under the served version; posted to
+    another engine's `/update_weights_from_tensor` they make it serve the same bits and version (how a restarted
+    engine is re-synced when no weight file holds them). Bad indices and an unversioned engine are 4xx."""
+
+    async def scenario(target_url: str) -> None:
+        async with Client(server) as source, Client(target_url) as target:
+            with pytest.raises(RolloutClientError) as unversioned:
+                await target.get_weight_bucket(0)  # started from a checkpoint: no version to hand out
+            assert unversioned.value.status_code == 409
+            await source.update_weights_from_disk(str(dense_dir), weight_version=50)
+            assert await target.weights_checksum() != await source.weights_checksum()
+            index, count = 0, 1
+            while index < count:
+                data, count = await source.get_weight_bucket(index, bucket_bytes=1 << 16)
+                reply = await target.update_weights_from_tensor(data)
+                index += 1
+            assert count > 2 and reply["complete"] and reply["weight_version"] == 50
+            assert await target.weights_checksum() == await source.weights_checksum()
+            assert await target.get_weight_version() == 50
+            with pytest.raises(RolloutClientError) as out_of_range:
+                await source.get_weight_bucket(count, bucket_bytes=1 << 16)
+            assert out_of_range.value.status_code == 400 and f"make {count} bucket(s)" in str(out_of_range.value)
+
+    with start_server(second_model, "--deterministic") as target_url:
+        asyncio.run(scenario(target_url))

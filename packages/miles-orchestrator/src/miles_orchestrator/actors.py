@@ -174,6 +174,14 @@ class TrainerRankActor:
 
         self._group = init_weight_update_group(address, port, 0, world_size, group_name, "gloo")
 
+    def leave_weight_group(self) -> None:
+        """Rank 0: leave the weight-update group it hosts (an engine of it was restarted; a new group follows)."""
+        from miles_kernels import destroy_weight_update_group
+
+        if self._group is not None:
+            destroy_weight_update_group(self._group)
+            self._group = None
+
     def reachable_address(self, host: str) -> str:
         """The address the engines reach this rank at: loopback when they bind loopback, else this node's IP."""
         return node_address("0.0.0.0" if host != "127.0.0.1" else host)

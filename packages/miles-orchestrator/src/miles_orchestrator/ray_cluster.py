@@ -6,10 +6,12 @@ gives (`trainer.rank_resources`, `rollout.engine_resources`). The loop's one cli
 over HTTP, exactly as it would talk to `miles-rollout serve` or SGLang servers. See cluster.py for the interface.
 
 Engine failures (`rollout.fault_tolerance`, docs/fault-tolerance.md): an `EngineSupervisor` (engine_health.py)
-watches the engines; `restart_engine` replaces a dead or hung one on its bundle, loads the last synced weights from
-the weight file, checks them against a healthy engine, brings it to the fleet's state (memory released, generation
-paused) and re-adds it to the router. Trainer ranks that die or hang stop the run naming them (rank_health.py).
-`RUN_DIR/actors.json` lists each engine's URL, process id and node, and each trainer rank's process id and node.
+watches the engines; `restart_engine` replaces a dead or hung one on its bundle, loads the last synced weights (from
+the weight file for shm / disk, else copied from a healthy engine, the next sync reconnecting rank 0 and rebuilding
+the weight-update group), checks them against a healthy engine, brings it to the fleet's state (memory released,
+generation paused) and re-adds it to the router. Trainer ranks that die or hang stop the run naming them
+(rank_health.py). `RUN_DIR/actors.json` lists each engine's URL, process id and node, and each trainer rank's process
+id and node.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class RayCluster:
         self.router: Router | None = None
         self.supervisor: EngineSupervisor | None = None
         self.last_version: int | None = None  # the weights the engines hold (and the weight file, for shm / disk)
+        self.bucket_bytes = 512 << 20  # the last sync's bucket size (a restarted engine copies a peer's in these)
+        self._restarted_since_sync: set[int] = set()
         self.log: Callable[[str], None] = print
 
     @classmethod
@@ -144,11 +148,6 @@ class RayCluster:
     async def restart_engine(self, engine: int, cause: str) -> None:
         """Replace engine `engine` (dead or hung: `cause`) by a new actor on its bundle holding the weights the others
         hold, in the fleet's state, back behind the router."""
-        if self.transport not in ("shm", "disk"):
-            raise RuntimeError(
-                f"a restarted engine re-syncs from the weight file, which run.sync_transport={self.transport} does "
-                "not keep; use run.sync_transport=shm (one node) or disk (a shared run.sync_dir)"
-            )
         old_url = self.urls[engine]
         if self.router is not None:
             await self.router.remove_worker(old_url)
@@ -158,8 +157,7 @@ class RayCluster:
         url = str(await asyncio.wait_for(actor.get_url.remote(), timeout=ENGINE_START_S))
         client = Client(url, admin_key=self.admin_key, timeout=600)
         if self.last_version is not None:
-            assert self.sync_dir is not None
-            await client.update_weights_from_disk(str(self.sync_dir), self.last_version)
+            await self._resync(engine, client)
         await self._check_restarted_weights(engine, client)
         if self.engine.released:
             await client.release_memory_occupation()
@@ -172,16 +170,45 @@ class RayCluster:
         if self.router is not None:
             await self.router.add_worker(url)
 
-    async def _check_restarted_weights(self, engine: int, client: Client) -> None:
-        """The restarted engine must hold what a healthy engine holds (one not being restarted itself); with none
-        healthy, the weight file they all loaded is trusted."""
+    async def _resync(self, engine: int, client: Client) -> None:
+        """The restarted engine gets the version the others serve: from the weight file (shm, disk), or copied
+        bucket by bucket from a healthy engine (http, distributed; the next sync then reconnects rank 0 to it, and
+        rebuilds the weight-update group)."""
+        if self.transport in ("shm", "disk"):
+            assert self.sync_dir is not None
+            await client.update_weights_from_disk(str(self.sync_dir), self.last_version)
+            return
+        self._restarted_since_sync.add(engine)
+        if self.engine.released:  # the others hold no weights now; the next sync (right after training) sends them
+            return
+        peer = self._healthy_peer(engine)
+        if peer is None:
+            raise RuntimeError(
+                f"no healthy engine to copy the weights from: with run.sync_transport={self.transport} a restarted "
+                "engine copies them from another engine; use run.sync_transport=shm (one node) or disk (a shared "
+                "run.sync_dir), whose weight file re-syncs a lone engine"
+            )
+        index, count = 0, 1
+        while index < count:
+            data, count = await peer.get_weight_bucket(index, self.bucket_bytes)
+            await client.update_weights_from_tensor(data)
+            index += 1
+
+    def _healthy_peer(self, engine: int) -> Client | None:
+        """An engine other than `engine` that is not being restarted (None: there is none)."""
         assert self.supervisor is not None
         restarting = self.supervisor.recovering() | {engine}
         healthy = [member for i, member in enumerate(self.engine.members) if i not in restarting]
-        if not healthy:
+        return healthy[0] if healthy else None
+
+    async def _check_restarted_weights(self, engine: int, client: Client) -> None:
+        """The restarted engine must hold what a healthy engine holds (one not being restarted itself); with none
+        healthy, or their memory released, the weight file they all loaded (or the next sync) is trusted."""
+        assert self.supervisor is not None
+        peer = self._healthy_peer(engine)
+        if peer is None or self.engine.released:  # no engine holds weights to compare with
             return
-        timeout = self.supervisor.settings.check_timeout_s
-        want = await asyncio.wait_for(healthy[0].weights_checksum(), timeout)
+        want = await asyncio.wait_for(peer.weights_checksum(), self.supervisor.settings.check_timeout_s)
         got = await client.weights_checksum()
         if got != want:
             raise RuntimeError(f"the restarted engine holds weights {got[:16]}, a healthy one {want[:16]}")
@@ -237,17 +264,10 @@ class RayCluster:
         num_engines = len(self.engine_actors)
         self.transport = resolve_transport(cfg.run.sync_transport, same_node, checkpoint_bytes(model_dir), num_engines)
         self.sync_dir = sync_directory(self.transport, run_dir, cfg.run.sync_dir)
+        self.engine_host = cfg.rollout.engine_host
         await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)
         if self.transport == "distributed":
-            address = await self.trainers[0].reachable_address.remote(cfg.rollout.engine_host)
-            port = await self.trainers[0].free_port.remote()
-            joins = [
-                member.init_weights_update_group(address, port, rank_offset=i + 1, world_size=num_engines + 1,
-                                                 group_name=WEIGHT_GROUP, backend="gloo")
-                for i, member in enumerate(self.engine.members)
-            ]  # fmt: skip
-            host = self.trainers[0].host_weight_group.remote(address, port, num_engines + 1, WEIGHT_GROUP)
-            await asyncio.gather(host, *joins)
+            await self._join_weight_group()
         where = {
             "shm": f"shared memory ({self.sync_dir})",
             "disk": f"a file in {self.sync_dir}",
@@ -257,6 +277,31 @@ class RayCluster:
         engines = "1 engine" if num_engines == 1 else f"{num_engines} engines"
         nodes = ", ".join(node[:8] for node in engine_nodes)
         self.sync_method = f"{where} (Ray node {rank0_node[:8]}) to {engines} (Ray nodes {nodes})"
+
+    async def _join_weight_group(self) -> None:
+        """Trainer rank 0 hosts the weight-update group (its rank 0); engine i joins it as rank i + 1."""
+        num_engines = len(self.engine.members)
+        address = await self.trainers[0].reachable_address.remote(self.engine_host)
+        port = await self.trainers[0].free_port.remote()
+        joins = [
+            member.init_weights_update_group(address, port, rank_offset=i + 1, world_size=num_engines + 1,
+                                             group_name=WEIGHT_GROUP, backend="gloo")
+            for i, member in enumerate(self.engine.members)
+        ]  # fmt: skip
+        host = self.trainers[0].host_weight_group.remote(address, port, num_engines + 1, WEIGHT_GROUP)
+        await asyncio.gather(host, *joins)
+
+    async def _reconnect_engines(self) -> None:
+        """After engine restarts, before the next sync: rank 0 gets clients of the new URLs, and (distributed) the
+        weight-update group, whose restarted members died with it, is rebuilt: the others leave it, rank 0 drops it,
+        everyone joins a new one."""
+        await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)
+        if self.transport == "distributed":
+            leaving = [m for i, m in enumerate(self.engine.members) if i not in self._restarted_since_sync]
+            await asyncio.gather(*(m.destroy_weights_update_group(WEIGHT_GROUP) for m in leaving))
+            await self.trainers[0].leave_weight_group.remote()
+            await self._join_weight_group()
+        self._restarted_since_sync.clear()
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
         return await self._collective(method, [getattr(t, method).remote(*args) for t in self.trainers])
@@ -324,6 +369,9 @@ class RayCluster:
 
     async def _sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
         result: dict[str, Any]
+        self.bucket_bytes = bucket_bytes
+        if self._restarted_since_sync and self.transport in ("http", "distributed"):
+            await self._reconnect_engines()
         if self.transport == "http":
             result = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
         elif self.transport == "distributed":

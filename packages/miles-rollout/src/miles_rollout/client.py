@@ -384,6 +384,10 @@ class Client:
             body["backend"] = backend
         return await self._call("POST", "/init_weights_update_group", json=body, admin=True)
 
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        """POST /destroy_weights_update_group: leave the process group `group_name` (before joining a rebuilt one)."""
+        return await self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name}, admin=True)
+
     async def update_weights_from_distributed(
         self,
         names: list[str],
@@ -418,6 +422,13 @@ class Client:
         """POST /end_weight_update: serve the weights loaded since `begin_weight_update`, as `weight_version`."""
         body = {"weight_version": _version_field(weight_version)}
         return _int_version(await self._call("POST", "/end_weight_update", json=body, admin=True))
+
+    async def get_weight_bucket(self, index: int, bucket_bytes: int = 512 << 20) -> tuple[bytes, int]:
+        """GET /weight_buckets (admin; miles engines): bucket `index` of the served weights (post it to another
+        engine's `update_weights_from_tensor`) and how many buckets there are."""
+        response = await self._request("GET", "/weight_buckets", params={"index": index, "bucket_bytes": bucket_bytes},
+                                       admin=True, retry=True)  # fmt: skip
+        return response.content, int(response.headers["X-Bucket-Count"])
 
     async def weights_checksum(self) -> str:
         """GET /weights_checksum (admin; miles engines): `miles_kernels.weights_checksum` of the served weights."""

@@ -37,6 +37,7 @@ _RESPONSES = TypeAdapter(list[GenerateResponse])
 
 ADMIN_PATHS = {
     "/weights_checksum",
+    "/weight_buckets",
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
     "/init_weights_update_group",
@@ -433,6 +434,14 @@ def create_app(
     async def checksum() -> dict[str, Any]:
         value = await engine.control(engine.weights.checksum, needs_idle=False)
         return {"checksum": value, "weight_version": version_string(engine.weight_version)}
+
+    @app.get("/weight_buckets")
+    async def weight_buckets(index: int = Query(0, ge=0), bucket_bytes: int = Query(512 << 20, gt=0)) -> Response:
+        """Miles' own (admin): bucket `index` of the served weights as safetensors bytes (miles_kernels'
+        bucket format, the served version in its metadata), the number of buckets in `X-Bucket-Count`. A restarted
+        engine is loaded from a healthy one this way, bucket by bucket (`/update_weights_from_tensor`)."""
+        data, count = await engine.control(lambda: engine.weights.bucket(index, bucket_bytes), needs_idle=False)
+        return Response(data, media_type="application/octet-stream", headers={"X-Bucket-Count": str(count)})
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict[str, Any]:

@@ -29,12 +29,14 @@ from miles_kernels import (
     checkpoint_tensors,
     decode_bucket,
     destroy_weight_update_group,
+    encode_bucket,
     in_shared_memory,
     init_weight_update_group,
     iter_checkpoint,
     load_mapped,
     load_state,
     parse_dtype,
+    plan_buckets,
     read_model_config,
     weights_checksum,
 )
@@ -113,6 +115,27 @@ class WeightReceiver:
         except ValueError as error:
             raise EngineError(f"weight update rejected: {error}") from error
         return engine.commit_weights(version)
+
+    def bucket(self, index: int, bucket_bytes: int) -> tuple[bytes, int]:
+        """Bucket `index` of the served weights (HF names, every tensor once, as weight sync sends them) under the
+        served version, and how many buckets there are: what a restarted engine copies from a healthy one
+        (`GET /weight_buckets`). The plan depends only on the model's tensors and `bucket_bytes`, so the buckets of
+        one version fit together whichever call encodes them."""
+        engine = self.engine
+        engine.require_weights_resident()
+        version = engine.weight_version
+        if version is None:
+            raise EngineError("the served weights have no version yet (no weight update so far): nothing to copy", 409)
+        tensors = checkpoint_tensors(engine.model, mtp_copies=False)
+        try:
+            plan = plan_buckets([(name, t.numel() * t.element_size()) for name, t in tensors.items()], bucket_bytes)
+        except ValueError as error:
+            raise EngineError(str(error)) from error
+        if not 0 <= index < len(plan):
+            raise EngineError(f"bucket index {index} out of range: the weights make {len(plan)} bucket(s)")
+        data = encode_bucket({name: tensors[name] for name in plan[index]}, version=version, index=index,
+                             count=len(plan))  # fmt: skip
+        return data, len(plan)
 
     def checksum(self) -> str:
         """`miles_kernels.weights_checksum` of the served weights (HF names, the engine's dtype; every tensor once,
