@@ -1,10 +1,10 @@
 """Integration tier (a real local Ray cluster, real processes): runs that survive their engines, and runs whose
 trainer rank fails stop cleanly and resume exactly (docs/fault-tolerance.md).
 
-- Two engines behind sglang-router, weights broadcast over a gloo group (`run.sync_transport=distributed`): after
-  step 1 one engine is SIGKILLed in the middle of step 2's rollout; once it is back, the other is SIGSTOPped (a
-  hang). Each is detected, restarted on its bundle, loaded with a healthy engine's weights and re-added; the next
-  sync rebuilds the weight-update group. Every step equals, bit for bit, the uninterrupted run's (deterministic
+- Two engines behind sglang-router, weights posted as buckets (`run.sync_transport=http`): after step 1 one engine is
+  SIGKILLed in the middle of step 2's rollout; once it is back, the other is SIGSTOPped (a hang), whenever that
+  lands (a rollout, or a weight sync, which is then sent again). Each is detected, restarted on its bundle, loaded
+  with a healthy engine's weights and re-added; the next sync reconnects trainer rank 0 to it. Every step equals, bit for bit, the uninterrupted run's (deterministic
   mode: the re-issued requests carry the same seeds), and the engines serving the later steps are new processes.
   After step 5 the trainer rank is SIGSTOPped: its missed heartbeat stops the run within seconds, naming it.
 - One colocated engine, no router, weights through shared memory (the default run): the engine is SIGKILLed and
@@ -82,7 +82,7 @@ def test_engines_killed_and_hung_are_replaced_then_a_hung_trainer_rank_stops_the
     _, cache = cold_run
     run_dir = tmp_path / "engines"
     run = Run([f"model.path={policy_dir(cache)}", *INTERRUPTED, *FAST_CHECKS, "run.colocate=false",
-               "rollout.num_engines=2", "run.sync_transport=distributed", "trainer.hang_timeout_s=4",
+               "rollout.num_engines=2", "run.sync_transport=http", "trainer.hang_timeout_s=4",
                f"run.run_dir={run_dir}"], cache, tmp_path / "stderr")  # fmt: skip
     run.wait_for_line(run_dir, " step 1:")
     before = actors(run_dir)["engines"]

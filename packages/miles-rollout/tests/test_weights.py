@@ -350,7 +350,8 @@ def test_only_a_shared_memory_weight_file_stays_mapped(dense_dir, second_model, 
 def test_a_restarted_engine_copies_the_weights_of_a_healthy_one(server, dense_dir, second_model, start_server) -> None:
     """`GET /weight_buckets` (admin) hands out the served weights bucket by bucket under the served version; posted to
     another engine's `/update_weights_from_tensor` they make it serve the same bits and version (how a restarted
-    engine is re-synced when no weight file holds them). Bad indices and an unversioned engine are 4xx."""
+    engine is re-synced when no weight file holds them), also after an interrupted attempt (bucket 0 starts a version
+    over). Bad indices and an unversioned engine are 4xx."""
 
     async def scenario(target_url: str) -> None:
         async with Client(server) as source, Client(target_url) as target:
@@ -359,6 +360,9 @@ def test_a_restarted_engine_copies_the_weights_of_a_healthy_one(server, dense_di
             assert unversioned.value.status_code == 409
             await source.update_weights_from_disk(str(dense_dir), weight_version=50)
             assert await target.weights_checksum() != await source.weights_checksum()
+            for index in (0, 1):  # an attempt interrupted after two buckets: sending again starts over at bucket 0
+                partial = await target.update_weights_from_tensor((await source.get_weight_bucket(index, 1 << 16))[0])
+                assert not partial["complete"]
             index, count = 0, 1
             while index < count:
                 data, count = await source.get_weight_bucket(index, bucket_bytes=1 << 16)

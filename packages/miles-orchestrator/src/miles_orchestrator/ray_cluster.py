@@ -48,6 +48,7 @@ from miles_rollout import Client
 
 RAY_TEMP_MAX_CHARS = 40
 ENGINE_START_S = 300.0  # a restarted engine's actor must be placed and serving within this
+SYNC_ATTEMPTS = 3  # a weight sync interrupted by engine failures is sent this many times at most
 
 
 def start_ray(address: str | None, run_dir: Path, num_cpus: int) -> None:
@@ -368,10 +369,31 @@ class RayCluster:
                 self.supervisor.serving = not self.engine.released and self.engine.paused is None
 
     async def _sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        result: dict[str, Any]
+        """Send the weights; a sync that fails while an engine fails is sent again once the engines are back (up to
+        `SYNC_ATTEMPTS` times; an engine restarted meanwhile already holds the previous version)."""
         self.bucket_bytes = bucket_bytes
-        if self._restarted_since_sync and self.transport in ("http", "distributed"):
-            await self._reconnect_engines()
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            restarts = 0 if self.supervisor is None else len(self.supervisor.restarts)
+            try:
+                if self.supervisor is not None:
+                    # An engine that died since the last check (the router may have hidden it, retrying its
+                    # requests on the others) is restarted now, not found halfway through a sync.
+                    await self.supervisor.check_now()
+                if self._restarted_since_sync and self.transport in ("http", "distributed"):
+                    await self._reconnect_engines()
+                return await self._send_weights(version, bucket_bytes)
+            except Exception as error:
+                if self.supervisor is None or attempt == SYNC_ATTEMPTS:
+                    raise
+                await self.supervisor.check_now()
+                if len(self.supervisor.restarts) == restarts:
+                    raise  # no engine failed: the sync's own error
+                self.log(f"weight sync v{version} failed while an engine failed ({type(error).__name__}); the engines "
+                         f"are back, sending again (attempt {attempt + 1})")  # fmt: skip
+        raise AssertionError("unreachable")
+
+    async def _send_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
+        result: dict[str, Any]
         if self.transport == "http":
             result = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
         elif self.transport == "distributed":

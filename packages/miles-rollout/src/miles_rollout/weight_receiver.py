@@ -90,6 +90,8 @@ class WeightReceiver:
             bucket = decode_bucket(data)
         except ValueError as error:
             raise EngineError(f"invalid weight bucket: {error}") from error
+        if bucket.index == 0:  # a sender (re)starting this version: what an interrupted attempt left is dropped
+            self._assemblers.pop(bucket.version, None)
         assembler = self._assemblers.setdefault(bucket.version, BucketAssembler(version=bucket.version))
         try:
             assembler.add(bucket)
