@@ -4,7 +4,9 @@ Each scenario runs `miles-orchestrator run` (Ray, the bootstrapped default polic
 integration tests, 6 steps, default `rollout.fault_tolerance` and `trainer.hang_timeout_s` unless the scenario says
 otherwise), sends a signal to one of its processes (from RUN_DIR/actors.json) once step 1 is logged, and measures
 with this script's clock:
-- engine_sigkill / engine_sigstop (two engines behind sglang-router): seconds from the signal to the run's "is back"
+- engine_sigkill / engine_sigstop (two engines behind sglang-router; engine_sigkill_distributed: weights broadcast
+  over gloo, so the new engine copies a healthy one's and the next sync rebuilds the group): seconds from the signal
+  to the run's "is back"
   log line (detection + restart), the restart alone (`engine_recovery_s`), the affected step's time against the
   median of the others, and whether every step equals the same run's without the fault (`--reference`, a run
   with no signal);
@@ -40,6 +42,7 @@ KEYS = ("reward_mean", "loss", "grad_norm", "num_tokens", "train_rollout_logprob
 SCENARIOS: dict[str, tuple[list[str], str, int]] = {  # overrides, actor kind, signal
     "engine_sigkill": (TWO_ENGINES, "engines", signal.SIGKILL),
     "engine_sigstop": (TWO_ENGINES, "engines", signal.SIGSTOP),
+    "engine_sigkill_distributed": ([*TWO_ENGINES, "run.sync_transport=distributed"], "engines", signal.SIGKILL),
     "trainer_sigkill": ([], "trainer_ranks", signal.SIGKILL),
     "trainer_sigstop": ([], "trainer_ranks", signal.SIGSTOP),
 }
