@@ -4,8 +4,9 @@ trainer rank fails stop cleanly and resume exactly (docs/fault-tolerance.md).
 - Two engines behind sglang-router, weights posted as buckets (`run.sync_transport=http`): after step 1 one engine is
   SIGKILLed in the middle of step 2's rollout; once it is back, the other is SIGSTOPped (a hang), whenever that
   lands (a rollout, or a weight sync, which is then sent again). Each is detected, restarted on its bundle, loaded
-  with a healthy engine's weights and re-added; the next sync reconnects trainer rank 0 to it. Every step equals, bit for bit, the uninterrupted run's (deterministic
-  mode: the re-issued requests carry the same seeds), and the engines serving the later steps are new processes.
+  with a healthy engine's weights and re-added; the next sync reconnects trainer rank 0 to it. Every step equals,
+  bit for bit, the uninterrupted run's (deterministic mode: the re-issued requests carry the same seeds), and the
+  engines serving the later steps are new processes.
   After step 5 the trainer rank is SIGSTOPped: its missed heartbeat stops the run within seconds, naming it.
 - One colocated engine, no router, weights through shared memory (the default run): the engine is SIGKILLed and
   comes back from the weight file; then the trainer rank is SIGKILLed after a checkpoint: the run stops at once
