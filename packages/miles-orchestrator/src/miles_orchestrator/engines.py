@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ class Router:
                     (await http.delete(f"{self.url}/workers/{worker['id']}")).raise_for_status()
             await self._wait_for(http, lambda workers: url not in workers, f"remove {url}")
 
-    async def _wait_for(self, http: httpx.AsyncClient, done: Any, what: str) -> None:
+    async def _wait_for(self, http: httpx.AsyncClient, done: Callable[[dict[str, bool]], bool], what: str) -> None:
         deadline = time.monotonic() + ROUTER_WORKER_S
         while True:
             listed = (await http.get(f"{self.url}/workers")).json().get("workers", [])
@@ -115,6 +116,7 @@ class EngineFleet:
         self.supervisor, self.retries = supervisor, retries
         self.released = False  # every engine's memory is released (a restarted engine is brought to this state)
         self.paused: str | None = None  # the mode generation is paused in, if it is
+        self.loading = False  # weights are loading (`loading_weights`): the engines' schedulers are busy
         self.reissued = 0  # calls re-issued after an engine failure, since the last `take_reissued`
 
     def __len__(self) -> int:
@@ -155,32 +157,47 @@ class EngineFleet:
         return responses
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        self._set_serving(False)
+        self._update_serving(switching=True)
         result: dict[str, Any] = (await self._each("release_memory_occupation", tags))[0]
         self.released = True
+        self._update_serving()
         return result
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = (await self._each("resume_memory_occupation", tags))[0]
         self.released = False
-        self._set_serving(self.paused is None)
+        self._update_serving()
         return result
 
     async def pause_generation(self, mode: str) -> int:
         """Pause every engine in `mode`; the number of requests paused (aborted for abort) over all of them."""
-        self._set_serving(False)
+        self._update_serving(switching=True)
         replies = await self._each("pause_generation", mode)
         self.paused = mode
+        self._update_serving()
         return sum(int(reply.get("num_paused_requests", 0)) for reply in replies)
 
     async def continue_generation(self) -> None:
         await self._each("continue_generation")
         self.paused = None
-        self._set_serving(not self.released)
+        self._update_serving()
 
-    def _set_serving(self, serving: bool) -> None:
+    @contextlib.contextmanager
+    def loading_weights(self) -> Iterator[None]:
+        """Around a weight sync: the engines' schedulers are busy loading, so the health checks ask `/health` only."""
+        self.loading = True
+        self._update_serving()
+        try:
+            yield
+        finally:
+            self.loading = False
+            self._update_serving()
+
+    def _update_serving(self, switching: bool = False) -> None:
+        """The supervisor probes with a generation only while the engines serve: not released, not paused, no
+        weights loading, and no release or pause under way (`switching`)."""
         if self.supervisor is not None:
-            self.supervisor.serving = serving
+            self.supervisor.serving = not (switching or self.released or self.paused is not None or self.loading)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
         replies = await self._each("update_weights_from_disk", model_path, weight_version)

@@ -24,7 +24,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -351,22 +351,10 @@ class RayCluster:
         return out
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        with self._loading_weights():
+        with self.engine.loading_weights():
             result = await self._sync_weights(version, bucket_bytes)
         self.last_version = version
         return result
-
-    @contextlib.contextmanager
-    def _loading_weights(self) -> Iterator[None]:
-        """While the engines load weights their scheduler is busy (a one-token probe would wait for the load): the
-        health checks ask `/health` only."""
-        if self.supervisor is not None:
-            self.supervisor.serving = False
-        try:
-            yield
-        finally:
-            if self.supervisor is not None:
-                self.supervisor.serving = not self.engine.released and self.engine.paused is None
 
     async def _sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
         """Send the weights; a sync that fails while an engine fails is sent again once the engines are back (up to
