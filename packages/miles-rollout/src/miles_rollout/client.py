@@ -33,89 +33,15 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from miles_contracts import GenerateRequest, GenerateResponse
+from miles_rollout.client_wire import MAX_MESSAGE_CHARS, int_version, parse_version, server_message, version_field
+from miles_rollout.client_wire import RolloutClientError as RolloutClientError
 
 logger = logging.getLogger(__name__)
 
 # Failures that happen before the server has seen the request, so repeating a safe call cannot run it twice.
 # RemoteProtocolError without a response is mostly a kept-alive connection the server closed just as it was reused.
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
-# Error pages (an HTML 502 from a proxy) can be large; the message only needs their start.
-_MAX_MESSAGE_CHARS = 2000
 _RESPONSES = TypeAdapter(list[GenerateResponse])
-
-
-class RolloutClientError(RuntimeError):
-    """A rollout-server call failed: an HTTP error, a `"success": false` reply, a timeout or no connection.
-
-    `status_code` is None when no HTTP response arrived. `message` is the server's own message when it sent one.
-    """
-
-    def __init__(self, message: str, *, endpoint: str, status_code: int | None = None) -> None:
-        self.message = message
-        self.endpoint = endpoint
-        self.status_code = status_code
-        status = f" (HTTP {status_code})" if status_code is not None else ""
-        super().__init__(f"{endpoint} failed{status}: {message}")
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        # The default reduce re-calls __init__ with the formatted text only; keep the fields when the error is
-        # pickled (e.g. raised inside a Ray actor that calls an engine).
-        rebuild = functools.partial(type(self), endpoint=self.endpoint, status_code=self.status_code)
-        return rebuild, (self.message,)
-
-
-def _format_detail(detail: Any) -> str:
-    # FastAPI's 422 puts a list of {"loc": [...], "msg": ...} under "detail"; name each field it complains about.
-    if isinstance(detail, list):
-        parts = []
-        for item in detail:
-            if isinstance(item, dict) and "msg" in item:
-                loc = ".".join(str(part) for part in item.get("loc", ()))
-                parts.append(f"{loc}: {item['msg']}" if loc else str(item["msg"]))
-            else:
-                parts.append(str(item))
-        return "; ".join(parts)
-    return str(detail)
-
-
-def _server_message(response: httpx.Response) -> str:
-    """The server's own error text: `detail` (FastAPI), `message`, `error.message` (SGLang), else the raw body."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    message: str | None = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        if body.get("detail") is not None:
-            message = _format_detail(body["detail"])
-        elif isinstance(body.get("message"), str):
-            message = body["message"]
-        elif isinstance(error, dict) and isinstance(error.get("message"), str):
-            message = error["message"]
-        elif isinstance(error, str):
-            message = error
-    if message is None:
-        message = response.text.strip() or response.reason_phrase or "(empty response)"
-    return message[:_MAX_MESSAGE_CHARS]
-
-
-def _int_version(reply: dict[str, Any]) -> dict[str, Any]:
-    """A weight-update reply with its `weight_version` (a string on the wire, as in SGLang) as int | None."""
-    if "weight_version" in reply:
-        reply["weight_version"] = _parse_version(reply["weight_version"])
-    return reply
-
-
-def _parse_version(value: Any) -> int | None:
-    # SGLang keeps versions as strings and reports "default" before the first named update; that is "unknown".
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        return int(value)
-    return None
 
 
 # Idle pooled connections are dropped after this long, well before servers close them (uvicorn, so SGLang too, after
@@ -256,9 +182,7 @@ class Client:
                     f"{method} {endpoint} failed in transit: {type(exc).__name__}: {exc}", endpoint=endpoint
                 ) from exc
             if response.is_error:
-                raise RolloutClientError(
-                    _server_message(response), endpoint=endpoint, status_code=response.status_code
-                )
+                raise RolloutClientError(server_message(response), endpoint=endpoint, status_code=response.status_code)
             return response
 
     async def _call(self, method: str, endpoint: str, **kwargs: Any) -> dict[str, Any]:
@@ -309,7 +233,7 @@ class Client:
         except ValidationError as exc:
             if any(error["type"] == "json_invalid" for error in exc.errors()):
                 raise RolloutClientError(
-                    f"response is not JSON: {response.text[:_MAX_MESSAGE_CHARS]!r}", endpoint="/generate"
+                    f"response is not JSON: {response.text[:MAX_MESSAGE_CHARS]!r}", endpoint="/generate"
                 ) from None
             raise RolloutClientError(
                 f"response does not match the SGLang generate schema: {exc}", endpoint="/generate"
@@ -333,8 +257,8 @@ class Client:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
         """POST /update_weights_from_disk: load a Hugging Face checkpoint directory as weight `weight_version`."""
-        body = {"model_path": model_path, "weight_version": _version_field(weight_version)}
-        return _int_version(await self._call("POST", "/update_weights_from_disk", json=body, admin=True))
+        body = {"model_path": model_path, "weight_version": version_field(weight_version)}
+        return int_version(await self._call("POST", "/update_weights_from_disk", json=body, admin=True))
 
     async def update_weights_from_tensor(self, bucket: bytes) -> dict[str, Any]:
         """POST /update_weights_from_tensor with one safetensors weight bucket as the raw body (miles engine only).
@@ -351,7 +275,7 @@ class Client:
             headers={"Content-Type": "application/octet-stream"},
             admin=True,
         )
-        return _int_version(reply)
+        return int_version(reply)
 
     async def update_weights_from_buckets(self, buckets: Iterable[bytes]) -> dict[str, Any]:
         """Send each bucket in order (consuming a lazy iterator one bucket at a time); return the last reply."""
@@ -408,10 +332,10 @@ class Client:
             "dtypes": dtypes,
             "shapes": shapes,
             "group_name": group_name,
-            "weight_version": _version_field(weight_version),
+            "weight_version": version_field(weight_version),
             "flush_cache": flush_cache,
         }
-        return _int_version(await self._call("POST", "/update_weights_from_distributed", json=body, admin=True))
+        return int_version(await self._call("POST", "/update_weights_from_distributed", json=body, admin=True))
 
     async def begin_weight_update(self) -> dict[str, Any]:
         """POST /begin_weight_update (miles engine): open an update made of several calls (e.g. one
@@ -420,8 +344,8 @@ class Client:
 
     async def end_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
         """POST /end_weight_update: serve the weights loaded since `begin_weight_update`, as `weight_version`."""
-        body = {"weight_version": _version_field(weight_version)}
-        return _int_version(await self._call("POST", "/end_weight_update", json=body, admin=True))
+        body = {"weight_version": version_field(weight_version)}
+        return int_version(await self._call("POST", "/end_weight_update", json=body, admin=True))
 
     async def get_weight_bucket(self, index: int, bucket_bytes: int = 512 << 20) -> tuple[bytes, int]:
         """GET /weight_buckets (admin; miles engines): bucket `index` of the served weights (post it to another
@@ -439,7 +363,7 @@ class Client:
         """The served weight version, from GET /model_info (SGLang 0.5.23 reports it there); None while the server
         has no numbered version (SGLang's "default")."""
         body = await self._call("GET", "/model_info", retry=True)
-        return _parse_version(body.get("weight_version"))
+        return parse_version(body.get("weight_version"))
 
     # -- memory and cache ------------------------------------------------------------------------------------
 
@@ -499,13 +423,3 @@ class Client:
                 f"server at {self._base_url} not healthy after {timeout:g} s; last probe: {reason}",
                 endpoint="/health",
             ) from None
-
-
-def _version_field(version: int | None) -> str | None:
-    # SGLang declares weight_version as Optional[str] and its request parsing does not turn numbers into strings;
-    # a decimal string is accepted by SGLang and by a server that parses the field as an int.
-    if version is None:
-        return None
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ValueError(f"weight_version must be an int >= 0 (the trainer's policy step), got {version!r}")
-    return str(version)
