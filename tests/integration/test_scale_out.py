@@ -29,10 +29,11 @@ def test_two_engines_behind_the_router_train_async_within_the_staleness_bound(co
     run_dir = tmp_path / "async"
     result = cli(
         f"model.path={policy_dir(cache)}", *SMALL, "run.num_steps=6", "run.eval_every=0", f"run.run_dir={run_dir}",
-        "run.colocate=false", "rollout.num_engines=2", "run.mode=async", "run.max_staleness=2",
+        "run.colocate=false", "rollout.num_engines=2", "run.mode=async", "run.max_staleness=4",
         "rollout.pause_mode=retract", "run.sync_transport=distributed",
-        # rollouts that outlast a training step (64 tokens each, one prompt group at a time per engine): every
-        # weight sync lands on generations in flight
+        # long rollouts (64 tokens past EOS each) and a staleness bound of 4: the producer runs up to 4 batches
+        # ahead, so the first weight syncs land on generations in flight even where a training step outlasts a
+        # rollout (on 2 shared cores it does; with a bound of 2 the syncs sometimes all found the engines idle)
         "rollout.rollout_fn=long_rollouts:past_eos", "rollout.max_new_tokens=64",
         "rollout.engine.max_running_requests=8",
         cache=cache,
@@ -40,7 +41,7 @@ def test_two_engines_behind_the_router_train_async_within_the_staleness_bound(co
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = history(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert all(r["staleness_max"] <= 2 and r["num_stale_groups_dropped"] == 0 for r in rows)
+    assert all(r["staleness_max"] <= 4 and r["num_stale_groups_dropped"] == 0 for r in rows)
     assert all(abs(sum(v for k, v in r.items() if k.startswith("staleness_frac_")) - 1) < 1e-9 for r in rows)
     assert rows[0]["staleness_max"] == 0 and all(r["staleness_mean"] > 0 for r in rows[1:]), "no overlap"
     assert sum(r["num_paused_requests"] for r in rows) > 0, "no weight sync landed on a generation in flight"
