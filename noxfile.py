@@ -23,6 +23,8 @@ PACKAGES = [
     "miles-orchestrator",
 ]
 PYTHON = "3.11"
+# Optional extras a package's tests exercise on this CPU (megatron-core is pure Python: its CPU paths are tested).
+TEST_EXTRAS = {"miles-trainer": ("--extra", "megatron")}
 # Two threads match this project's reference machine; determinism tests set their own counts.
 TEST_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
@@ -47,7 +49,7 @@ def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of one package, installed alone with only its declared dependencies."""
-    _sync(session, "--package", package, "--group", "test")
+    _sync(session, "--package", package, "--group", "test", *TEST_EXTRAS.get(package, ()))
     session.run("python", "tests/check_isolation.py", package)
     _pytest(session, f"packages/{package}/tests", "-m", "not gpu")
 

@@ -35,7 +35,7 @@ from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import random_model
 from miles_memory import ModelShape, blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes
 from miles_orchestrator.bootstrap import policy_config
-from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig, ensure_process_group
+from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig, ensure_process_group
 
 VOCAB = 264
 SEQUENCE_LENGTH = 16
@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, model_dir: str, tokens: int, init: str, out: st
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
     backend = FSDP2Backend(model_dir, KernelConfig(), OptimizerConfig(lr=1e-4), PolicyLossConfig(),
-                           FSDP2Config(max_tokens_per_micro_batch=tokens))  # fmt: skip
+                           BackendConfig(max_tokens_per_micro_batch=tokens))  # fmt: skip
     batch = samples(tokens, seed=rank)
     metrics = backend.train_step(batch, [1.0 if s.reward else -1.0 for s in batch])
     resident = backend.memory.manager.resident_bytes()
@@ -109,7 +109,7 @@ def offload_speed(model_dir: str, repeats: int) -> dict[str, Any]:
 
     ensure_process_group()  # one rank in this process
     backend = FSDP2Backend(model_dir, KernelConfig(), OptimizerConfig(lr=1e-4), PolicyLossConfig(),
-                           FSDP2Config(max_tokens_per_micro_batch=1024))  # fmt: skip
+                           BackendConfig(max_tokens_per_micro_batch=1024))  # fmt: skip
     batch = samples(256, seed=0)
     backend.train_step(batch, [1.0 if s.reward else -1.0 for s in batch])
     backend.offload(), backend.onload()  # warm: the store's file exists

@@ -27,7 +27,7 @@ from miles_contracts import Sample
 from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import random_model, tiny_config
 from miles_memory import ModelShape, fsdp2_bytes
-from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig
 
 VOCAB = 32000
 
@@ -61,7 +61,7 @@ def measure(device: str, tokens: int, length: int, checkpointing: bool) -> dict[
         shape = ModelShape.from_hf(json.loads(Path(model_dir, "config.json").read_text()))
         kernel = KernelConfig(mode="fast", dtype="bfloat16")
         backend = FSDP2Backend(model_dir, kernel, OptimizerConfig(lr=1e-5), PolicyLossConfig(),
-                               FSDP2Config(max_tokens_per_micro_batch=tokens, device=device,
+                               BackendConfig(max_tokens_per_micro_batch=tokens, device=device,
                                            activation_checkpointing=checkpointing))  # fmt: skip
     samples = batch(tokens, length)
     advantages = [1.0 if s.reward else -1.0 for s in samples]

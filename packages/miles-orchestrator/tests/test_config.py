@@ -246,12 +246,12 @@ def test_component_models_are_the_packages_own() -> None:
     where they differ from the component's own."""
     from miles_kernels.config import KernelConfig
     from miles_rollout.config import EngineConfig
-    from miles_trainer.config import FSDP2Config, OptimizerConfig, PolicyLossConfig
+    from miles_trainer.config import BackendConfig, OptimizerConfig, PolicyLossConfig
 
     cfg = RunConfig()
     assert type(cfg.kernel) is KernelConfig and type(cfg.rollout.engine) is EngineConfig
     assert type(cfg.trainer.optimizer) is OptimizerConfig and type(cfg.trainer.loss) is PolicyLossConfig
-    assert type(cfg.trainer.backend) is FSDP2Config
+    assert type(cfg.trainer.backend) is BackendConfig
     assert (cfg.trainer.optimizer.lr, OptimizerConfig().lr) == (2e-4, 1e-5)
     assert (cfg.rollout.engine.max_running_requests, EngineConfig().max_running_requests) == (64, 256)
     assert cfg.kernel.mode == "deterministic"

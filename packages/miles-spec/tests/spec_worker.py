@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from miles_contracts import Sample
 from miles_kernels import KernelConfig
 from miles_spec import MTPLoss
-from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig
 
 
 def main(model_dir: str, out_dir: str) -> None:
@@ -24,7 +24,7 @@ def main(model_dir: str, out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     kernel = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
     backend = FSDP2Backend(model_dir, kernel, OptimizerConfig(lr=1e-2), PolicyLossConfig(),
-                           FSDP2Config(max_tokens_per_micro_batch=24), aux_losses=[MTPLoss()],
+                           BackendConfig(max_tokens_per_micro_batch=24), aux_losses=[MTPLoss()],
                            aux_optimizer=OptimizerConfig(lr=5e-2))  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     samples = []

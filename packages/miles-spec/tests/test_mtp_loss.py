@@ -11,7 +11,7 @@ from miles_contracts import Sample
 from miles_kernels import KernelConfig, build_packed_batch, save_model
 from miles_kernels.testing import random_model, tiny_config
 from miles_spec.mtp_loss import MTPLoss, mtp_targets
-from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig, accumulate_policy_gradients
+from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig, accumulate_policy_gradients
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 
@@ -100,7 +100,7 @@ def test_policy_update_is_bitwise_the_same_with_and_without_mtp_training(tmp_pat
 
     def two_steps(aux: list[MTPLoss]) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
         backend = FSDP2Backend(model_dir, KERNEL, OptimizerConfig(lr=1e-2), PolicyLossConfig(),
-                               FSDP2Config(max_tokens_per_micro_batch=24), aux_losses=aux,
+                               BackendConfig(max_tokens_per_micro_batch=24), aux_losses=aux,
                                aux_optimizer=OptimizerConfig(lr=5e-2))  # fmt: skip
         metrics = [backend.train_step(samples, advantages) for _ in range(2)]
         return {n: p.detach().clone() for n, p in backend.model.named_parameters()}, metrics
@@ -172,7 +172,7 @@ def test_sft_trains_the_draft_without_touching_the_policys_update(tmp_path) -> N
     samples = make_samples(tiny_config("dense").vocab_size)
 
     def two_steps(aux: list[MTPLoss]) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
-        backend = FSDP2Backend(model_dir, KERNEL, OptimizerConfig(lr=1e-2), config=FSDP2Config(
+        backend = FSDP2Backend(model_dir, KERNEL, OptimizerConfig(lr=1e-2), config=BackendConfig(
             max_tokens_per_micro_batch=24), aux_losses=aux, aux_optimizer=OptimizerConfig(lr=5e-2))  # fmt: skip
         metrics = [backend.sft_step(samples) for _ in range(2)]
         return {n: p.detach().clone() for n, p in backend.model.named_parameters()}, metrics

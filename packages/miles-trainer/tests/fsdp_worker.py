@@ -45,9 +45,9 @@ from miles_kernels import BucketAssembler, KernelConfig, load_model
 from miles_memory import OOMReport, PeakMeter
 from miles_memory.config import MemoryConfig
 from miles_trainer import (
+    BackendConfig,
     CriticConfig,
     FSDP2Backend,
-    FSDP2Config,
     OptimizerConfig,
     PolicyLossConfig,
     export_hf,
@@ -142,7 +142,7 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     backend = FSDP2Backend(
         model_dir, kernel, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
         PolicyLossConfig(agg_mode="seq-mean-token-mean"),
-        FSDP2Config(max_tokens_per_micro_batch=24, device=device), offload_dir=out_dir,
+        BackendConfig(max_tokens_per_micro_batch=24, device=device), offload_dir=out_dir,
         critic=CriticConfig(kind=critic_kind, optimizer=OptimizerConfig(lr=1e-2)) if critic_kind else None,
         # OOM modes: a budget no step reaches (ranks agree on OOMs only under one), and room to halve 24 tokens to 12
         memory=MemoryConfig(limit_bytes=1 << 40, min_tokens_per_micro_batch=4) if mode.startswith("oom-") else None,

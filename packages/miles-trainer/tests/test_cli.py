@@ -53,7 +53,7 @@ def test_help_is_generated_from_the_config_models() -> None:
     for name in COMMANDS:
         assert name in result.stdout
     result = subprocess.run([script, "sft", "--help"], capture_output=True, text=True, check=True)
-    for flag in leaf_flags(SFTCommand):  # SFTConfig, its OptimizerConfig and FSDP2Config, KernelConfig
+    for flag in leaf_flags(SFTCommand):  # SFTConfig, its OptimizerConfig and BackendConfig, KernelConfig
         assert flag in result.stdout, flag
     assert "--chat-template" in result.stdout and "(default: 3)" in result.stdout  # epochs
     assert "{deterministic,fast}" in result.stdout  # allowed values come from the model's Literal

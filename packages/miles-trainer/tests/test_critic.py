@@ -10,9 +10,9 @@ from miles_contracts import Sample
 from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import random_model, tiny_config
 from miles_trainer import (
+    BackendConfig,
     CriticConfig,
     FSDP2Backend,
-    FSDP2Config,
     OptimizerConfig,
     PolicyLossConfig,
     ensure_process_group,
@@ -58,7 +58,7 @@ def gae(samples: list[Sample], values: list[list[float]]) -> tuple[list[list[flo
 def backend(model_dir: str, kind: str, warmup: int = 0) -> FSDP2Backend:
     critic = CriticConfig(kind=kind, optimizer=OptimizerConfig(lr=3e-3), warmup_steps=warmup)
     return FSDP2Backend(model_dir, KERNEL, OptimizerConfig(lr=1e-3), PolicyLossConfig(),
-                        FSDP2Config(max_tokens_per_micro_batch=40), critic=critic)  # fmt: skip
+                        BackendConfig(max_tokens_per_micro_batch=40), critic=critic)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["separate", "value_head"])
@@ -100,14 +100,14 @@ def test_warmup_moves_the_critic_alone(model_dir: str) -> None:
 def test_a_critic_needs_the_checkpoint_it_saved(model_dir: str, tmp_path) -> None:
     from miles_trainer import load_checkpoint, save_checkpoint
 
-    plain = FSDP2Backend(model_dir, KERNEL, config=FSDP2Config(max_tokens_per_micro_batch=40))
+    plain = FSDP2Backend(model_dir, KERNEL, config=BackendConfig(max_tokens_per_micro_batch=40))
     save_checkpoint(plain, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="holds no critic"):
         load_checkpoint(backend(model_dir, "separate"), tmp_path / "ckpt")
 
 
 def test_offload_frees_the_critic_and_brings_it_back_bitwise(model_dir: str, tmp_path) -> None:
-    trainer = FSDP2Backend(model_dir, KERNEL, config=FSDP2Config(max_tokens_per_micro_batch=40),
+    trainer = FSDP2Backend(model_dir, KERNEL, config=BackendConfig(max_tokens_per_micro_batch=40),
                            critic=CriticConfig(), offload_dir=tmp_path)  # fmt: skip
     samples = batch()
     values = trainer.compute_values(samples)

@@ -46,15 +46,17 @@ def run_ranks(
     expect_killed: bool = False,
     extra_env: dict[str, str] | None = None,
     outputs: list[tuple[int, str]] | None = None,
+    worker: Path = WORKER,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Run `world` rank processes; `outputs`: collect each rank's (return code, output) instead of requiring 0."""
+    """Run `world` rank processes of `worker`; `outputs`: collect each rank's (return code, output) instead of
+    requiring 0."""
     out_dir.mkdir()
     port = str(free_port())
     processes = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "OMP_NUM_THREADS": "1", **(extra_env or {})}  # fmt: skip
-        command = [sys.executable, str(WORKER), str(model_dir), str(out_dir), mode, str(out_dir.parent / "checkpoint")]
+        command = [sys.executable, str(worker), str(model_dir), str(out_dir), mode, str(out_dir.parent / "checkpoint")]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))  # fmt: skip
     try:

@@ -27,7 +27,7 @@ from miles_memory import (
     unique_storages,
 )
 from miles_memory.config import MemoryConfig
-from miles_trainer import FSDP2Backend, FSDP2Config, OptimizerConfig, PolicyLossConfig, ensure_process_group
+from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig, ensure_process_group
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 MAX_TOKENS = 32
@@ -56,7 +56,7 @@ def batch() -> tuple[list[Sample], list[float]]:
 
 def backend(model_dir: str, memory: MemoryConfig | None = None, tmp_path=None) -> FSDP2Backend:
     return FSDP2Backend(model_dir, KERNEL, OptimizerConfig(lr=1e-3), PolicyLossConfig(),
-                        FSDP2Config(max_tokens_per_micro_batch=MAX_TOKENS), offload_dir=tmp_path,
+                        BackendConfig(max_tokens_per_micro_batch=MAX_TOKENS), offload_dir=tmp_path,
                         memory=memory)  # fmt: skip
 
 
@@ -147,7 +147,7 @@ def test_the_planner_predicts_what_the_trainer_holds_by_tag(tmp_path) -> None:
     save_model(random_model(config, seed=1), tmp_path / "model")
     ensure_process_group()
     trainer = FSDP2Backend(tmp_path / "model", KernelConfig(), OptimizerConfig(), PolicyLossConfig(),
-                           FSDP2Config(max_tokens_per_micro_batch=512), offload_dir=tmp_path)  # fmt: skip
+                           BackendConfig(max_tokens_per_micro_batch=512), offload_dir=tmp_path)  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     samples = []
     for i in range(32):

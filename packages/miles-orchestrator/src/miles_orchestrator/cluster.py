@@ -25,7 +25,7 @@ from miles_kernels.config import KernelConfig
 from miles_memory.config import MemoryConfig
 from miles_orchestrator.config import RunConfig
 from miles_spec.config import SpecConfig
-from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
 
 
 class EngineClient(Protocol):
@@ -99,7 +99,7 @@ class TrainerSettings:
     kernel: KernelConfig
     optimizer: OptimizerConfig
     loss: PolicyLossConfig
-    backend: FSDP2Config
+    backend: BackendConfig
     offload_dir: str
     critic: CriticConfig | None = None
     spec: SpecConfig | None = None  # the MTP draft trains online (spec.mode=online)

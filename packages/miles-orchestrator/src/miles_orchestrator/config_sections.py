@@ -23,8 +23,8 @@ from miles_orchestrator.task import BuiltinTask
 from miles_trainer.config import (
     ADVANTAGE_ESTIMATOR_NAMES,
     AdvantageConfig,
+    BackendConfig,
     CriticConfig,
-    FSDP2Config,
     OptimizerConfig,
     PolicyLossConfig,
 )
@@ -315,8 +315,8 @@ class TrainerSection(Section):
         description="The policy loss (miles_trainer.config.PolicyLossConfig); its temperature follows "
         "rollout.temperature.",
     )
-    backend: FSDP2Config = Field(
-        default_factory=FSDP2Config, description="The FSDP2 backend (miles_trainer.config.FSDP2Config)."
+    backend: BackendConfig = Field(
+        default_factory=BackendConfig, description="The FSDP2 backend (miles_trainer.config.BackendConfig)."
     )
     routing_replay: Literal["off", "rollout"] = Field(
         default="off",

@@ -26,8 +26,9 @@ from .checkpoint import (
 from .config import (
     ADVANTAGE_ESTIMATOR_NAMES,
     AdvantageConfig,
+    BackendConfig,
     CriticConfig,
-    FSDP2Config,
+    MegatronConfig,
     OptimizerConfig,
     PolicyLossConfig,
     SFTConfig,
@@ -56,6 +57,9 @@ from .losses import (
     sft_loss,
     train_rollout_logprob_abs_diff,
 )
+from .megatron_backend import MegatronBackend, MegatronCausalLM
+from .megatron_convert import RankLayout, hf_from_megatron, hf_to_megatron, rank_entries
+from .megatron_cpu import megatron_on_cpu
 from .packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches, plan_samples
 from .sft import SFTDataError, ensure_process_group, load_sft_samples, run_sft
 from .step import (
@@ -79,14 +83,18 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "AdvantageConfig",
     "AdvantageEstimator",
+    "BackendConfig",
     "CriticConfig",
     "FSDP2Backend",
-    "FSDP2Config",
     "JointValueLoss",
+    "MegatronBackend",
+    "MegatronCausalLM",
+    "MegatronConfig",
     "MicroBatch",
     "OptimizerConfig",
     "PolicyLossConfig",
     "PolicyLossFn",
+    "RankLayout",
     "SFTConfig",
     "SFTDataError",
     "StepStats",
@@ -112,7 +120,9 @@ __all__ = [
     "export_hf",
     "gae_advantages",
     "grpo_advantages",
+    "hf_from_megatron",
     "hf_to_dcp",
+    "hf_to_megatron",
     "importance_weight_sums",
     "importance_weights",
     "iter_weight_buckets",
@@ -120,6 +130,7 @@ __all__ = [
     "load_advantage_estimator",
     "load_checkpoint",
     "load_sft_samples",
+    "megatron_on_cpu",
     "micro_batch_forward",
     "micro_batch_logprobs",
     "mismatch_weights",
@@ -129,6 +140,7 @@ __all__ = [
     "plan_micro_batches",
     "plan_samples",
     "policy_loss",
+    "rank_entries",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "resolve_checkpoint",

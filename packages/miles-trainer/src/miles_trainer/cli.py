@@ -5,7 +5,7 @@
     miles-trainer convert --src HF_DIR --dst CHECKPOINT_DIR          # Hugging Face → trainer checkpoint
 
 The flags are generated (tyro) from the config models: `sft` takes `SFTConfig` (with its `OptimizerConfig` and
-`FSDP2Config`) and `KernelConfig`, the models a run config nests, so every setting is defined once. A user's
+`BackendConfig`) and `KernelConfig`, the models a run config nests, so every setting is defined once. A user's
 mistake (bad flag or value, missing file, bad row) prints what is wrong and exits with 2.
 """
 

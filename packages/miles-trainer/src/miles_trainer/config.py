@@ -1,4 +1,4 @@
-"""The trainer's config models, torch-free: `OptimizerConfig`, `PolicyLossConfig`, `FSDP2Config` (the backend) and
+"""The trainer's config models, torch-free: `OptimizerConfig`, `PolicyLossConfig`, `BackendConfig` (the backend) and
 `SFTConfig`, with the names of the advantage estimators and of the loss options they accept.
 
 Each setting is defined once, here: the FSDP2 backend and `miles-trainer sft` take these models, `miles-trainer sft
@@ -219,14 +219,69 @@ class CriticConfig(_Config):
     )
 
 
-class FSDP2Config(_Config):
-    """The FSDP2 backend: micro-batching, activation checkpointing and the device of each rank."""
+class MegatronConfig(_Config):
+    """The Megatron-core backend's parallel layout (docs/megatron.md). The data-parallel size is what remains of the
+    world: world = tp * pp * cp * dp, and for the experts tp * pp * cp * dp = etp * ep * edp."""
 
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel size (divides the KV heads and the MLP widths).")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel stages.")
+    vpp: int | None = Field(
+        default=None, ge=1, description="Virtual pipeline stages per PP rank (interleaved schedule); null: one."
+    )
+    ep: int = Field(default=1, ge=1, description="Expert-parallel size (divides the number of experts).")
+    etp: int | None = Field(
+        default=None, ge=1, description="Expert tensor-parallel size; null: 1 (experts whole on each EP rank)."
+    )
+    cp: int = Field(default=1, ge=1, description="Context-parallel size (splits each sequence over ranks).")
+    sequence_parallel: bool = Field(
+        default=False, description="Split the norms' and dropouts' activations over the TP ranks (needs tp > 1)."
+    )
+    transformer_impl: Literal["local", "transformer_engine"] = Field(
+        default="local",
+        description="Megatron-core's own PyTorch modules (local), or Transformer Engine's (the transformer-engine "
+        "package must be installed; its fused layer norms change the weight names, docs/megatron.md).",
+    )
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
+        default="alltoall", description="How tokens reach their experts' EP ranks."
+    )
+    recompute: Literal["none", "selective", "full"] = Field(
+        default="none", description="Activation recompute: selective (core attention) or full (each layer)."
+    )
+
+
+class BackendConfig(_Config):
+    """The trainer backend: FSDP2 (Miles' own, batch-invariant kernels) or Megatron-core (TP / PP / EP / CP on
+    CUDA); micro-batching, activation checkpointing and the device of each rank."""
+
+    name: Literal["fsdp2", "megatron"] = Field(
+        default="fsdp2",
+        description="fsdp2: the miles-kernels model sharded with FSDP2 (CPU or CUDA; bitwise on-policy with the "
+        "embedded engine). megatron: a Megatron-core GPTModel (CUDA only; the miles-trainer[megatron] extra).",
+    )
     max_tokens_per_micro_batch: int = Field(default=4096, ge=1, description="Token budget of a packed micro-batch.")
     activation_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
     device: str = Field(
         default="cpu", description="torch device of each rank: cpu, or cuda (its current CUDA device)."
     )
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="The Megatron backend's layout (name=megatron only)."
+    )
+
+    @model_validator(mode="after")
+    def _check_megatron(self) -> BackendConfig:
+        layout = self.megatron
+        if self.name == "fsdp2" and layout != MegatronConfig():
+            raise ValueError("trainer.backend.megatron is set but trainer.backend.name is fsdp2: set name=megatron")
+        if layout.sequence_parallel and layout.tp == 1:
+            raise ValueError("megatron.sequence_parallel needs tp > 1")
+        if (layout.etp or 1) > 1 and layout.ep == 1:
+            raise ValueError(
+                "megatron.etp > 1 needs ep > 1: with ep = 1 megatron-core reduces the experts' gradients as dense "
+                "parameters over the data-parallel ranks, which hold different expert shards"
+            )
+        if layout.vpp is not None and layout.pp == 1:
+            raise ValueError("megatron.vpp (virtual pipeline stages) needs pp > 1")
+        return self
 
 
 def _sft_optimizer() -> OptimizerConfig:
@@ -248,4 +303,4 @@ class SFTConfig(_Config):
         description="AdamW and its schedule (SFT defaults: lr 1e-4, 10 warm-up steps, cosine to 10% of lr over "
         "the run; warm-up is capped at the number of steps).",
     )
-    backend: FSDP2Config = Field(default_factory=FSDP2Config, description="The FSDP2 backend.")
+    backend: BackendConfig = Field(default_factory=BackendConfig, description="The FSDP2 backend.")

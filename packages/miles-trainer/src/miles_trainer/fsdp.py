@@ -30,7 +30,7 @@ from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, MTPLayer, load_model, weights_checksum
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
-from miles_trainer.config import CriticConfig, FSDP2Config, OptimizerConfig, PolicyLossConfig
+from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.memory import TrainerMemory
@@ -120,7 +120,7 @@ class FSDP2Backend:
         kernel: KernelConfig,
         optimizer: OptimizerConfig | None = None,
         loss: PolicyLossConfig | None = None,
-        config: FSDP2Config | None = None,
+        config: BackendConfig | None = None,
         *,
         keep_reference: bool | None = None,
         offload_dir: str | os.PathLike[str] | None = None,
@@ -147,7 +147,7 @@ class FSDP2Backend:
             use_deterministic_backward()
         self.optimizer_config = optimizer or OptimizerConfig()
         self.loss_config = loss or PolicyLossConfig()
-        self.config = config or FSDP2Config()
+        self.config = config or BackendConfig()
         if self.optimizer_config.schedule == "cosine" and self.optimizer_config.total_steps is None:
             raise ValueError("optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
         resolve_loss_fn(self.loss_config.loss_fn)  # a bad plug-in path fails now, not at the first step

@@ -101,12 +101,13 @@ class StepStats:
     def add_max(self, name: str, value: float) -> None:
         self.maxima[name] = max(self.maxima.get(name, float("-inf")), value)
 
-    def all_reduce(self) -> None:
-        """Combine every rank's stats. Keys are those of any rank (a metric measured on some ranks' data only, e.g.
-        the routing flips of samples that carry the engine's routing, counts zero elsewhere)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+    def all_reduce(self, group: Any = None) -> None:
+        """Combine every rank's stats (of `group`: default all; the Megatron backend passes its data-parallel
+        group, whose ranks hold different samples). Keys are those of any rank (a metric measured on some ranks'
+        data only, e.g. the routing flips of samples that carry the engine's routing, counts zero elsewhere)."""
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
-        names = _all_gather_json([sorted(self.sums), sorted(self.weighted), sorted(self.maxima)])
+        names = _all_gather_json([sorted(self.sums), sorted(self.weighted), sorted(self.maxima)], group)
         tables: tuple[dict[str, float], ...] = (self.sums, self.weighted, self.maxima)
         for index, table in enumerate(tables):
             for rank_names in names:
@@ -119,11 +120,11 @@ class StepStats:
                           (self.weights, dist.ReduceOp.SUM)):  # fmt: skip
             keys = sorted(table)
             values = torch.tensor([table[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(values, op=op)
+            dist.all_reduce(values, op=op, group=group)
             table.update(zip(keys, values.tolist(), strict=True))
         keys = sorted(self.maxima)
         maxima = torch.tensor([self.maxima[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         self.maxima.update(zip(keys, maxima.tolist(), strict=True))
 
     def summary(self) -> dict[str, float]:
@@ -133,16 +134,16 @@ class StepStats:
         return out
 
 
-def _all_gather_json(value: Any) -> list[Any]:
+def _all_gather_json(value: Any, group: Any = None) -> list[Any]:
     """Every rank's JSON-serializable `value`, as JSON bytes in uint8 tensors (no pickle crosses the process group)."""
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64))
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
     longest = max(int(size) for size in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
     gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(gathered, padded)
+    dist.all_gather(gathered, padded, group=group)
     return [json.loads(bytes(data[: int(size)].tolist())) for data, size in zip(gathered, sizes, strict=True)]
 
 
@@ -236,6 +237,7 @@ def accumulate_policy_gradients(
     aux_counts: Sequence[Sequence[int]] | None = None,
     measure_mismatch: bool = False,
     routing_replay: bool = False,
+    share_prompts: bool = True,
 ) -> StepStats:
     """Forward + backward over all micro-batches (gradients accumulate in `model`); returns the step's stats.
 
@@ -253,7 +255,8 @@ def accumulate_policy_gradients(
     metrics of miles_trainer.moe and, with `config.moe_aux_loss`, trains its load-balancing loss.
     `measure_mismatch`: report
     `train_rollout_logprob_abs_diff` (the recomputed old log-probs, else this forward's, against the rollout's —
-    meaningful while the weights are still those that generated the samples).
+    meaningful while the weights are still those that generated the samples). `share_prompts=False` packs every
+    sample whole (a model that takes one sequence per sample: the Megatron backend's).
     With data parallelism, pass the token / sequence counts of the whole global batch (all ranks) and reduce
     gradients with a sum (or scale the loss by the number of ranks with `loss_scale` when the reduction is an
     average); by default the counts are those of `samples`. Reported losses are unscaled. With sharded models every
@@ -294,7 +297,7 @@ def accumulate_policy_gradients(
         wants = "routing replay" if routing_replay else f"moe_aux_loss={config.moe_aux_loss}"
         raise ValueError(f"{wants} needs an MoE policy; {model.config.model_type} has no MoE layer")
     micro_batches = pack_samples(
-        samples, kernel, max_tokens_per_micro_batch, routing_shape=routing_shape, require_routing=routing_replay
+        samples, kernel, max_tokens_per_micro_batch, share_prompts, routing_shape, require_routing=routing_replay
     )
     total_rows = sum(m.num_tokens for m in micro_batches)
     for step in range(max(len(micro_batches), num_micro_batches or 0)):

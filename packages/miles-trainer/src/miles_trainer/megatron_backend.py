@@ -1,0 +1,475 @@
+"""The Megatron-core training backend (`trainer.backend.name=megatron`, docs/megatron.md): a `GPTModel` with
+tensor, expert and data parallelism from `MegatronConfig`, driven by the same step code as the FSDP2 backend.
+
+`MegatronCausalLM` gives the GPTModel the interface `miles_trainer.step` calls (`forward_hidden`, `logits`), so the
+policy losses, the counts, the TIS / MIS weights, the KL term and the metrics are the FSDP2 backend's, line for
+line. Each packed micro-batch (packed without prompt sharing: one sequence per sample) is laid out as a right-padded
+(B, S) batch with a causal mask, since Megatron-core's local attention takes no packed sequences (Transformer Engine's
+THD layout would; see the guide). Logits are gathered over the TP ranks (`parallel_output=False` semantics), so every
+TP rank computes the same loss; gradients are reduced over the data-parallel ranks by Megatron-core's
+`DistributedDataParallel` (summed: the losses are normalized by the global batch's token counts, as in FSDP2), then
+`finalize_model_grads` (sequence-parallel norms). The optimizer is torch's fused AdamW over each rank's own shards,
+with the global gradient norm computed over the model-parallel ranks (each TP-replicated tensor counted once).
+
+Weight export gathers each tensor's shards over its TP / ETP / EP groups and converts it to HF names
+(`megatron_convert`), so engines get exactly what an HF checkpoint holds. Megatron-core's forward needs CUDA: on a
+CPU the backend runs only inside `megatron_on_cpu()` (the tests).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_contracts import Sample
+from miles_kernels import KernelConfig, MappedSafetensors, iter_checkpoint, read_model_config, weights_checksum
+from miles_kernels.model_config import ModelConfig
+from miles_memory.config import MemoryConfig
+from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
+from miles_trainer.logprobs import response_logprobs
+from miles_trainer.megatron_convert import RankLayout, hf_to_megatron, megatron_to_hf, merge_shards, rank_entries
+from miles_trainer.megatron_cpu import cpu_emulation_active
+from miles_trainer.megatron_model import build_gpt_model, init_parallel, rank_layout, require_megatron
+from miles_trainer.packing import pack_samples, plan_samples
+from miles_trainer.step import (
+    PerSample,
+    StepStats,
+    accumulate_policy_gradients,
+    add_batch_stats,
+    add_is_metrics,
+    batch_summary,
+    count_trained,
+    is_nonzero,
+    mismatch_weights,
+    resolve_loss_fn,
+)
+from miles_trainer.weight_sender import (
+    DEFAULT_BUCKET_BYTES,
+    iter_tensor_buckets,
+    iter_weight_buckets,
+    write_weights_file,
+)
+
+
+class MegatronCausalLM(torch.nn.Module):
+    """A GPTModel (optionally wrapped in Megatron's DDP) seen as the step code's model: `forward_hidden` over a
+    packed micro-batch's rows, `logits` of chosen rows over the full vocabulary."""
+
+    def __init__(self, module: torch.nn.Module, config: ModelConfig, kernel: KernelConfig) -> None:
+        super().__init__()
+        self.module = module
+        self.gpt_ddp: Any = module  # Megatron's DDP wrapper (the GPTModel itself when frozen)
+        self.config = config
+        self.kernel = kernel
+        self.gpt: Any = getattr(module, "module", module)
+        # MoE experts split over ranks (EP x ETP): every forward pads its (B, S) batch to the largest over them
+        # (the token dispatch gathers equal shapes; padding rows are sequences of their own, invisible to the real
+        # ones)
+        self.pad_group: Any = None
+        meg = self.gpt.config
+        if config.is_moe and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self.pad_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+
+    def moe_layers(self) -> dict[int, Any]:
+        return {}  # the routing metrics read miles-kernels' routers; Megatron's are not instrumented
+
+    def mtp_parameters(self) -> list[torch.nn.Parameter]:
+        return []
+
+    def _autocast(self) -> Any:
+        device = next(self.gpt.parameters()).device.type
+        dtype = self.kernel.torch_dtype
+        return torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
+
+    def forward_hidden(
+        self, input_ids_N: torch.Tensor, batch: Any, routing_NLK: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states (N, H) of a micro-batch packed one sequence per sample (no shared prompts)."""
+        from megatron.core import tensor_parallel
+
+        if routing_NLK is not None:
+            raise ValueError("routing replay is not wired into the Megatron backend; use trainer.backend.name=fsdp2")
+        lens = batch.query_lens_S.tolist()
+        if batch.kv_lens_S.tolist() != lens:
+            raise ValueError("the Megatron backend takes micro-batches packed without shared prompts")
+        device = input_ids_N.device
+        tp = self.gpt.config.tensor_model_parallel_size if self.gpt.config.sequence_parallel else 1
+        shape = torch.tensor([len(lens), -(-max(lens) // tp) * tp])
+        if self.pad_group is not None:  # the EP ranks' token all-gather wants one shape on all of them
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.pad_group)
+        rows, width = (int(v) for v in shape.tolist())
+        starts = torch.arange(len(lens), device=device).repeat_interleave(torch.tensor(lens, device=device)) * width
+        offsets = torch.cat([torch.arange(n, device=device) for n in lens])
+        flat_N = starts + offsets  # row n's place in the flattened (B, S) batch; extra rows and columns are padding
+        ids_BS = input_ids_N.new_zeros(rows * width)
+        ids_BS[flat_N] = input_ids_N
+        ids_BS = ids_BS.view(rows, width)
+        positions_BS = torch.arange(width, device=device).expand(rows, width)
+        mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
+        gpt = self.gpt
+        with self._autocast():
+            hidden_SBH = gpt.embedding(input_ids=ids_BS, position_ids=positions_BS)
+            rotary = gpt.rotary_pos_emb(gpt.rotary_pos_emb.get_rotary_seq_len(None, gpt.decoder, hidden_SBH,
+                                                                             gpt.config, None))  # fmt: skip
+            hidden_SBH = gpt.decoder(hidden_states=hidden_SBH, attention_mask=mask, rotary_pos_emb=rotary)
+        if gpt.config.sequence_parallel:
+            hidden_SBH = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_SBH, tensor_parallel_output_grad=True
+            )
+        hidden_NH: torch.Tensor = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1])[flat_N]
+        return hidden_NH.float()
+
+    def logits(self, hidden_KH: torch.Tensor) -> torch.Tensor:
+        """float32 logits (K, V) over the unpadded vocabulary, gathered over the TP ranks."""
+        from megatron.core import tensor_parallel
+
+        gpt = self.gpt
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        weight = gpt.output_layer.weight if weight is None else weight
+        if gpt.config.tensor_model_parallel_size > 1 and not gpt.config.sequence_parallel:
+            hidden_KH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_KH)
+        with self._autocast():
+            local = hidden_KH @ weight.t()
+        full: torch.Tensor = tensor_parallel.gather_from_tensor_model_parallel_region(local.float())
+        return full[:, : self.config.vocab_size]
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.backend.device=cuda but CUDA is not available on this machine")
+        return
+    if not cpu_emulation_active():
+        raise RuntimeError(
+            f"trainer.backend.name=megatron needs CUDA (megatron-core's forward runs on CUDA devices), and "
+            f"trainer.backend.device={device!r}: set device=cuda on a GPU machine, or use trainer.backend.name=fsdp2, "
+            "which trains on CPUs too"
+        )
+
+
+class MegatronBackend:
+    """A Megatron-core GPTModel over the default process group, with its optimizer (and optionally a frozen
+    reference copy), behind the FSDP2 backend's interface. Every rank makes the same calls in the same order."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        kernel: KernelConfig,
+        optimizer: OptimizerConfig | None = None,
+        loss: PolicyLossConfig | None = None,
+        config: BackendConfig | None = None,
+        *,
+        keep_reference: bool | None = None,
+        critic: CriticConfig | None = None,
+        aux_losses: Sequence[Any] = (),
+        memory: MemoryConfig | None = None,
+        routing_replay: bool = False,
+        **unsupported: Any,
+    ) -> None:
+        """As `FSDP2Backend`; the critic, auxiliary (MTP) losses, routing replay and memory budgets / offload are
+        FSDP2-only for now and refused by name."""
+        require_megatron()
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronBackend needs torch.distributed initialized (torchrun, or init_process_group)")
+        refused = [name for name, value in (("critic", critic), ("aux_losses (MTP)", list(aux_losses)),
+                                            ("routing_replay", routing_replay)) if value]  # fmt: skip
+        refused += [name for name, value in unsupported.items() if value is not None]
+        if loss is not None and loss.moe_aux_loss != "none":
+            refused.append(f"loss.moe_aux_loss={loss.moe_aux_loss}")
+        if memory is not None and memory != MemoryConfig():
+            refused.append("memory (budgets, offload)")
+        if refused:
+            raise ValueError(f"the Megatron backend does not support {', '.join(refused)} yet; use fsdp2")
+        self.kernel = kernel
+        self.optimizer_config = optimizer or OptimizerConfig()
+        self.loss_config = loss or PolicyLossConfig()
+        self.config = config or BackendConfig(name="megatron")
+        layout = self.config.megatron
+        if layout.pp > 1 or layout.cp > 1:
+            raise NotImplementedError(
+                f"megatron pp={layout.pp}, cp={layout.cp}: the pipeline schedule and context parallelism are not "
+                "wired into the Megatron backend yet (tp, ep, etp, sequence_parallel and data parallelism are)"
+            )
+        if self.optimizer_config.schedule == "cosine" and self.optimizer_config.total_steps is None:
+            raise ValueError("optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
+        resolve_loss_fn(self.loss_config.loss_fn)
+        _check_device(self.config.device)
+        self.device = torch.device(self.config.device)
+        self.max_tokens = self.config.max_tokens_per_micro_batch
+        self.model_config = read_model_config(model_dir)
+        init_parallel(layout)
+        self.layout: RankLayout = rank_layout(self.model_config, layout)
+        self.model = self._build(model_dir, train=True)
+        self.reference: MegatronCausalLM | None = None
+        if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
+            self.reference = self._build(model_dir, train=False)
+        self.params = [p for p in self.model.gpt.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=self.optimizer_config.lr, betas=self.optimizer_config.betas,
+            eps=self.optimizer_config.eps, weight_decay=self.optimizer_config.weight_decay, fused=True,
+        )  # fmt: skip
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optimizer_config.lr_factor)
+        self.step_count = 0
+        self._weights_file = MappedSafetensors()
+
+    def _build(self, model_dir: str | os.PathLike[str], train: bool) -> MegatronCausalLM:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        gpt = build_gpt_model(self.model_config, self.config.megatron)
+        wanted = {name for entry in rank_entries(self.model_config, self.layout) for name in entry.hf_names}
+        hf = {name: tensor for name, tensor in iter_checkpoint(model_dir) if name in wanted}
+        state = hf_to_megatron(hf.__getitem__, self.model_config, self.layout)
+        missing, unexpected = gpt.load_state_dict(state, strict=False)
+        missing = [name for name in missing if not name.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"HF -> Megatron conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        gpt = gpt.to(self.device)
+        if not train:
+            return MegatronCausalLM(gpt.eval().requires_grad_(False), self.model_config, self.kernel)
+        ddp = DistributedDataParallel(
+            config=gpt.config, module=gpt,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+        )  # fmt: skip
+        return MegatronCausalLM(ddp, self.model_config, self.kernel)
+
+    # -- data parallelism ----------------------------------------------------------------------------------------
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this rank's data-parallel share: TP peers train the same samples."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def _dp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    def _sum_dp(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self._dp_group())
+
+    def _num_passes(self, samples: Sequence[Sample]) -> int:
+        passes = torch.tensor([len(plan_samples(samples, self.max_tokens, share_prompts=False))])
+        dist.all_reduce(passes, op=dist.ReduceOp.MAX)
+        return int(passes.item())
+
+    # -- the step --------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[Sample], reference: bool = False) -> list[list[float]]:
+        """Log-probs of each sample's response tokens under the current (or the reference) weights."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
+        micro_batches = pack_samples(samples, self.kernel, self.max_tokens, share_prompts=False)
+        out: list[list[float]] = [[] for _ in samples]
+        for step in range(max(len(micro_batches), self._num_passes(samples))):
+            micro = micro_batches[min(step, len(micro_batches) - 1)]
+            values = response_logprobs(model, micro, self.loss_config.temperature)  # type: ignore[arg-type]
+            if step < len(micro_batches):
+                for i, row in zip(micro.sample_indices, values, strict=True):
+                    out[i] = row.tolist()
+        return out
+
+    def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
+        raise ValueError("the Megatron backend has no critic yet (PPO with a value model runs on fsdp2)")
+
+    def train_step(
+        self,
+        samples: Sequence[Sample],
+        advantages: PerSample,
+        *,
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        ref_logprobs: Sequence[Sequence[float]] | None = None,
+        returns: Sequence[Sequence[float]] | None = None,
+        old_values: Sequence[Sequence[float]] | None = None,
+        measure_mismatch: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's samples (TP peers pass the same ones); see `FSDP2Backend.train_step`."""
+        from megatron.core.distributed import finalize_model_grads
+
+        if not samples:
+            raise ValueError("every rank needs at least one sample per step")
+        if returns is not None or old_values is not None:
+            raise ValueError("the Megatron backend has no critic yet: returns / old_values are FSDP2-only")
+        start = time.perf_counter()
+        loss = self.loss_config
+        if self.reference is not None and ref_logprobs is None:
+            ref_logprobs = self.compute_logprobs(samples, reference=True)
+        is_weights: list[list[float]] | None = None
+        is_metrics: dict[str, torch.Tensor] = {}
+        if loss.is_mode is not None:
+            is_weights, is_metrics = mismatch_weights(samples, old_logprobs, loss, all_reduce=self._sum_dp)
+        exclude_rejected = loss.is_mode == "mask" and loss.is_rejected == "excluded"
+        local = torch.tensor(count_trained(samples, is_weights if exclude_rejected else None), dtype=torch.int64)
+        self._sum_dp(local)
+        global_tokens, global_seqs = (int(v) for v in local.tolist())
+        self._zero_grad()
+        stats = accumulate_policy_gradients(
+            self.model, samples, advantages, self.kernel, loss, self.max_tokens,  # type: ignore[arg-type]
+            global_num_tokens=global_tokens, global_num_seqs=global_seqs, loss_scale=1.0,
+            num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            is_weights=is_weights, measure_mismatch=measure_mismatch, share_prompts=False,
+        )  # fmt: skip
+        add_is_metrics(stats, is_metrics, samples)
+        finalize_model_grads([self.model.gpt_ddp])
+        add_batch_stats(stats, samples, advantages)
+        signal = torch.tensor([float(any(is_nonzero(a) for a in advantages))])
+        dist.all_reduce(signal, op=dist.ReduceOp.MAX)
+        has_signal = bool(signal.item()) or loss.kl_coef > 0 or loss.entropy_coef > 0
+        return self._finish_step(stats, start, skip_update=not has_signal)
+
+    def _zero_grad(self) -> None:
+        self.model.gpt_ddp.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients: every tensor's shard once (TP-replicated tensors on TP rank 0
+        only), summed over the model-parallel ranks (dense tensors) and the expert-model-parallel ranks (experts)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        dense = torch.zeros((), dtype=torch.float64)
+        expert = torch.zeros((), dtype=torch.float64)
+        for param in self.params:
+            grad = param.main_grad
+            if not param_is_not_tensor_parallel_duplicate(param) and getattr(param, "allreduce", True):
+                continue
+            square = grad.detach().double().pow(2).sum().cpu()
+            if getattr(param, "allreduce", True):
+                dense += square
+            else:
+                expert += square
+        dist.all_reduce(dense, group=ps.get_model_parallel_group())
+        dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        return (dense + expert).sqrt()
+
+    def _finish_step(self, stats: StepStats, start: float, skip_update: bool = False) -> dict[str, float]:
+        for param in self.params:
+            param.grad = param.main_grad.to(param.dtype)
+        grad_norm = self._grad_norm()
+        clip = self.optimizer_config.max_grad_norm
+        scale = min(1.0, clip / (float(grad_norm) + 1e-6))
+        if scale < 1.0:
+            for param in self.params:
+                assert param.grad is not None
+                param.grad.mul_(scale)
+        if not skip_update:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.step_count += 1
+        stats.add("skipped_update", float(skip_update) / self.data_parallel[1])
+        stats.all_reduce(self._dp_group())
+        metrics = stats.summary()
+        metrics.update(batch_summary(metrics))
+        elapsed = time.perf_counter() - start
+        metrics.update({
+            "grad_norm": float(grad_norm), "lr": float(self.scheduler.get_last_lr()[0]), "step_time_s": elapsed,
+            "tokens_per_s": metrics.get("num_tokens", 0.0) / elapsed,
+        })  # fmt: skip
+        return metrics
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+
+    def _gathered(self, tensor: torch.Tensor, group: str) -> list[torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        process_group = {"tp": ps.get_tensor_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group}
+        if group == "none" or dist.get_world_size(process_group[group]()) == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(process_group[group]()))]
+        dist.all_gather(out, tensor.contiguous(), group=process_group[group]())
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full float32 tensors on the CPU under HF checkpoint names (tied embeddings once), identical on every rank:
+        each tensor's shards gathered over its TP / ETP group, experts over the EP group."""
+        from megatron.core import parallel_state as ps
+
+        state = self.model.gpt.state_dict()
+        buffers = dict(self.model.gpt.named_buffers())
+        ep_group, ep_size = ps.get_expert_model_parallel_group(), self.layout.ep_size
+        out: dict[str, torch.Tensor] = {}
+        for entry in rank_entries(self.model_config, self.layout):
+            local = (buffers.get(entry.name, state.get(entry.name))).detach()
+            full = merge_shards(entry, self._gathered(local, entry.group))
+            size = self.layout.rank_in(entry.group)[1]
+            is_expert = ".local_experts." in entry.name
+            if is_expert and ep_size > 1:
+                parts = [torch.empty_like(full) for _ in range(ep_size)]
+                dist.all_gather(parts, full.contiguous(), group=ep_group)
+                per_rank = self.model_config.num_experts // ep_size
+                local_index = int(entry.name.split(".local_experts.")[1].split(".")[0])
+                for ep_rank, part in enumerate(parts):
+                    expert = ep_rank * per_rank + local_index
+                    names = tuple(n.replace(f".experts.{self.layout.ep_rank * per_rank + local_index}.",
+                                            f".experts.{expert}.") for n in entry.hf_names)  # fmt: skip
+                    moved = type(entry)(entry.name, names, entry.fusion, entry.group, entry.dim, entry.vocab)
+                    out |= {n: t.cpu() for n, t in megatron_to_hf(moved, part, self.model_config, size).items()}
+            else:
+                out |= {n: t.cpu() for n, t in megatron_to_hf(entry, full, self.model_config, size).items()}
+        return out
+
+    def _export_model(self) -> _ExportedWeights:
+        return _ExportedWeights(self.full_state_dict(), self.kernel)
+
+    def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
+        """The full weights as weight buckets (HF names, kernel dtype); every rank iterates to the end."""
+        return iter_weight_buckets(self._export_model(), version=version, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
+
+    def iter_tensor_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+        return iter_tensor_buckets(self._export_model(), bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
+
+    def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
+        return write_weights_file(self._export_model(), file, write, self._weights_file)  # type: ignore[arg-type]
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        exported = self._export_model()
+        return {name: tensor.detach().to(exported.dtype_of(name)) for name, tensor in exported.tensors.items()}
+
+    def weights_checksum(self) -> str:
+        return weights_checksum(self.export_weights().items())
+
+    # -- memory --------------------------------------------------------------------------------------------------
+
+    def offload(self, room_for: int | None = None) -> int:
+        raise NotImplementedError("offload is FSDP2-only for now: run the Megatron backend with run.colocate=false")
+
+    def onload(self) -> int:
+        return 0
+
+    @property
+    def is_offloaded(self) -> bool:
+        return False
+
+
+class _ExportedWeights:
+    """Full HF tensors in the shape `weight_sender` reads from a model: parameters (cast to the kernel dtype) and
+    the float32 buffers an HF checkpoint holds (GLM-4.5's router bias)."""
+
+    BUFFERS = ("e_score_correction_bias",)
+
+    def __init__(self, tensors: dict[str, torch.Tensor], kernel: KernelConfig) -> None:
+        self.tensors = tensors
+        self.kernel = kernel
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return torch.float32 if name.endswith(self.BUFFERS) else self.kernel.torch_dtype
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for name, tensor in self.tensors.items():
+            if not name.endswith(self.BUFFERS):
+                yield name, torch.nn.Parameter(tensor, requires_grad=False)
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((name, t) for name, t in self.tensors.items() if name.endswith(self.BUFFERS))

@@ -1,0 +1,280 @@
+"""Hugging Face <-> Megatron-core weight conversion for the Megatron backend (docs/megatron.md), torch only.
+
+A Megatron-core `GPTModel` stores a Qwen3 / Qwen3-MoE / GLM-4.5 decoder under its own names and layouts; every
+tensor of one rank's model is one `Entry`: its Megatron name, the HF tensors it is made of, how they are fused, and
+how it is split over the ranks of its parallel group.
+
+- Attention: `linear_qkv` fuses q / k / v per query group (for each of the `num_key_value_heads` groups: its query
+  heads' rows, then its key head's, then its value head's), so a tensor-parallel (TP) rank's rows are whole groups;
+  the q / k / v biases likewise. `linear_proj` (o_proj) is split over TP along its input dimension.
+- MLP: `linear_fc1` fuses gate and up; each TP rank holds [its gate rows; its up rows]. `linear_fc2` (down_proj) is
+  split along its input dimension.
+- MoE: the router (`mlp.router.weight`, GLM-4.5's float32 `expert_bias`) is replicated; expert parallelism (EP)
+  gives each EP rank a contiguous block of E / EP experts (`mlp.experts.local_experts.{j}`, j local), each split
+  over the expert tensor-parallel (ETP) ranks like a dense MLP; shared experts (GLM-4.5) are split over TP.
+- Embedding and output layer: split over TP along the vocabulary, padded with zero rows to a multiple of TP
+  (`padded_vocab_size`); the padding is dropped on the way back.
+- Pipeline parallelism (PP): a stage holds the decoder layers [first_layer, first_layer + num_layers), numbered from
+  0 locally; the first stage the embedding, the last the final norm and the output layer (a tied model's last stage
+  keeps its own copy of the embedding as `output_layer.weight` when PP > 1, as Megatron does).
+- Layer norms: `transformer_impl="local"` keeps `input_layernorm` / `pre_mlp_layernorm`; Transformer Engine fuses
+  them into the next linear (`linear_qkv.layer_norm_weight`, a dense layer's `linear_fc1.layer_norm_weight`).
+
+`hf_to_megatron` makes one rank's tensors from HF tensors; `merge_shards` puts a tensor's shards from the ranks of
+its group back together and `megatron_to_hf` splits the full tensor into its HF tensors, so HF -> Megatron -> HF is
+exact (bit for bit) for any layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from miles_kernels.model_config import ModelConfig
+
+Fusion = Literal["none", "qkv", "gate_up"]
+Group = Literal["tp", "etp", "none"]
+IMPLS = ("local", "transformer_engine")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one rank sits in the parallel layout: its TP / EP / ETP ranks and the decoder layers of its PP stage
+    (`num_layers` None: every layer from `first_layer` on)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+    first_layer: int = 0
+    num_layers: int | None = None
+    is_first_stage: bool = True
+    is_last_stage: bool = True
+    transformer_impl: str = "local"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "etp"):
+            size, rank = getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{name}_rank={rank} must be in [0, {name}_size={size})")
+        if self.transformer_impl not in IMPLS:
+            raise ValueError(f"transformer_impl={self.transformer_impl!r}: use one of {list(IMPLS)}")
+
+    def layers(self, config: ModelConfig) -> range:
+        count = config.num_hidden_layers - self.first_layer if self.num_layers is None else self.num_layers
+        return range(self.first_layer, self.first_layer + count)
+
+    def rank_in(self, group: Group) -> tuple[int, int]:
+        """(rank, size) of this rank in `group`."""
+        if group == "tp":
+            return self.tp_rank, self.tp_size
+        if group == "etp":
+            return self.etp_rank, self.etp_size
+        return 0, 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One Megatron tensor of a rank: `name` (the rank's local name), the HF tensors it fuses (`hf_names`, in
+    fusion order), and the group it is split over along `dim` (None: replicated)."""
+
+    name: str
+    hf_names: tuple[str, ...]
+    fusion: Fusion = "none"
+    group: Group = "none"
+    dim: int | None = None
+    vocab: bool = False  # padded along dim 0 to a multiple of TP
+
+
+def padded_vocab_size(config: ModelConfig, tp_size: int) -> int:
+    """The vocabulary rounded up to a multiple of `tp_size` (the embedding's and output layer's rows)."""
+    return -(-config.vocab_size // tp_size) * tp_size
+
+
+def check_convertible(config: ModelConfig, layout: RankLayout) -> None:
+    """Raise ValueError naming what Megatron-core (or this conversion) cannot express for `config` and `layout`."""
+    if config.model_type not in ("qwen3", "qwen3_moe", "glm4_moe"):
+        raise ValueError(
+            f"the Megatron backend builds qwen3, qwen3_moe and glm4_moe; {config.model_type} runs on fsdp2"
+        )
+    if config.o_proj_bias:
+        raise ValueError(
+            "attention_bias=true on o_proj: Megatron-core's add_bias_linear would add biases to the MLP too; "
+            "use trainer.backend.name=fsdp2"
+        )
+    if config.sliding_window is not None:
+        raise ValueError("sliding-window attention is not wired into the Megatron backend; use fsdp2")
+    if config.num_nextn_predict_layers:
+        raise ValueError("MTP layers (num_nextn_predict_layers) are not converted for Megatron; use fsdp2")
+    if config.num_key_value_heads % layout.tp_size:
+        raise ValueError(
+            f"tp={layout.tp_size} must divide num_key_value_heads={config.num_key_value_heads} (a TP rank holds "
+            "whole query groups)"
+        )
+    for group, size, name, width in (
+        ("tp", layout.tp_size, "intermediate_size", config.intermediate_size),
+        ("etp", layout.etp_size, "moe_intermediate_size", config.moe_intermediate_size),
+    ):
+        if width and width % size:
+            raise ValueError(f"{group}={size} must divide {name}={width}")
+    if config.is_moe and config.num_experts % layout.ep_size:
+        raise ValueError(f"ep={layout.ep_size} must divide the {config.num_experts} experts")
+    if config.n_shared_experts and (config.moe_intermediate_size * config.n_shared_experts) % layout.tp_size:
+        raise ValueError(f"tp={layout.tp_size} must divide the shared experts' intermediate size")
+    stop = layout.layers(config).stop
+    if layout.first_layer < 0 or stop > config.num_hidden_layers:
+        raise ValueError(
+            f"the stage's layers [{layout.first_layer}, {stop}) are outside the model's {config.num_hidden_layers}"
+        )
+
+
+def _mlp_entries(prefix: str, hf: str, group: Group) -> list[Entry]:
+    return [
+        Entry(f"{prefix}.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"), "gate_up", group, 0),
+        Entry(f"{prefix}.linear_fc2.weight", (f"{hf}.down_proj.weight",), "none", group, 1),
+    ]
+
+
+def layer_entries(config: ModelConfig, layer: int, local: int, layout: RankLayout) -> list[Entry]:
+    """The Megatron tensors of decoder layer `layer` (global index), named with its index `local` on the stage."""
+    meg, hf = f"decoder.layers.{local}", f"model.layers.{layer}"
+    te = layout.transformer_impl == "transformer_engine"
+    attn = f"{meg}.self_attention"
+    qkv_names = tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
+    entries = [
+        Entry(f"{attn}.linear_qkv.layer_norm_weight" if te else f"{meg}.input_layernorm.weight",
+              (f"{hf}.input_layernorm.weight",)),
+        Entry(f"{attn}.linear_qkv.weight", qkv_names, "qkv", "tp", 0),
+        Entry(f"{attn}.linear_proj.weight", (f"{hf}.self_attn.o_proj.weight",), "none", "tp", 1),
+    ]  # fmt: skip
+    if config.attention_bias:
+        entries.append(Entry(f"{attn}.linear_qkv.bias", tuple(f"{hf}.self_attn.{p}_proj.bias" for p in "qkv"),
+                             "qkv", "tp", 0))  # fmt: skip
+    if config.use_qk_norm:
+        entries += [Entry(f"{attn}.q_layernorm.weight", (f"{hf}.self_attn.q_norm.weight",)),
+                    Entry(f"{attn}.k_layernorm.weight", (f"{hf}.self_attn.k_norm.weight",))]  # fmt: skip
+    norm = (f"{hf}.post_attention_layernorm.weight",)
+    if not config.is_moe_layer(layer):
+        entries.append(Entry(f"{meg}.mlp.linear_fc1.layer_norm_weight" if te else f"{meg}.pre_mlp_layernorm.weight",
+                             norm))  # fmt: skip
+        return entries + _mlp_entries(f"{meg}.mlp", f"{hf}.mlp", "tp")
+    entries += [Entry(f"{meg}.pre_mlp_layernorm.weight", norm),
+                Entry(f"{meg}.mlp.router.weight", (f"{hf}.mlp.gate.weight",))]  # fmt: skip
+    if config.router == "sigmoid":
+        entries.append(Entry(f"{meg}.mlp.router.expert_bias", (f"{hf}.mlp.gate.e_score_correction_bias",)))
+    per_rank = config.num_experts // layout.ep_size
+    for j in range(per_rank):
+        expert = layout.ep_rank * per_rank + j
+        entries += _mlp_entries(f"{meg}.mlp.experts.local_experts.{j}", f"{hf}.mlp.experts.{expert}", "etp")
+    if config.n_shared_experts:
+        entries += _mlp_entries(f"{meg}.mlp.shared_experts", f"{hf}.mlp.shared_experts", "tp")
+    return entries
+
+
+def rank_entries(config: ModelConfig, layout: RankLayout) -> list[Entry]:
+    """Every Megatron tensor of the rank at `layout`, in the model's order."""
+    check_convertible(config, layout)
+    entries: list[Entry] = []
+    if layout.is_first_stage:
+        entries.append(Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "none", "tp", 0,
+                             vocab=True))  # fmt: skip
+    for local, layer in enumerate(layout.layers(config)):
+        entries += layer_entries(config, layer, local, layout)
+    if layout.is_last_stage:
+        entries.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",)))
+        if not config.tie_word_embeddings or not layout.is_first_stage:
+            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            entries.append(Entry("output_layer.weight", (head,), "none", "tp", 0, vocab=True))
+    return entries
+
+
+def _fuse(entry: Entry, tensors: Sequence[torch.Tensor], config: ModelConfig, size: int) -> torch.Tensor:
+    """The full Megatron tensor, laid out so that splitting it in `size` equal chunks along `entry.dim` gives each
+    rank its shard."""
+    if entry.fusion == "qkv":
+        q, k, v = tensors
+        groups, head = config.num_key_value_heads, config.head_dim
+        per_group = config.num_attention_heads // groups
+        rest = q.shape[1:]
+        q = q.reshape(groups, per_group * head, *rest)
+        k, v = k.reshape(groups, head, *rest), v.reshape(groups, head, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+    if entry.fusion == "gate_up":
+        gate, up = tensors
+        chunks = [t.chunk(size, dim=0) for t in (gate, up)]
+        return torch.cat([part for rank in range(size) for part in (chunks[0][rank], chunks[1][rank])], dim=0)
+    (tensor,) = tensors
+    if entry.vocab:
+        rows = -(-tensor.shape[0] // size) * size
+        if rows != tensor.shape[0]:
+            tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+    return tensor
+
+
+def hf_to_megatron(
+    get_hf: Callable[[str], torch.Tensor], config: ModelConfig, layout: RankLayout
+) -> dict[str, torch.Tensor]:
+    """This rank's Megatron tensors (contiguous copies), made from the HF tensors `get_hf(name)` returns."""
+    out: dict[str, torch.Tensor] = {}
+    for entry in rank_entries(config, layout):
+        rank, size = layout.rank_in(entry.group)
+        full = _fuse(entry, [get_hf(name) for name in entry.hf_names], config, size)
+        shard = full if entry.dim is None else full.chunk(size, dim=entry.dim)[rank]
+        out[entry.name] = shard.contiguous().clone()
+    return out
+
+
+def merge_shards(entry: Entry, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full Megatron tensor from its shards on the ranks of `entry.group` (in rank order)."""
+    if entry.dim is None or len(shards) == 1:
+        return shards[0]
+    return torch.cat(list(shards), dim=entry.dim)
+
+
+def megatron_to_hf(entry: Entry, full: torch.Tensor, config: ModelConfig, size: int) -> dict[str, torch.Tensor]:
+    """The HF tensors of a full Megatron tensor (`merge_shards`' result; `size` ranks shared it)."""
+    if entry.fusion == "qkv":
+        groups, head = config.num_key_value_heads, config.head_dim
+        per_group = config.num_attention_heads // groups
+        rest = full.shape[1:]
+        grouped = full.reshape(groups, (per_group + 2) * head, *rest)
+        q, k, v = torch.split(grouped, [per_group * head, head, head], dim=1)
+        parts = [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
+    elif entry.fusion == "gate_up":
+        halves = [chunk.chunk(2, dim=0) for chunk in full.chunk(size, dim=0)]
+        parts = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    else:
+        parts = [full[: config.vocab_size] if entry.vocab else full]
+    return {name: part.contiguous() for name, part in zip(entry.hf_names, parts, strict=True)}
+
+
+def peers(entry: Entry, layout: RankLayout) -> list[RankLayout]:
+    """The ranks that hold a shard of `entry` with `layout` (itself included), in the order of their shards."""
+    if entry.group == "none":
+        return [layout]
+    _, size = layout.rank_in(entry.group)
+    if entry.group == "tp":
+        return [replace(layout, tp_rank=rank) for rank in range(size)]
+    return [replace(layout, etp_rank=rank) for rank in range(size)]
+
+
+def hf_from_megatron(
+    config: ModelConfig, layouts: Sequence[RankLayout], shard: Callable[[RankLayout, str], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors from the Megatron tensors of the ranks `layouts` (`shard(layout, name)`), each HF tensor once, in
+    the order of the ranks' entries: the offline conversion and its tests, where one process holds every rank's
+    tensors."""
+    seen: set[str] = set()
+    for layout in layouts:
+        for entry in rank_entries(config, layout):
+            if entry.hf_names[0] in seen:
+                continue
+            full = merge_shards(entry, [shard(peer, entry.name) for peer in peers(entry, layout)])
+            for name, tensor in megatron_to_hf(entry, full, config, layout.rank_in(entry.group)[1]).items():
+                seen.add(name)
+                yield name, tensor

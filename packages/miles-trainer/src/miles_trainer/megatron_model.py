@@ -1,0 +1,167 @@
+"""A Megatron-core `GPTModel` for a Qwen3 / Qwen3-MoE / GLM-4.5 HF config, and `MegatronCausalLM`, which lets the
+trainer's step code (`miles_trainer.step`) drive it like a miles-kernels `CausalLM` (docs/megatron.md).
+
+The model is built from miles-kernels' `ModelConfig` (the HF config.json as the engine reads it) and the layout of
+`MegatronConfig`; `transformer_impl="local"` uses Megatron-core's own PyTorch modules (no Transformer Engine needed).
+megatron-core is imported here only, so the rest of miles-trainer runs without the `megatron` extra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from miles_kernels.model_config import ModelConfig
+from miles_trainer.config import MegatronConfig
+from miles_trainer.megatron_convert import RankLayout, check_convertible, padded_vocab_size
+
+INSTALL_HINT = "uv sync --package miles-trainer --extra megatron (pip install 'miles-trainer[megatron]')"
+
+
+def require_megatron() -> None:
+    """A clear ImportError when megatron-core is not installed."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise ImportError(f"trainer.backend.name=megatron needs megatron-core: {INSTALL_HINT}")
+
+
+def init_parallel(config: MegatronConfig) -> None:
+    """Megatron-core's process groups over the initialized default group (world = tp * pp * cp * dp)."""
+    require_megatron()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    model_parallel = config.tp * config.pp * config.cp
+    if world % model_parallel:
+        raise ValueError(f"{world} trainer ranks are not a multiple of tp * pp * cp = {model_parallel}")
+    if (world // (config.pp)) % (config.ep * (config.etp or 1)):
+        raise ValueError(f"ep * etp = {config.ep * (config.etp or 1)} must divide the {world // config.pp} ranks of a "
+                         "pipeline stage")  # fmt: skip
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp, context_parallel_size=config.cp,
+        expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
+    )  # fmt: skip
+
+
+def rank_layout(model: ModelConfig, config: MegatronConfig) -> RankLayout:
+    """This rank's place in the layout (Megatron's process groups must be initialized: `init_parallel`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    transformer = transformer_config(model, config)
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    per_stage = model.num_hidden_layers // stages
+    first = get_transformer_layer_offset(transformer) if stages > 1 else 0
+    return RankLayout(
+        tp_size=config.tp, tp_rank=ps.get_tensor_model_parallel_rank(), ep_size=config.ep,
+        ep_rank=ps.get_expert_model_parallel_rank(), etp_size=config.etp or 1,
+        etp_rank=ps.get_expert_tensor_parallel_rank(), first_layer=first, num_layers=per_stage,
+        is_first_stage=stage == 0, is_last_stage=stage == stages - 1, transformer_impl=config.transformer_impl,
+    )  # fmt: skip
+
+
+def _moe_layer_freq(model: ModelConfig) -> list[int]:
+    return [int(model.is_moe_layer(layer)) for layer in range(model.num_hidden_layers)]
+
+
+def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.dtype = torch.float32) -> Any:
+    """Megatron-core's `TransformerConfig` for `model` (the HF architecture) with `config`'s layout."""
+    require_megatron()
+    from megatron.core.transformer import TransformerConfig
+
+    check_convertible(model, RankLayout(tp_size=config.tp, ep_size=config.ep, etp_size=config.etp or 1))
+    if config.sequence_parallel and config.transformer_impl == "local":
+        raise ValueError(
+            "megatron.sequence_parallel needs transformer_impl=transformer_engine (megatron-core's local norms "
+            "refuse it)"
+        )
+    if model.is_moe and config.tp > 1 and not config.sequence_parallel:
+        raise ValueError(
+            "an MoE model with megatron.tp > 1 needs sequence_parallel=true (megatron-core requires it), hence "
+            "transformer_impl=transformer_engine; with the local implementation split the experts with ep / etp"
+        )
+    if model.num_hidden_layers % config.pp:
+        raise ValueError(f"pp={config.pp} must divide the {model.num_hidden_layers} decoder layers")
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_hidden_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_key_value_heads,
+        kv_channels=model.head_dim, ffn_hidden_size=model.intermediate_size or model.moe_intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=model.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=model.attention_bias,
+        qk_layernorm=model.use_qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp, context_parallel_size=config.cp,
+        expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
+        sequence_parallel=config.sequence_parallel, use_cpu_initialization=True,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, calculate_per_token_loss=True,
+    )  # fmt: skip
+    if config.recompute != "none":
+        kwargs |= {"recompute_granularity": config.recompute}
+        if config.recompute == "full":
+            kwargs |= {"recompute_method": "uniform", "recompute_num_layers": 1}
+    if model.is_moe:
+        kwargs |= dict(
+            num_moe_experts=model.num_experts, moe_router_topk=model.num_experts_per_tok,
+            moe_ffn_hidden_size=model.moe_intermediate_size, moe_layer_freq=_moe_layer_freq(model),
+            moe_token_dispatcher_type=config.moe_token_dispatcher, moe_grouped_gemm=False,
+            moe_router_dtype="fp32", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+        )  # fmt: skip
+        if model.router == "sigmoid":  # GLM-4.5: sigmoid scores, a fixed bias for the choice, grouped top-k
+            kwargs |= dict(
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0, moe_router_num_groups=model.n_group if model.n_group > 1 else None,
+                moe_router_group_topk=model.topk_group if model.n_group > 1 else None,
+                moe_router_topk_scaling_factor=model.routed_scaling_factor,
+                moe_shared_expert_intermediate_size=(model.moe_intermediate_size * model.n_shared_experts) or None,
+            )  # fmt: skip
+        else:  # Qwen3-MoE: softmax over the top-k logits = the renormalized top-k probabilities
+            kwargs |= dict(moe_router_score_function="softmax", moe_router_pre_softmax=not model.norm_topk_prob)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(model: ModelConfig, config: MegatronConfig) -> Any:
+    """The decoder layer spec: Megatron-core's local modules, or Transformer Engine's."""
+    if config.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts or None, moe_grouped_gemm=False, qk_layernorm=model.use_qk_norm
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=model.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=model.use_qk_norm,
+        normalization="RMSNorm",
+    )
+
+
+def build_gpt_model(model: ModelConfig, config: MegatronConfig, dtype: torch.dtype = torch.float32) -> Any:
+    """This rank's `GPTModel` (its PP stage, its TP / EP shards), parameters on the CPU (`use_cpu_initialization`);
+    the caller loads the weights (`hf_to_megatron`) and moves it to its device."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    transformer = transformer_config(model, config, dtype)
+    spec = layer_spec(model, config)
+    if model.is_moe:  # a spec per layer: the dense ones (GLM-4.5's first layers) get a dense MLP
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(
+            transformer, use_transformer_engine=config.transformer_impl != "local", normalization="RMSNorm"
+        )
+    return GPTModel(
+        config=transformer, transformer_layer_spec=spec, vocab_size=padded_vocab_size(model, config.tp),
+        max_sequence_length=model.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope", rotary_percent=model.partial_rotary_factor, rotary_base=int(model.rope_theta),
+        parallel_output=False,
+    )  # fmt: skip

@@ -1,0 +1,66 @@
+"""One rank of the Megatron backend tests (run as its own process by test_megatron.py; RANK / WORLD_SIZE /
+MASTER_* set), on the CPU inside `megatron_on_cpu()`.
+
+MILES_TEST_MEGATRON is the layout as JSON (`MegatronConfig` fields). The rank takes its data-parallel share of
+fsdp_worker's batch (TP peers the same samples), records the log-probs before the step, runs one optimizer step with
+fsdp_worker's optimizer and loss settings, and rank 0 writes the full parameters (HF names) and the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from fsdp_worker import KERNEL, batch
+from safetensors.torch import save_file
+
+from miles_trainer import BackendConfig, MegatronBackend, OptimizerConfig, PolicyLossConfig, megatron_on_cpu
+from miles_trainer.config import MegatronConfig
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    layout = MegatronConfig(moe_token_dispatcher="allgather", **json.loads(os.environ["MILES_TEST_MEGATRON"]))
+    with megatron_on_cpu():
+        backend = MegatronBackend(
+            model_dir, KERNEL, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
+            PolicyLossConfig(agg_mode="seq-mean-token-mean"),
+            BackendConfig(name="megatron", max_tokens_per_micro_batch=24, megatron=layout),
+        )  # fmt: skip
+        samples, advantages = batch()
+        rank, size = backend.data_parallel
+        mine, my_advantages = samples[rank::size], advantages[rank::size]
+        logprobs = backend.compute_logprobs(mine)
+        metrics = backend.train_step(mine, my_advantages, measure_mismatch=True)
+        state = backend.full_state_dict()
+        checksum = backend.weights_checksum()
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (rank, logprobs))
+    if dist.get_rank() == 0:
+        by_sample: dict[int, list[float]] = {}
+        for dp_rank, rows in gathered:  # type: ignore[misc]
+            for sample, row in zip(samples[dp_rank::size], rows, strict=True):
+                by_sample[sample.index] = row
+        metrics["checksum_matches"] = float(checksum == weights_of(state))
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "params.safetensors"))
+        with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+            json.dump(metrics, f)
+        with open(os.path.join(out_dir, "logprobs.json"), "w") as f:
+            json.dump([by_sample[i] for i in sorted(by_sample)], f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def weights_of(state: dict[str, torch.Tensor]) -> str:
+    from miles_kernels import weights_checksum
+
+    return weights_checksum((k, v if k.endswith("e_score_correction_bias") else v.to(KERNEL.torch_dtype))
+                            for k, v in state.items())  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
