@@ -3,7 +3,9 @@ MASTER_* set), on the CPU inside `megatron_on_cpu()`.
 
 MILES_TEST_MEGATRON is the layout as JSON (`MegatronConfig` fields). The rank takes its data-parallel share of
 fsdp_worker's batch (TP peers the same samples), records the log-probs before the step, runs one optimizer step with
-fsdp_worker's optimizer and loss settings, and rank 0 writes the full parameters (HF names) and the metrics.
+fsdp_worker's optimizer and loss settings, and rank 0 writes the full parameters (HF names) and the metrics. Modes
+(fsdp_worker's): `step`; `two-steps` (step, checkpoint, a second step with the advantages negated, then a Hugging
+Face export); `resume` (load the checkpoint, the second step).
 """
 
 from __future__ import annotations
@@ -17,11 +19,20 @@ import torch.distributed as dist
 from fsdp_worker import KERNEL, batch
 from safetensors.torch import save_file
 
-from miles_trainer import BackendConfig, MegatronBackend, OptimizerConfig, PolicyLossConfig, megatron_on_cpu
+from miles_trainer import (
+    BackendConfig,
+    MegatronBackend,
+    OptimizerConfig,
+    PolicyLossConfig,
+    export_hf,
+    load_checkpoint,
+    megatron_on_cpu,
+    save_checkpoint,
+)
 from miles_trainer.config import MegatronConfig
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     layout = MegatronConfig(moe_token_dispatcher="allgather", **json.loads(os.environ["MILES_TEST_MEGATRON"]))
@@ -35,7 +46,19 @@ def main(model_dir: str, out_dir: str) -> None:
         rank, size = backend.data_parallel
         mine, my_advantages = samples[rank::size], advantages[rank::size]
         logprobs = backend.compute_logprobs(mine)
-        metrics = backend.train_step(mine, my_advantages, measure_mismatch=True)
+        if mode == "resume":
+            torch.manual_seed(7)  # overwritten by the checkpoint's RNG state
+            load_checkpoint(backend, checkpoint)
+        else:
+            torch.manual_seed(1000 + dist.get_rank())
+            metrics = backend.train_step(mine, my_advantages, measure_mismatch=True)
+        if mode == "two-steps":
+            save_checkpoint(backend, checkpoint, extra={"data_position": 8})
+        if mode in ("two-steps", "resume"):
+            metrics = backend.train_step(mine, [-a for a in my_advantages])
+            metrics["rng_draw"] = float(torch.rand(1))
+        if mode == "two-steps":
+            export_hf(backend, os.path.join(out_dir, "hf"))
         state = backend.full_state_dict()
         checksum = backend.weights_checksum()
     gathered: list[object] = [None] * dist.get_world_size()
@@ -63,4 +86,4 @@ def weights_of(state: dict[str, torch.Tensor]) -> str:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:5])

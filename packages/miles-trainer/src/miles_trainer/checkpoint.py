@@ -1,7 +1,8 @@
 """Trainer checkpoints (step 8 of the RL data path, docs/architecture.md) and Hugging Face conversion.
 
 A checkpoint directory holds the sharded model and optimizer (torch.distributed.checkpoint; PPO's critic and its
-optimizer too, under their own keys), each rank's RNG
+optimizer too, under their own keys; the Megatron backend writes megatron-core's dist_checkpointing format instead,
+`MegatronBackend.write_checkpoint`), each rank's RNG
 state (safetensors, never pickle), `config.json` of the model (so a checkpoint is self-describing for
 `miles-trainer convert`) and `trainer_state.json` (step, scheduler, the caller's `extra`, e.g. the data position).
 
@@ -72,20 +73,24 @@ def save_checkpoint(
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
     dist.barrier()
-    # An optimizer that never stepped (every update so far skipped: no advantage signal) has no state, which DCP
-    # initializes with a zero step only when no parameter holds a gradient. Without this, a skipped step's
-    # gradients made the save lack the state that the load (of a fresh backend, no gradients) expects.
-    backend.optimizer.zero_grad(set_to_none=True)
-    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    dcp.save(  # type: ignore[attr-defined]
-        {"model": model_state, "optim": optim_state, **_critic_state(backend), **_aux_state(backend)},
-        checkpoint_id=str(staging),
-    )
+    backend_state: dict[str, Any] = {}
+    if hasattr(backend, "write_checkpoint"):  # the Megatron backend: megatron-core's dist_checkpointing
+        backend_state = backend.write_checkpoint(staging)
+    else:
+        # An optimizer that never stepped (every update so far skipped: no advantage signal) has no state, which DCP
+        # initializes with a zero step only when no parameter holds a gradient. Without this, a skipped step's
+        # gradients made the save lack the state that the load (of a fresh backend, no gradients) expects.
+        backend.optimizer.zero_grad(set_to_none=True)
+        model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+        dcp.save(  # type: ignore[attr-defined]
+            {"model": model_state, "optim": optim_state, **_critic_state(backend), **_aux_state(backend)},
+            checkpoint_id=str(staging),
+        )
     save_file(rng_state(), str(staging / _rng_file(rank)))
     if rank == 0:
         state = {
             "step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {},
-            "world_size": dist.get_world_size(), "kernel": backend.kernel.fingerprint(),
+            "world_size": dist.get_world_size(), "kernel": backend.kernel.fingerprint(), **backend_state,
         }  # fmt: skip
         if backend.critic_config is not None:
             state["critic"] = {"kind": backend.critic_config.kind, "scheduler": backend.critic_scheduler.state_dict()}
@@ -137,6 +142,21 @@ def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) ->
     """Restore model, optimizer, scheduler, step and RNG from `save_checkpoint`; returns the saved `extra`."""
     path = resolve_checkpoint(directory)
     state = json.loads((path / TRAINER_STATE).read_text())
+    if hasattr(backend, "read_checkpoint"):  # the Megatron backend
+        backend.read_checkpoint(path, state)
+    else:
+        _load_fsdp(backend, path, state)
+    if "scheduler" in state:
+        backend.scheduler.load_state_dict(state["scheduler"])
+    backend.step_count = int(state["step"])
+    rng = path / _rng_file(dist.get_rank())
+    if rng.is_file() and state.get("world_size") == dist.get_world_size():
+        set_rng_state(load_file(str(rng)))
+    extra: dict[str, Any] = state.get("extra", {})
+    return extra
+
+
+def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None:
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
     state_dict: dict[str, Any] = {"model": model_state}
     if state.get("has_optimizer", True):
@@ -169,14 +189,6 @@ def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) ->
         set_state_dict(backend.model, backend.aux_optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["aux_optim"])  # fmt: skip
         backend.aux_scheduler.load_state_dict(saved_aux["scheduler"])
-    if "scheduler" in state:
-        backend.scheduler.load_state_dict(state["scheduler"])
-    backend.step_count = int(state["step"])
-    rng = path / _rng_file(dist.get_rank())
-    if rng.is_file() and state.get("world_size") == dist.get_world_size():
-        set_rng_state(load_file(str(rng)))
-    extra: dict[str, Any] = state.get("extra", {})
-    return extra
 
 
 def export_hf(backend: FSDP2Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -217,6 +218,8 @@ class MegatronBackend:
         )  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optimizer_config.lr_factor)
         self.step_count = 0
+        self.critic_config: CriticConfig | None = None  # checkpoint.py reads these of either backend
+        self.aux_params: list[torch.nn.Parameter] = []
         self._weights_file = MappedSafetensors()
 
     def _build(self, model_dir: str | os.PathLike[str], train: bool) -> MegatronCausalLM:
@@ -378,6 +381,65 @@ class MegatronBackend:
             "tokens_per_s": metrics.get("num_tokens", 0.0) / elapsed,
         })  # fmt: skip
         return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _sharded_state(self) -> dict[str, Any]:
+        """Model and AdamW state as megatron-core sharded tensors (each keyed by its global tensor and offsets, so
+        a checkpoint holds every tensor once whatever the layout). AdamW's state is created (zeros) if no step has
+        made it yet, so a save and a load see the same keys."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        for param in self.params:
+            state = self.optimizer.state[param]
+            if not state:
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
+                             exp_avg_sq=torch.zeros_like(param))  # fmt: skip
+        model = self.model.gpt.sharded_state_dict()
+        optimizer = self.optimizer.state_dict()
+        steps = {float(entry["step"]) for entry in optimizer["state"].values()}
+        ids = get_param_id_to_sharded_param_map(model, self.params)
+        optim_state_to_sharding_state(optimizer, ids, exclude_keys=("step",))
+        return {"model": model, "optimizer": optimizer, "adam_step": max(steps, default=0.0)}
+
+    def write_checkpoint(self, directory: Path) -> dict[str, Any]:
+        """Model and optimizer with megatron-core's `dist_checkpointing` into `directory` (every rank calls it);
+        returns what `trainer_state.json` records of them (`checkpoint.save_checkpoint` does the rest)."""
+        from megatron.core import dist_checkpointing
+
+        state = self._sharded_state()
+        step = state.pop("adam_step")
+        directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(state, str(directory))
+        layout = self.config.megatron.model_dump()
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        return {"backend": "megatron", "megatron": layout, "adam_step": step, "adam_lrs": lrs}
+
+    def read_checkpoint(self, path: Path, saved: dict[str, Any]) -> None:
+        """Load what `write_checkpoint` wrote (any TP / EP / ETP / DP layout: dist_checkpointing reshards)."""
+        from megatron.core import dist_checkpointing
+
+        if saved.get("backend") != "megatron":
+            raise ValueError(
+                f"{path} was written by the fsdp2 backend: resume it with trainer.backend.name=fsdp2, or convert its "
+                "weights (miles-trainer convert) and start a Megatron run from them"
+            )
+        template = self._sharded_state()
+        template.pop("adam_step")
+        loaded = dist_checkpointing.load(template, str(path))
+        self.model.gpt.load_state_dict(loaded["model"], strict=False)
+        optimizer = loaded["optimizer"]
+        step = torch.tensor(float(saved.get("adam_step", 0.0)))
+        for entry in optimizer["state"].values():
+            entry["step"] = step.clone()
+        optimizer["param_groups"] = self.optimizer.state_dict()["param_groups"]
+        for group, lr in zip(optimizer["param_groups"], saved.get("adam_lrs", []), strict=False):
+            group["lr"] = lr  # the scheduler's state restores its counters, not the rate of the next step
+        self.optimizer.load_state_dict(optimizer)
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
