@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
