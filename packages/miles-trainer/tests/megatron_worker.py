@@ -5,7 +5,8 @@ MILES_TEST_MEGATRON is the layout as JSON (`MegatronConfig` fields). The rank ta
 fsdp_worker's batch (TP peers the same samples), records the log-probs before the step, runs one optimizer step with
 fsdp_worker's optimizer and loss settings, and rank 0 writes the full parameters (HF names) and the metrics. Modes
 (fsdp_worker's): `step`; `two-steps` (step, checkpoint, a second step with the advantages negated, then a Hugging
-Face export); `resume` (load the checkpoint, the second step).
+Face export); `resume` (load the checkpoint, the second step);
+`offload` (step, offload, onload, the second step: must equal `two-steps`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
             metrics = backend.train_step(mine, my_advantages, measure_mismatch=True)
         if mode == "two-steps":
             save_checkpoint(backend, checkpoint, extra={"data_position": 8})
-        if mode in ("two-steps", "resume"):
+        if mode == "offload":
+            offloaded = backend.offload()
+            assert backend.is_offloaded and backend.onload() == offloaded - grad_buffer_bytes(backend)
+        if mode in ("two-steps", "resume", "offload"):
             metrics = backend.train_step(mine, [-a for a in my_advantages])
             metrics["rng_draw"] = float(torch.rand(1))
         if mode == "two-steps":
@@ -76,6 +80,11 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
             json.dump([by_sample[i] for i in sorted(by_sample)], f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def grad_buffer_bytes(backend: MegatronBackend) -> int:
+    ddp = backend.model.gpt_ddp
+    return sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
 
 
 def weights_of(state: dict[str, torch.Tensor]) -> str:

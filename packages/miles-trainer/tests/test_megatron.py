@@ -266,8 +266,8 @@ def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: d
 def test_a_checkpoint_resumes_bit_exact_and_reshards(tmp_path) -> None:
     """TP=2: step, checkpoint (megatron-core's dist_checkpointing), step; against a fresh TP=2 run that loads the
     checkpoint and makes the second step: the same bits and RNG stream. The same checkpoint resumed with TP=1 (one
-    rank: dist_checkpointing reshards) gives that step to float32 rounding. The Hugging Face export loads back as the
-    trained weights."""
+    rank: dist_checkpointing reshards) gives that step to float32 rounding. An offload / onload between the steps
+    changes no bit. The Hugging Face export loads back as the trained weights."""
     from test_fsdp import run_ranks
 
     from miles_kernels import KernelConfig, load_model
@@ -285,6 +285,11 @@ def test_a_checkpoint_resumes_bit_exact_and_reshards(tmp_path) -> None:
     assert metrics_one["loss"] == pytest.approx(metrics_straight["loss"], rel=1e-6)
     for name, tensor in straight.items():
         torch.testing.assert_close(one[name], tensor, rtol=0, atol=1e-6, msg=name)
+    offloaded, metrics_offloaded = run_ranks(model_dir, tmp_path / "offload", 2, "offload", extra_env=env,
+                                             worker=WORKER)  # fmt: skip
+    assert metrics_offloaded == metrics_straight
+    for name, tensor in straight.items():
+        assert torch.equal(offloaded[name], tensor), name
     exported = load_model(tmp_path / "two" / "hf", KernelConfig()).state_dict()
     for name, tensor in straight.items():
         assert torch.equal(exported[name], tensor), name

@@ -174,8 +174,8 @@ class MegatronBackend:
         routing_replay: bool = False,
         **unsupported: Any,
     ) -> None:
-        """As `FSDP2Backend`; the critic, auxiliary (MTP) losses, routing replay and memory budgets / offload are
-        FSDP2-only for now and refused by name."""
+        """As `FSDP2Backend`; the critic, auxiliary (MTP) losses, routing replay, the MoE load-balancing loss and
+        memory budgets (partial offload, OOM retries) are FSDP2-only for now and refused by name."""
         require_megatron()
         if not dist.is_initialized():
             raise RuntimeError("MegatronBackend needs torch.distributed initialized (torchrun, or init_process_group)")
@@ -185,7 +185,7 @@ class MegatronBackend:
         if loss is not None and loss.moe_aux_loss != "none":
             refused.append(f"loss.moe_aux_loss={loss.moe_aux_loss}")
         if memory is not None and memory != MemoryConfig():
-            refused.append("memory (budgets, offload)")
+            refused.append("memory (budgets, partial offload, OOM retries)")
         if refused:
             raise ValueError(f"the Megatron backend does not support {', '.join(refused)} yet; use fsdp2")
         self.kernel = kernel
@@ -221,6 +221,7 @@ class MegatronBackend:
         self.critic_config: CriticConfig | None = None  # checkpoint.py reads these of either backend
         self.aux_params: list[torch.nn.Parameter] = []
         self._weights_file = MappedSafetensors()
+        self._offloaded = False
 
     def _build(self, model_dir: str | os.PathLike[str], train: bool) -> MegatronCausalLM:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -274,6 +275,7 @@ class MegatronBackend:
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
+        self._check_onloaded()
         micro_batches = pack_samples(samples, self.kernel, self.max_tokens, share_prompts=False)
         out: list[list[float]] = [[] for _ in samples]
         for step in range(max(len(micro_batches), self._num_passes(samples))):
@@ -305,6 +307,7 @@ class MegatronBackend:
             raise ValueError("every rank needs at least one sample per step")
         if returns is not None or old_values is not None:
             raise ValueError("the Megatron backend has no critic yet: returns / old_values are FSDP2-only")
+        self._check_onloaded()
         start = time.perf_counter()
         loss = self.loss_config
         if self.reference is not None and ref_logprobs is None:
@@ -483,6 +486,7 @@ class MegatronBackend:
         return out
 
     def _export_model(self) -> _ExportedWeights:
+        self._check_onloaded()
         return _ExportedWeights(self.full_state_dict(), self.kernel)
 
     def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
@@ -504,15 +508,66 @@ class MegatronBackend:
 
     # -- memory --------------------------------------------------------------------------------------------------
 
+    def _resident(self) -> Iterator[tuple[dict[str, Any], str]]:
+        """(owner, key) of every tensor `offload` moves: the policy's and the reference's parameters, AdamW's state."""
+        for model in (self.model, self.reference):
+            if model is not None:
+                for param in model.gpt.parameters():
+                    yield {"param": param}, "param"
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield state, key
+
     def offload(self, room_for: int | None = None) -> int:
-        raise NotImplementedError("offload is FSDP2-only for now: run the Megatron backend with run.colocate=false")
+        """Free the device memory of the weights, the reference copy, AdamW's state and the gradient buffers while
+        the engine works (to pinned host memory on CUDA); returns the bytes freed on this rank. Everything moves
+        (`room_for` is FSDP2's partial offload, not implemented here); `onload()` brings it back bit for bit."""
+        if self._offloaded:
+            return 0
+        self._zero_grad()
+        freed = 0
+        for owner, key in self._resident():
+            tensor = owner[key]
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
+            host.copy_(tensor.detach())
+            freed += tensor.numel() * tensor.element_size()
+            if key == "param":
+                tensor.data = host
+            else:
+                owner[key] = host
+        ddp = self.model.gpt_ddp
+        freed += sum(
+            b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers
+        )
+        ddp.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=self.device.type == "cuda")
+        self._offloaded = True
+        return freed
 
     def onload(self) -> int:
-        return 0
+        """Bring back what `offload()` freed; returns the bytes restored on this rank."""
+        if not self._offloaded:
+            return 0
+        restored = 0
+        for owner, key in self._resident():
+            tensor = owner[key]
+            device = tensor.to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor.clone()
+            restored += tensor.numel() * tensor.element_size()
+            if key == "param":
+                tensor.data = device
+            else:
+                owner[key] = device
+        self.model.gpt_ddp.restore_grad_buffers(synchronize=self.device.type == "cuda")
+        self._offloaded = False
+        return restored
 
     @property
     def is_offloaded(self) -> bool:
-        return False
+        return self._offloaded
+
+    def _check_onloaded(self) -> None:
+        if self._offloaded:
+            raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
 
 
 class _ExportedWeights:
