@@ -57,7 +57,7 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
             save_checkpoint(backend, checkpoint, extra={"data_position": 8})
         if mode == "offload":
             offloaded = backend.offload()
-            assert backend.is_offloaded and backend.onload() == offloaded - grad_buffer_bytes(backend)
+            assert backend.is_offloaded and backend.onload() == offloaded - backend.grad_buffer_bytes()
         if mode in ("two-steps", "resume", "offload"):
             metrics = backend.train_step(mine, [-a for a in my_advantages])
             metrics["rng_draw"] = float(torch.rand(1))
@@ -80,11 +80,6 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
             json.dump([by_sample[i] for i in sorted(by_sample)], f)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def grad_buffer_bytes(backend: MegatronBackend) -> int:
-    ddp = backend.model.gpt_ddp
-    return sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
 
 
 def weights_of(state: dict[str, torch.Tensor]) -> str:

@@ -544,6 +544,11 @@ class MegatronBackend:
         self._offloaded = True
         return freed
 
+    def grad_buffer_bytes(self) -> int:
+        """Bytes of megatron-core's DDP gradient buffers (dense and expert)."""
+        ddp = self.model.gpt_ddp
+        return sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
+
     def onload(self) -> int:
         """Bring back what `offload()` freed; returns the bytes restored on this rank."""
         if not self._offloaded:
