@@ -178,7 +178,7 @@ def test_cross_section_checks() -> None:
         )
     with pytest.raises(ValueError, match=r"reward\.is_group=false"):
         load_config(None, ["reward.is_group=true"])
-    with pytest.raises(ValueError, match="multiple of num_ranks"):
+    with pytest.raises(ValueError, match="does not split over num_ranks=3"):
         load_config(None, ["trainer.num_ranks=3"])
 
 
@@ -289,6 +289,27 @@ def test_cluster_choice_is_checked_against_what_it_can_run() -> None:
     gpus = ["trainer.backend.device=cuda", "trainer.rank_resources={CPU: 4, GPU: 1}"]
     assert load_config(None, gpus).trainer.rank_resources == {"CPU": 4.0, "GPU": 1.0}
     assert load_config(None, ["run.cluster=local", "rollout.engine.device=cuda"]).rollout.engine.device == "cuda"
+
+
+def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
+    gpus = ["trainer.backend.name=megatron", "trainer.backend.device=cuda", "trainer.rank_resources={CPU: 4, GPU: 1}"]
+    fast = [*gpus, "kernel.mode=fast"]
+    cfg = load_config(None, [*fast, "trainer.num_ranks=4", "trainer.backend.megatron.tp=2"])
+    assert cfg.trainer.backend.megatron.tp == 2 and cfg.trainer.backend.name == "megatron"
+    with pytest.raises(ValueError, match=r"needs trainer\.backend\.device=cuda .* use trainer\.backend\.name=fsdp2"):
+        load_config(None, ["trainer.backend.name=megatron", "kernel.mode=fast"])
+    with pytest.raises(
+        ValueError, match=r"kernel\.mode=deterministic: megatron-core's kernels .* set kernel\.mode=fast"
+    ):
+        load_config(None, gpus)
+    with pytest.raises(ValueError, match=r"does not support trainer\.routing_replay=rollout yet"):
+        load_config(None, [*fast, "trainer.routing_replay=rollout"])
+    with pytest.raises(ValueError, match=r"num_ranks=3 is not a multiple of megatron tp \* pp \* cp = 2"):
+        load_config(None, [*fast, "trainer.num_ranks=3", "trainer.backend.megatron.tp=2"])
+    with pytest.raises(ValueError, match=r"does not split over the 3 data-parallel ranks"):
+        load_config(None, [*fast, "trainer.num_ranks=6", "trainer.backend.megatron.tp=2"])
+    with pytest.raises(ValueError, match=r"trainer\.backend\.megatron is set but trainer\.backend\.name is fsdp2"):
+        load_config(None, ["trainer.backend.megatron.tp=2"])
 
 
 def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:

@@ -375,3 +375,24 @@ def test_a_lone_hung_rank_is_found_by_the_heartbeat() -> None:
                                 "resume") == [1, 2]  # fmt: skip
 
     asyncio.run(scenario())
+
+
+def test_a_batch_splits_over_data_parallel_shares_megatron_peers_share_one() -> None:
+    """RayCluster's shares: FSDP2 ranks each get every world-th sample; Megatron's TP peers (same data-parallel
+    rank) get the same share, and the per-sample results come back in batch order from each share once."""
+    import asyncio
+
+    from miles_contracts import Sample
+    from miles_orchestrator.ray_cluster import RayCluster
+
+    samples = [Sample(index=i, group_index=0, prompt="", prompt_tokens=[1], response_tokens=[2]) for i in range(6)]
+    cluster = RayCluster()
+    cluster.data_parallel = [(0, 2), (0, 2), (1, 2), (1, 2)]  # tp=2, dp=2: ranks 0, 1 and 2, 3 are TP peers
+    shares = cluster._shares(samples)
+    assert [[row["index"] for row in share] for share in shares] == [[0, 2, 4], [0, 2, 4], [1, 3, 5], [1, 3, 5]]
+
+    async def sharded(method: str, per_rank: list, *args) -> list:
+        return [[[float(row["index"])] for row in share] for share in per_rank]
+
+    cluster._sharded = sharded  # type: ignore[method-assign]
+    assert asyncio.run(cluster._gathered("compute_logprobs", samples)) == [[float(i)] for i in range(6)]

@@ -137,9 +137,14 @@ class TrainerRankActor:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size))  # fmt: skip
         # A short timeout: a rank lost to an OOM or a crash ends its peers' collectives in seconds, not 30 minutes
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=settings.memory.collective_timeout_s))
+        on_cuda = settings.backend.device.startswith("cuda")  # CUDA tensors need NCCL; host ones stay on gloo
+        dist.init_process_group("cpu:gloo,cuda:nccl" if on_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=settings.memory.collective_timeout_s))  # fmt: skip
         self.trainer = TrainerRank(model_dir, settings)
         return self.trainer.fingerprint()
+
+    def data_parallel(self) -> tuple[int, int]:
+        return self._trainer.data_parallel()
 
     @property
     def _trainer(self) -> TrainerRank:

@@ -85,6 +85,33 @@ class RunConfig(Section):
                 update={"speculative_algorithm": "NEXTN", "speculative_num_steps": spec.num_steps}
             )
 
+    def _megatron_backend(self) -> None:
+        """trainer.backend.name=megatron: what the Megatron backend needs and what it does not support yet
+        (docs/megatron.md)."""
+        if self.trainer.backend.name != "megatron":
+            return
+        backend = self.trainer.backend
+        if not backend.device.startswith("cuda"):
+            raise ValueError(
+                "trainer.backend.name=megatron needs trainer.backend.device=cuda (megatron-core's forward runs on "
+                "CUDA); on a CPU use trainer.backend.name=fsdp2"
+            )
+        if self.kernel.is_deterministic:
+            raise ValueError(
+                "trainer.backend.name=megatron with kernel.mode=deterministic: megatron-core's kernels are not the "
+                "engine's, so the trainer's log-probs cannot equal the rollout's bit for bit; set kernel.mode=fast "
+                "(the old log-probs are recomputed and trainer.loss.is_mode tis / mask corrects the mismatch)"
+            )
+        unsupported = {
+            "a critic (advantage.estimator=gae)": self.trainer.uses_critic,
+            "spec.mode=online (the MTP draft's loss)": self.spec.mode == "online",
+            "trainer.routing_replay=rollout": self.trainer.routing_replay == "rollout",
+            f"trainer.loss.moe_aux_loss={self.trainer.loss.moe_aux_loss}": self.trainer.loss.moe_aux_loss != "none",
+        }
+        named = [name for name, used in unsupported.items() if used]
+        if named:
+            raise ValueError(f"trainer.backend.name=megatron does not support {', '.join(named)} yet; use fsdp2")
+
     def _routed_experts(self) -> None:
         """Routing replay needs the engine's routed experts: the rollout requests them and the engine records them."""
         if self.trainer.routing_replay == "rollout":
@@ -97,6 +124,7 @@ class RunConfig(Section):
     def _cross_section(self) -> RunConfig:
         check_batch_identity(self)
         self._routed_experts()
+        self._megatron_backend()
         loss = self.trainer.loss
         if "max_response_len" not in loss.model_fields_set:  # Dr.GRPO's constant L: the longest response
             self.trainer.loss = loss = loss.model_copy(update={"max_response_len": self.rollout.max_new_tokens})

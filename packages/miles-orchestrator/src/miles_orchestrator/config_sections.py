@@ -349,10 +349,22 @@ class TrainerSection(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSection:
-        if self.global_batch_size % self.num_ranks:
+        shares, over = self.num_ranks, f"num_ranks={self.num_ranks}"
+        if self.backend.name == "megatron":  # TP / PP / CP peers train the same samples
+            layout = self.backend.megatron
+            model_parallel = layout.tp * layout.pp * layout.cp
+            if self.num_ranks % model_parallel:
+                raise ValueError(
+                    f"num_ranks={self.num_ranks} is not a multiple of megatron tp * pp * cp = {model_parallel}"
+                )
+            shares, over = (
+                self.num_ranks // model_parallel,
+                f"the {self.num_ranks // model_parallel} data-parallel ranks",
+            )
+        if self.global_batch_size % shares:
             raise ValueError(
-                f"global_batch_size={self.global_batch_size} does not split over num_ranks={self.num_ranks}; "
-                "make global_batch_size a multiple of num_ranks"
+                f"global_batch_size={self.global_batch_size} does not split over {over}; make global_batch_size a "
+                "multiple of it"
             )
         return self
 

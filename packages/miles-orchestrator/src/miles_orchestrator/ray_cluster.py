@@ -73,6 +73,7 @@ class RayCluster:
     def __init__(self) -> None:
         self.engine: EngineFleet
         self.trainer_fingerprint = ""
+        self.data_parallel: list[tuple[int, int]] = []  # each rank's (data-parallel rank, size)
         self.sync_method = ""
         self.transport = ""
         self.sync_dir: Path | None = None
@@ -127,6 +128,7 @@ class RayCluster:
         master = await self.trainers[0].address.remote()
         fingerprints = await self._all("setup", master, model_dir, trainer_settings(cfg, run_dir))
         self.trainer_fingerprint = fingerprints[0]
+        self.data_parallel = [tuple(dp) for dp in await self._all("data_parallel")]
         self.urls = [str(url) for url in await asyncio.gather(*(a.get_url.remote() for a in self.engine_actors))]
         self.engine_where = list(await asyncio.gather(*(_where(a) for a in self.engine_actors)))
         self.rank_where = list(await asyncio.gather(*(_where(t) for t in self.trainers)))
@@ -316,21 +318,23 @@ class RayCluster:
         hint = f"resume it from its last checkpoint: miles-orchestrator run --resume {self.run_dir}"
         return await collective(self.trainers, method, refs, self.hang_timeout_s, hint)
 
+    def _rows(self) -> list[slice]:
+        """Each rank's rows of a batch: every data-parallel share's (Megatron's TP / PP / CP peers share one)."""
+        return [slice(dp_rank, None, dp_size) for dp_rank, dp_size in self.data_parallel]
+
     def _shares(self, samples: list[Sample]) -> list[list[dict[str, Any]]]:
-        world = len(self.trainers)
-        return [[s.model_dump(mode="json") for s in samples[rank::world]] for rank in range(world)]
+        return [[s.model_dump(mode="json") for s in samples[rows]] for rows in self._rows()]
 
     async def train(
         self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,
         measure: bool, critic: CriticTargets | None = None,
     ) -> dict[str, float]:  # fmt: skip
-        world = len(self.trainers)
         calls = [
             trainer.train.remote(
-                share, advantages[rank::world], None if old_logprobs is None else old_logprobs[rank::world], measure,
-                None if critic is None else critic.part(slice(rank, None, world)),
+                share, advantages[rows], None if old_logprobs is None else old_logprobs[rows], measure,
+                None if critic is None else critic.part(rows),
             )
-            for rank, (trainer, share) in enumerate(zip(self.trainers, self._shares(samples), strict=True))
+            for trainer, share, rows in zip(self.trainers, self._shares(samples), self._rows(), strict=True)
         ]  # fmt: skip
         results: list[dict[str, float]] = await self._collective("train", calls)
         return results[0]
@@ -342,12 +346,12 @@ class RayCluster:
         return await self._gathered("compute_values", samples)
 
     async def _gathered(self, method: str, samples: list[Sample]) -> list[list[float]]:
-        """Per-sample rows each rank computes for its share, back in the batch's order."""
-        world = len(self.trainers)
+        """Per-sample rows each rank computes for its share, back in the batch's order (a share computed by several
+        ranks, Megatron's TP peers, gives the same rows on each)."""
         shares = await self._sharded(method, self._shares(samples))
         out: list[list[float]] = [[] for _ in samples]
-        for rank, share in enumerate(shares):
-            out[rank::world] = share
+        for rows, share in zip(self._rows(), shares, strict=True):
+            out[rows] = share
         return out
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""One trainer rank's share of the job: the FSDP2 backend and the calls the loop makes on it.
+"""One trainer rank's share of the job: its backend (FSDP2 or Megatron, `trainer.backend.name`) and the calls the
+loop makes on it.
 
 The Ray cluster runs one per actor (actors.py: `TrainerRankActor`, which adds the process group and the weight
 transfer to the engine); the local cluster runs one in the driver, on the engine's thread. Every call is collective:
@@ -13,15 +14,22 @@ from typing import Any
 from miles_contracts import Sample
 from miles_orchestrator.cluster import CriticTargets, TrainerSettings
 from miles_spec import MTPLoss
-from miles_trainer import FSDP2Backend, export_hf, load_checkpoint, save_checkpoint
+from miles_trainer import FSDP2Backend, MegatronBackend, export_hf, load_checkpoint, save_checkpoint
 
 
 class TrainerRank:
-    """An FSDP2 rank built from `TrainerSettings` (torch.distributed must be initialized)."""
+    """A trainer rank built from `TrainerSettings` (torch.distributed must be initialized)."""
 
     def __init__(self, model_dir: str, settings: TrainerSettings) -> None:
         self.model_dir = model_dir
         self.kernel = settings.kernel
+        self.backend: FSDP2Backend | MegatronBackend
+        if settings.backend.name == "megatron":  # the run config refused what it does not support
+            self.backend = MegatronBackend(
+                model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
+                keep_reference=settings.keep_reference or None,
+            )  # fmt: skip
+            return
         spec = settings.spec
         aux_losses = [] if spec is None else [MTPLoss(spec.mtp_loss_coef)]
         self.backend = FSDP2Backend(model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
@@ -31,8 +39,20 @@ class TrainerRank:
                                     memory=settings.memory, routing_replay=settings.routing_replay)  # fmt: skip
 
     def fingerprint(self) -> str:
-        """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's)."""
-        return self.kernel.fingerprint(next(self.backend.model.parameters()).device.type)
+        """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's); the
+        Megatron backend runs megatron-core's kernels, never the engine's, so its fingerprint says so."""
+        device = next(self.backend.model.parameters()).device.type
+        if isinstance(self.backend, MegatronBackend):
+            return f"megatron-core:{device}"
+        return self.kernel.fingerprint(device)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) of this rank's share of a batch: Megatron's TP / PP / CP peers train the same samples."""
+        if isinstance(self.backend, MegatronBackend):
+            return self.backend.data_parallel
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size()
 
     def train(
         self, samples: Sequence[Sample], advantages: list[list[float]], old_logprobs: Any, measure_mismatch: bool,
@@ -55,7 +75,9 @@ class TrainerRank:
         return int(self.backend.offload(room_for=room_for))
 
     def memory_bytes(self) -> dict[str, int]:
-        """What this rank holds now, by tag."""
+        """What this rank holds now, by tag (the FSDP2 backend's memory manager; none for Megatron)."""
+        if isinstance(self.backend, MegatronBackend):
+            return {}
         return self.backend.memory.manager.resident_bytes()
 
     def onload(self) -> int:

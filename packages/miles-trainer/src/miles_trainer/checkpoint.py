@@ -29,6 +29,9 @@ from miles_kernels import CausalLM, KernelConfig, load_model, load_state, read_m
 
 if TYPE_CHECKING:
     from miles_trainer.fsdp import FSDP2Backend
+    from miles_trainer.megatron_backend import MegatronBackend
+
+    Backend = FSDP2Backend | MegatronBackend
 
 TRAINER_STATE = "trainer_state.json"
 MODEL_CONFIG = "config.json"
@@ -63,9 +66,7 @@ def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path:
     )
 
 
-def save_checkpoint(
-    backend: FSDP2Backend, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None
-) -> Path:
+def save_checkpoint(backend: Backend, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
     """Save model, optimizer, scheduler, step, RNG and `extra` atomically. Every rank calls it."""
     final = Path(directory)
     staging, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
@@ -73,8 +74,10 @@ def save_checkpoint(
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
     dist.barrier()
+    from miles_trainer.megatron_backend import MegatronBackend
+
     backend_state: dict[str, Any] = {}
-    if hasattr(backend, "write_checkpoint"):  # the Megatron backend: megatron-core's dist_checkpointing
+    if isinstance(backend, MegatronBackend):  # megatron-core's dist_checkpointing
         backend_state = backend.write_checkpoint(staging)
     else:
         # An optimizer that never stepped (every update so far skipped: no advantage signal) has no state, which DCP
@@ -92,9 +95,9 @@ def save_checkpoint(
             "step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {},
             "world_size": dist.get_world_size(), "kernel": backend.kernel.fingerprint(), **backend_state,
         }  # fmt: skip
-        if backend.critic_config is not None:
+        if not isinstance(backend, MegatronBackend) and backend.critic_config is not None:
             state["critic"] = {"kind": backend.critic_config.kind, "scheduler": backend.critic_scheduler.state_dict()}
-        if backend.aux_params:
+        if not isinstance(backend, MegatronBackend) and backend.aux_params:
             state["aux"] = {
                 "losses": [a.name for a in backend.aux_losses],
                 "scheduler": backend.aux_scheduler.state_dict(),
@@ -138,11 +141,13 @@ def _aux_state(backend: FSDP2Backend) -> dict[str, Any]:
     return {"aux_optim": optim_state}
 
 
-def load_checkpoint(backend: FSDP2Backend, directory: str | os.PathLike[str]) -> dict[str, Any]:
+def load_checkpoint(backend: Backend, directory: str | os.PathLike[str]) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, step and RNG from `save_checkpoint`; returns the saved `extra`."""
     path = resolve_checkpoint(directory)
     state = json.loads((path / TRAINER_STATE).read_text())
-    if hasattr(backend, "read_checkpoint"):  # the Megatron backend
+    from miles_trainer.megatron_backend import MegatronBackend
+
+    if isinstance(backend, MegatronBackend):
         backend.read_checkpoint(path, state)
     else:
         _load_fsdp(backend, path, state)
@@ -184,6 +189,7 @@ def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None
             _critic_module(backend), backend.critic_optimizer, model_state_dict=state_dict["critic_model"],
             optim_state_dict=state_dict["critic_optim"],
         )  # fmt: skip
+        assert saved_critic is not None  # checked above
         backend.critic_scheduler.load_state_dict(saved_critic["scheduler"])
     if saved_aux is not None:
         set_state_dict(backend.model, backend.aux_optimizer, model_state_dict=state_dict["model"],
@@ -191,7 +197,7 @@ def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None
         backend.aux_scheduler.load_state_dict(saved_aux["scheduler"])
 
 
-def export_hf(backend: FSDP2Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:
+def export_hf(backend: Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:
     """Gather the full weights and write a Hugging Face directory in the kernel dtype (rank 0 writes; every
     rank calls it)."""
     state = backend.full_state_dict()

@@ -28,8 +28,14 @@ import torch
 import torch.distributed as dist
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig, MappedSafetensors, iter_checkpoint, read_model_config, weights_checksum
-from miles_kernels.model_config import ModelConfig
+from miles_kernels import (
+    KernelConfig,
+    MappedSafetensors,
+    ModelConfig,
+    iter_checkpoint,
+    read_model_config,
+    weights_checksum,
+)
 from miles_memory.config import MemoryConfig
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.logprobs import response_logprobs
@@ -536,18 +542,18 @@ class MegatronBackend:
                 tensor.data = host
             else:
                 owner[key] = host
-        ddp = self.model.gpt_ddp
-        freed += sum(
-            b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers
-        )
-        ddp.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=self.device.type == "cuda")
+        freed += self.grad_buffer_bytes()
+        on_cuda = self.device.type == "cuda"
+        self.model.gpt_ddp.offload_grad_buffers(synchronize=on_cuda, empty_cache=on_cuda)
         self._offloaded = True
         return freed
 
     def grad_buffer_bytes(self) -> int:
         """Bytes of megatron-core's DDP gradient buffers (dense and expert)."""
         ddp = self.model.gpt_ddp
-        return sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
+        return int(
+            sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
+        )
 
     def onload(self) -> int:
         """Bring back what `offload()` freed; returns the bytes restored on this rank."""

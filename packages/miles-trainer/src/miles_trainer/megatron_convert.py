@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from miles_kernels.model_config import ModelConfig
+from miles_kernels import ModelConfig
 
 Fusion = Literal["none", "qkv", "gate_up"]
 Group = Literal["tp", "etp", "none"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from miles_kernels.model_config import ModelConfig
+from miles_kernels import ModelConfig
 from miles_trainer.config import MegatronConfig
 from miles_trainer.megatron_convert import RankLayout, check_convertible, padded_vocab_size
 
