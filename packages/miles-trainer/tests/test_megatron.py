@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,21 @@ megatron = pytest.importorskip("megatron.core", reason="the megatron extra (uv s
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 KINDS = ("dense", "moe", "glm")
+
+
+@contextlib.contextmanager
+def one_rank_group(path: Path) -> Iterator[None]:
+    """A one-process gloo group for the test (another test of this process may have left one: it is used)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def grid(tp: int = 1, ep: int = 1, etp: int = 1, stages: int = 1, impl: str = "local", layers: int = 2) -> list:
@@ -143,8 +160,6 @@ def test_the_backend_config_checks_the_layout() -> None:
 def test_a_missing_extra_and_a_cpu_device_get_clear_errors(monkeypatch, tmp_path) -> None:
     import importlib.util
 
-    import torch.distributed as dist
-
     from miles_kernels import KernelConfig
     from miles_trainer import MegatronBackend
     from miles_trainer.megatron_model import require_megatron
@@ -157,8 +172,7 @@ def test_a_missing_extra_and_a_cpu_device_get_clear_errors(monkeypatch, tmp_path
         require_megatron()
     monkeypatch.setattr(importlib.util, "find_spec", real)
     save_model(random_model(tiny_config("dense")), tmp_path / "model")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path / "pg"):
         with pytest.raises(RuntimeError, match="needs CUDA"):
             MegatronBackend(tmp_path / "model", KernelConfig(), config=BackendConfig(name="megatron"))
         with pytest.raises(NotImplementedError, match="pipeline schedule"):
@@ -167,14 +181,11 @@ def test_a_missing_extra_and_a_cpu_device_get_clear_errors(monkeypatch, tmp_path
         with pytest.raises(ValueError, match="routing_replay"):
             MegatronBackend(tmp_path / "model", KernelConfig(), config=BackendConfig(name="megatron"),
                             routing_replay=True)  # fmt: skip
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_megatron_gpt_model_has_the_conversion_names_and_the_miles_logits(kind: str, tmp_path) -> None:
     """megatron-core's GPTModel, built on the CPU from the HF config, against the conversion and the miles model."""
-    import torch.distributed as dist
 
     from miles_kernels.testing.paged_runner import packed_logits
     from miles_trainer import megatron_on_cpu
@@ -184,8 +195,7 @@ def test_megatron_gpt_model_has_the_conversion_names_and_the_miles_logits(kind: 
     reference = random_model(config, seed=5)
     state = dict(reference.state_dict())
     layout_config = MegatronConfig(moe_token_dispatcher="allgather")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path / "pg"):
         init_parallel(layout_config)
         with megatron_on_cpu():
             gpt = build_gpt_model(config, layout_config)
@@ -198,11 +208,9 @@ def test_megatron_gpt_model_has_the_conversion_names_and_the_miles_logits(kind: 
             mask = torch.triu(torch.ones(11, 11, dtype=torch.bool), diagonal=1)[None, None]
             with torch.no_grad():
                 logits = gpt(ids, torch.arange(11).expand(2, 11), attention_mask=mask)[..., : config.vocab_size]
-    finally:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
     for row, want in zip(logits, packed_logits(reference, list(ids)), strict=True):
         torch.testing.assert_close(row, want, rtol=0, atol=2e-6)
 

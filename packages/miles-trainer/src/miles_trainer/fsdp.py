@@ -43,10 +43,10 @@ from miles_trainer.step import (
     accumulate_sft_gradients,
     add_batch_stats,
     add_is_metrics,
+    batch_normalizers,
     batch_summary,
     count_trained,
-    is_nonzero,
-    mismatch_weights,
+    has_update_signal,
     resolve_loss_fn,
 )
 from miles_trainer.weight_sender import (
@@ -281,14 +281,9 @@ class FSDP2Backend:
         loss = self.loss_config
         if self.reference is not None and ref_logprobs is None:  # the KL term, or the kl metric alone
             ref_logprobs = self.compute_logprobs(samples, reference=True)
-        is_weights: list[list[float]] | None = None
-        is_metrics: dict[str, torch.Tensor] = {}
-        if loss.is_mode is not None:  # before the counts: MIS may take rejected tokens out of them
-            is_weights, is_metrics = mismatch_weights(samples, old_logprobs, loss, all_reduce=_sum_over_ranks)
-        exclude_rejected = loss.is_mode == "mask" and loss.is_rejected == "excluded"
-        local = torch.tensor(count_trained(samples, is_weights if exclude_rejected else None), dtype=torch.int64)
-        dist.all_reduce(local)
-        global_tokens, global_seqs = (int(v) for v in local.tolist())
+        is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(
+            samples, old_logprobs, loss, _sum_over_ranks
+        )
         aux_counts = self._aux_counts(samples)
         critic, is_warmup = self.critic_config, False
         if critic is not None:
@@ -339,11 +334,7 @@ class FSDP2Backend:
         critic_metrics = self._critic_step() if critic is not None else {}
         critic_metrics |= self._aux_step()
         add_batch_stats(stats, samples, advantages)
-        # A batch whose advantages are all zero (every group's rewards equal) has no policy-gradient signal; an
-        # AdamW step would still move the weights along stale momentum, so the update is skipped.
-        signal = torch.tensor([float(any(is_nonzero(a) for a in advantages))])
-        dist.all_reduce(signal, op=dist.ReduceOp.MAX)
-        has_signal = bool(signal.item()) or loss.kl_coef > 0 or loss.entropy_coef > 0
+        has_signal = has_update_signal(advantages, loss)
         metrics = self._finish_step(stats, start, skip_update=is_warmup or not has_signal)
         return metrics | critic_metrics
 

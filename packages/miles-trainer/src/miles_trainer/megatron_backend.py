@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,9 @@ from miles_trainer.step import (
     accumulate_policy_gradients,
     add_batch_stats,
     add_is_metrics,
+    batch_normalizers,
     batch_summary,
-    count_trained,
-    is_nonzero,
-    mismatch_weights,
+    has_update_signal,
     resolve_loss_fn,
 )
 from miles_trainer.weight_sender import (
@@ -90,11 +90,6 @@ class MegatronCausalLM(torch.nn.Module):
     def mtp_parameters(self) -> list[torch.nn.Parameter]:
         return []
 
-    def _autocast(self) -> Any:
-        device = next(self.gpt.parameters()).device.type
-        dtype = self.kernel.torch_dtype
-        return torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
-
     def forward_hidden(
         self, input_ids_N: torch.Tensor, batch: Any, routing_NLK: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -121,11 +116,10 @@ class MegatronCausalLM(torch.nn.Module):
         positions_BS = torch.arange(width, device=device).expand(rows, width)
         mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
         gpt = self.gpt
-        with self._autocast():
-            hidden_SBH = gpt.embedding(input_ids=ids_BS, position_ids=positions_BS)
-            rotary = gpt.rotary_pos_emb(gpt.rotary_pos_emb.get_rotary_seq_len(None, gpt.decoder, hidden_SBH,
-                                                                             gpt.config, None))  # fmt: skip
-            hidden_SBH = gpt.decoder(hidden_states=hidden_SBH, attention_mask=mask, rotary_pos_emb=rotary)
+        hidden_SBH = gpt.embedding(input_ids=ids_BS, position_ids=positions_BS)
+        rotary = gpt.rotary_pos_emb(gpt.rotary_pos_emb.get_rotary_seq_len(None, gpt.decoder, hidden_SBH,
+                                                                         gpt.config, None))  # fmt: skip
+        hidden_SBH = gpt.decoder(hidden_states=hidden_SBH, attention_mask=mask, rotary_pos_emb=rotary)
         if gpt.config.sequence_parallel:
             hidden_SBH = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_SBH, tensor_parallel_output_grad=True
@@ -142,8 +136,7 @@ class MegatronCausalLM(torch.nn.Module):
         weight = gpt.output_layer.weight if weight is None else weight
         if gpt.config.tensor_model_parallel_size > 1 and not gpt.config.sequence_parallel:
             hidden_KH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_KH)
-        with self._autocast():
-            local = hidden_KH @ weight.t()
+        local = hidden_KH.to(weight.dtype) @ weight.t()  # in the model's dtype, as the engine's LM head
         full: torch.Tensor = tensor_parallel.gather_from_tensor_model_parallel_region(local.float())
         return full[:, : self.config.vocab_size]
 
@@ -198,6 +191,9 @@ class MegatronBackend:
         self.optimizer_config = optimizer or OptimizerConfig()
         self.loss_config = loss or PolicyLossConfig()
         self.config = config or BackendConfig(name="megatron")
+        if self.config.activation_checkpointing and self.config.megatron.recompute == "none":
+            full = self.config.megatron.model_copy(update={"recompute": "full"})  # the FSDP2 switch means the same
+            self.config = self.config.model_copy(update={"megatron": full})
         layout = self.config.megatron
         if layout.pp > 1 or layout.cp > 1:
             raise NotImplementedError(
@@ -218,8 +214,11 @@ class MegatronBackend:
         if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
             self.reference = self._build(model_dir, train=False)
         self.params = [p for p in self.model.gpt.parameters() if p.requires_grad]
+        # float32 masters the optimizer steps (the parameters themselves when the model is float32); a bf16 / fp16
+        # model's parameters are their round-to-nearest casts, as the engine's weights are
+        self.masters = self.params if self.kernel.torch_dtype == torch.float32 else self._masters
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=self.optimizer_config.lr, betas=self.optimizer_config.betas,
+            self.masters, lr=self.optimizer_config.lr, betas=self.optimizer_config.betas,
             eps=self.optimizer_config.eps, weight_decay=self.optimizer_config.weight_decay, fused=True,
         )  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optimizer_config.lr_factor)
@@ -232,7 +231,7 @@ class MegatronBackend:
     def _build(self, model_dir: str | os.PathLike[str], train: bool) -> MegatronCausalLM:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        gpt = build_gpt_model(self.model_config, self.config.megatron)
+        gpt = build_gpt_model(self.model_config, self.config.megatron, self.kernel.torch_dtype)
         wanted = {name for entry in rank_entries(self.model_config, self.layout) for name in entry.hf_names}
         hf = {name: tensor for name, tensor in iter_checkpoint(model_dir) if name in wanted}
         state = hf_to_megatron(hf.__getitem__, self.model_config, self.layout)
@@ -245,6 +244,10 @@ class MegatronBackend:
         gpt = gpt.to(self.device)
         if not train:
             return MegatronCausalLM(gpt.eval().requires_grad_(False), self.model_config, self.kernel)
+        names = {id(param): name for name, param in gpt.named_parameters()}
+        self._masters = [
+            state[names[id(p)]].to(self.device, torch.float32) for p in gpt.parameters() if p.requires_grad
+        ]  # the checkpoint's float32 values (exact), in the parameters' order
         ddp = DistributedDataParallel(
             config=gpt.config, module=gpt,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
@@ -318,14 +321,9 @@ class MegatronBackend:
         loss = self.loss_config
         if self.reference is not None and ref_logprobs is None:
             ref_logprobs = self.compute_logprobs(samples, reference=True)
-        is_weights: list[list[float]] | None = None
-        is_metrics: dict[str, torch.Tensor] = {}
-        if loss.is_mode is not None:
-            is_weights, is_metrics = mismatch_weights(samples, old_logprobs, loss, all_reduce=self._sum_dp)
-        exclude_rejected = loss.is_mode == "mask" and loss.is_rejected == "excluded"
-        local = torch.tensor(count_trained(samples, is_weights if exclude_rejected else None), dtype=torch.int64)
-        self._sum_dp(local)
-        global_tokens, global_seqs = (int(v) for v in local.tolist())
+        is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(
+            samples, old_logprobs, loss, self._sum_dp
+        )
         self._zero_grad()
         stats = accumulate_policy_gradients(
             self.model, samples, advantages, self.kernel, loss, self.max_tokens,  # type: ignore[arg-type]
@@ -336,10 +334,7 @@ class MegatronBackend:
         add_is_metrics(stats, is_metrics, samples)
         finalize_model_grads([self.model.gpt_ddp])
         add_batch_stats(stats, samples, advantages)
-        signal = torch.tensor([float(any(is_nonzero(a) for a in advantages))])
-        dist.all_reduce(signal, op=dist.ReduceOp.MAX)
-        has_signal = bool(signal.item()) or loss.kl_coef > 0 or loss.entropy_coef > 0
-        return self._finish_step(stats, start, skip_update=not has_signal)
+        return self._finish_step(stats, start, skip_update=not has_update_signal(advantages, loss))
 
     def _zero_grad(self) -> None:
         self.model.gpt_ddp.zero_grad_buffer()
@@ -367,18 +362,22 @@ class MegatronBackend:
         return (dense + expert).sqrt()
 
     def _finish_step(self, stats: StepStats, start: float, skip_update: bool = False) -> dict[str, float]:
-        for param in self.params:
-            param.grad = param.main_grad.to(param.dtype)
+        for param, master in zip(self.params, self.masters, strict=True):
+            master.grad = param.main_grad  # float32 (the DDP buffers reduce in float32)
         grad_norm = self._grad_norm()
         clip = self.optimizer_config.max_grad_norm
         scale = min(1.0, clip / (float(grad_norm) + 1e-6))
         if scale < 1.0:
-            for param in self.params:
-                assert param.grad is not None
-                param.grad.mul_(scale)
+            for master in self.masters:
+                assert master.grad is not None
+                master.grad.mul_(scale)
         if not skip_update:
             self.optimizer.step()
             self.scheduler.step()
+            if self.masters is not self.params:
+                with torch.no_grad():
+                    for param, master in zip(self.params, self.masters, strict=True):
+                        param.copy_(master)  # round to nearest: the weights the engine will get
         self.step_count += 1
         stats.add("skipped_update", float(skip_update) / self.data_parallel[1])
         stats.all_reduce(self._dp_group())
@@ -402,14 +401,17 @@ class MegatronBackend:
             optim_state_to_sharding_state,
         )
 
-        for param in self.params:
-            state = self.optimizer.state[param]
+        for master in self.masters:
+            state = self.optimizer.state[master]
             if not state:
-                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
-                             exp_avg_sq=torch.zeros_like(param))  # fmt: skip
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))  # fmt: skip
         model = self.model.gpt.sharded_state_dict()
         optimizer = self.optimizer.state_dict()
         steps = {float(entry["step"]) for entry in optimizer["state"].values()}
+        if self.masters is not self.params:  # a bf16 / fp16 model: its float32 masters are saved too
+            for index, master in enumerate(self.masters):
+                optimizer["state"][index]["master"] = master
         ids = get_param_id_to_sharded_param_map(model, self.params)
         optim_state_to_sharding_state(optimizer, ids, exclude_keys=("step",))
         return {"model": model, "optimizer": optimizer, "adam_step": max(steps, default=0.0)}
@@ -443,8 +445,13 @@ class MegatronBackend:
         self.model.gpt.load_state_dict(loaded["model"], strict=False)
         optimizer = loaded["optimizer"]
         step = torch.tensor(float(saved.get("adam_step", 0.0)))
-        for entry in optimizer["state"].values():
+        for index, entry in optimizer["state"].items():
             entry["step"] = step.clone()
+            master = entry.pop("master", None)
+            if master is not None:
+                with torch.no_grad():
+                    self.masters[index].copy_(master)
+                    self.params[index].copy_(master)
         optimizer["param_groups"] = self.optimizer.state_dict()["param_groups"]
         for group, lr in zip(optimizer["param_groups"], saved.get("adam_lrs", []), strict=False):
             group["lr"] = lr  # the scheduler's state restores its counters, not the rate of the next step
@@ -467,12 +474,13 @@ class MegatronBackend:
         each tensor's shards gathered over its TP / ETP group, experts over the EP group."""
         from megatron.core import parallel_state as ps
 
-        state = self.model.gpt.state_dict()
+        masters = {id(param): master for param, master in zip(self.params, self.masters, strict=True)}
+        state = {name: masters.get(id(param), param) for name, param in self.model.gpt.named_parameters()}
         buffers = dict(self.model.gpt.named_buffers())
         ep_group, ep_size = ps.get_expert_model_parallel_group(), self.layout.ep_size
         out: dict[str, torch.Tensor] = {}
         for entry in rank_entries(self.model_config, self.layout):
-            local = (buffers.get(entry.name, state.get(entry.name))).detach()
+            local = (buffers[entry.name] if entry.name in buffers else state[entry.name]).detach()
             full = merge_shards(entry, self._gathered(local, entry.group))
             size = self.layout.rank_in(entry.group)[1]
             is_expert = ".local_experts." in entry.name
@@ -485,7 +493,7 @@ class MegatronBackend:
                     expert = ep_rank * per_rank + local_index
                     names = tuple(n.replace(f".experts.{self.layout.ep_rank * per_rank + local_index}.",
                                             f".experts.{expert}.") for n in entry.hf_names)  # fmt: skip
-                    moved = type(entry)(entry.name, names, entry.fusion, entry.group, entry.dim, entry.vocab)
+                    moved = replace(entry, hf_names=names)
                     out |= {n: t.cpu() for n, t in megatron_to_hf(moved, part, self.model_config, size).items()}
             else:
                 out |= {n: t.cpu() for n, t in megatron_to_hf(entry, full, self.model_config, size).items()}
@@ -515,11 +523,15 @@ class MegatronBackend:
     # -- memory --------------------------------------------------------------------------------------------------
 
     def _resident(self) -> Iterator[tuple[dict[str, Any], str]]:
-        """(owner, key) of every tensor `offload` moves: the policy's and the reference's parameters, AdamW's state."""
+        """(owner, key) of every tensor `offload` moves: the policy's and the reference's parameters, the float32
+        masters of a bf16 / fp16 model, AdamW's state."""
         for model in (self.model, self.reference):
             if model is not None:
                 for param in model.gpt.parameters():
                     yield {"param": param}, "param"
+        if self.masters is not self.params:
+            for master in self.masters:
+                yield {"param": master}, "param"
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:

@@ -173,17 +173,20 @@ def epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int) -> l
 
 
 def ensure_process_group() -> bool:
-    """Use the launcher's process group (torchrun sets RANK / WORLD_SIZE), else a one-process gloo group.
-    Returns True when this call created the group (the caller destroys it)."""
+    """Use the launcher's process group (torchrun sets RANK / WORLD_SIZE), else a one-process group: gloo, with NCCL
+    for CUDA tensors where CUDA is available. Returns True when this call created the group (the caller destroys
+    it)."""
+    import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         return False
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     else:
         store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return True
 
 

@@ -191,6 +191,35 @@ def mismatch_weights(
     return [weights_NT[i, : len(s.response_tokens)].tolist() for i, s in enumerate(samples)], metrics
 
 
+def batch_normalizers(
+    samples: Sequence[Sample],
+    old_logprobs: PerToken | None,
+    config: PolicyLossConfig,
+    all_reduce: Callable[[torch.Tensor], None],
+) -> tuple[list[list[float]] | None, dict[str, torch.Tensor], int, int]:
+    """What a train step needs of the whole batch before its micro-batches: the TIS / MIS weights (`config.is_mode`;
+    None without), their metrics, and the trained token / sequence counts the losses are normalized by, summed over
+    the data-parallel ranks by `all_reduce`. The weights come first: MIS may take rejected tokens out of the counts."""
+    is_weights: list[list[float]] | None = None
+    is_metrics: dict[str, torch.Tensor] = {}
+    if config.is_mode is not None:
+        is_weights, is_metrics = mismatch_weights(samples, old_logprobs, config, all_reduce=all_reduce)
+    exclude_rejected = config.is_mode == "mask" and config.is_rejected == "excluded"
+    local = torch.tensor(count_trained(samples, is_weights if exclude_rejected else None), dtype=torch.int64)
+    all_reduce(local)
+    global_tokens, global_seqs = (int(v) for v in local.tolist())
+    return is_weights, is_metrics, global_tokens, global_seqs
+
+
+def has_update_signal(advantages: PerSample, config: PolicyLossConfig) -> bool:
+    """Whether any rank's batch moves the policy. A batch whose advantages are all zero (every group's rewards equal)
+    has no policy-gradient signal; an AdamW step would still move the weights along stale momentum, so the update is
+    skipped (unless a KL or entropy term trains)."""
+    signal = torch.tensor([float(any(is_nonzero(a) for a in advantages))])
+    dist.all_reduce(signal, op=dist.ReduceOp.MAX)
+    return bool(signal.item()) or config.kl_coef > 0 or config.entropy_coef > 0
+
+
 def token_advantages(samples: Sequence[Sample], advantages: PerSample) -> list[list[float]]:
     """One advantage per response token: a scalar per sample is broadcast, a list must match the response."""
     if len(advantages) != len(samples):
