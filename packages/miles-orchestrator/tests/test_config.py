@@ -296,6 +296,10 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
     fast = [*gpus, "kernel.mode=fast"]
     cfg = load_config(None, [*fast, "trainer.num_ranks=4", "trainer.backend.megatron.tp=2"])
     assert cfg.trainer.backend.megatron.tp == 2 and cfg.trainer.backend.name == "megatron"
+    plan = cfg.memory.plan  # the planner plans the run's layout
+    assert (plan.trainer_backend, plan.tp, plan.distributed_optimizer) == ("megatron", 2, False)
+    explicit = load_config(None, [*fast, "trainer.num_ranks=4", "trainer.backend.megatron.tp=2", "memory.plan.tp=4"])
+    assert explicit.memory.plan.tp == 4
     with pytest.raises(ValueError, match=r"needs trainer\.backend\.device=cuda .* use trainer\.backend\.name=fsdp2"):
         load_config(None, ["trainer.backend.name=megatron", "kernel.mode=fast"])
     with pytest.raises(

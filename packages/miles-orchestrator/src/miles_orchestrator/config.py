@@ -111,6 +111,16 @@ class RunConfig(Section):
         named = [name for name, used in unsupported.items() if used]
         if named:
             raise ValueError(f"trainer.backend.name=megatron does not support {', '.join(named)} yet; use fsdp2")
+        # the memory planner plans this layout unless memory.plan says otherwise (AdamW is replicated over DP here)
+        layout, plan = backend.megatron, self.memory.plan
+        derived: dict[str, object] = {
+            "trainer_backend": "megatron", "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp or 1,
+            "cp": layout.cp, "distributed_optimizer": False,
+        }  # fmt: skip
+        if layout.recompute != "none":
+            derived["recompute"] = layout.recompute
+        update = {key: value for key, value in derived.items() if key not in plan.model_fields_set}
+        self.memory = self.memory.model_copy(update={"plan": plan.model_copy(update=update)})
 
     def _routed_experts(self) -> None:
         """Routing replay needs the engine's routed experts: the rollout requests them and the engine records them."""
