@@ -94,7 +94,7 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
         normalization="RMSNorm", layernorm_epsilon=model.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=model.attention_bias,
         qk_layernorm=model.use_qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
         virtual_pipeline_model_parallel_size=config.vpp, context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
