@@ -57,9 +57,10 @@ from .losses import (
     sft_loss,
     train_rollout_logprob_abs_diff,
 )
-from .megatron_backend import MegatronBackend, MegatronCausalLM
+from .megatron_backend import MegatronBackend
 from .megatron_convert import RankLayout, hf_from_megatron, hf_to_megatron, rank_entries
 from .megatron_cpu import megatron_on_cpu
+from .megatron_model import MegatronCausalLM
 from .packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches, plan_samples
 from .sft import SFTDataError, ensure_process_group, load_sft_samples, run_sft
 from .step import (

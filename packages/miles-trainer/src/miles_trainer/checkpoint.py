@@ -26,10 +26,10 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from miles_kernels import CausalLM, KernelConfig, load_model, load_state, read_model_config, save_model
+from miles_trainer.megatron_backend import MegatronBackend  # megatron-core itself is imported only when used
 
 if TYPE_CHECKING:
     from miles_trainer.fsdp import FSDP2Backend
-    from miles_trainer.megatron_backend import MegatronBackend
 
     Backend = FSDP2Backend | MegatronBackend
 
@@ -74,8 +74,6 @@ def save_checkpoint(backend: Backend, directory: str | os.PathLike[str], extra: 
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
     dist.barrier()
-    from miles_trainer.megatron_backend import MegatronBackend
-
     backend_state: dict[str, Any] = {}
     if isinstance(backend, MegatronBackend):  # megatron-core's dist_checkpointing
         backend_state = backend.write_checkpoint(staging)
@@ -145,8 +143,6 @@ def load_checkpoint(backend: Backend, directory: str | os.PathLike[str]) -> dict
     """Restore model, optimizer, scheduler, step and RNG from `save_checkpoint`; returns the saved `extra`."""
     path = resolve_checkpoint(directory)
     state = json.loads((path / TRAINER_STATE).read_text())
-    from miles_trainer.megatron_backend import MegatronBackend
-
     if isinstance(backend, MegatronBackend):
         backend.read_checkpoint(path, state)
     else:

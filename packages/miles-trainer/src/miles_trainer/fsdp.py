@@ -32,7 +32,7 @@ from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
-from miles_trainer.logprobs import response_logprobs
+from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.memory import TrainerMemory
 from miles_trainer.moe import moe_shape
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
@@ -220,14 +220,9 @@ class FSDP2Backend:
             samples, self.kernel, self.max_tokens, routing_shape=moe_shape(model) if replay else None,
             require_routing=replay,
         )  # fmt: skip
-        out: list[list[float]] = [[] for _ in samples]
-        for step in range(max(len(micro_batches), self._num_passes(samples))):
-            micro = micro_batches[min(step, len(micro_batches) - 1)]
-            values = response_logprobs(model, micro, self.loss_config.temperature, replay)
-            if step < len(micro_batches):
-                for i, row in zip(micro.sample_indices, values, strict=True):
-                    out[i] = row.tolist()
-        return out
+        return batch_logprobs(
+            model, micro_batches, len(samples), self._num_passes(samples), self.loss_config.temperature, replay
+        )
 
     @torch.no_grad()
     def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:

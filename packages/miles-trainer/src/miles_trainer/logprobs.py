@@ -9,6 +9,8 @@ Shapes: N packed rows of a micro-batch, K its response tokens, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from miles_kernels import CausalLM, token_logprobs
@@ -54,6 +56,27 @@ def response_logprobs(
 ) -> list[torch.Tensor]:
     """Per sample of the micro-batch, the log-probs of its response tokens (in order)."""
     return micro.per_sample(micro_batch_logprobs(model, micro, temperature, replay))
+
+
+def batch_logprobs(
+    model: CausalLM,
+    micro_batches: Sequence[MicroBatch],
+    num_samples: int,
+    num_passes: int,
+    temperature: float = 1.0,
+    replay: bool = False,
+) -> list[list[float]]:
+    """Per sample of the batch (`num_samples`, in its order), the log-probs of its response tokens. A sharded model's
+    forwards are collectives: `num_passes` (the busiest rank's count) pads this rank's with repeats of its last
+    micro-batch, whose results are dropped."""
+    out: list[list[float]] = [[] for _ in range(num_samples)]
+    for step in range(max(len(micro_batches), num_passes)):
+        micro = micro_batches[min(step, len(micro_batches) - 1)]
+        values = response_logprobs(model, micro, temperature, replay)
+        if step < len(micro_batches):
+            for i, row in zip(micro.sample_indices, values, strict=True):
+                out[i] = row.tolist()
+    return out
 
 
 def _device(model: CausalLM) -> torch.device:

@@ -1,15 +1,16 @@
 """The Megatron-core training backend (`trainer.backend.name=megatron`, docs/megatron.md): a `GPTModel` with
 tensor, expert and data parallelism from `MegatronConfig`, driven by the same step code as the FSDP2 backend.
 
-`MegatronCausalLM` gives the GPTModel the interface `miles_trainer.step` calls (`forward_hidden`, `logits`), so the
-policy losses, the counts, the TIS / MIS weights, the KL term and the metrics are the FSDP2 backend's, line for
-line. Each packed micro-batch (packed without prompt sharing: one sequence per sample) is laid out as a right-padded
-(B, S) batch with a causal mask, since Megatron-core's local attention takes no packed sequences (Transformer Engine's
-THD layout would; see the guide). Logits are gathered over the TP ranks (`parallel_output=False` semantics), so every
-TP rank computes the same loss; gradients are reduced over the data-parallel ranks by Megatron-core's
+`MegatronCausalLM` (megatron_model.py) gives the GPTModel the interface `miles_trainer.step` calls
+(`forward_hidden`, `logits`), so the policy losses, the counts, the TIS / MIS weights, the KL term and the metrics
+are the FSDP2 backend's, line for line. Each packed micro-batch (packed without prompt sharing: one sequence per
+sample) is laid out as a right-padded (B, S) batch with a causal mask, since Megatron-core's local attention takes no
+packed sequences (Transformer Engine's THD layout would; see the guide). Logits are gathered over the TP ranks, so
+every TP rank computes the same loss; gradients are reduced over the data-parallel ranks by Megatron-core's
 `DistributedDataParallel` (summed: the losses are normalized by the global batch's token counts, as in FSDP2), then
-`finalize_model_grads` (sequence-parallel norms). The optimizer is torch's fused AdamW over each rank's own shards,
-with the global gradient norm computed over the model-parallel ranks (each TP-replicated tensor counted once).
+`finalize_model_grads` (sequence-parallel norms). The optimizer is torch's fused AdamW over float32 masters of each
+rank's shards, with the global gradient norm computed over the model-parallel ranks (each TP-replicated tensor
+counted once).
 
 Weight export gathers each tensor's shards over its TP / ETP / EP groups and converts it to HF names
 (`megatron_convert`), so engines get exactly what an HF checkpoint holds. Megatron-core's forward needs CUDA: on a
@@ -32,17 +33,22 @@ from miles_contracts import Sample
 from miles_kernels import (
     KernelConfig,
     MappedSafetensors,
-    ModelConfig,
     iter_checkpoint,
     read_model_config,
     weights_checksum,
 )
 from miles_memory.config import MemoryConfig
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
-from miles_trainer.logprobs import response_logprobs
+from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.megatron_convert import RankLayout, hf_to_megatron, megatron_to_hf, merge_shards, rank_entries
 from miles_trainer.megatron_cpu import cpu_emulation_active
-from miles_trainer.megatron_model import build_gpt_model, init_parallel, rank_layout, require_megatron
+from miles_trainer.megatron_model import (
+    MegatronCausalLM,
+    build_gpt_model,
+    init_parallel,
+    rank_layout,
+    require_megatron,
+)
 from miles_trainer.packing import pack_samples, plan_samples
 from miles_trainer.step import (
     PerSample,
@@ -61,84 +67,6 @@ from miles_trainer.weight_sender import (
     iter_weight_buckets,
     write_weights_file,
 )
-
-
-class MegatronCausalLM(torch.nn.Module):
-    """A GPTModel (optionally wrapped in Megatron's DDP) seen as the step code's model: `forward_hidden` over a
-    packed micro-batch's rows, `logits` of chosen rows over the full vocabulary."""
-
-    def __init__(self, module: torch.nn.Module, config: ModelConfig, kernel: KernelConfig) -> None:
-        super().__init__()
-        self.module = module
-        self.gpt_ddp: Any = module  # Megatron's DDP wrapper (the GPTModel itself when frozen)
-        self.config = config
-        self.kernel = kernel
-        self.gpt: Any = getattr(module, "module", module)
-        # MoE experts split over ranks (EP x ETP): every forward pads its (B, S) batch to the largest over them
-        # (the token dispatch gathers equal shapes; padding rows are sequences of their own, invisible to the real
-        # ones)
-        self.pad_group: Any = None
-        meg = self.gpt.config
-        if config.is_moe and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1:
-            from megatron.core import parallel_state
-
-            self.pad_group = parallel_state.get_expert_tensor_and_model_parallel_group()
-
-    def moe_layers(self) -> dict[int, Any]:
-        return {}  # the routing metrics read miles-kernels' routers; Megatron's are not instrumented
-
-    def mtp_parameters(self) -> list[torch.nn.Parameter]:
-        return []
-
-    def forward_hidden(
-        self, input_ids_N: torch.Tensor, batch: Any, routing_NLK: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Final-norm hidden states (N, H) of a micro-batch packed one sequence per sample (no shared prompts)."""
-        from megatron.core import tensor_parallel
-
-        if routing_NLK is not None:
-            raise ValueError("routing replay is not wired into the Megatron backend; use trainer.backend.name=fsdp2")
-        lens = batch.query_lens_S.tolist()
-        if batch.kv_lens_S.tolist() != lens:
-            raise ValueError("the Megatron backend takes micro-batches packed without shared prompts")
-        device = input_ids_N.device
-        tp = self.gpt.config.tensor_model_parallel_size if self.gpt.config.sequence_parallel else 1
-        shape = torch.tensor([len(lens), -(-max(lens) // tp) * tp])
-        if self.pad_group is not None:  # the EP ranks' token all-gather wants one shape on all of them
-            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.pad_group)
-        rows, width = (int(v) for v in shape.tolist())
-        starts = torch.arange(len(lens), device=device).repeat_interleave(torch.tensor(lens, device=device)) * width
-        offsets = torch.cat([torch.arange(n, device=device) for n in lens])
-        flat_N = starts + offsets  # row n's place in the flattened (B, S) batch; extra rows and columns are padding
-        ids_BS = input_ids_N.new_zeros(rows * width)
-        ids_BS[flat_N] = input_ids_N
-        ids_BS = ids_BS.view(rows, width)
-        positions_BS = torch.arange(width, device=device).expand(rows, width)
-        mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
-        gpt = self.gpt
-        hidden_SBH = gpt.embedding(input_ids=ids_BS, position_ids=positions_BS)
-        rotary = gpt.rotary_pos_emb(gpt.rotary_pos_emb.get_rotary_seq_len(None, gpt.decoder, hidden_SBH,
-                                                                         gpt.config, None))  # fmt: skip
-        hidden_SBH = gpt.decoder(hidden_states=hidden_SBH, attention_mask=mask, rotary_pos_emb=rotary)
-        if gpt.config.sequence_parallel:
-            hidden_SBH = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden_SBH, tensor_parallel_output_grad=True
-            )
-        hidden_NH: torch.Tensor = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1])[flat_N]
-        return hidden_NH.float()
-
-    def logits(self, hidden_KH: torch.Tensor) -> torch.Tensor:
-        """float32 logits (K, V) over the unpadded vocabulary, gathered over the TP ranks."""
-        from megatron.core import tensor_parallel
-
-        gpt = self.gpt
-        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        weight = gpt.output_layer.weight if weight is None else weight
-        if gpt.config.tensor_model_parallel_size > 1 and not gpt.config.sequence_parallel:
-            hidden_KH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_KH)
-        local = hidden_KH.to(weight.dtype) @ weight.t()  # in the model's dtype, as the engine's LM head
-        full: torch.Tensor = tensor_parallel.gather_from_tensor_model_parallel_region(local.float())
-        return full[:, : self.config.vocab_size]
 
 
 def _check_device(device: str) -> None:
@@ -171,7 +99,6 @@ class MegatronBackend:
         aux_losses: Sequence[Any] = (),
         memory: MemoryConfig | None = None,
         routing_replay: bool = False,
-        **unsupported: Any,
     ) -> None:
         """As `FSDP2Backend`; the critic, auxiliary (MTP) losses, routing replay, the MoE load-balancing loss and
         memory budgets (partial offload, OOM retries) are FSDP2-only for now and refused by name."""
@@ -180,7 +107,6 @@ class MegatronBackend:
             raise RuntimeError("MegatronBackend needs torch.distributed initialized (torchrun, or init_process_group)")
         refused = [name for name, value in (("critic", critic), ("aux_losses (MTP)", list(aux_losses)),
                                             ("routing_replay", routing_replay)) if value]  # fmt: skip
-        refused += [name for name, value in unsupported.items() if value is not None]
         if loss is not None and loss.moe_aux_loss != "none":
             refused.append(f"loss.moe_aux_loss={loss.moe_aux_loss}")
         if memory is not None and memory != MemoryConfig():
@@ -209,14 +135,18 @@ class MegatronBackend:
         self.model_config = read_model_config(model_dir)
         init_parallel(layout)
         self.layout: RankLayout = rank_layout(self.model_config, layout)
-        self.model = self._build(model_dir, train=True)
+        self.model, loaded = self._build(model_dir, train=True)
         self.reference: MegatronCausalLM | None = None
         if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
-            self.reference = self._build(model_dir, train=False)
-        self.params = [p for p in self.model.gpt.parameters() if p.requires_grad]
-        # float32 masters the optimizer steps (the parameters themselves when the model is float32); a bf16 / fp16
-        # model's parameters are their round-to-nearest casts, as the engine's weights are
-        self.masters = self.params if self.kernel.torch_dtype == torch.float32 else self._masters
+            self.reference, _ = self._build(model_dir, train=False)
+        named = [(name, p) for name, p in self.model.gpt.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        # float32 masters the optimizer steps: the parameters themselves when the model is float32; for a bf16 /
+        # fp16 model the checkpoint's float32 values (its parameters are their round-to-nearest casts, as the
+        # engine's weights are)
+        self.masters = self.params
+        if self.kernel.torch_dtype != torch.float32:
+            self.masters = [loaded[name].to(self.device, torch.float32) for name, _ in named]
         self.optimizer = torch.optim.AdamW(
             self.masters, lr=self.optimizer_config.lr, betas=self.optimizer_config.betas,
             eps=self.optimizer_config.eps, weight_decay=self.optimizer_config.weight_decay, fused=True,
@@ -228,7 +158,11 @@ class MegatronBackend:
         self._weights_file = MappedSafetensors()
         self._offloaded = False
 
-    def _build(self, model_dir: str | os.PathLike[str], train: bool) -> MegatronCausalLM:
+    def _build(
+        self, model_dir: str | os.PathLike[str], train: bool
+    ) -> tuple[MegatronCausalLM, dict[str, torch.Tensor]]:
+        """This rank's GPTModel with the checkpoint's weights (wrapped in Megatron's DDP to train), and the
+        converted float32 tensors it was loaded from."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         gpt = build_gpt_model(self.model_config, self.config.megatron, self.kernel.torch_dtype)
@@ -243,16 +177,12 @@ class MegatronBackend:
             )
         gpt = gpt.to(self.device)
         if not train:
-            return MegatronCausalLM(gpt.eval().requires_grad_(False), self.model_config, self.kernel)
-        names = {id(param): name for name, param in gpt.named_parameters()}
-        self._masters = [
-            state[names[id(p)]].to(self.device, torch.float32) for p in gpt.parameters() if p.requires_grad
-        ]  # the checkpoint's float32 values (exact), in the parameters' order
+            return MegatronCausalLM(gpt.eval().requires_grad_(False), self.model_config, self.kernel), state
         ddp = DistributedDataParallel(
             config=gpt.config, module=gpt,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
         )  # fmt: skip
-        return MegatronCausalLM(ddp, self.model_config, self.kernel)
+        return MegatronCausalLM(ddp, self.model_config, self.kernel), state
 
     # -- data parallelism ----------------------------------------------------------------------------------------
 
@@ -286,14 +216,9 @@ class MegatronBackend:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
         self._check_onloaded()
         micro_batches = pack_samples(samples, self.kernel, self.max_tokens, share_prompts=False)
-        out: list[list[float]] = [[] for _ in samples]
-        for step in range(max(len(micro_batches), self._num_passes(samples))):
-            micro = micro_batches[min(step, len(micro_batches) - 1)]
-            values = response_logprobs(model, micro, self.loss_config.temperature)  # type: ignore[arg-type]
-            if step < len(micro_batches):
-                for i, row in zip(micro.sample_indices, values, strict=True):
-                    out[i] = row.tolist()
-        return out
+        num_passes = self._num_passes(samples)
+        temperature = self.loss_config.temperature
+        return batch_logprobs(model, micro_batches, len(samples), num_passes, temperature)  # type: ignore[arg-type]
 
     def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
         raise ValueError("the Megatron backend has no critic yet (PPO with a value model runs on fsdp2)")
@@ -478,23 +403,19 @@ class MegatronBackend:
         state = {name: masters.get(id(param), param) for name, param in self.model.gpt.named_parameters()}
         buffers = dict(self.model.gpt.named_buffers())
         ep_group, ep_size = ps.get_expert_model_parallel_group(), self.layout.ep_size
+        ep_peers = [{e.name: e for e in rank_entries(self.model_config, replace(self.layout, ep_rank=rank))}
+                    for rank in range(ep_size)]  # fmt: skip
         out: dict[str, torch.Tensor] = {}
         for entry in rank_entries(self.model_config, self.layout):
             local = (buffers[entry.name] if entry.name in buffers else state[entry.name]).detach()
             full = merge_shards(entry, self._gathered(local, entry.group))
             size = self.layout.rank_in(entry.group)[1]
-            is_expert = ".local_experts." in entry.name
-            if is_expert and ep_size > 1:
+            if ".local_experts." in entry.name and ep_size > 1:  # each EP rank holds other experts under this name
                 parts = [torch.empty_like(full) for _ in range(ep_size)]
                 dist.all_gather(parts, full.contiguous(), group=ep_group)
-                per_rank = self.model_config.num_experts // ep_size
-                local_index = int(entry.name.split(".local_experts.")[1].split(".")[0])
-                for ep_rank, part in enumerate(parts):
-                    expert = ep_rank * per_rank + local_index
-                    names = tuple(n.replace(f".experts.{self.layout.ep_rank * per_rank + local_index}.",
-                                            f".experts.{expert}.") for n in entry.hf_names)  # fmt: skip
-                    moved = replace(entry, hf_names=names)
-                    out |= {n: t.cpu() for n, t in megatron_to_hf(moved, part, self.model_config, size).items()}
+                for peer, part in zip(ep_peers, parts, strict=True):
+                    out |= {n: t.cpu() for n, t in megatron_to_hf(peer[entry.name], part, self.model_config,
+                                                                   size).items()}  # fmt: skip
             else:
                 out |= {n: t.cpu() for n, t in megatron_to_hf(entry, full, self.model_config, size).items()}
         return out

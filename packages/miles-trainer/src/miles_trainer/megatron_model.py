@@ -3,7 +3,8 @@ trainer's step code (`miles_trainer.step`) drive it like a miles-kernels `Causal
 
 The model is built from miles-kernels' `ModelConfig` (the HF config.json as the engine reads it) and the layout of
 `MegatronConfig`; `transformer_impl="local"` uses Megatron-core's own PyTorch modules (no Transformer Engine needed).
-megatron-core is imported here only, so the rest of miles-trainer runs without the `megatron` extra.
+megatron-core is imported inside functions only, so miles-trainer imports (and its FSDP2 backend runs) without the
+`megatron` extra.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import importlib.util
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from miles_kernels import ModelConfig
+from miles_kernels import KernelConfig, ModelConfig
 from miles_trainer.config import MegatronConfig
 from miles_trainer.megatron_convert import RankLayout, check_convertible, padded_vocab_size
 
@@ -165,3 +167,78 @@ def build_gpt_model(model: ModelConfig, config: MegatronConfig, dtype: torch.dty
         position_embedding_type="rope", rotary_percent=model.partial_rotary_factor, rotary_base=int(model.rope_theta),
         parallel_output=False,
     )  # fmt: skip
+
+
+class MegatronCausalLM(torch.nn.Module):
+    """A GPTModel (optionally wrapped in Megatron's DDP) seen as the step code's model: `forward_hidden` over a
+    packed micro-batch's rows, `logits` of chosen rows over the full vocabulary."""
+
+    def __init__(self, module: torch.nn.Module, config: ModelConfig, kernel: KernelConfig) -> None:
+        super().__init__()
+        self.module = module
+        self.gpt_ddp: Any = module  # Megatron's DDP wrapper (the GPTModel itself when frozen)
+        self.config = config
+        self.kernel = kernel
+        self.gpt: Any = getattr(module, "module", module)
+        # MoE experts split over ranks (EP x ETP): every forward pads its (B, S) batch to the largest over them
+        # (the token dispatch gathers equal shapes; padding rows are sequences of their own, invisible to the real
+        # ones)
+        self.pad_group: Any = None
+        meg = self.gpt.config
+        if config.is_moe and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self.pad_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+
+    def moe_layers(self) -> dict[int, Any]:
+        return {}  # the routing metrics read miles-kernels' routers; Megatron's are not instrumented
+
+    def forward_hidden(
+        self, input_ids_N: torch.Tensor, batch: Any, routing_NLK: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states (N, H) of a micro-batch packed one sequence per sample (no shared prompts)."""
+        from megatron.core import tensor_parallel
+
+        if routing_NLK is not None:
+            raise ValueError("routing replay is not wired into the Megatron backend; use trainer.backend.name=fsdp2")
+        lens = batch.query_lens_S.tolist()
+        if batch.kv_lens_S.tolist() != lens:
+            raise ValueError("the Megatron backend takes micro-batches packed without shared prompts")
+        device = input_ids_N.device
+        tp = self.gpt.config.tensor_model_parallel_size if self.gpt.config.sequence_parallel else 1
+        shape = torch.tensor([len(lens), -(-max(lens) // tp) * tp])
+        if self.pad_group is not None:  # the EP ranks' token all-gather wants one shape on all of them
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.pad_group)
+        rows, width = (int(v) for v in shape.tolist())
+        starts = torch.arange(len(lens), device=device).repeat_interleave(torch.tensor(lens, device=device)) * width
+        offsets = torch.cat([torch.arange(n, device=device) for n in lens])
+        flat_N = starts + offsets  # row n's place in the flattened (B, S) batch; extra rows and columns are padding
+        ids_BS = input_ids_N.new_zeros(rows * width)
+        ids_BS[flat_N] = input_ids_N
+        ids_BS = ids_BS.view(rows, width)
+        positions_BS = torch.arange(width, device=device).expand(rows, width)
+        mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
+        gpt = self.gpt
+        hidden_SBH = gpt.embedding(input_ids=ids_BS, position_ids=positions_BS)
+        rotary = gpt.rotary_pos_emb(gpt.rotary_pos_emb.get_rotary_seq_len(None, gpt.decoder, hidden_SBH,
+                                                                         gpt.config, None))  # fmt: skip
+        hidden_SBH = gpt.decoder(hidden_states=hidden_SBH, attention_mask=mask, rotary_pos_emb=rotary)
+        if gpt.config.sequence_parallel:
+            hidden_SBH = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_SBH, tensor_parallel_output_grad=True
+            )
+        hidden_NH: torch.Tensor = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1])[flat_N]
+        return hidden_NH.float()
+
+    def logits(self, hidden_KH: torch.Tensor) -> torch.Tensor:
+        """float32 logits (K, V) over the unpadded vocabulary, gathered over the TP ranks."""
+        from megatron.core import tensor_parallel
+
+        gpt = self.gpt
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        weight = gpt.output_layer.weight if weight is None else weight
+        if gpt.config.tensor_model_parallel_size > 1 and not gpt.config.sequence_parallel:
+            hidden_KH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_KH)
+        local = hidden_KH.to(weight.dtype) @ weight.t()  # in the model's dtype, as the engine's LM head
+        full: torch.Tensor = tensor_parallel.gather_from_tensor_model_parallel_region(local.float())
+        return full[:, : self.config.vocab_size]
