@@ -308,6 +308,11 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
         load_config(None, gpus)
     with pytest.raises(ValueError, match=r"does not support trainer\.routing_replay=rollout yet"):
         load_config(None, [*fast, "trainer.routing_replay=rollout"])
+    with pytest.raises(ValueError, match=r"does not support trainer\.backend\.megatron\.cp > 1 \(context"):
+        load_config(None, [*fast, "trainer.num_ranks=2", "trainer.backend.megatron.cp=2"])
+    piped = load_config(None, [*fast, "trainer.num_ranks=6", "trainer.backend.megatron.pp=3",
+                               "trainer.backend.megatron.vpp=2"])  # fmt: skip
+    assert (piped.trainer.backend.megatron.pp, piped.memory.plan.pp) == (3, 3)
     with pytest.raises(ValueError, match=r"num_ranks=3 is not a multiple of megatron tp \* pp \* cp = 2"):
         load_config(None, [*fast, "trainer.num_ranks=3", "trainer.backend.megatron.tp=2"])
     with pytest.raises(ValueError, match=r"does not split over the 3 data-parallel ranks"):

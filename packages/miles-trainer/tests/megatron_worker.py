@@ -36,7 +36,7 @@ from miles_trainer.config import MegatronConfig
 def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    layout = MegatronConfig(moe_token_dispatcher="allgather", **json.loads(os.environ["MILES_TEST_MEGATRON"]))
+    layout = MegatronConfig(**{"moe_token_dispatcher": "allgather"} | json.loads(os.environ["MILES_TEST_MEGATRON"]))
     with megatron_on_cpu():
         backend = MegatronBackend(
             model_dir, KERNEL, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),

@@ -6,11 +6,13 @@
   forward (megatron-core's own modules, inside `megatron_on_cpu()`) on converted weights gives the miles model's
   logits (float32; the miles model is checked against transformers in miles-kernels' test_hf_parity.py).
 - Training: one optimizer step of the Megatron backend, in real rank processes over gloo (TP=1, TP=2, DP=2, EP=2,
-  and EP=2 x ETP=2 on four ranks), against the FSDP2 backend's step on the same batch (fsdp_worker.py's). The loss,
-  entropy and gradient norm agree to float32 rounding; the parameters after one AdamW step agree to 2e-6 for the
-  dense model, and to 5e-5 for MoE models (a tenth of the step size: experts that few tokens chose have gradients
-  near AdamW's eps, where the normalized step amplifies float32 rounding), and the engine's weight checksum of the
-  exported weights is the one of the gathered HF tensors.
+  EP=2 x ETP=2 on four ranks, and through megatron-core's pipeline schedules: PP=2 with tied embeddings, PP=3 x
+  VPP=2, PP=2 x EP=2 x DP=2 with the alltoall dispatcher), against the FSDP2 backend's step on the same batch
+  (fsdp_worker.py's). The loss, entropy and gradient norm agree to float32 rounding; the parameters after one AdamW
+  step agree to 2e-6 for the 2-layer dense model, and to 5e-5 for the MoE and 6-layer models (a tenth of the step
+  size: weights whose gradients are near AdamW's eps, where the normalized step amplifies float32 rounding), and the
+  engine's weight checksum of the exported weights is the one of the gathered HF tensors.
+- Checkpoints: resume bit-exact on the same layout (TP=2; PP=3 x VPP=2), resharded to one rank within 1e-6.
 """
 
 from __future__ import annotations
@@ -153,8 +155,23 @@ def test_the_backend_config_checks_the_layout() -> None:
         BackendConfig(name="megatron", megatron=MegatronConfig(sequence_parallel=True))
     with pytest.raises(ValueError, match="etp > 1 needs ep > 1"):
         BackendConfig(name="megatron", megatron=MegatronConfig(etp=2))
-    with pytest.raises(ValueError, match="needs pp > 1"):
-        BackendConfig(name="megatron", megatron=MegatronConfig(vpp=2))
+    for pp in (1, 2):  # megatron-core's interleaved schedule pairs a two-stage pipeline's sends wrongly
+        with pytest.raises(ValueError, match="needs pp >= 3"):
+            BackendConfig(name="megatron", megatron=MegatronConfig(pp=pp, vpp=2))
+    assert BackendConfig(name="megatron", megatron=MegatronConfig(pp=2, vpp=1)).megatron.vpp == 1  # one chunk
+
+
+def test_megatron_refuses_the_pipeline_layouts_it_cannot_run() -> None:
+    """The layer count must split into pp * vpp equal model chunks, and an MoE model's pipeline needs the alltoall
+    token dispatcher (the allgather one takes no micro-batches of varying shapes)."""
+    from miles_trainer.megatron_model import transformer_config
+
+    with pytest.raises(ValueError, match="pp \\* vpp = 4 must divide the 2 decoder layers"):
+        transformer_config(tiny_config("dense"), MegatronConfig(pp=4))
+    with pytest.raises(ValueError, match="pp \\* vpp = 6 must divide the 4 decoder layers"):
+        transformer_config(tiny_config("dense", num_hidden_layers=4), MegatronConfig(pp=3, vpp=2))
+    with pytest.raises(ValueError, match="needs moe_token_dispatcher=alltoall"):
+        transformer_config(tiny_config("moe"), MegatronConfig(pp=2, moe_token_dispatcher="allgather"))
 
 
 def test_a_missing_extra_and_a_cpu_device_get_clear_errors(monkeypatch, tmp_path) -> None:
@@ -175,9 +192,9 @@ def test_a_missing_extra_and_a_cpu_device_get_clear_errors(monkeypatch, tmp_path
     with one_rank_group(tmp_path / "pg"):
         with pytest.raises(RuntimeError, match="needs CUDA"):
             MegatronBackend(tmp_path / "model", KernelConfig(), config=BackendConfig(name="megatron"))
-        with pytest.raises(NotImplementedError, match="pipeline schedule"):
+        with pytest.raises(NotImplementedError, match="context parallelism"):
             MegatronBackend(tmp_path / "model", KernelConfig(),
-                            config=BackendConfig(name="megatron", megatron=MegatronConfig(pp=2)))  # fmt: skip
+                            config=BackendConfig(name="megatron", megatron=MegatronConfig(cp=2)))  # fmt: skip
         with pytest.raises(ValueError, match="routing_replay"):
             MegatronBackend(tmp_path / "model", KernelConfig(), config=BackendConfig(name="megatron"),
                             routing_replay=True)  # fmt: skip
@@ -215,15 +232,22 @@ def test_megatron_gpt_model_has_the_conversion_names_and_the_miles_logits(kind: 
         torch.testing.assert_close(row, want, rtol=0, atol=2e-6)
 
 
+# the step tests' models: the tiny Qwen3, Qwen3-MoE and GLM-4.5 (2, 2 and 3 layers, tied embeddings), and a 6-layer
+# Qwen3 with its own output layer (two virtual pipeline stages on each of three PP stages)
+STEP_MODELS = {kind: {"kind": kind} for kind in KINDS} | {
+    "dense6": {"kind": "dense", "num_hidden_layers": 6, "tie_word_embeddings": False}
+}
+
+
 @pytest.fixture(scope="module")
 def fsdp_steps(tmp_path_factory) -> dict:
-    """Each kind's model and one FSDP2 step of it on one rank (the reference of the Megatron steps)."""
+    """Each step model and one FSDP2 step of it on one rank (the reference of the Megatron steps)."""
     from test_fsdp import run_ranks
 
     root = tmp_path_factory.mktemp("megatron-reference")
     out = {}
-    for kind in KINDS:
-        save_model(random_model(tiny_config(kind), seed=4), root / kind)
+    for kind, overrides in STEP_MODELS.items():
+        save_model(random_model(tiny_config(**overrides), seed=4), root / kind)
         params, metrics = run_ranks(root / kind, root / f"{kind}-fsdp", world=1)
         out[kind] = (root / kind, params, metrics)
     return out
@@ -232,8 +256,10 @@ def fsdp_steps(tmp_path_factory) -> dict:
 @pytest.mark.parametrize(
     ("kind", "world", "layout"),
     [("dense", 1, {}), ("dense", 2, {"tp": 2}), ("dense", 2, {}), ("moe", 2, {"ep": 2}),
-     ("glm", 4, {"ep": 2, "etp": 2})],
-    ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2"],
+     ("glm", 4, {"ep": 2, "etp": 2}), ("dense", 2, {"pp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
+     ("moe", 4, {"pp": 2, "ep": 2, "moe_token_dispatcher": "alltoall"})],
+    ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense-pp2-tied", "dense6-pp3-vpp2",
+         "moe-pp2-ep2-dp2"],
 )  # fmt: skip
 def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: dict, fsdp_steps, tmp_path) -> None:
     from test_fsdp import run_ranks
@@ -254,6 +280,8 @@ def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: d
     assert metrics["grad_norm"] == pytest.approx(fsdp_metrics["grad_norm"], rel=1e-6)
     assert metrics["checksum_matches"] == 1.0
     assert params.keys() == fsdp_params.keys()
+    # the 6-layer model, like the MoE ones, has weights whose gradients are near AdamW's eps (a single-stage Megatron
+    # step differs from FSDP2's by the same 9e-6 there; the pipeline changes no bit of it)
     atol = 2e-6 if kind == "dense" else 5e-5
     for name, tensor in fsdp_params.items():
         torch.testing.assert_close(params[name], tensor, rtol=0, atol=atol, msg=name)
@@ -271,20 +299,26 @@ def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: d
         torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=1e-5)
 
 
-def test_a_checkpoint_resumes_bit_exact_and_reshards(tmp_path) -> None:
-    """TP=2: step, checkpoint (megatron-core's dist_checkpointing), step; against a fresh TP=2 run that loads the
-    checkpoint and makes the second step: the same bits and RNG stream. The same checkpoint resumed with TP=1 (one
-    rank: dist_checkpointing reshards) gives that step to float32 rounding. An offload / onload between the steps
-    changes no bit. The Hugging Face export loads back as the trained weights."""
+@pytest.mark.parametrize(
+    ("layers", "world", "layout"), [(2, 2, {"tp": 2}), (6, 3, {"pp": 3, "vpp": 2})], ids=["tp2", "pp3-vpp2"]
+)
+def test_a_checkpoint_resumes_bit_exact_and_reshards(layers: int, world: int, layout: dict, tmp_path) -> None:
+    """TP=2, and PP=3 with two virtual stages per rank (a 6-layer model with tied embeddings: the last stage's output
+    layer is its copy of the embedding): step, checkpoint (megatron-core's dist_checkpointing), step; against a
+    fresh run on the layout that loads the checkpoint and makes the second step: the same bits and RNG stream. The
+    same checkpoint resumed on one rank (dist_checkpointing reshards: TP shards, the model chunks' layers, the
+    embedding's replica) gives that step to float32 rounding. An offload / onload between the steps changes no bit.
+    The Hugging Face export loads back as the trained weights."""
     from test_fsdp import run_ranks
 
     from miles_kernels import KernelConfig, load_model
 
     model_dir = tmp_path / "model"
-    save_model(random_model(tiny_config("dense"), seed=6), model_dir)
-    env = {"MILES_TEST_MEGATRON": json.dumps({"tp": 2})}
-    straight, metrics_straight = run_ranks(model_dir, tmp_path / "two", 2, "two-steps", extra_env=env, worker=WORKER)
-    resumed, metrics_resumed = run_ranks(model_dir, tmp_path / "resume", 2, "resume", extra_env=env, worker=WORKER)
+    save_model(random_model(tiny_config("dense", num_hidden_layers=layers), seed=6), model_dir)
+    env = {"MILES_TEST_MEGATRON": json.dumps(layout)}
+    straight, metrics_straight = run_ranks(model_dir, tmp_path / "two", world, "two-steps", extra_env=env,
+                                           worker=WORKER)  # fmt: skip
+    resumed, metrics_resumed = run_ranks(model_dir, tmp_path / "resume", world, "resume", extra_env=env, worker=WORKER)
     assert metrics_resumed == metrics_straight
     for name, tensor in straight.items():
         assert torch.equal(resumed[name], tensor), name
@@ -293,7 +327,7 @@ def test_a_checkpoint_resumes_bit_exact_and_reshards(tmp_path) -> None:
     assert metrics_one["loss"] == pytest.approx(metrics_straight["loss"], rel=1e-6)
     for name, tensor in straight.items():
         torch.testing.assert_close(one[name], tensor, rtol=0, atol=1e-6, msg=name)
-    offloaded, metrics_offloaded = run_ranks(model_dir, tmp_path / "offload", 2, "offload", extra_env=env,
+    offloaded, metrics_offloaded = run_ranks(model_dir, tmp_path / "offload", world, "offload", extra_env=env,
                                              worker=WORKER)  # fmt: skip
     assert metrics_offloaded == metrics_straight
     for name, tensor in straight.items():

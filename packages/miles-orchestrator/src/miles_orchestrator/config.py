@@ -107,6 +107,7 @@ class RunConfig(Section):
             "spec.mode=online (the MTP draft's loss)": self.spec.mode == "online",
             "trainer.routing_replay=rollout": self.trainer.routing_replay == "rollout",
             f"trainer.loss.moe_aux_loss={self.trainer.loss.moe_aux_loss}": self.trainer.loss.moe_aux_loss != "none",
+            "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
         }
         named = [name for name, used in unsupported.items() if used]
         if named:

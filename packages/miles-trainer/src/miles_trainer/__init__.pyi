@@ -62,11 +62,11 @@ from .megatron_convert import RankLayout, hf_from_megatron, hf_to_megatron, rank
 from .megatron_cpu import megatron_on_cpu
 from .megatron_model import MegatronCausalLM
 from .packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches, plan_samples
+from .policy_step import PolicyStep, accumulate_policy_gradients
 from .sft import SFTDataError, ensure_process_group, load_sft_samples, run_sft
 from .step import (
     PolicyLossFn,
     StepStats,
-    accumulate_policy_gradients,
     add_is_metrics,
     count_trained,
     mismatch_weights,
@@ -95,6 +95,7 @@ __all__ = [
     "OptimizerConfig",
     "PolicyLossConfig",
     "PolicyLossFn",
+    "PolicyStep",
     "RankLayout",
     "SFTConfig",
     "SFTDataError",

@@ -226,7 +226,10 @@ class MegatronConfig(_Config):
     tp: int = Field(default=1, ge=1, description="Tensor-parallel size (divides the KV heads and the MLP widths).")
     pp: int = Field(default=1, ge=1, description="Pipeline-parallel stages.")
     vpp: int | None = Field(
-        default=None, ge=1, description="Virtual pipeline stages per PP rank (interleaved schedule); null: one."
+        default=None,
+        ge=1,
+        description="Virtual pipeline stages (model chunks) per PP rank, for the interleaved "
+        "schedule (needs pp >= 3); null: one.",
     )
     ep: int = Field(default=1, ge=1, description="Expert-parallel size (divides the number of experts).")
     etp: int | None = Field(
@@ -279,8 +282,12 @@ class BackendConfig(_Config):
                 "megatron.etp > 1 needs ep > 1: with ep = 1 megatron-core reduces the experts' gradients as dense "
                 "parameters over the data-parallel ranks, which hold different expert shards"
             )
-        if layout.vpp is not None and layout.pp == 1:
-            raise ValueError("megatron.vpp (virtual pipeline stages) needs pp > 1")
+        if (layout.vpp or 1) > 1 and layout.pp < 3:
+            raise ValueError(
+                f"megatron.vpp={layout.vpp} (virtual pipeline stages) needs pp >= 3: with {layout.pp} stage(s) "
+                "megatron-core's interleaved schedule sends to one peer in both directions at once and pairs the "
+                "shapes of the packed micro-batches wrongly (Megatron-LM asks pp > 2 for it too)"
+            )
         return self
 
 

@@ -36,10 +36,10 @@ from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.memory import TrainerMemory
 from miles_trainer.moe import moe_shape
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
+from miles_trainer.policy_step import accumulate_policy_gradients
 from miles_trainer.step import (
     PerSample,
     StepStats,
-    accumulate_policy_gradients,
     accumulate_sft_gradients,
     add_batch_stats,
     add_is_metrics,

@@ -1,19 +1,19 @@
 """The Megatron-core training backend (`trainer.backend.name=megatron`, docs/megatron.md): a `GPTModel` with
-tensor, expert and data parallelism from `MegatronConfig`, driven by the same step code as the FSDP2 backend.
+tensor, pipeline (and virtual pipeline), expert and data parallelism from `MegatronConfig`, driven by the same step
+code as the FSDP2 backend.
 
-`MegatronCausalLM` (megatron_model.py) gives the GPTModel the interface `miles_trainer.step` calls
-(`forward_hidden`, `logits`), so the policy losses, the counts, the TIS / MIS weights, the KL term and the metrics
-are the FSDP2 backend's, line for line. Each packed micro-batch (packed without prompt sharing: one sequence per
-sample) is laid out as a right-padded (B, S) batch with a causal mask, since Megatron-core's local attention takes no
-packed sequences (Transformer Engine's THD layout would; see the guide). Logits are gathered over the TP ranks, so
-every TP rank computes the same loss; gradients are reduced over the data-parallel ranks by Megatron-core's
-`DistributedDataParallel` (summed: the losses are normalized by the global batch's token counts, as in FSDP2), then
-`finalize_model_grads` (sequence-parallel norms). The optimizer is torch's fused AdamW over float32 masters of each
-rank's shards, with the global gradient norm computed over the model-parallel ranks (each TP-replicated tensor
-counted once).
+Megatron-core's schedule runs the micro-batches through this rank's model chunks (`megatron_schedule.py`); on the
+last pipeline stage each micro-batch's loss is `policy_step.PolicyStep`'s, so the policy losses, the counts, the
+TIS / MIS weights, the KL term and the metrics are the FSDP2 backend's, line for line. Each packed micro-batch
+(packed without prompt sharing: one sequence per sample) is laid out as a right-padded (B, S) batch with a causal
+mask, since Megatron-core's local attention takes no packed sequences (Transformer Engine's THD layout would; see
+the guide). Logits are gathered over the TP ranks, so every TP rank computes the same loss; gradients are reduced
+over the data-parallel ranks by Megatron-core's `DistributedDataParallel` (summed: the losses are normalized by the
+global batch's token counts, as in FSDP2), then `finalize_model_grads` (sequence-parallel norms, a tied embedding's
+two pipeline copies). The optimizer is torch's fused AdamW over float32 masters of each rank's shards, with the
+global gradient norm computed over the model-parallel ranks (each TP-replicated tensor counted once).
 
-Weight export gathers each tensor's shards over its TP / ETP / EP groups and converts it to HF names
-(`megatron_convert`), so engines get exactly what an HF checkpoint holds. Megatron-core's forward needs CUDA: on a
+Checkpoints and the full HF tensors engines get are `megatron_state.py`'s. Megatron-core's forward needs CUDA: on a
 CPU the backend runs only inside `megatron_on_cpu()` (the tests).
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,8 @@ from miles_kernels import (
 )
 from miles_memory.config import MemoryConfig
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
-from miles_trainer.logprobs import batch_logprobs
-from miles_trainer.megatron_convert import RankLayout, hf_to_megatron, megatron_to_hf, merge_shards, rank_entries
+from miles_trainer.logprobs import response_logprobs
+from miles_trainer.megatron_convert import RankLayout, hf_to_megatron, rank_entries
 from miles_trainer.megatron_cpu import cpu_emulation_active
 from miles_trainer.megatron_model import (
     MegatronCausalLM,
@@ -48,12 +47,15 @@ from miles_trainer.megatron_model import (
     init_parallel,
     rank_layout,
     require_megatron,
+    virtual_stages,
 )
-from miles_trainer.packing import pack_samples, plan_samples
+from miles_trainer.megatron_schedule import LastStageOutput, from_last_stage, run_schedule
+from miles_trainer.megatron_state import ExportedWeights, full_hf_state, load_sharded_state, sharded_state
+from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
+from miles_trainer.policy_step import PolicyStep
 from miles_trainer.step import (
     PerSample,
     StepStats,
-    accumulate_policy_gradients,
     add_batch_stats,
     add_is_metrics,
     batch_normalizers,
@@ -83,8 +85,9 @@ def _check_device(device: str) -> None:
 
 
 class MegatronBackend:
-    """A Megatron-core GPTModel over the default process group, with its optimizer (and optionally a frozen
-    reference copy), behind the FSDP2 backend's interface. Every rank makes the same calls in the same order."""
+    """A Megatron-core GPTModel over the default process group (on this rank: its model chunks, one per virtual
+    pipeline stage), with its optimizer (and optionally a frozen reference copy), behind the FSDP2 backend's
+    interface. Every rank makes the same calls in the same order."""
 
     def __init__(
         self,
@@ -121,10 +124,10 @@ class MegatronBackend:
             full = self.config.megatron.model_copy(update={"recompute": "full"})  # the FSDP2 switch means the same
             self.config = self.config.model_copy(update={"megatron": full})
         layout = self.config.megatron
-        if layout.pp > 1 or layout.cp > 1:
+        if layout.cp > 1:
             raise NotImplementedError(
-                f"megatron pp={layout.pp}, cp={layout.cp}: the pipeline schedule and context parallelism are not "
-                "wired into the Megatron backend yet (tp, ep, etp, sequence_parallel and data parallelism are)"
+                f"megatron cp={layout.cp}: context parallelism is not wired into the Megatron backend yet (it needs "
+                "Transformer Engine's attention); tp, pp, vpp, ep, etp, sequence_parallel and data parallelism are"
             )
         if self.optimizer_config.schedule == "cosine" and self.optimizer_config.total_steps is None:
             raise ValueError("optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
@@ -134,19 +137,28 @@ class MegatronBackend:
         self.max_tokens = self.config.max_tokens_per_micro_batch
         self.model_config = read_model_config(model_dir)
         init_parallel(layout)
-        self.layout: RankLayout = rank_layout(self.model_config, layout)
-        self.model, loaded = self._build(model_dir, train=True)
-        self.reference: MegatronCausalLM | None = None
+        chunks = virtual_stages(layout)
+        # this rank's layout of each of its model chunks (one per virtual pipeline stage; one without)
+        self.layouts: list[RankLayout] = [
+            rank_layout(self.model_config, layout, vp_stage) for vp_stage in (range(chunks) if chunks else [None])
+        ]
+        built = [self._build(model_dir, chunk, train=True) for chunk in range(len(self.layouts))]
+        self.chunks = [chunk for chunk, _ in built]
+        self.model = self.chunks[0]
+        self.reference_chunks: list[MegatronCausalLM] | None = None
         if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
-            self.reference, _ = self._build(model_dir, train=False)
-        named = [(name, p) for name, p in self.model.gpt.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        # float32 masters the optimizer steps: the parameters themselves when the model is float32; for a bf16 /
-        # fp16 model the checkpoint's float32 values (its parameters are their round-to-nearest casts, as the
-        # engine's weights are)
-        self.masters = self.params
-        if self.kernel.torch_dtype != torch.float32:
-            self.masters = [loaded[name].to(self.device, torch.float32) for name, _ in named]
+            self.reference_chunks = [self._build(model_dir, chunk, train=False)[0] for chunk in range(len(built))]
+        self.params, self.masters = [], []
+        for chunk, loaded in built:
+            named = [(name, p) for name, p in chunk.gpt.named_parameters() if p.requires_grad]
+            self.params += [p for _, p in named]
+            # float32 masters the optimizer steps: the parameters themselves when the model is float32; for a bf16
+            # / fp16 model the checkpoint's float32 values (its parameters are their round-to-nearest casts, as
+            # the engine's weights are)
+            if self.kernel.torch_dtype != torch.float32:
+                self.masters += [loaded[name].to(self.device, torch.float32) for name, _ in named]
+        if self.kernel.torch_dtype == torch.float32:
+            self.masters = self.params
         self.optimizer = torch.optim.AdamW(
             self.masters, lr=self.optimizer_config.lr, betas=self.optimizer_config.betas,
             eps=self.optimizer_config.eps, weight_decay=self.optimizer_config.weight_decay, fused=True,
@@ -159,16 +171,18 @@ class MegatronBackend:
         self._offloaded = False
 
     def _build(
-        self, model_dir: str | os.PathLike[str], train: bool
+        self, model_dir: str | os.PathLike[str], chunk: int, train: bool
     ) -> tuple[MegatronCausalLM, dict[str, torch.Tensor]]:
-        """This rank's GPTModel with the checkpoint's weights (wrapped in Megatron's DDP to train), and the
-        converted float32 tensors it was loaded from."""
+        """This rank's model chunk `chunk` (a GPTModel) with the checkpoint's weights (wrapped in Megatron's DDP to
+        train), and the converted float32 tensors it was loaded from."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        gpt = build_gpt_model(self.model_config, self.config.megatron, self.kernel.torch_dtype)
-        wanted = {name for entry in rank_entries(self.model_config, self.layout) for name in entry.hf_names}
+        vp_stage = chunk if len(self.layouts) > 1 else None
+        layout = self.layouts[chunk]
+        gpt = build_gpt_model(self.model_config, self.config.megatron, self.kernel.torch_dtype, vp_stage)
+        wanted = {name for entry in rank_entries(self.model_config, layout) for name in entry.hf_names}
         hf = {name: tensor for name, tensor in iter_checkpoint(model_dir) if name in wanted}
-        state = hf_to_megatron(hf.__getitem__, self.model_config, self.layout)
+        state = hf_to_megatron(hf.__getitem__, self.model_config, layout)
         missing, unexpected = gpt.load_state_dict(state, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
         if missing or unexpected:
@@ -198,27 +212,52 @@ class MegatronBackend:
 
         return ps.get_data_parallel_group()
 
+    def _pp_group(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_group()
+
     def _sum_dp(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self._dp_group())
 
     def _num_passes(self, samples: Sequence[Sample]) -> int:
+        """The busiest rank's micro-batch count (every rank runs as many passes), with virtual pipeline stages
+        rounded up to a multiple of pp (the interleaved schedule runs the micro-batches in groups of pp)."""
         passes = torch.tensor([len(plan_samples(samples, self.max_tokens, share_prompts=False))])
         dist.all_reduce(passes, op=dist.ReduceOp.MAX)
-        return int(passes.item())
+        group = self.config.megatron.pp if len(self.chunks) > 1 else 1
+        return -(-int(passes.item()) // group) * group
+
+    @property
+    def _last_stage(self) -> bool:
+        """Whether this rank holds the output layer (the losses and log-probs are computed there)."""
+        return self.layouts[-1].is_last_stage
 
     # -- the step --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample], reference: bool = False) -> list[list[float]]:
-        """Log-probs of each sample's response tokens under the current (or the reference) weights."""
-        model = self.reference if reference else self.model
-        if model is None:
+        """Log-probs of each sample's response tokens under the current (or the reference) weights, on every rank
+        (computed on the last pipeline stage, sent to the others)."""
+        chunks = self.reference_chunks if reference else self.chunks
+        if chunks is None:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
         self._check_onloaded()
         micro_batches = pack_samples(samples, self.kernel, self.max_tokens, share_prompts=False)
-        num_passes = self._num_passes(samples)
+        passes = [(micro, 1.0) for micro in micro_batches]
+        passes += [(micro_batches[-1], 0.0)] * (self._num_passes(samples) - len(passes))
+        out: list[list[float]] = [[0.0] * len(sample.response_tokens) for sample in samples]
         temperature = self.loss_config.temperature
-        return batch_logprobs(model, micro_batches, len(samples), num_passes, temperature)  # type: ignore[arg-type]
+
+        def last_stage(output: LastStageOutput, micro: MicroBatch, weight: float) -> torch.Tensor:
+            values = response_logprobs(output, micro, temperature)  # type: ignore[arg-type]
+            if weight:
+                for index, row in zip(micro.sample_indices, values, strict=True):
+                    out[index] = row.tolist()
+            return torch.zeros((), device=self.device)
+
+        run_schedule(chunks, passes, last_stage, forward_only=True)
+        return from_last_stage(out, self.device)
 
     def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
         raise ValueError("the Megatron backend has no critic yet (PPO with a value model runs on fsdp2)")
@@ -244,30 +283,41 @@ class MegatronBackend:
         self._check_onloaded()
         start = time.perf_counter()
         loss = self.loss_config
-        if self.reference is not None and ref_logprobs is None:
+        if self.reference_chunks is not None and ref_logprobs is None:
             ref_logprobs = self.compute_logprobs(samples, reference=True)
         is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(
             samples, old_logprobs, loss, self._sum_dp
         )
         self._zero_grad()
-        stats = accumulate_policy_gradients(
+        step = PolicyStep(
             self.model, samples, advantages, self.kernel, loss, self.max_tokens,  # type: ignore[arg-type]
-            global_num_tokens=global_tokens, global_num_seqs=global_seqs, loss_scale=1.0,
-            num_micro_batches=self._num_passes(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            is_weights=is_weights, measure_mismatch=measure_mismatch, share_prompts=False,
+            global_num_tokens=global_tokens, global_num_seqs=global_seqs, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, is_weights=is_weights, measure_mismatch=measure_mismatch, share_prompts=False,
         )  # fmt: skip
-        add_is_metrics(stats, is_metrics, samples)
-        finalize_model_grads([self.model.gpt_ddp])
-        add_batch_stats(stats, samples, advantages)
+        stats = StepStats()
+
+        def last_stage(output: LastStageOutput, micro: MicroBatch, weight: float) -> torch.Tensor:
+            total, finish = step.loss(output, micro, weight, stats)  # type: ignore[arg-type]
+            finish(stats)
+            return total * weight
+
+        if step.trains:
+            run_schedule(self.chunks, step.passes(self._num_passes(samples)), last_stage, forward_only=False)
+        finalize_model_grads([chunk.gpt_ddp for chunk in self.chunks])
+        if self._last_stage:  # the other stages' stats are empty: the all-reduce over the pipeline takes these
+            add_is_metrics(stats, is_metrics, samples)
+            add_batch_stats(stats, samples, advantages)
         return self._finish_step(stats, start, skip_update=not has_update_signal(advantages, loss))
 
     def _zero_grad(self) -> None:
-        self.model.gpt_ddp.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.gpt_ddp.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients: every tensor's shard once (TP-replicated tensors on TP rank 0
-        only), summed over the model-parallel ranks (dense tensors) and the expert-model-parallel ranks (experts)."""
+        only; a tied model's output layer, the last stage's copy of the embedding, not at all), summed over the
+        model-parallel ranks (dense tensors) and the expert-model-parallel ranks (experts)."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
@@ -276,6 +326,8 @@ class MegatronBackend:
         for param in self.params:
             grad = param.main_grad
             if not param_is_not_tensor_parallel_duplicate(param) and getattr(param, "allreduce", True):
+                continue
+            if getattr(param, "shared", False):
                 continue
             square = grad.detach().double().pow(2).sum().cpu()
             if getattr(param, "allreduce", True):
@@ -304,8 +356,10 @@ class MegatronBackend:
                     for param, master in zip(self.params, self.masters, strict=True):
                         param.copy_(master)  # round to nearest: the weights the engine will get
         self.step_count += 1
-        stats.add("skipped_update", float(skip_update) / self.data_parallel[1])
+        if self._last_stage:
+            stats.add("skipped_update", float(skip_update) / self.data_parallel[1])
         stats.all_reduce(self._dp_group())
+        stats.all_reduce(self._pp_group())  # from the last stage to the others
         metrics = stats.summary()
         metrics.update(batch_summary(metrics))
         elapsed = time.perf_counter() - start
@@ -317,36 +371,12 @@ class MegatronBackend:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
-    def _sharded_state(self) -> dict[str, Any]:
-        """Model and AdamW state as megatron-core sharded tensors (each keyed by its global tensor and offsets, so
-        a checkpoint holds every tensor once whatever the layout). AdamW's state is created (zeros) if no step has
-        made it yet, so a save and a load see the same keys."""
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map,
-            optim_state_to_sharding_state,
-        )
-
-        for master in self.masters:
-            state = self.optimizer.state[master]
-            if not state:
-                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
-                             exp_avg_sq=torch.zeros_like(master))  # fmt: skip
-        model = self.model.gpt.sharded_state_dict()
-        optimizer = self.optimizer.state_dict()
-        steps = {float(entry["step"]) for entry in optimizer["state"].values()}
-        if self.masters is not self.params:  # a bf16 / fp16 model: its float32 masters are saved too
-            for index, master in enumerate(self.masters):
-                optimizer["state"][index]["master"] = master
-        ids = get_param_id_to_sharded_param_map(model, self.params)
-        optim_state_to_sharding_state(optimizer, ids, exclude_keys=("step",))
-        return {"model": model, "optimizer": optimizer, "adam_step": max(steps, default=0.0)}
-
     def write_checkpoint(self, directory: Path) -> dict[str, Any]:
         """Model and optimizer with megatron-core's `dist_checkpointing` into `directory` (every rank calls it);
         returns what `trainer_state.json` records of them (`checkpoint.save_checkpoint` does the rest)."""
         from megatron.core import dist_checkpointing
 
-        state = self._sharded_state()
+        state = sharded_state(self.chunks, self.params, self.masters, self.optimizer)
         step = state.pop("adam_step")
         directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -356,73 +386,25 @@ class MegatronBackend:
         return {"backend": "megatron", "megatron": layout, "adam_step": step, "adam_lrs": lrs}
 
     def read_checkpoint(self, path: Path, saved: dict[str, Any]) -> None:
-        """Load what `write_checkpoint` wrote (any TP / EP / ETP / DP layout: dist_checkpointing reshards)."""
-        from megatron.core import dist_checkpointing
-
+        """Load what `write_checkpoint` wrote (any TP / PP / EP / ETP / DP layout: dist_checkpointing reshards)."""
         if saved.get("backend") != "megatron":
             raise ValueError(
                 f"{path} was written by the fsdp2 backend: resume it with trainer.backend.name=fsdp2, or convert its "
                 "weights (miles-trainer convert) and start a Megatron run from them"
             )
-        template = self._sharded_state()
-        template.pop("adam_step")
-        loaded = dist_checkpointing.load(template, str(path))
-        self.model.gpt.load_state_dict(loaded["model"], strict=False)
-        optimizer = loaded["optimizer"]
-        step = torch.tensor(float(saved.get("adam_step", 0.0)))
-        for index, entry in optimizer["state"].items():
-            entry["step"] = step.clone()
-            master = entry.pop("master", None)
-            if master is not None:
-                with torch.no_grad():
-                    self.masters[index].copy_(master)
-                    self.params[index].copy_(master)
-        optimizer["param_groups"] = self.optimizer.state_dict()["param_groups"]
-        for group, lr in zip(optimizer["param_groups"], saved.get("adam_lrs", []), strict=False):
-            group["lr"] = lr  # the scheduler's state restores its counters, not the rate of the next step
-        self.optimizer.load_state_dict(optimizer)
+        load_sharded_state(self.chunks, self.params, self.masters, self.optimizer, path, saved)
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
-    def _gathered(self, tensor: torch.Tensor, group: str) -> list[torch.Tensor]:
-        from megatron.core import parallel_state as ps
-
-        process_group = {"tp": ps.get_tensor_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group}
-        if group == "none" or dist.get_world_size(process_group[group]()) == 1:
-            return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(process_group[group]()))]
-        dist.all_gather(out, tensor.contiguous(), group=process_group[group]())
-        return out
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full float32 tensors on the CPU under HF checkpoint names (tied embeddings once), identical on every rank:
-        each tensor's shards gathered over its TP / ETP group, experts over the EP group."""
-        from megatron.core import parallel_state as ps
+        each tensor's shards gathered over its TP / ETP group, experts over the EP group, then the pipeline stages'
+        tensors over the pipeline group."""
+        return full_hf_state(self.chunks, self.layouts, self.params, self.masters, self.device)
 
-        masters = {id(param): master for param, master in zip(self.params, self.masters, strict=True)}
-        state = {name: masters.get(id(param), param) for name, param in self.model.gpt.named_parameters()}
-        buffers = dict(self.model.gpt.named_buffers())
-        ep_group, ep_size = ps.get_expert_model_parallel_group(), self.layout.ep_size
-        ep_peers = [{e.name: e for e in rank_entries(self.model_config, replace(self.layout, ep_rank=rank))}
-                    for rank in range(ep_size)]  # fmt: skip
-        out: dict[str, torch.Tensor] = {}
-        for entry in rank_entries(self.model_config, self.layout):
-            local = (buffers[entry.name] if entry.name in buffers else state[entry.name]).detach()
-            full = merge_shards(entry, self._gathered(local, entry.group))
-            size = self.layout.rank_in(entry.group)[1]
-            if ".local_experts." in entry.name and ep_size > 1:  # each EP rank holds other experts under this name
-                parts = [torch.empty_like(full) for _ in range(ep_size)]
-                dist.all_gather(parts, full.contiguous(), group=ep_group)
-                for peer, part in zip(ep_peers, parts, strict=True):
-                    out |= {n: t.cpu() for n, t in megatron_to_hf(peer[entry.name], part, self.model_config,
-                                                                   size).items()}  # fmt: skip
-            else:
-                out |= {n: t.cpu() for n, t in megatron_to_hf(entry, full, self.model_config, size).items()}
-        return out
-
-    def _export_model(self) -> _ExportedWeights:
+    def _export_model(self) -> ExportedWeights:
         self._check_onloaded()
-        return _ExportedWeights(self.full_state_dict(), self.kernel)
+        return ExportedWeights(self.full_state_dict(), self.kernel)
 
     def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
         """The full weights as weight buckets (HF names, kernel dtype); every rank iterates to the end."""
@@ -446,10 +428,9 @@ class MegatronBackend:
     def _resident(self) -> Iterator[tuple[dict[str, Any], str]]:
         """(owner, key) of every tensor `offload` moves: the policy's and the reference's parameters, the float32
         masters of a bf16 / fp16 model, AdamW's state."""
-        for model in (self.model, self.reference):
-            if model is not None:
-                for param in model.gpt.parameters():
-                    yield {"param": param}, "param"
+        for chunk in [*self.chunks, *(self.reference_chunks or [])]:
+            for param in chunk.gpt.parameters():
+                yield {"param": param}, "param"
         if self.masters is not self.params:
             for master in self.masters:
                 yield {"param": master}, "param"
@@ -477,16 +458,15 @@ class MegatronBackend:
                 owner[key] = host
         freed += self.grad_buffer_bytes()
         on_cuda = self.device.type == "cuda"
-        self.model.gpt_ddp.offload_grad_buffers(synchronize=on_cuda, empty_cache=on_cuda)
+        for chunk in self.chunks:
+            chunk.gpt_ddp.offload_grad_buffers(synchronize=on_cuda, empty_cache=on_cuda)
         self._offloaded = True
         return freed
 
     def grad_buffer_bytes(self) -> int:
         """Bytes of megatron-core's DDP gradient buffers (dense and expert)."""
-        ddp = self.model.gpt_ddp
-        return int(
-            sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers + ddp.expert_parallel_buffers)
-        )
+        buffers = [b for chunk in self.chunks for b in chunk.gpt_ddp.buffers + chunk.gpt_ddp.expert_parallel_buffers]
+        return int(sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers))
 
     def onload(self) -> int:
         """Bring back what `offload()` freed; returns the bytes restored on this rank."""
@@ -501,7 +481,8 @@ class MegatronBackend:
                 tensor.data = device
             else:
                 owner[key] = device
-        self.model.gpt_ddp.restore_grad_buffers(synchronize=self.device.type == "cuda")
+        for chunk in self.chunks:
+            chunk.gpt_ddp.restore_grad_buffers(synchronize=self.device.type == "cuda")
         self._offloaded = False
         return restored
 
@@ -512,25 +493,3 @@ class MegatronBackend:
     def _check_onloaded(self) -> None:
         if self._offloaded:
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
-
-
-class _ExportedWeights:
-    """Full HF tensors in the shape `weight_sender` reads from a model: parameters (cast to the kernel dtype) and
-    the float32 buffers an HF checkpoint holds (GLM-4.5's router bias)."""
-
-    BUFFERS = ("e_score_correction_bias",)
-
-    def __init__(self, tensors: dict[str, torch.Tensor], kernel: KernelConfig) -> None:
-        self.tensors = tensors
-        self.kernel = kernel
-
-    def dtype_of(self, name: str) -> torch.dtype:
-        return torch.float32 if name.endswith(self.BUFFERS) else self.kernel.torch_dtype
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        for name, tensor in self.tensors.items():
-            if not name.endswith(self.BUFFERS):
-                yield name, torch.nn.Parameter(tensor, requires_grad=False)
-
-    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from ((name, t) for name, t in self.tensors.items() if name.endswith(self.BUFFERS))

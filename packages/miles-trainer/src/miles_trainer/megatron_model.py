@@ -1,5 +1,5 @@
 """A Megatron-core `GPTModel` for a Qwen3 / Qwen3-MoE / GLM-4.5 HF config, and `MegatronCausalLM`, which lets the
-trainer's step code (`miles_trainer.step`) drive it like a miles-kernels `CausalLM` (docs/megatron.md).
+trainer's step code (`miles_trainer.policy_step`) drive it like a miles-kernels `CausalLM` (docs/megatron.md).
 
 The model is built from miles-kernels' `ModelConfig` (the HF config.json as the engine reads it) and the layout of
 `MegatronConfig`; `transformer_impl="local"` uses Megatron-core's own PyTorch modules (no Transformer Engine needed).
@@ -10,7 +10,7 @@ megatron-core is imported inside functions only, so miles-trainer imports (and i
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,11 @@ def require_megatron() -> None:
     """A clear ImportError when megatron-core is not installed."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise ImportError(f"trainer.backend.name=megatron needs megatron-core: {INSTALL_HINT}")
+
+
+def virtual_stages(config: MegatronConfig) -> int | None:
+    """Megatron-core's virtual pipeline size: the model chunks of a PP rank (None: one chunk, no interleaving)."""
+    return config.vpp if config.pp > 1 and (config.vpp or 1) > 1 else None
 
 
 def init_parallel(config: MegatronConfig) -> None:
@@ -45,25 +50,28 @@ def init_parallel(config: MegatronConfig) -> None:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
-        virtual_pipeline_model_parallel_size=config.vpp, context_parallel_size=config.cp,
+        virtual_pipeline_model_parallel_size=virtual_stages(config), context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
     )  # fmt: skip
 
 
-def rank_layout(model: ModelConfig, config: MegatronConfig) -> RankLayout:
-    """This rank's place in the layout (Megatron's process groups must be initialized: `init_parallel`)."""
+def rank_layout(model: ModelConfig, config: MegatronConfig, vp_stage: int | None = None) -> RankLayout:
+    """This rank's place in the layout, for its model chunk `vp_stage` (0 .. vpp - 1 with virtual pipeline stages;
+    Megatron's process groups must be initialized: `init_parallel`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     transformer = transformer_config(model, config)
-    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    per_stage = model.num_hidden_layers // stages
-    first = get_transformer_layer_offset(transformer) if stages > 1 else 0
+    chunks = virtual_stages(config) or 1
+    per_chunk = model.num_hidden_layers // (config.pp * chunks)
+    first = get_transformer_layer_offset(transformer, vp_stage=vp_stage) if config.pp > 1 else 0
+    virtual = {"ignore_virtual": chunks == 1, "vp_stage": vp_stage}
     return RankLayout(
         tp_size=config.tp, tp_rank=ps.get_tensor_model_parallel_rank(), ep_size=config.ep,
         ep_rank=ps.get_expert_model_parallel_rank(), etp_size=config.etp or 1,
-        etp_rank=ps.get_expert_tensor_parallel_rank(), first_layer=first, num_layers=per_stage,
-        is_first_stage=stage == 0, is_last_stage=stage == stages - 1, transformer_impl=config.transformer_impl,
+        etp_rank=ps.get_expert_tensor_parallel_rank(), first_layer=first, num_layers=per_chunk,
+        is_first_stage=ps.is_pipeline_first_stage(**virtual), is_last_stage=ps.is_pipeline_last_stage(**virtual),
+        transformer_impl=config.transformer_impl,
     )  # fmt: skip
 
 
@@ -87,8 +95,17 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
             "an MoE model with megatron.tp > 1 needs sequence_parallel=true (megatron-core requires it), hence "
             "transformer_impl=transformer_engine; with the local implementation split the experts with ep / etp"
         )
-    if model.num_hidden_layers % config.pp:
-        raise ValueError(f"pp={config.pp} must divide the {model.num_hidden_layers} decoder layers")
+    if model.is_moe and config.pp > 1 and config.moe_token_dispatcher == "allgather":
+        raise ValueError(
+            "an MoE model with megatron.pp > 1 needs moe_token_dispatcher=alltoall: the pipeline sends packed "
+            "micro-batches of varying shapes, which megatron-core's allgather dispatcher does not take"
+        )
+    chunks = config.pp * (virtual_stages(config) or 1)
+    if model.num_hidden_layers % chunks:
+        raise ValueError(
+            f"pp * vpp = {chunks} must divide the {model.num_hidden_layers} decoder layers (each model chunk holds "
+            "as many)"
+        )
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_hidden_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_key_value_heads,
@@ -98,11 +115,13 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
         qk_layernorm=model.use_qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
-        virtual_pipeline_model_parallel_size=config.vpp, context_parallel_size=config.cp,
+        virtual_pipeline_model_parallel_size=virtual_stages(config), context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
         sequence_parallel=config.sequence_parallel, use_cpu_initialization=True,
+        variable_seq_lengths=config.pp > 1,  # packed micro-batches differ in shape: stages send theirs first
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, calculate_per_token_loss=True,
+        moe_token_dispatcher_type="alltoall",  # unused by dense layers; megatron-core's default refuses pp > 1
     )  # fmt: skip
     if config.recompute != "none":
         kwargs |= {"recompute_granularity": config.recompute}
@@ -146,9 +165,12 @@ def layer_spec(model: ModelConfig, config: MegatronConfig) -> Any:
     )
 
 
-def build_gpt_model(model: ModelConfig, config: MegatronConfig, dtype: torch.dtype = torch.float32) -> Any:
-    """This rank's `GPTModel` (its PP stage, its TP / EP shards), parameters on the CPU (`use_cpu_initialization`);
-    the caller loads the weights (`hf_to_megatron`) and moves it to its device."""
+def build_gpt_model(
+    model: ModelConfig, config: MegatronConfig, dtype: torch.dtype = torch.float32, vp_stage: int | None = None
+) -> Any:
+    """This rank's `GPTModel` (its PP stage, or with virtual stages its model chunk `vp_stage`; its TP / EP
+    shards), parameters on the CPU (`use_cpu_initialization`); the caller loads the weights (`hf_to_megatron`) and
+    moves it to its device."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -158,15 +180,27 @@ def build_gpt_model(model: ModelConfig, config: MegatronConfig, dtype: torch.dty
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(
-            transformer, use_transformer_engine=config.transformer_impl != "local", normalization="RMSNorm"
-        )
+            transformer, use_transformer_engine=config.transformer_impl != "local", normalization="RMSNorm",
+            vp_stage=vp_stage,
+        )  # fmt: skip
+    virtual = {"ignore_virtual": virtual_stages(config) is None, "vp_stage": vp_stage}
     return GPTModel(
         config=transformer, transformer_layer_spec=spec, vocab_size=padded_vocab_size(model, config.tp),
-        max_sequence_length=model.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=model.tie_word_embeddings,
+        max_sequence_length=model.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(**virtual),
+        post_process=ps.is_pipeline_last_stage(**virtual),
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope", rotary_percent=model.partial_rotary_factor, rotary_base=int(model.rope_theta),
-        parallel_output=False,
+        parallel_output=False, vp_stage=vp_stage,
     )  # fmt: skip
+
+
+class PaddedBatch(NamedTuple):
+    """A packed micro-batch as Megatron's local attention takes it: token ids (B, S), right-padded; the causal
+    mask (1, 1, S, S), True where attention is masked; each packed row's index in the flattened (B, S) batch."""
+
+    ids_BS: torch.Tensor
+    mask: torch.Tensor
+    flat_N: torch.Tensor
 
 
 class MegatronCausalLM(torch.nn.Module):
@@ -196,11 +230,15 @@ class MegatronCausalLM(torch.nn.Module):
     def forward_hidden(
         self, input_ids_N: torch.Tensor, batch: Any, routing_NLK: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Final-norm hidden states (N, H) of a micro-batch packed one sequence per sample (no shared prompts)."""
-        from megatron.core import tensor_parallel
-
+        """Final-norm hidden states (N, H) of a micro-batch packed one sequence per sample (no shared prompts), for a
+        model in one piece (no pipeline stages: the Megatron backend's schedule drives those)."""
         if routing_NLK is not None:
             raise ValueError("routing replay is not wired into the Megatron backend; use trainer.backend.name=fsdp2")
+        padded = self.padded_batch(input_ids_N, batch)
+        return self.hidden_rows(self.stage_forward(padded), padded)
+
+    def padded_batch(self, input_ids_N: torch.Tensor, batch: Any) -> PaddedBatch:
+        """The micro-batch's rows laid out as a right-padded (B, S) batch (one sequence per row)."""
         lens = batch.query_lens_S.tolist()
         if batch.kv_lens_S.tolist() != lens:
             raise ValueError("the Megatron backend takes micro-batches packed without shared prompts")
@@ -215,19 +253,32 @@ class MegatronCausalLM(torch.nn.Module):
         flat_N = starts + offsets  # row n's place in the flattened (B, S) batch; extra rows and columns are padding
         ids_BS = input_ids_N.new_zeros(rows * width)
         ids_BS[flat_N] = input_ids_N
-        ids_BS = ids_BS.view(rows, width)
-        positions_BS = torch.arange(width, device=device).expand(rows, width)
         mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
+        return PaddedBatch(ids_BS.view(rows, width), mask, flat_N)
+
+    def stage_forward(self, padded: PaddedBatch) -> torch.Tensor:
+        """This model chunk's decoder layers over the padded batch: from the embedding on the first pipeline stage,
+        else from the previous stage's hidden states (the schedule's `set_input_tensor`); (S, B, H), after the final
+        norm on the last stage (S split over the TP ranks with sequence parallelism)."""
         gpt = self.gpt
-        hidden_SBH = gpt.embedding(input_ids=ids_BS, position_ids=positions_BS)
-        rotary = gpt.rotary_pos_emb(gpt.rotary_pos_emb.get_rotary_seq_len(None, gpt.decoder, hidden_SBH,
-                                                                         gpt.config, None))  # fmt: skip
-        hidden_SBH = gpt.decoder(hidden_states=hidden_SBH, attention_mask=mask, rotary_pos_emb=rotary)
-        if gpt.config.sequence_parallel:
+        rows, width = padded.ids_BS.shape
+        hidden_SBH = None
+        if gpt.pre_process:
+            positions_BS = torch.arange(width, device=padded.ids_BS.device).expand(rows, width)
+            hidden_SBH = gpt.embedding(input_ids=padded.ids_BS, position_ids=positions_BS)
+        rotary = gpt.rotary_pos_emb(width)
+        out: torch.Tensor = gpt.decoder(hidden_states=hidden_SBH, attention_mask=padded.mask, rotary_pos_emb=rotary)
+        return out
+
+    def hidden_rows(self, hidden_SBH: torch.Tensor, padded: PaddedBatch) -> torch.Tensor:
+        """The last stage's (S, B, H) output as float32 hidden states (N, H) of the micro-batch's packed rows."""
+        from megatron.core import tensor_parallel
+
+        if self.gpt.config.sequence_parallel:
             hidden_SBH = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_SBH, tensor_parallel_output_grad=True
             )
-        hidden_NH: torch.Tensor = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1])[flat_N]
+        hidden_NH: torch.Tensor = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1])[padded.flat_N]
         return hidden_NH.float()
 
     def logits(self, hidden_KH: torch.Tensor) -> torch.Tensor:

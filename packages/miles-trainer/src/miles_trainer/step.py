@@ -1,6 +1,6 @@
-"""One policy-gradient pass over a rollout batch, on a single model replica: pack → per micro-batch forward →
-policy loss (+ entropy bonus, + KL to the reference) normalized over the *global* batch → backward (gradients
-accumulate across micro-batches).
+"""What a train step needs besides its micro-batch loop (which is `policy_step.py`'s): the step's stats and their
+all-reduce, the global counts the losses are normalized by, the TIS / MIS weights, the advantages per token, the
+policy-loss plug-ins, the SFT pass, and the reward / advantage summaries.
 
 Because every micro-batch's loss is divided by global counts (tokens / sequences of the whole batch), the
 accumulated gradient does not depend on how the batch is split into micro-batches (or, with a sum all-reduce,
@@ -25,20 +25,14 @@ from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import PolicyLossConfig
-from miles_trainer.critic import JointValueLoss, value_loss_part
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import (
-    aggregate_loss,
-    entropy_bonus_loss,
     importance_weight_sums,
     importance_weights,
-    kl_estimate,
     normalize_importance_weights,
     policy_loss,
     sft_loss,
-    train_rollout_logprob_abs_diff,
 )
-from miles_trainer.moe import balance_loss, moe_shape, routing_metrics
 from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
 from miles_trainer.plugins import load_checked_plugin
 
@@ -107,7 +101,7 @@ class StepStats:
         data only, e.g. the routing flips of samples that carry the engine's routing, counts zero elsewhere)."""
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
-        names = _all_gather_json([sorted(self.sums), sorted(self.weighted), sorted(self.maxima)], group)
+        names = all_gather_json([sorted(self.sums), sorted(self.weighted), sorted(self.maxima)], group)
         tables: tuple[dict[str, float], ...] = (self.sums, self.weighted, self.maxima)
         for index, table in enumerate(tables):
             for rank_names in names:
@@ -134,7 +128,7 @@ class StepStats:
         return out
 
 
-def _all_gather_json(value: Any, group: Any = None) -> list[Any]:
+def all_gather_json(value: Any, group: Any = None) -> list[Any]:
     """Every rank's JSON-serializable `value`, as JSON bytes in uint8 tensors (no pickle crosses the process group)."""
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
@@ -237,195 +231,13 @@ def token_advantages(samples: Sequence[Sample], advantages: PerSample) -> list[l
     return out
 
 
-def _check_per_token(name: str, samples: Sequence[Sample], values: Sequence[Sequence[float]] | None) -> None:
+def check_per_token(name: str, samples: Sequence[Sample], values: Sequence[Sequence[float]] | None) -> None:
     if values is None:
         return
     if len(values) != len(samples) or any(
         len(v) != len(s.response_tokens) for s, v in zip(samples, values, strict=False)
     ):
         raise ValueError(f"{name} needs one list per sample with one value per response token")
-
-
-def accumulate_policy_gradients(
-    model: CausalLM,
-    samples: Sequence[Sample],
-    advantages: PerSample,
-    kernel: KernelConfig,
-    config: PolicyLossConfig,
-    max_tokens_per_micro_batch: int,
-    *,
-    global_num_tokens: int | None = None,
-    global_num_seqs: int | None = None,
-    loss_scale: float = 1.0,
-    num_micro_batches: int | None = None,
-    old_logprobs: Sequence[Sequence[float]] | None = None,
-    ref_logprobs: Sequence[Sequence[float]] | None = None,
-    is_weights: PerToken | None = None,
-    joint_value: JointValueLoss | None = None,
-    aux_losses: Sequence[AuxLoss] = (),
-    aux_counts: Sequence[Sequence[int]] | None = None,
-    measure_mismatch: bool = False,
-    routing_replay: bool = False,
-    share_prompts: bool = True,
-) -> StepStats:
-    """Forward + backward over all micro-batches (gradients accumulate in `model`); returns the step's stats.
-
-    `advantages`: a scalar per sample or one value per response token. `old_logprobs`: the trainer's recomputed
-    log-probs under the rollout weights (fast mode); None uses the rollout log-probs (true on-policy).
-    `ref_logprobs`: the reference policy's, needed when `config.kl_coef > 0`. `is_weights`: the TIS / MIS weights
-    of `mismatch_weights` when `config.is_mode` is set (None: computed here, batch-normalized over `samples`;
-    pass them, and counts that leave out rejected tokens, when the batch spans ranks). `joint_value`: a value
-    head's clipped value loss, times its `vf_coef`, joins the loss (PPO with `CriticConfig.kind="value_head"`).
-    `aux_losses` (`miles_trainer.auxiliary.AuxLoss`, e.g. the MTP draft's) join the backward on the same forward,
-    normalized by `aux_counts` (the global batch's, one list per loss; default: this batch's); they are reported as
-    `<name>_loss` and not added to `loss`.
-    `routing_replay`: the MoE layers use the experts the engine recorded for each token (the samples'
-    `routed_experts`, miles_trainer.moe), not their router's choice. An MoE policy's step also reports the routing
-    metrics of miles_trainer.moe and, with `config.moe_aux_loss`, trains its load-balancing loss.
-    `measure_mismatch`: report
-    `train_rollout_logprob_abs_diff` (the recomputed old log-probs, else this forward's, against the rollout's —
-    meaningful while the weights are still those that generated the samples). `share_prompts=False` packs every
-    sample whole (a model that takes one sequence per sample: the Megatron backend's).
-    With data parallelism, pass the token / sequence counts of the whole global batch (all ranks) and reduce
-    gradients with a sum (or scale the loss by the number of ranks with `loss_scale` when the reduction is an
-    average); by default the counts are those of `samples`. Reported losses are unscaled. With sharded models every
-    rank must run as many forward/backward passes as the others: `num_micro_batches` pads this rank's passes with
-    zero-weight repeats of its last micro-batch (their gradient is exactly zero).
-    """
-    per_token_adv = token_advantages(samples, advantages)
-    missing = [s.index for s in samples if s.rollout_logprobs is None]
-    if missing:
-        raise ValueError(f"samples {missing[:5]} have no rollout_logprobs; request return_logprob=True")
-    _check_per_token("old_logprobs", samples, old_logprobs)
-    _check_per_token("ref_logprobs", samples, ref_logprobs)
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the responses)")
-    loss_fn = resolve_loss_fn(config.loss_fn)
-    is_metrics: dict[str, torch.Tensor] = {}
-    if config.is_mode is not None and is_weights is None:
-        is_weights, is_metrics = mismatch_weights(samples, old_logprobs, config)
-    _check_per_token("is_weights", samples, is_weights)
-    exclude_rejected = config.is_mode == "mask" and config.is_rejected == "excluded"
-    if aux_counts is None:
-        aux_counts = [aux.counts(model, samples) for aux in aux_losses]
-    local_tokens, local_seqs = count_trained(samples, is_weights if exclude_rejected else None)
-    global_tokens = global_num_tokens if global_num_tokens is not None else local_tokens
-    global_seqs = global_num_seqs if global_num_seqs is not None else local_seqs
-    stats = StepStats()
-    if global_tokens == 0 or not samples:
-        return stats  # no token trains (every loss mask is zero): no gradient
-    if config.agg_mode in ("seq-mean-token-sum-norm", "token-sum-norm") and config.max_response_len is None:
-        raise ValueError(
-            f"agg_mode={config.agg_mode} divides by a constant L: set PolicyLossConfig.max_response_len (the "
-            "longest response the rollout may produce; a run config sets it from rollout.max_new_tokens)"
-        )
-    counts = {"global_num_tokens": global_tokens, "global_num_seqs": global_seqs,
-              "max_response_len": config.max_response_len}  # fmt: skip
-    routing_shape = moe_shape(model)
-    if (routing_replay or config.moe_aux_loss != "none") and routing_shape is None:
-        wants = "routing replay" if routing_replay else f"moe_aux_loss={config.moe_aux_loss}"
-        raise ValueError(f"{wants} needs an MoE policy; {model.config.model_type} has no MoE layer")
-    micro_batches = pack_samples(
-        samples, kernel, max_tokens_per_micro_batch, share_prompts, routing_shape, require_routing=routing_replay
-    )
-    total_rows = sum(m.num_tokens for m in micro_batches)
-    for step in range(max(len(micro_batches), num_micro_batches or 0)):
-        micro = micro_batches[min(step, len(micro_batches) - 1)]
-        weight = 1.0 if step < len(micro_batches) else 0.0
-        logprobs_K, entropy_K, hidden_NH = micro_batch_forward(
-            model,
-            micro,
-            config.temperature,
-            with_entropy=True,
-            with_hidden=joint_value is not None or bool(aux_losses),
-            replay=routing_replay,
-        )
-        assert entropy_K is not None
-        logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
-        device = logprobs_BT.device
-        rows = micro.sample_indices
-        rollout_BT = padded_lists([samples[i].rollout_logprobs or [] for i in rows], device)
-        old_BT = rollout_BT if old_logprobs is None else padded_lists([old_logprobs[i] for i in rows], device)
-        advantages_BT = padded_lists([per_token_adv[i] for i in rows], device)
-        is_weights_BT = None if is_weights is None else padded_lists([is_weights[i] for i in rows], device)
-        if is_weights_BT is not None and exclude_rejected:
-            mask_BT = mask_BT & (is_weights_BT > 0)
-        pg_loss, pg_metrics = loss_fn(
-            logprobs_BT, old_BT, advantages_BT, mask_BT,
-            clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
-            ratio_type=config.ratio_type, agg_mode=config.agg_mode, is_weights_BT=is_weights_BT, **counts,
-        )  # fmt: skip
-        entropy_BT, _ = rows_to_padded(entropy_K, micro)
-        parts = {"pg_loss": pg_loss}
-        if config.entropy_coef > 0:
-            parts["entropy_loss"] = entropy_bonus_loss(
-                entropy_BT, mask_BT, config.entropy_coef, config.agg_mode, **counts
-            )
-        kl_BT = None
-        if ref_logprobs is not None:
-            kl_BT = kl_estimate(
-                logprobs_BT, padded_lists([ref_logprobs[i] for i in rows], device), config.kl_estimator
-            )
-            if (
-                config.kl_ratio_correction
-            ):  # TRL's use_bias_correction_kl: KL under pi_old's samples, times pi / pi_old
-                kl_BT = kl_BT * torch.exp(torch.where(mask_BT, logprobs_BT - old_BT, 0.0).clamp(-20.0, 20.0))
-            if config.kl_coef > 0:
-                parts["kl_loss"] = config.kl_coef * aggregate_loss(kl_BT, mask_BT, config.agg_mode, **counts)
-        vf_metrics: dict[str, torch.Tensor] = {}
-        if joint_value is not None:
-            assert hidden_NH is not None
-            vf_loss, vf_metrics, _ = value_loss_part(
-                joint_value.head(hidden_NH[micro.score_rows_K.to(device)]), micro, joint_value.returns,
-                joint_value.old_values, joint_value.config, counts,
-            )  # fmt: skip
-            parts["vf_loss_term"] = joint_value.config.vf_coef * vf_loss
-            vf_metrics["vf_loss"] = vf_loss
-        if routing_shape is not None and config.moe_aux_loss != "none":
-            # a token-weighted share of the batch's mean, averaged over ranks (FSDP2 averages their gradients)
-            share = micro.num_tokens / total_rows / loss_scale
-            balance = balance_loss(model, config.moe_aux_loss, micro.sequence_rows)
-            parts["moe_aux_loss_term"] = config.moe_aux_loss_coef * balance * share
-            stats.add_mean("moe_aux_loss", float(balance.detach()), micro.num_tokens * weight)
-        loss = torch.stack(list(parts.values())).sum()
-        aux_parts = _aux_parts(model, micro, hidden_NH, samples, aux_losses, aux_counts)
-        total = loss
-        for part, _ in aux_parts.values():  # detached from the policy: its gradients are unchanged
-            total = total + part
-        (total * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
-        if weight == 0.0:
-            continue
-        num_valid = float(mask_BT.sum())
-        stats.add("num_tokens", num_valid)
-        stats.add("loss", float(loss.detach()))
-        _add_aux_stats(stats, aux_parts, num_valid)
-        if vf_metrics:
-            stats.add("vf_loss", float(vf_metrics.pop("vf_loss").detach()))
-            for name, value in vf_metrics.items():
-                stats.add_mean(name, float(value), num_valid)
-        for name, part in parts.items():
-            stats.add(name, float(part.detach()))
-        if routing_shape is not None:
-            for name, (mean, count) in routing_metrics(model, micro.routing_NLK).items():
-                stats.add_mean(name, mean, count)
-        with torch.no_grad():
-            is_valid = mask_BT.bool()
-            stats.add_mean("entropy", float(entropy_BT[is_valid].mean()) if num_valid else 0.0, num_valid)
-            if kl_BT is not None:
-                stats.add_mean("kl", float(kl_BT.detach()[is_valid].mean()) if num_valid else 0.0, num_valid)
-            for name, value in pg_metrics.items():
-                if name.endswith("_max"):
-                    stats.add_max(name, float(value))
-                else:
-                    stats.add_mean(name, float(value), num_valid)
-            if measure_mismatch:
-                diff = train_rollout_logprob_abs_diff(
-                    logprobs_BT if old_logprobs is None else old_BT, rollout_BT, mask_BT
-                )
-                stats.add_mean("train_rollout_logprob_abs_diff", float(diff["mean"]), num_valid)
-                stats.add_max("train_rollout_logprob_abs_diff_max", float(diff["max"]))
-    add_is_metrics(stats, is_metrics, samples)
-    return stats
 
 
 def add_is_metrics(stats: StepStats, metrics: dict[str, torch.Tensor], samples: Sequence[Sample]) -> None:
@@ -477,7 +289,7 @@ def accumulate_sft_gradients(
             logprobs_K, _, hidden_NH = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
             logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
             loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
-        aux_parts = _aux_parts(model, micro, hidden_NH, samples, aux_losses, aux_counts)
+        aux_parts = aux_parts_of(model, micro, hidden_NH, samples, aux_losses, aux_counts)
         total = loss if train_policy else torch.zeros((), device=loss.device)
         for part, _ in aux_parts.values():
             total = total + part
@@ -486,11 +298,11 @@ def accumulate_sft_gradients(
         if weight:
             stats.add("loss", float(loss.detach()))
             stats.add("num_tokens", float(mask_BT.sum()))
-            _add_aux_stats(stats, aux_parts, float(mask_BT.sum()))
+            add_aux_stats(stats, aux_parts, float(mask_BT.sum()))
     return stats
 
 
-def _aux_parts(
+def aux_parts_of(
     model: CausalLM,
     micro: MicroBatch,
     hidden_NH: torch.Tensor | None,
@@ -506,7 +318,7 @@ def _aux_parts(
     return parts
 
 
-def _add_aux_stats(
+def add_aux_stats(
     stats: StepStats, aux_parts: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]], num_valid: float
 ) -> None:
     for name, (part, aux_metrics) in aux_parts.items():
