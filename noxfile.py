@@ -41,6 +41,23 @@ def _sync(session: nox.Session, *args: str) -> None:
     )
 
 
+def _sglang_source(session: nox.Session) -> None:
+    """SGLang's Python source without its GPU dependencies, plus the few pure-Python packages its `ServerArgs`
+    imports, at their uv.lock versions: the rollout tests parse the SGLang launch config with SGLang's own
+    `prepare_server_args` (test_sglang_launch.py). The `sglang` extra itself pulls CUDA kernel wheels."""
+    pins = session.run(
+        "uv", "export", "--frozen", "--package", "miles-rollout", "--extra", "sglang", "--no-hashes",
+        "--no-emit-workspace", "--format", "requirements-txt", silent=True, external=True,
+    )  # fmt: skip
+    constraints = f"{session.virtualenv.location}/sglang-constraints.txt"
+    with open(constraints, "w") as f:
+        f.write(str(pins))
+    python = f"{session.virtualenv.location}/bin/python"
+    session.run_install("uv", "pip", "install", "--python", python, "--no-deps", "-c", constraints, "sglang")
+    session.run_install("uv", "pip", "install", "--python", python, "-c", constraints, "pybase64", "msgspec", "pyzmq",
+                        "ipython")  # fmt: skip
+
+
 def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
     session.run("pytest", *paths, *session.posargs, env={**TEST_ENV, **(env or {})})
 
@@ -51,6 +68,8 @@ def tests(session: nox.Session, package: str) -> None:
     """Unit tests of one package, installed alone with only its declared dependencies."""
     _sync(session, "--package", package, "--group", "test", *TEST_EXTRAS.get(package, ()))
     session.run("python", "tests/check_isolation.py", package)
+    if package == "miles-rollout":
+        _sglang_source(session)
     _pytest(session, f"packages/{package}/tests", "-m", "not gpu")
 
 

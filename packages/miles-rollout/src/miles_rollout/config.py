@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -131,4 +131,43 @@ class ServeConfig(BaseModel):
         description="Engines on this machine, each a process on a free 127.0.0.1 port, behind sglang-router "
         "(cache-aware) on host:port (as `python -m sglang_router.launch_server --dp-size N` does for SGLang; needs "
         "`pip install sglang-router`).",
+    )
+
+
+class SGLangConfig(BaseModel):
+    """SGLang engines (a run's `rollout.backend=sglang`, docs/laptop-to-cluster.md): how each SGLang server is
+    launched. The settings an engine shares with the embedded one (context length, running requests, seed,
+    speculative decoding, routed experts) come from `EngineConfig`; the kernels' dtype and mode from `KernelConfig`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tp_size: int = Field(default=1, ge=1, le=64, description="Tensor-parallel GPUs of each SGLang server.")
+    dp_size: int = Field(default=1, ge=1, le=64, description="Data-parallel replicas inside each server.")
+    ep_size: int = Field(default=1, ge=1, le=64, description="Expert-parallel size of each server (MoE models).")
+    mem_fraction_static: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="Share of GPU memory for weights and KV cache; null: SGLang's choice. Colocated runs leave the "
+        "trainer room: e.g. 0.5.",
+    )  # fmt: skip
+    attention_backend: str | None = Field(
+        default=None,
+        description="SGLang's --attention-backend (fa3, flashinfer, triton, ...); null: SGLang's choice (fa3 on "
+        "Hopper with deterministic inference).",
+    )
+    chunked_prefill_size: int | None = Field(default=None, ge=1, description="SGLang's chunked prefill budget.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="warning", description="The SGLang server's log level."
+    )
+    server_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further SGLang ServerArgs fields by name (e.g. {enable_metrics: true, cuda_graph_max_bs_decode: "
+        "256}), written to the server's config file; the fields Miles sets itself are refused here.",
+    )
+    launch_command: list[str] | None = Field(
+        default=None,
+        description="The command that starts a server, before `--config FILE`; null: this Python's "
+        "`-m sglang.launch_server`.",
+    )
+    startup_timeout_s: float = Field(
+        default=1200.0, gt=0, description="Seconds a server may take to load and answer /health."
     )

@@ -1,0 +1,162 @@
+"""SGLang engines' launch (miles_rollout.sglang_launch; docs/laptop-to-cluster.md).
+
+- The mapping of a run's settings to SGLang's ServerArgs fields, and against SGLang 0.5.23's own `ServerArgs`: the
+  config file Miles writes is parsed by SGLang's `prepare_server_args` (SGLang's source, installed without its GPU
+  dependencies by the nox session; skipped where it is absent) and every field comes out as Miles meant it.
+- A server process: started with `--config FILE` (a stand-in executable that records what it got and serves the
+  fake SGLang API of conftest.py), waited for until /health answers, stopped with its children; a server that
+  exits or never answers is reported with its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_contracts import GenerateRequest, SamplingParams
+from miles_kernels.config import KernelConfig
+from miles_rollout import Client
+from miles_rollout.config import EngineConfig, SGLangConfig
+from miles_rollout.launch import free_port
+from miles_rollout.sglang_launch import (
+    MANAGED,
+    SGLangServer,
+    launch_command,
+    require_cuda,
+    sglang_server_args,
+    write_server_config,
+)
+
+STAND_IN = Path(__file__).with_name("sglang_stand_in.py")
+
+
+def mapped(**overrides) -> dict:
+    settings = {
+        "kernel": KernelConfig(mode="fast", dtype="bfloat16"),
+        "engine": EngineConfig(),
+        "sglang": SGLangConfig(),
+        "memory_saver": False,
+        "admin_key": None,
+    } | overrides
+    return sglang_server_args("/models/qwen3", host="127.0.0.1", port=30001, **settings)
+
+
+def test_run_settings_map_to_sglang_server_args() -> None:
+    assert mapped() == {
+        "model_path": "/models/qwen3", "host": "127.0.0.1", "port": 30001, "tp_size": 1, "dp_size": 1,
+        "ep_size": 1, "dtype": "bfloat16", "random_seed": 0, "max_running_requests": 256, "log_level": "warning",
+        "weight_version": "0",
+    }  # fmt: skip
+    full = mapped(
+        kernel=KernelConfig(mode="deterministic", dtype="bfloat16"),
+        engine=EngineConfig(context_length=4096, seed=7, max_running_requests=64, speculative_algorithm="nextn",
+                            speculative_num_steps=2, enable_return_routed_experts=True),
+        sglang=SGLangConfig(tp_size=2, ep_size=2, mem_fraction_static=0.5, attention_backend="fa3",
+                            chunked_prefill_size=8192, server_args={"enable_metrics": True}),
+        memory_saver=True, admin_key="secret",
+    )  # fmt: skip
+    assert full == {
+        "model_path": "/models/qwen3", "host": "127.0.0.1", "port": 30001, "tp_size": 2, "dp_size": 1,
+        "ep_size": 2, "dtype": "bfloat16", "random_seed": 7, "max_running_requests": 64, "log_level": "warning",
+        "weight_version": "0", "context_length": 4096, "mem_fraction_static": 0.5, "attention_backend": "fa3",
+        "chunked_prefill_size": 8192, "admin_api_key": "secret", "enable_deterministic_inference": True,
+        "speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 3, "enable_return_routed_experts": True, "enable_memory_saver": True,
+        "enable_metrics": True,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"sets \['random_seed', 'tp_size'\], which Miles sets"):
+        mapped(sglang=SGLangConfig(server_args={"tp_size": 4, "random_seed": 1, "enable_metrics": True}))
+    assert {"model_path", "admin_api_key", "enable_memory_saver"} <= MANAGED
+
+
+def test_the_config_file_is_yaml_for_this_user_only(tmp_path) -> None:
+    path = write_server_config(mapped(admin_key="secret"), tmp_path / "sglang.yaml")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it holds the admin key
+    yaml = pytest.importorskip("yaml")
+    flags = {name.replace("_", "-"): value for name, value in mapped(admin_key="secret").items()}
+    assert yaml.safe_load(path.read_text()) == flags  # SGLang reads each key as its flag: --admin-api-key
+    with pytest.raises(ValueError, match=r"\*\.yaml"):
+        write_server_config({}, tmp_path / "sglang.json")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "kernel": KernelConfig(mode="deterministic", dtype="bfloat16"),
+            "engine": EngineConfig(context_length=4096, seed=7, speculative_algorithm="NEXTN",
+                                   enable_return_routed_experts=True),
+            "sglang": SGLangConfig(tp_size=2, mem_fraction_static=0.6, attention_backend="fa3",
+                                   server_args={"enable_metrics": True, "cuda_graph_max_bs_decode": 64}),
+            "memory_saver": True, "admin_key": "secret",
+        },
+    ],
+    ids=["defaults", "everything"],
+)  # fmt: skip
+def test_sglangs_own_server_args_take_the_mapping(overrides: dict, tmp_path) -> None:
+    server_args = pytest.importorskip("sglang.srt.server_args", reason="SGLang's source (the nox rollout session)")
+    args = mapped(**overrides)
+    path = write_server_config(args, tmp_path / "sglang.yaml")
+    parsed = server_args.prepare_server_args(["--config", str(path)])
+    for name, value in args.items():
+        assert getattr(parsed, name) == value, name
+
+
+def test_missing_sglang_and_cuda_get_clear_errors(monkeypatch) -> None:
+    import importlib.util
+
+    import torch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(ImportError, match="--extra sglang"):
+        launch_command(SGLangConfig())
+    assert launch_command(SGLangConfig(launch_command=["my-sglang"])) == ["my-sglang"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU .* use rollout\.backend=embedded"):
+        require_cuda()
+
+
+def test_a_server_is_launched_waited_for_and_stopped(tmp_path) -> None:
+    args = mapped(admin_key="secret", memory_saver=True) | {"port": free_port()}
+    server = SGLangServer([sys.executable, str(STAND_IN)], args, tmp_path)
+    server.start()
+    try:
+        asyncio.run(server.wait_healthy(timeout=60, interval=0.1))
+        launched = json.loads((tmp_path / f"sglang-{args['port']}.launched.json").read_text())
+        assert launched == {"argv": ["--config", str(server.config_path)], "server_args": args}
+
+        async def generate() -> list:
+            async with Client(server.url) as client:
+                request = GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=2))
+                return await client.generate(request)
+
+        assert asyncio.run(generate())
+    finally:
+        server.stop(timeout=10)
+    assert server.process is not None and server.process.poll() is not None
+    with pytest.raises(ProcessLookupError):  # its whole process group is gone
+        os.killpg(server.process.pid, 0)
+
+
+def test_a_server_that_fails_to_start_is_reported_with_its_log(tmp_path) -> None:
+    crash = [sys.executable, "-c", "import sys; print('CUDA out of memory while loading weights'); sys.exit(3)"]
+    server = SGLangServer(crash, mapped() | {"port": free_port()}, tmp_path / "crash")
+    server.start()
+    with pytest.raises(RuntimeError, match=r"exited with 3 before it was healthy.*\n.*CUDA out of memory"):
+        asyncio.run(server.wait_healthy(timeout=30, interval=0.1))
+    silent = SGLangServer([sys.executable, "-c", "import time; print('loading'); time.sleep(60)"],
+                          mapped() | {"port": free_port()}, tmp_path / "silent")  # fmt: skip
+    silent.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"did not answer /health within 1 s .*\n.*loading"):
+            asyncio.run(silent.wait_healthy(timeout=1.0, interval=0.1))
+    finally:
+        silent.stop(timeout=5)
