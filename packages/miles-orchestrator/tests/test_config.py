@@ -321,6 +321,29 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
         load_config(None, ["trainer.backend.megatron.tp=2"])
 
 
+def test_sglang_engines_are_checked_against_what_they_need() -> None:
+    gpus = ["rollout.backend=sglang", "kernel.mode=fast", "rollout.engine_resources={CPU: 8, GPU: 2}"]
+    cfg = load_config(None, [*gpus, "rollout.sglang.tp_size=2", "rollout.sglang.deterministic_inference=true"])
+    assert (cfg.rollout.backend, cfg.rollout.sglang.tp_size, cfg.rollout.sglang.deterministic_inference) == (
+        "sglang",
+        2,
+        True,
+    )
+    with pytest.raises(ValueError, match=r"kernel\.mode=deterministic: SGLang's kernels are not the trainer's"):
+        load_config(None, ["rollout.backend=sglang", "rollout.engine_resources={CPU: 8, GPU: 1}"])
+    with pytest.raises(ValueError, match=r"use run\.cluster=ray"):
+        load_config(None, [*gpus, "run.cluster=local"])
+    for transport in ("http", "distributed"):
+        with pytest.raises(ValueError, match=rf"run\.sync_transport={transport} with SGLang engines"):
+            load_config(None, [*gpus, f"run.sync_transport={transport}"])
+    with pytest.raises(ValueError, match=r"gives each SGLang engine 2 GPUs and .* = 4 needs as many"):
+        load_config(None, [*gpus, "rollout.sglang.tp_size=4"])
+    stand_in = load_config(None, ["rollout.backend=sglang", "kernel.mode=fast", "rollout.sglang.launch_command=[x]"])
+    assert stand_in.rollout.sglang.launch_command == ["x"]  # a command of the user's own: no GPU check
+    with pytest.raises(ValueError, match=r"rollout\.sglang is set but rollout\.backend is embedded"):
+        load_config(None, ["rollout.sglang.tp_size=2"])
+
+
 def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:
     """The orchestrator's config, and every package config it nests, load in a fresh interpreter with no torch."""
     import subprocess

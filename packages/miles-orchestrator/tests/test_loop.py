@@ -29,6 +29,9 @@ def test_the_weight_transport_follows_where_the_engines_landed(tmp_path, monkeyp
     assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=3) == "distributed"
     assert choose("shm", same_node=True, weight_bytes=2 << 30, num_engines=1) == "shm"  # asked for: used
     assert choose("disk", same_node=False, weight_bytes=1, num_engines=2) == "disk"
+    # SGLang engines load weight files only: shm where it can, else a shared directory
+    assert choose("auto", same_node=True, weight_bytes=10 << 20, num_engines=1, files_only=True) == "shm"
+    assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=3, files_only=True) == "disk"
     with pytest.raises(ValueError, match="sync_transport=shm needs every engine on trainer rank 0's node"):
         choose("shm", same_node=False, weight_bytes=1, num_engines=1)
     run_dir = tmp_path / "run"

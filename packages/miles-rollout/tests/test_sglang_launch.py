@@ -54,11 +54,11 @@ def test_run_settings_map_to_sglang_server_args() -> None:
         "weight_version": "0",
     }  # fmt: skip
     full = mapped(
-        kernel=KernelConfig(mode="deterministic", dtype="bfloat16"),
         engine=EngineConfig(context_length=4096, seed=7, max_running_requests=64, speculative_algorithm="nextn",
                             speculative_num_steps=2, enable_return_routed_experts=True),
         sglang=SGLangConfig(tp_size=2, ep_size=2, mem_fraction_static=0.5, attention_backend="fa3",
-                            chunked_prefill_size=8192, server_args={"enable_metrics": True}),
+                            chunked_prefill_size=8192, deterministic_inference=True,
+                            server_args={"enable_metrics": True}),
         memory_saver=True, admin_key="secret",
     )  # fmt: skip
     assert full == {
@@ -90,10 +90,10 @@ def test_the_config_file_is_yaml_for_this_user_only(tmp_path) -> None:
     [
         {},
         {
-            "kernel": KernelConfig(mode="deterministic", dtype="bfloat16"),
             "engine": EngineConfig(context_length=4096, seed=7, speculative_algorithm="NEXTN",
                                    enable_return_routed_experts=True),
             "sglang": SGLangConfig(tp_size=2, mem_fraction_static=0.6, attention_backend="fa3",
+                                   deterministic_inference=True,
                                    server_args={"enable_metrics": True, "cuda_graph_max_bs_decode": 64}),
             "memory_saver": True, "admin_key": "secret",
         },

@@ -28,7 +28,8 @@ from miles_orchestrator.weight_transport import broadcast_buckets, post_buckets,
 from miles_rollout import Client, EngineConfig
 
 
-def _node_id() -> str:
+def ray_node_id() -> str:
+    """The Ray node this actor runs on."""
     import ray  # inside a Ray worker: ray is imported already
 
     return str(ray.get_runtime_context().get_node_id())
@@ -87,7 +88,7 @@ class RolloutEngineActor:
         return os.getpid()
 
     def node_id(self) -> str:
-        return _node_id()
+        return ray_node_id()
 
     def shutdown(self) -> None:
         self.server.should_exit = True
@@ -114,7 +115,7 @@ class TrainerRankActor:
         self._group: WeightUpdateGroup | None = None  # rank 0: the weight-update group it hosts (distributed)
 
     def node_id(self) -> str:
-        return _node_id()
+        return ray_node_id()
 
     def pid(self) -> int:
         return os.getpid()

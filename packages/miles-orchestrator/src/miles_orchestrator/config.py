@@ -39,6 +39,7 @@ from miles_orchestrator.config_sections import (
     data_source_kind,
 )
 from miles_orchestrator.rollout_config import RolloutSection
+from miles_rollout.config import SGLangConfig
 from miles_spec.config import SpecConfig
 
 __all__ = [
@@ -100,7 +101,8 @@ class RunConfig(Section):
             raise ValueError(
                 "trainer.backend.name=megatron with kernel.mode=deterministic: megatron-core's kernels are not the "
                 "engine's, so the trainer's log-probs cannot equal the rollout's bit for bit; set kernel.mode=fast "
-                "(the old log-probs are recomputed and trainer.loss.is_mode tis / mask corrects the mismatch)"
+                "(the old log-probs are recomputed and trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the "
+                "mismatch)"
             )
         unsupported = {
             "a critic (advantage.estimator=gae)": self.trainer.uses_critic,
@@ -123,6 +125,40 @@ class RunConfig(Section):
         update = {key: value for key, value in derived.items() if key not in plan.model_fields_set}
         self.memory = self.memory.model_copy(update={"plan": plan.model_copy(update=update)})
 
+    def _sglang_backend(self) -> None:
+        """rollout.backend=sglang: what SGLang engines need (docs/laptop-to-cluster.md)."""
+        rollout = self.rollout
+        if rollout.backend != "sglang":
+            if rollout.sglang != SGLangConfig():
+                raise ValueError("rollout.sglang is set but rollout.backend is embedded: set rollout.backend=sglang")
+            return
+        if self.run.cluster != "ray":
+            raise ValueError(
+                "rollout.backend=sglang launches SGLang servers as Ray actors: use run.cluster=ray (the local "
+                "cluster runs the embedded engine in this process)"
+            )
+        if self.kernel.is_deterministic:
+            raise ValueError(
+                "rollout.backend=sglang with kernel.mode=deterministic: SGLang's kernels are not the trainer's, so "
+                "the rollout log-probs cannot equal the trainer's bit for bit; set kernel.mode=fast (the old "
+                "log-probs are recomputed, trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the mismatch; "
+                "rollout.sglang.deterministic_inference=true keeps the rollouts reproducible)"
+            )
+        if self.run.sync_transport in ("http", "distributed"):
+            raise ValueError(
+                f"run.sync_transport={self.run.sync_transport} with SGLang engines: SGLang's "
+                "/update_weights_from_tensor unpickles its payload (Miles never sends pickles), and the NCCL "
+                "broadcast to SGLang is not wired yet; use shm (one node), disk (a run.sync_dir every node reads) "
+                "or auto"
+            )
+        gpus = rollout.sglang.tp_size * rollout.sglang.dp_size
+        if rollout.sglang.launch_command is None and rollout.engine_resources.get("GPU", 0) < gpus:
+            raise ValueError(
+                f"rollout.engine_resources={rollout.engine_resources} gives each SGLang engine "
+                f"{rollout.engine_resources.get('GPU', 0):g} GPUs and rollout.sglang.tp_size * dp_size = {gpus} needs "
+                f"as many: e.g. rollout.engine_resources={{CPU: 8, GPU: {gpus}}}"
+            )
+
     def _routed_experts(self) -> None:
         """Routing replay needs the engine's routed experts: the rollout requests them and the engine records them."""
         if self.trainer.routing_replay == "rollout":
@@ -136,6 +172,7 @@ class RunConfig(Section):
         check_batch_identity(self)
         self._routed_experts()
         self._megatron_backend()
+        self._sglang_backend()
         loss = self.trainer.loss
         if "max_response_len" not in loss.model_fields_set:  # Dr.GRPO's constant L: the longest response
             self.trainer.loss = loss = loss.model_copy(update={"max_response_len": self.rollout.max_new_tokens})

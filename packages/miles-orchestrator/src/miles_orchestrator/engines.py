@@ -229,6 +229,15 @@ class EngineFleet:
     async def get_weight_versions(self) -> list[int | None]:
         return await self._each("get_weight_version")
 
+    async def get_weight_version(self) -> int | None:
+        """The weight version every engine serves; a RuntimeError naming the engines that serve another."""
+        versions = await self.get_weight_versions()
+        differing = [i for i, version in enumerate(versions) if version != versions[0]]
+        if differing:
+            raise RuntimeError(f"engines {differing} serve weight versions {[versions[i] for i in differing]}, "
+                               f"engine 0 serves {versions[0]}")  # fmt: skip
+        return versions[0]
+
     async def aclose(self) -> None:
         if self.supervisor is not None:
             await self.supervisor.stop()

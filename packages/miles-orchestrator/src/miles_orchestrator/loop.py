@@ -163,8 +163,16 @@ async def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
 
 async def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: Any) -> None:
     """Sync the trainer's weights to the engine as `version`, then refuse to start unless the engine holds the
-    same bits (weight checksum) and, for true on-policy, runs the same kernels (fingerprint)."""
+    same bits (weight checksum) and, for true on-policy, runs the same kernels (fingerprint); SGLang engines, which
+    report neither, must serve `version`."""
     await cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
+    if cfg.rollout.backend == "sglang":  # SGLang reports neither Miles' kernel config nor a checksum of HF tensors
+        served = await cluster.engine.get_weight_version()  # every engine's, or a RuntimeError naming them
+        if served != version:
+            raise RuntimeError(f"weight sync check failed: the SGLang engines serve weights v{served}, not v{version}")
+        log(f"weights v{version} synced via {cluster.sync_method}; the SGLang engines serve v{version} (SGLang "
+            "reports no checksum of HF tensors to verify the bits by)")  # fmt: skip
+        return
     described = (await cluster.engine.get_server_info())["kernel_config"]
     fingerprint = described["fingerprint"]
     if cfg.kernel.is_deterministic and fingerprint != cluster.trainer_fingerprint:

@@ -43,6 +43,7 @@ from miles_orchestrator.config import RunConfig
 from miles_orchestrator.engine_health import EngineSupervisor
 from miles_orchestrator.engines import EngineFleet, Router
 from miles_orchestrator.rank_health import HEALTH_GROUP, collective
+from miles_orchestrator.sglang_engine import SGLangEngineActor
 from miles_orchestrator.weight_transport import WEIGHT_GROUP, checkpoint_bytes, resolve_transport, sync_directory
 from miles_rollout import Client
 
@@ -111,12 +112,18 @@ class RayCluster:
         engine_threads = threads if num_engines == 1 else max(1, threads // num_engines)
 
         def new_engine(i: int) -> Any:
+            rollout = cfg.rollout
+            if rollout.backend == "sglang":
+                return _actor(SGLangEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
+                    model_dir, cfg.kernel, rollout.engine, rollout.sglang, self.admin_key, rollout.engine_host,
+                    cfg.run.colocate, str(run_dir),
+                )  # fmt: skip
             return _actor(RolloutEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
-                model_dir, cfg.kernel, cfg.rollout.engine, self.admin_key, engine_threads, cfg.rollout.engine_host,
+                model_dir, cfg.kernel, rollout.engine, self.admin_key, engine_threads, rollout.engine_host,
                 None if cpus is None else cpus[num_ranks + i],
             )  # fmt: skip
 
-        self.new_engine, self.run_dir = new_engine, run_dir
+        self.new_engine, self.run_dir, self.backend = new_engine, run_dir, cfg.rollout.backend
         self.engine_actors = [new_engine(i) for i in range(num_engines)]
         self.hang_timeout_s = cfg.trainer.hang_timeout_s
         self.trainers = [
@@ -211,6 +218,13 @@ class RayCluster:
         peer = self._healthy_peer(engine)
         if peer is None or self.engine.released:  # no engine holds weights to compare with
             return
+        if self.backend == "sglang":  # SGLang reports no checksum of HF tensors: the weight versions must agree
+            want_version = await asyncio.wait_for(peer.get_weight_version(), self.supervisor.settings.check_timeout_s)
+            if (got_version := await client.get_weight_version()) != want_version:
+                raise RuntimeError(
+                    f"the restarted engine serves weights v{got_version}, a healthy one v{want_version}"
+                )
+            return
         want = await asyncio.wait_for(peer.weights_checksum(), self.supervisor.settings.check_timeout_s)
         got = await client.weights_checksum()
         if got != want:
@@ -265,7 +279,8 @@ class RayCluster:
         engine_nodes = await asyncio.gather(*(a.node_id.remote() for a in self.engine_actors))
         same_node = all(node == rank0_node for node in engine_nodes)
         num_engines = len(self.engine_actors)
-        self.transport = resolve_transport(cfg.run.sync_transport, same_node, checkpoint_bytes(model_dir), num_engines)
+        self.transport = resolve_transport(cfg.run.sync_transport, same_node, checkpoint_bytes(model_dir), num_engines,
+                                           files_only=cfg.rollout.backend == "sglang")  # fmt: skip
         self.sync_dir = sync_directory(self.transport, run_dir, cfg.run.sync_dir)
         self.engine_host = cfg.rollout.engine_host
         await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)

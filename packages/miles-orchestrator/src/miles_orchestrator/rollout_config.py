@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
 from miles_orchestrator.config_sections import RayResources, Section
-from miles_rollout.config import EngineConfig
+from miles_rollout.config import EngineConfig, SGLangConfig
 
 BUILTIN_ENV_NAMES = ("calculator",)  # miles_orchestrator.environments.BUILTIN_ENVS
 
@@ -108,6 +108,15 @@ class RolloutSection(Section):
         default=True,
         description="Send the /generate calls the prompt groups make at once as one batched request (one HTTP round "
         "trip, admitted together); false: one request each (e.g. for a router that spreads them over engines).",
+    )
+    backend: Literal["embedded", "sglang"] = Field(
+        default="embedded",
+        description="The rollout engines: embedded (miles-rollout's own engine, CPU or CUDA; bitwise on-policy with "
+        "the FSDP2 trainer) or sglang (an SGLang server per engine on the GPUs of its placement bundle, "
+        "run.cluster=ray, kernel.mode=fast; the miles-rollout[sglang] extra; docs/laptop-to-cluster.md).",
+    )
+    sglang: SGLangConfig = Field(
+        default_factory=SGLangConfig, description="How each SGLang engine is launched (rollout.backend=sglang)."
     )
     num_engines: int = Field(
         default=1,

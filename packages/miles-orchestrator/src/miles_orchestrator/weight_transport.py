@@ -38,10 +38,13 @@ SHM_SYNC_MAX_BYTES = 1 << 30  # `auto` syncs through shared memory up to this ch
 WEIGHT_GROUP = "miles_weight_sync"  # the weight-update group of trainer rank 0 and the engines (distributed)
 
 
-def resolve_transport(transport: str, same_node: bool, weight_bytes: int, num_engines: int) -> str:
+def resolve_transport(
+    transport: str, same_node: bool, weight_bytes: int, num_engines: int, files_only: bool = False
+) -> str:
     """The transport a Ray run syncs with (`run.sync_transport`); `same_node`: every engine is on trainer rank 0's
     node. auto: shm when that holds, /dev/shm is writable and the checkpoint is at most `SHM_SYNC_MAX_BYTES`; else
-    http for one engine, distributed for several (one gather, one broadcast to all)."""
+    http for one engine, distributed for several (one gather, one broadcast to all); `files_only` (SGLang engines):
+    else disk."""
     usable = same_node and SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK)
     if transport == "shm" and not usable:
         raise ValueError(
@@ -52,6 +55,8 @@ def resolve_transport(transport: str, same_node: bool, weight_bytes: int, num_en
         return transport
     if usable and weight_bytes <= SHM_SYNC_MAX_BYTES:
         return "shm"
+    if files_only:
+        return "disk"
     return "http" if num_engines == 1 else "distributed"
 
 

@@ -8,6 +8,7 @@ from .engine_error import EngineError
 from .in_process import InProcessClient
 from .launch import ROUTER_POLICIES, free_port, launch_server, router_command
 from .server import KEEP_ALIVE_S, create_app
+from .sglang_launch import SGLangServer, launch_command, require_cuda, sglang_server_args, write_server_config
 
 __version__: str
 
@@ -21,9 +22,14 @@ __all__ = [
     "EngineError",
     "InProcessClient",
     "RolloutClientError",
+    "SGLangServer",
     "ServeConfig",
     "create_app",
     "free_port",
+    "launch_command",
     "launch_server",
+    "require_cuda",
     "router_command",
+    "sglang_server_args",
+    "write_server_config",
 ]

@@ -155,6 +155,12 @@ class SGLangConfig(BaseModel):
         "Hopper with deterministic inference).",
     )
     chunked_prefill_size: int | None = Field(default=None, ge=1, description="SGLang's chunked prefill budget.")
+    deterministic_inference: bool = Field(
+        default=False,
+        description="SGLang's --enable-deterministic-inference: batch-invariant kernels, so a request's output does "
+        "not depend on what else the server runs (reproducible rollouts; not the trainer's kernels, so the "
+        "train / rollout mismatch stays and TIS / MIS corrects it).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="warning", description="The SGLang server's log level."
     )

@@ -51,8 +51,8 @@ def sglang_server_args(
     memory_saver: bool,
 ) -> dict[str, Any]:
     """The `ServerArgs` fields of one SGLang engine of the run: its model and address, its parallel layout and memory
-    share, the kernels' dtype and (kernel.mode=deterministic) SGLang's deterministic inference, the settings it
-    shares with the embedded engine, speculative decoding with the model's MTP layers, SGLang's memory saver for a
+    share, the kernels' dtype, SGLang's deterministic inference when asked, the settings it shares with the
+    embedded engine, speculative decoding with the model's MTP layers, SGLang's memory saver for a
     colocated run (release / resume of weights and KV cache), the admin key of the weight and control endpoints, and
     `sglang.server_args` on top. Raises ValueError for a setting SGLang cannot take."""
     clash = sorted(MANAGED & set(sglang.server_args))
@@ -74,7 +74,7 @@ def sglang_server_args(
         "admin_api_key": admin_key,
     }
     args |= {name: value for name, value in optional.items() if value is not None}
-    if kernel.is_deterministic:
+    if sglang.deterministic_inference:
         args["enable_deterministic_inference"] = True
     if engine.speculative_algorithm is not None:
         steps = engine.num_draft_steps
@@ -122,6 +122,15 @@ def require_cuda() -> None:
         )
 
 
+def _terminate_with_parent() -> None:
+    """In the server's process before it starts (Linux): SIGTERM when the process that launched it dies, so a
+    killed engine actor leaves no server holding its GPUs (SGLang's launcher then stops its own children)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class SGLangServer:
     """One SGLang server process: `start()` launches it in its own session (its log in `log_path`), `wait_healthy()`
     polls `/health` until it answers, `stop()` ends it and every process it started."""
@@ -140,7 +149,7 @@ class SGLangServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [*self.command, "--config", str(self.config_path)], stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})}, start_new_session=True,
+                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_terminate_with_parent,
             )  # fmt: skip
 
     def log_tail(self, limit: int = 4000) -> str:

@@ -1,0 +1,52 @@
+"""Integration tier: `rollout.backend=sglang` on a real Ray cluster on this machine, SGLang replaced by a stand-in
+(sglang_as_miles.py) that reads the config file Miles writes for `sglang.launch_server` and becomes `miles-rollout
+serve`, the drop-in SGLang server (SGLang itself needs a GPU; the mapping is checked against SGLang's own parser in
+miles-rollout's test_sglang_launch.py).
+
+A colocated GRPO run launches its engine through the SGLang path (config file for this user only, the ServerArgs
+the run's settings give), checks the version-0 sync by the served weight version, releases and resumes the engine's
+memory around each training step (SGLang's memory saver is asked for), trains with recomputed old log-probs and TIS
+(kernel.mode=fast), and stops the server with the run.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from orchestrator_runs import SMALL, cli, history, policy_dir
+
+STAND_IN = Path(__file__).with_name("sglang_as_miles.py")
+
+
+@pytest.mark.timeout(900)
+def test_a_run_launches_sglang_engines_and_trains(cold_run, tmp_path) -> None:
+    _, cache = cold_run
+    run_dir = tmp_path / "sglang"
+    result = cli(
+        f"model.path={policy_dir(cache)}", *SMALL, "run.num_steps=2", "run.eval_every=0", f"run.run_dir={run_dir}",
+        "rollout.backend=sglang", "kernel.mode=fast", "trainer.loss.is_mode=truncate",
+        f"rollout.sglang.launch_command=[{sys.executable}, {STAND_IN}]", "rollout.sglang.mem_fraction_static=0.5",
+        cache=cache,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = history(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train_rollout_logprob_abs_diff"] < 0.05 and "is_weight_mean" in r for r in rows)
+    (config,) = (run_dir / "engines").glob("sglang-*.yaml")
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600  # it holds the admin key
+    launched = json.loads(config.with_suffix(".launched.json").read_text())
+    args = launched["server_args"]
+    assert launched["argv"] == ["--config", str(config)]
+    assert args["model_path"] == str(policy_dir(cache)) and args["host"] == "127.0.0.1"
+    assert args["enable_memory_saver"] is True and args["mem_fraction_static"] == 0.5  # colocated
+    assert len(args["admin_api_key"]) == 32 and args["admin_api_key"] not in (run_dir / "run.log").read_text()
+    assert (args["tp_size"], args["dtype"], args["weight_version"]) == (1, "float32", "0")
+    log = (run_dir / "run.log").read_text()
+    assert "the SGLang engines serve v0" in log
+    with socket.socket() as sock:  # the server stopped with the run
+        assert sock.connect_ex(("127.0.0.1", args["port"])) != 0
