@@ -54,8 +54,8 @@ def _sglang_source(session: nox.Session) -> None:
         f.write(str(pins))
     python = f"{session.virtualenv.location}/bin/python"
     session.run_install("uv", "pip", "install", "--python", python, "--no-deps", "-c", constraints, "sglang")
-    session.run_install("uv", "pip", "install", "--python", python, "-c", constraints, "pybase64", "msgspec", "pyzmq",
-                        "ipython")  # fmt: skip
+    imported = ["pybase64", "msgspec", "pyzmq", "ipython", "requests", "pillow", "pyyaml"]  # by ServerArgs' imports
+    session.run_install("uv", "pip", "install", "--python", python, "-c", constraints, *imported)
 
 
 def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
@@ -68,9 +68,11 @@ def tests(session: nox.Session, package: str) -> None:
     """Unit tests of one package, installed alone with only its declared dependencies."""
     _sync(session, "--package", package, "--group", "test", *TEST_EXTRAS.get(package, ()))
     session.run("python", "tests/check_isolation.py", package)
+    env = {}
     if package == "miles-rollout":
         _sglang_source(session)
-    _pytest(session, f"packages/{package}/tests", "-m", "not gpu")
+        env["MILES_SGLANG_SOURCE"] = "1"  # test_sglang_launch.py fails, not skips, if SGLang's parser is missing
+    _pytest(session, f"packages/{package}/tests", "-m", "not gpu", env=env)
 
 
 @nox.session(python=PYTHON)
