@@ -163,3 +163,43 @@ def test_a_server_that_fails_to_start_is_reported_with_its_log(tmp_path) -> None
             asyncio.run(silent.wait_healthy(timeout=1.0, interval=0.1))
     finally:
         silent.stop(timeout=5)
+
+
+def _is_gone(pid: int) -> bool:
+    """The process has exited (gone, or a zombie nobody has reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat_line = Path(f"/proc/{pid}/stat").read_text()
+    return stat_line.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_dies_with_the_process_that_launched_it(tmp_path) -> None:
+    """A killed engine actor (SIGKILL: no chance to stop anything) leaves no SGLang server behind holding its GPUs."""
+    import subprocess
+    import time
+
+    launcher = (
+        "import sys, time\n"
+        "from miles_rollout.sglang_launch import SGLangServer\n"
+        "server = SGLangServer([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+        f"                      {{'host': '127.0.0.1', 'port': 1}}, {str(tmp_path)!r})\n"
+        "server.start()\n"
+        "print(server.process.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        server_pid = int(parent.stdout.readline())
+        assert not _is_gone(server_pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while not _is_gone(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _is_gone(server_pid), "the server outlived the process that launched it"
+    finally:
+        parent.kill()

@@ -124,6 +124,9 @@ class RayCluster:
             )  # fmt: skip
 
         self.new_engine, self.run_dir, self.backend = new_engine, run_dir, cfg.rollout.backend
+        # an SGLang server may take its start-up timeout to load (a large checkpoint), plus the actor's placement
+        loading = cfg.rollout.sglang.startup_timeout_s if self.backend == "sglang" else 0.0
+        self.engine_start_s = ENGINE_START_S + loading
         self.engine_actors = [new_engine(i) for i in range(num_engines)]
         self.hang_timeout_s = cfg.trainer.hang_timeout_s
         self.trainers = [
@@ -164,7 +167,7 @@ class RayCluster:
         with contextlib.suppress(Exception):
             ray.kill(self.engine_actors[engine], no_restart=True)
         actor = self.new_engine(engine)
-        url = str(await asyncio.wait_for(actor.get_url.remote(), timeout=ENGINE_START_S))
+        url = str(await asyncio.wait_for(actor.get_url.remote(), timeout=self.engine_start_s))
         client = Client(url, admin_key=self.admin_key, timeout=600)
         if self.last_version is not None:
             await self._resync(engine, client)

@@ -137,7 +137,7 @@ class ServeConfig(BaseModel):
 class SGLangConfig(BaseModel):
     """SGLang engines (a run's `rollout.backend=sglang`, docs/laptop-to-cluster.md): how each SGLang server is
     launched. The settings an engine shares with the embedded one (context length, running requests, seed,
-    speculative decoding, routed experts) come from `EngineConfig`; the kernels' dtype and mode from `KernelConfig`."""
+    speculative decoding, routed experts) come from `EngineConfig`, the dtype from `KernelConfig`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -4,9 +4,9 @@ sglang.launch_server --config FILE` (the admin key with them: never on a command
 `SGLangServer`, one server process: started in its own session, waited for until `/health` answers, stopped with
 its children.
 
-The embedded engine and SGLang speak the same HTTP API (docs/architecture.md, "Engine API"), so everything after
-the launch (generation, weight updates, pause / continue, memory release) goes through `miles_rollout.Client` the
-same way for both.
+The embedded engine and SGLang speak the same HTTP API (packages/miles-rollout/README.md, "SGLang compatibility"),
+so everything after the launch (generation, weight updates, pause / continue, memory release) goes through
+`miles_rollout.Client` the same way for both.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,13 +123,21 @@ def require_cuda() -> None:
         )
 
 
-def _terminate_with_parent() -> None:
-    """In the server's process before it starts (Linux): SIGTERM when the process that launched it dies, so a
-    killed engine actor leaves no server holding its GPUs (SGLang's launcher then stops its own children)."""
-    with contextlib.suppress(Exception):
+def _terminate_with_parent() -> Callable[[], None] | None:
+    """What the server's process runs before it starts (Linux): ask for SIGTERM when the process that launched it
+    dies (PR_SET_PDEATHSIG), so a killed engine actor leaves no server holding its GPUs (SGLang's launcher then stops
+    its own children). Resolved here, in the parent: the child only calls it (no import between fork and exec)."""
+    try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+    def ask() -> None:
+        prctl(1, signal.SIGTERM)
+
+    return ask
 
 
 class SGLangServer:
@@ -149,7 +158,7 @@ class SGLangServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [*self.command, "--config", str(self.config_path)], stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_terminate_with_parent,
+                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_terminate_with_parent(),
             )  # fmt: skip
 
     def log_tail(self, limit: int = 4000) -> str:
