@@ -6,8 +6,8 @@
   forward (megatron-core's own modules, inside `megatron_on_cpu()`) on converted weights gives the miles model's
   logits (float32; the miles model is checked against transformers in miles-kernels' test_hf_parity.py).
 - Training: one optimizer step of the Megatron backend, in real rank processes over gloo (TP=1, TP=2, DP=2, EP=2,
-  EP=2 x ETP=2 on four ranks, and through megatron-core's pipeline schedules: PP=2 with tied embeddings, PP=3 x
-  VPP=2, PP=2 x EP=2 x DP=2 with the alltoall dispatcher), against the FSDP2 backend's step on the same batch
+  EP=2 x ETP=2 on four ranks, and through megatron-core's pipeline schedules: PP=3 x VPP=2 (interleaved), PP=2 x
+  EP=2 x DP=2 (1F1B, tied embeddings, the alltoall dispatcher)), against the FSDP2 backend's step on the same batch
   (fsdp_worker.py's). The loss, entropy and gradient norm agree to float32 rounding; the parameters after one AdamW
   step agree to 2e-6 for the 2-layer dense model, and to 5e-5 for the MoE and 6-layer models (a tenth of the step
   size: weights whose gradients are near AdamW's eps, where the normalized step amplifies float32 rounding), and the
@@ -256,10 +256,10 @@ def fsdp_steps(tmp_path_factory) -> dict:
 @pytest.mark.parametrize(
     ("kind", "world", "layout"),
     [("dense", 1, {}), ("dense", 2, {"tp": 2}), ("dense", 2, {}), ("moe", 2, {"ep": 2}),
-     ("glm", 4, {"ep": 2, "etp": 2}), ("dense", 2, {"pp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
+     ("glm", 4, {"ep": 2, "etp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
      ("moe", 4, {"pp": 2, "ep": 2, "moe_token_dispatcher": "alltoall"})],
-    ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense-pp2-tied", "dense6-pp3-vpp2",
-         "moe-pp2-ep2-dp2"],
+    ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense6-pp3-vpp2",
+         "moe-pp2-ep2-dp2-tied"],
 )  # fmt: skip
 def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: dict, fsdp_steps, tmp_path) -> None:
     from test_fsdp import run_ranks
