@@ -101,15 +101,60 @@ def test_the_config_file_is_yaml_for_this_user_only(tmp_path) -> None:
     ids=["defaults", "everything"],
 )  # fmt: skip
 def test_sglangs_own_server_args_take_the_mapping(overrides: dict, tmp_path) -> None:
-    if os.environ.get("MILES_SGLANG_SOURCE"):  # the nox session installed it: a failed import is a failure
-        import sglang.srt.server_args as server_args
-    else:
-        server_args = pytest.importorskip("sglang.srt.server_args", reason="SGLang's source (the nox rollout session)")
+    server_args = sglang_module("sglang.srt.server_args")
     args = mapped(**overrides)
     path = write_server_config(args, tmp_path / "sglang.yaml")
     parsed = server_args.prepare_server_args(["--config", str(path)])
     for name, value in args.items():
         assert getattr(parsed, name) == value, name
+
+
+def sglang_module(name: str):
+    """A module of SGLang's source: skipped where it is absent, a failure in the nox session that installs it."""
+    if os.environ.get("MILES_SGLANG_SOURCE"):
+        import importlib
+
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason="SGLang's source (the nox rollout session)")
+
+
+@pytest.mark.parametrize("sglang_hosts", [False, True], ids=["miles-hosts", "sglang-hosts"])
+def test_sglangs_weight_update_group_and_ours_meet(sglang_hosts: bool) -> None:
+    """A weight-update group made by `miles_kernels.init_weight_update_group` on one side and by SGLang's
+    `init_custom_process_group` (what SGLang engines and slime's trainer call) on the other: rank 0 broadcasts, rank 1
+    receives the same tensor, whichever side hosts (gloo here; NCCL uses the same store keys)."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+
+    from miles_kernels import broadcast_tensors, init_weight_update_group
+
+    common = sglang_module("sglang.srt.utils.common")
+    port, name, got = free_port(), f"weights-{int(sglang_hosts)}", {}
+
+    def sglang_side() -> None:
+        group = common.init_custom_process_group(
+            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0 if sglang_hosts else 1,
+            group_name=name, timeout=timedelta(seconds=30),
+        )  # fmt: skip
+        tensor = torch.arange(4.0) if sglang_hosts else torch.zeros(4)
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        got["sglang"] = tensor
+
+    def miles_side() -> None:
+        group = init_weight_update_group("127.0.0.1", port, 1 if sglang_hosts else 0, 2, name, "gloo", timeout_s=30)
+        tensor = torch.zeros(4) if sglang_hosts else torch.arange(4.0)
+        broadcast_tensors(group, [tensor], 0)
+        got["miles"] = tensor
+
+    threads = [threading.Thread(target=side) for side in (sglang_side, miles_side)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert set(got) == {"sglang", "miles"}, "the two sides did not meet"
+    assert torch.equal(got["sglang"], torch.arange(4.0)) and torch.equal(got["miles"], torch.arange(4.0))
 
 
 def test_missing_sglang_and_cuda_get_clear_errors(monkeypatch) -> None:

@@ -58,7 +58,11 @@ def init_weight_update_group(
         raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
-    prefixed = dist.PrefixStore(group_name, store)  # type: ignore[attr-defined]
+    # SGLang's (and slime's) ranks join with `init_custom_process_group`: PrefixStore(group_name), then torch's
+    # `_new_process_group_helper` adds "{group_name}/" and "{device}/": the same keys here, so either side may host
+    prefixed: Any = store
+    for prefix in (group_name, f"{group_name}/", "cpu/" if backend == "gloo" else "cuda/"):
+        prefixed = dist.PrefixStore(prefix, prefixed)  # type: ignore[attr-defined]
     group: Any
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
