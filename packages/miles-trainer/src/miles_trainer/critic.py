@@ -27,7 +27,7 @@ from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.config import CriticConfig
 from miles_trainer.losses import Count, _check_same_shape, _masked_mean, aggregate_loss
-from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
+from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, padded_passes, rows_to_padded
 
 __all__ = [
     "JointValueLoss",
@@ -154,10 +154,9 @@ def critic_values(
     last micro-batch), as sharded models need on every rank."""
     micro_batches = pack_samples(samples, kernel, max_tokens)
     out: list[list[float]] = [[] for _ in samples]
-    for step in range(max(len(micro_batches), num_passes)):
-        micro = micro_batches[min(step, len(micro_batches) - 1)]
+    for micro, weight in padded_passes(micro_batches, num_passes):
         values = micro.per_sample(model(micro))
-        if step < len(micro_batches):
+        if weight:
             for i, row in zip(micro.sample_indices, values, strict=True):
                 out[i] = row.tolist()
     return out
@@ -207,9 +206,7 @@ def accumulate_value_gradients(
                                      "max_response_len": max_response_len}  # fmt: skip
     micro_batches = pack_samples(samples, kernel, max_tokens)
     stats = {"vf_loss": 0.0, "vf_clip_fraction": 0.0, "value_mean": 0.0, "num_tokens": 0.0}
-    for step in range(max(len(micro_batches), num_micro_batches or 0)):
-        micro = micro_batches[min(step, len(micro_batches) - 1)]
-        weight = 1.0 if step < len(micro_batches) else 0.0
+    for micro, weight in padded_passes(micro_batches, num_micro_batches):
         loss, metrics, mask_BT = value_loss_part(model(micro), micro, returns, old_values, config, counts)
         (loss * loss_scale * weight).backward()  # type: ignore[no-untyped-call]
         if weight:

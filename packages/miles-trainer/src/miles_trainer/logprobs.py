@@ -15,7 +15,7 @@ import torch
 
 from miles_kernels import CausalLM, token_logprobs
 from miles_trainer.losses import entropy_from_logits
-from miles_trainer.packing import MicroBatch
+from miles_trainer.packing import MicroBatch, padded_passes
 
 
 def micro_batch_forward(
@@ -70,10 +70,9 @@ def batch_logprobs(
     forwards are collectives: `num_passes` (the busiest rank's count) pads this rank's with repeats of its last
     micro-batch, whose results are dropped."""
     out: list[list[float]] = [[] for _ in range(num_samples)]
-    for step in range(max(len(micro_batches), num_passes)):
-        micro = micro_batches[min(step, len(micro_batches) - 1)]
+    for micro, weight in padded_passes(micro_batches, num_passes):
         values = response_logprobs(model, micro, temperature, replay)
-        if step < len(micro_batches):
+        if weight:
             for i, row in zip(micro.sample_indices, values, strict=True):
                 out[i] = row.tolist()
     return out

@@ -51,7 +51,7 @@ from miles_trainer.megatron_model import (
 )
 from miles_trainer.megatron_schedule import LastStageOutput, from_last_stage, run_schedule
 from miles_trainer.megatron_state import ExportedWeights, full_hf_state, load_sharded_state, sharded_state
-from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
+from miles_trainer.packing import MicroBatch, pack_samples, padded_passes, plan_samples
 from miles_trainer.policy_step import PolicyStep
 from miles_trainer.step import (
     PerSample,
@@ -244,8 +244,7 @@ class MegatronBackend:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
         self._check_onloaded()
         micro_batches = pack_samples(samples, self.kernel, self.max_tokens, share_prompts=False)
-        passes = [(micro, 1.0) for micro in micro_batches]
-        passes += [(micro_batches[-1], 0.0)] * (self._num_passes(samples) - len(passes))
+        passes = padded_passes(micro_batches, self._num_passes(samples))
         out: list[list[float]] = [[0.0] * len(sample.response_tokens) for sample in samples]
         temperature = self.loss_config.temperature
 

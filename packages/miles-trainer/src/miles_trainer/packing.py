@@ -71,6 +71,17 @@ def padded_lists(rows: Sequence[Sequence[float]], device: torch.device) -> torch
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True).to(device)
 
 
+def padded_passes(
+    micro_batches: Sequence[MicroBatch], num_passes: int | None = None
+) -> list[tuple[MicroBatch, float]]:
+    """(micro-batch, weight) of each forward / backward pass: the micro-batches (weight 1), then zero-weight repeats
+    of the last up to `num_passes` (sharded models: every rank runs as many passes as the busiest; a repeat's results
+    are dropped, its gradient is exactly zero)."""
+    last = len(micro_batches) - 1
+    count = max(len(micro_batches), num_passes or 0)
+    return [(micro_batches[min(i, last)], 1.0 if i <= last else 0.0) for i in range(count)]
+
+
 def plan_micro_batches(
     lengths: Sequence[int], max_tokens: int, shared: Sequence[int] | None = None
 ) -> list[list[int]]:

@@ -21,7 +21,7 @@ from miles_trainer.critic import JointValueLoss, value_loss_part
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import aggregate_loss, entropy_bonus_loss, kl_estimate, train_rollout_logprob_abs_diff
 from miles_trainer.moe import balance_loss, moe_shape, routing_metrics
-from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
+from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, padded_passes, rows_to_padded
 from miles_trainer.step import (
     PerSample,
     PerToken,
@@ -217,11 +217,8 @@ class PolicyStep:
         return total, finish
 
     def passes(self, num_micro_batches: int | None = None) -> list[tuple[MicroBatch, float]]:
-        """(micro-batch, weight) of each forward / backward pass: the micro-batches, then zero-weight repeats of the
-        last up to `num_micro_batches` (sharded models: every rank runs as many passes as the busiest)."""
-        count = max(len(self.micro_batches), num_micro_batches or 0)
-        last = len(self.micro_batches) - 1
-        return [(self.micro_batches[min(i, last)], 1.0 if i <= last else 0.0) for i in range(count)]
+        """The step's passes (`packing.padded_passes`): its micro-batches, padded to `num_micro_batches`."""
+        return padded_passes(self.micro_batches, num_micro_batches)
 
     def add_metrics(self, stats: StepStats) -> None:
         """The TIS / MIS metrics of weights computed here (none when the caller passed `is_weights`)."""

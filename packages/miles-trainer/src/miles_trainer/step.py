@@ -33,7 +33,7 @@ from miles_trainer.losses import (
     policy_loss,
     sft_loss,
 )
-from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, rows_to_padded
+from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, padded_passes, rows_to_padded
 from miles_trainer.plugins import load_checked_plugin
 
 PerSample = Sequence[float | Sequence[float]]
@@ -282,9 +282,7 @@ def accumulate_sft_gradients(
     if aux_counts is None:
         aux_counts = [aux.counts(model, samples) for aux in aux_losses]
     micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
-    for step in range(max(len(micro_batches), num_micro_batches or 0)):
-        micro = micro_batches[min(step, len(micro_batches) - 1)]
-        weight = 1.0 if step < len(micro_batches) else 0.0
+    for micro, weight in padded_passes(micro_batches, num_micro_batches):
         with torch.set_grad_enabled(train_policy):
             logprobs_K, _, hidden_NH = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
             logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
