@@ -333,9 +333,18 @@ def test_sglang_engines_are_checked_against_what_they_need() -> None:
         load_config(None, ["rollout.backend=sglang", "rollout.engine_resources={CPU: 8, GPU: 1}"])
     with pytest.raises(ValueError, match=r"use run\.cluster=ray"):
         load_config(None, [*gpus, "run.cluster=local"])
-    for transport in ("http", "distributed"):
-        with pytest.raises(ValueError, match=rf"run\.sync_transport={transport} with SGLang engines"):
-            load_config(None, [*gpus, f"run.sync_transport={transport}"])
+    with pytest.raises(ValueError, match=r"run\.sync_transport=http with SGLang engines: .* unpickles"):
+        load_config(None, [*gpus, "run.sync_transport=http"])
+    apart = [*gpus, "run.colocate=false", "run.sync_transport=distributed"]
+    assert load_config(None, apart).run.sync_transport == "distributed"  # an NCCL broadcast to separate GPUs
+    with pytest.raises(
+        ValueError, match=r"sync_transport=distributed with SGLang engines: run\.colocate=true .* NCCL"
+    ):
+        load_config(None, [*gpus, "run.colocate=true", "run.sync_transport=distributed"])
+    with pytest.raises(
+        ValueError, match=r"sync_transport=distributed with SGLang engines: rollout\.sglang\.dp_size=2"
+    ):
+        load_config(None, [*apart, "rollout.sglang.dp_size=2"])
     with pytest.raises(ValueError, match=r"gives each SGLang engine 2 GPUs and .* = 4 needs as many"):
         load_config(None, [*gpus, "rollout.sglang.tp_size=4"])
     stand_in = load_config(None, ["rollout.backend=sglang", "kernel.mode=fast", "rollout.sglang.launch_command=[x]"])

@@ -29,9 +29,19 @@ def test_the_weight_transport_follows_where_the_engines_landed(tmp_path, monkeyp
     assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=3) == "distributed"
     assert choose("shm", same_node=True, weight_bytes=2 << 30, num_engines=1) == "shm"  # asked for: used
     assert choose("disk", same_node=False, weight_bytes=1, num_engines=2) == "disk"
-    # SGLang engines load weight files only: shm where it can, else a shared directory
-    assert choose("auto", same_node=True, weight_bytes=10 << 20, num_engines=1, files_only=True) == "shm"
-    assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=3, files_only=True) == "disk"
+    # SGLang engines: shm where it can, a broadcast where their layout allows it (never http), else a shared directory
+    from miles_rollout.config import SGLangConfig
+
+    assert SGLangConfig().network_transports(colocated=False) == ("distributed",)
+    assert SGLangConfig().network_transports(colocated=True) == SGLangConfig(dp_size=2).network_transports(False) == ()
+    assert choose("auto", same_node=True, weight_bytes=10 << 20, num_engines=1, network=("distributed",)) == "shm"
+    assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=1, network=("distributed",)) == (
+        "distributed"
+    )
+    assert choose("auto", same_node=False, weight_bytes=10 << 20, num_engines=3, network=()) == "disk"
+    assert weight_transport.weight_group_backend(sglang_engines=True, trainer_device="cuda:0") == "nccl"
+    assert weight_transport.weight_group_backend(sglang_engines=True, trainer_device="cpu") == "gloo"
+    assert weight_transport.weight_group_backend(sglang_engines=False, trainer_device="cuda") == "gloo"
     with pytest.raises(ValueError, match="sync_transport=shm needs every engine on trainer rank 0's node"):
         choose("shm", same_node=False, weight_bytes=1, num_engines=1)
     run_dir = tmp_path / "run"
@@ -41,6 +51,60 @@ def test_the_weight_transport_follows_where_the_engines_landed(tmp_path, monkeyp
     assert weight_transport.sync_directory("disk", run_dir, None) == run_dir / "sync"
     assert weight_transport.sync_directory("disk", run_dir, str(tmp_path / "nfs")) == tmp_path / "nfs"
     assert weight_transport.sync_directory("http", run_dir, None) is None
+
+
+class _RecordingEngine:
+    """An engine's client that records the weight-update calls it gets."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        self.calls = calls
+
+    async def begin_weight_update(self) -> dict:
+        self.calls.append(("begin",))
+        return {}
+
+    async def end_weight_update(self, version: int) -> dict:
+        self.calls.append(("end", version))
+        return {"weight_version": version}
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, **stamp) -> dict:
+        self.calls.append(("bucket", tuple(names), stamp))
+        return {"success": True, "message": "Success"}  # SGLang's reply: no version
+
+
+@pytest.mark.parametrize("sglang", [False, True])
+def test_a_broadcast_sync_speaks_each_engines_protocol(sglang, monkeypatch) -> None:
+    """Miles engines: one begin / end bracket around the buckets, which carry no version; SGLang engines (whose
+    routes of those names serve quantized weights): no bracket, the last bucket carries the version and flushes the
+    cache, as slime's trainer sends them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from miles_orchestrator import weight_transport
+
+    buckets = [{"a": torch.zeros(2)}, {"b": torch.ones(3), "c": torch.ones(1)}, {"d": torch.zeros(4)}]
+    trainer = SimpleNamespace(backend=SimpleNamespace(iter_tensor_buckets=lambda size: iter(buckets)))
+    sent: list[list[str]] = []
+    monkeypatch.setattr(weight_transport, "broadcast_tensors", lambda group, values, src: sent.append(values))
+    calls: list[tuple] = []
+    group = SimpleNamespace(backend="gloo")
+    loop = asyncio.new_event_loop()
+    try:
+        result = weight_transport.broadcast_buckets(
+            trainer, group, [_RecordingEngine(calls)], loop, version=7, bucket_bytes=1, sglang=sglang
+        )  # fmt: skip
+    finally:
+        loop.close()
+    assert result == {"num_buckets": 3, "num_bytes": 40, **({} if sglang else {"weight_version": 7})}
+    assert len(sent) == 3
+    names = [("a",), ("b", "c"), ("d",)]
+    if sglang:
+        stamps = [{"weight_version": None, "flush_cache": False}] * 2 + [{"weight_version": 7, "flush_cache": True}]
+        assert calls == [("bucket", n, stamp) for n, stamp in zip(names, stamps, strict=True)]
+    else:
+        assert calls == [("begin",), *(("bucket", n, {}) for n in names), ("end", 7)]
 
 
 def test_pinned_actors_get_cores_of_their_own(monkeypatch) -> None:

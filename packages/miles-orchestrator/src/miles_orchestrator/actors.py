@@ -174,11 +174,11 @@ class TrainerRankActor:
         if self.rank == 0:
             self._clients = [Client(url, admin_key=admin_key, timeout=600) for url in urls]
 
-    def host_weight_group(self, address: str, port: int, world_size: int, group_name: str) -> None:
+    def host_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str) -> None:
         """Rank 0: host the weight-update group at address:port as its rank 0 (blocks until every engine joined)."""
         from miles_kernels import init_weight_update_group
 
-        self._group = init_weight_update_group(address, port, 0, world_size, group_name, "gloo")
+        self._group = init_weight_update_group(address, port, 0, world_size, group_name, backend)
 
     def leave_weight_group(self) -> None:
         """Rank 0: leave the weight-update group it hosts (an engine of it was restarted; a new group follows)."""
@@ -196,9 +196,9 @@ class TrainerRankActor:
         """`weight_transport.post_buckets` on this rank (rank 0 posts to every engine)."""
         return post_buckets(self._trainer, self._clients, self._loop, version, bucket_bytes)
 
-    def broadcast_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
+    def broadcast_weights(self, version: int, bucket_bytes: int, sglang: bool) -> dict[str, Any]:
         """`weight_transport.broadcast_buckets` on this rank (rank 0 broadcasts to every engine)."""
-        return broadcast_buckets(self._trainer, self._group, self._clients, self._loop, version, bucket_bytes)
+        return broadcast_buckets(self._trainer, self._group, self._clients, self._loop, version, bucket_bytes, sglang)
 
     def weights_checksum(self) -> str:
         return self._trainer.weights_checksum()

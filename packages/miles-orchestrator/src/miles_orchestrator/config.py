@@ -144,12 +144,20 @@ class RunConfig(Section):
                 "log-probs are recomputed, trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the mismatch; "
                 "rollout.sglang.deterministic_inference=true keeps the rollouts reproducible)"
             )
-        if self.run.sync_transport in ("http", "distributed"):
+        if self.run.sync_transport == "http":
             raise ValueError(
-                f"run.sync_transport={self.run.sync_transport} with SGLang engines: SGLang's "
-                "/update_weights_from_tensor unpickles its payload (Miles never sends pickles), and the NCCL "
-                "broadcast to SGLang is not wired yet; use shm (one node), disk (a run.sync_dir every node reads) "
-                "or auto"
+                "run.sync_transport=http with SGLang engines: SGLang's /update_weights_from_tensor unpickles its "
+                "payload (Miles never sends pickles); use distributed (an NCCL broadcast), shm (one node), disk (a "
+                "run.sync_dir every node reads) or auto"
+            )
+        if self.run.sync_transport == "distributed" and not rollout.sglang.network_transports(self.run.colocate):
+            why = ("run.colocate=true puts the trainer and the engine on the same GPUs, which NCCL cannot join"
+                   if self.run.colocate else
+                   f"rollout.sglang.dp_size={rollout.sglang.dp_size}: SGLang takes a broadcast only without "
+                   "data-parallel replicas")  # fmt: skip
+            raise ValueError(
+                f"run.sync_transport=distributed with SGLang engines: {why}; use shm (one node), disk (a "
+                "run.sync_dir every node reads) or auto"
             )
         gpus = rollout.sglang.tp_size * rollout.sglang.dp_size
         if rollout.sglang.launch_command is None and rollout.engine_resources.get("GPU", 0) < gpus:

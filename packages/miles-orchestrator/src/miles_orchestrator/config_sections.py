@@ -422,11 +422,13 @@ class RunSection(Section):
         "rank 0's node; one copy in RAM); disk: the same in run.sync_dir, a directory every node reads; http: "
         "buckets over HTTP to each engine; distributed: buckets broadcast over a torch.distributed group (gloo on "
         "CPU, NCCL on GPU) of rank 0 and every engine; auto: shm when every engine is on rank 0's node and the "
-        "checkpoint is at most 1 GiB, else http for one engine and distributed for several.",
+        "checkpoint is at most 1 GiB, else http for one engine and distributed for several (SGLang engines: "
+        "distributed where their layout allows it, else disk; docs/laptop-to-cluster.md).",
     )
     sync_dir: str | None = Field(
         default=None,
-        description="run.sync_transport=disk: a directory every node reads (e.g. NFS); null: RUN_DIR/sync.",
+        description="run.sync_transport=disk (and the weight file a restarted SGLang engine loads with "
+        "distributed): a directory every node reads (e.g. NFS); null: RUN_DIR/sync.",
     )
     num_threads: int | None = Field(
         default=None,

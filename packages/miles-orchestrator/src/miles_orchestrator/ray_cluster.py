@@ -44,7 +44,14 @@ from miles_orchestrator.engine_health import EngineSupervisor
 from miles_orchestrator.engines import EngineFleet, Router
 from miles_orchestrator.rank_health import HEALTH_GROUP, collective
 from miles_orchestrator.sglang_engine import SGLangEngineActor
-from miles_orchestrator.weight_transport import WEIGHT_GROUP, checkpoint_bytes, resolve_transport, sync_directory
+from miles_orchestrator.weight_transport import (
+    NETWORK,
+    WEIGHT_GROUP,
+    checkpoint_bytes,
+    resolve_transport,
+    sync_directory,
+    weight_group_backend,
+)
 from miles_rollout import Client
 
 RAY_TEMP_MAX_CHARS = 40
@@ -78,6 +85,10 @@ class RayCluster:
         self.sync_method = ""
         self.transport = ""
         self.sync_dir: Path | None = None
+        self.group_backend = "gloo"  # the weight-update group's (distributed)
+        # distributed to SGLang engines with fault tolerance: each sync also writes the weights here, for a restarted
+        # engine to load (SGLang has no route to copy a peer's weights)
+        self.restart_dir: Path | None = None
         self.groups: list[Any] = []
         self.engine_actors: list[Any] = []
         self.trainers: list[Any] = []
@@ -184,14 +195,18 @@ class RayCluster:
             await self.router.add_worker(url)
 
     async def _resync(self, engine: int, client: Client) -> None:
-        """The restarted engine gets the version the others serve: from the weight file (shm, disk), or copied
-        bucket by bucket from a healthy engine (http, distributed; the next sync then reconnects rank 0 to it, and
-        rebuilds the weight-update group)."""
+        """The restarted engine gets the version the others serve: from the weight file (shm, disk; distributed to
+        SGLang engines: the copy each sync writes to `restart_dir`), or copied bucket by bucket from a healthy engine
+        (http, distributed); with http and distributed the next sync then reconnects rank 0 to it, and rebuilds the
+        weight-update group."""
         if self.transport in ("shm", "disk"):
             assert self.sync_dir is not None
             await client.update_weights_from_disk(str(self.sync_dir), self.last_version)
             return
         self._restarted_since_sync.add(engine)
+        if self.restart_dir is not None:
+            await client.update_weights_from_disk(str(self.restart_dir), self.last_version)
+            return
         if self.engine.released:  # the others hold no weights now; the next sync (right after training) sends them
             return
         peer = self._healthy_peer(engine)
@@ -282,18 +297,23 @@ class RayCluster:
         engine_nodes = await asyncio.gather(*(a.node_id.remote() for a in self.engine_actors))
         same_node = all(node == rank0_node for node in engine_nodes)
         num_engines = len(self.engine_actors)
+        sglang = cfg.rollout.backend == "sglang"
+        network = cfg.rollout.sglang.network_transports(cfg.run.colocate) if sglang else NETWORK
         self.transport = resolve_transport(cfg.run.sync_transport, same_node, checkpoint_bytes(model_dir), num_engines,
-                                           files_only=cfg.rollout.backend == "sglang")  # fmt: skip
+                                           network)  # fmt: skip
         self.sync_dir = sync_directory(self.transport, run_dir, cfg.run.sync_dir)
         self.engine_host = cfg.rollout.engine_host
         await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)
         if self.transport == "distributed":
+            self.group_backend = weight_group_backend(sglang, cfg.trainer.backend.device)
+            if sglang and cfg.rollout.fault_tolerance.enabled:
+                self.restart_dir = sync_directory("disk", run_dir, cfg.run.sync_dir)
             await self._join_weight_group()
         where = {
             "shm": f"shared memory ({self.sync_dir})",
             "disk": f"a file in {self.sync_dir}",
             "http": "HTTP buckets",
-            "distributed": "a gloo broadcast from trainer rank 0",
+            "distributed": f"a {self.group_backend} broadcast from trainer rank 0",
         }[self.transport]
         engines = "1 engine" if num_engines == 1 else f"{num_engines} engines"
         nodes = ", ".join(node[:8] for node in engine_nodes)
@@ -306,10 +326,11 @@ class RayCluster:
         port = await self.trainers[0].free_port.remote()
         joins = [
             member.init_weights_update_group(address, port, rank_offset=i + 1, world_size=num_engines + 1,
-                                             group_name=WEIGHT_GROUP, backend="gloo")
+                                             group_name=WEIGHT_GROUP, backend=self.group_backend)
             for i, member in enumerate(self.engine.members)
         ]  # fmt: skip
-        host = self.trainers[0].host_weight_group.remote(address, port, num_engines + 1, WEIGHT_GROUP)
+        host = self.trainers[0].host_weight_group.remote(address, port, num_engines + 1, WEIGHT_GROUP,
+                                                         self.group_backend)  # fmt: skip
         await asyncio.gather(host, *joins)
 
     async def _reconnect_engines(self) -> None:
@@ -407,7 +428,9 @@ class RayCluster:
         if self.transport == "http":
             result = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
         elif self.transport == "distributed":
-            result = (await self._all("broadcast_weights", version, bucket_bytes))[0]
+            result = (await self._all("broadcast_weights", version, bucket_bytes, self.backend == "sglang"))[0]
+            if self.restart_dir is not None:
+                await self._all("write_weights", str(self.restart_dir))
         else:
             assert self.sync_dir is not None
             num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]

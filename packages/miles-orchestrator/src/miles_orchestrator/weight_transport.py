@@ -10,8 +10,11 @@ gather each tensor from their shards (a collective), rank 0 sends the full tenso
 - `post_buckets` (http): rank 0 posts each bucket to every engine (`/update_weights_from_tensor`; the last bucket
   applies the version);
 - `broadcast_buckets` (distributed): rank 0 broadcasts each bucket's tensors over a `torch.distributed` group of its
-  own with every engine (`/update_weights_from_distributed`, bracketed by `/begin_weight_update` and
-  `/end_weight_update` so no request runs on half-updated weights);
+  own with every engine (`/update_weights_from_distributed`: a Miles engine's buckets bracketed by
+  `/begin_weight_update` and `/end_weight_update` so no request runs on half-updated weights; an SGLang engine's
+  carry the version and the cache flush on the last bucket, as slime sends them, and no request runs meanwhile: a
+  sync run syncs between rollouts, an async one pauses generation around the sync); gloo on CPUs, NCCL from a
+  CUDA trainer to SGLang's GPUs (`weight_group_backend`);
 - `copy_in_process`: the local cluster's sync, one in-memory copy from the trainer into the engine's model.
 
 Nothing is pickled: a file or a bucket is safetensors, a broadcast is raw tensors, the in-process copy is tensors.
@@ -23,28 +26,32 @@ import asyncio
 import hashlib
 import os
 import shutil
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from miles_kernels import WeightUpdateGroup, broadcast_tensors, dtype_name
 from miles_orchestrator.trainer_rank import TrainerRank
 from miles_rollout import Client, Engine
 
+T = TypeVar("T")
 SHARED_MEMORY = Path("/dev/shm")
 SHM_SYNC_MAX_BYTES = 1 << 30  # `auto` syncs through shared memory up to this checkpoint size (one copy in RAM)
 
 
+NETWORK = ("http", "distributed")  # the network transports a Miles engine takes
 WEIGHT_GROUP = "miles_weight_sync"  # the weight-update group of trainer rank 0 and the engines (distributed)
 
 
 def resolve_transport(
-    transport: str, same_node: bool, weight_bytes: int, num_engines: int, files_only: bool = False
-) -> str:
+    transport: str, same_node: bool, weight_bytes: int, num_engines: int,
+    network: tuple[str, ...] = NETWORK,
+) -> str:  # fmt: skip
     """The transport a Ray run syncs with (`run.sync_transport`); `same_node`: every engine is on trainer rank 0's
-    node. auto: shm when that holds, /dev/shm is writable and the checkpoint is at most `SHM_SYNC_MAX_BYTES`; else
-    http for one engine, distributed for several (one gather, one broadcast to all); `files_only` (SGLang engines):
-    else disk."""
+    node; `network`: the network transports the engines take (SGLang's: distributed where its layout allows it,
+    `SGLangConfig.network_transports`). auto: shm when every engine is on rank 0's node, /dev/shm is writable and the
+    checkpoint is at most `SHM_SYNC_MAX_BYTES`; else http for one engine, distributed for several (one gather, one
+    broadcast to all), whichever the engines take; else disk."""
     usable = same_node and SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK)
     if transport == "shm" and not usable:
         raise ValueError(
@@ -55,9 +62,15 @@ def resolve_transport(
         return transport
     if usable and weight_bytes <= SHM_SYNC_MAX_BYTES:
         return "shm"
-    if files_only:
-        return "disk"
-    return "http" if num_engines == 1 else "distributed"
+    if "http" in network and (num_engines == 1 or "distributed" not in network):
+        return "http"
+    return "distributed" if "distributed" in network else "disk"
+
+
+def weight_group_backend(sglang_engines: bool, trainer_device: str) -> str:
+    """The weight-update group's backend: NCCL from a CUDA trainer to SGLang engines (their weights are on GPUs;
+    rank 0 moves each bucket to its GPU), else gloo (the embedded engine, a CPU trainer)."""
+    return "nccl" if sglang_engines and trainer_device.startswith("cuda") else "gloo"
 
 
 def sync_directory(transport: str, run_dir: Path, sync_dir: str | None) -> Path | None:
@@ -104,24 +117,42 @@ def post_buckets(
 
 def broadcast_buckets(
     trainer: TrainerRank, group: WeightUpdateGroup | None, clients: list[Client], loop: asyncio.AbstractEventLoop,
-    version: int, bucket_bytes: int,
+    version: int, bucket_bytes: int, sglang: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Every rank gathers the weights bucket by bucket (a collective); rank 0, which hosts the weight-update `group`
     (rank 0 of it; engine i is rank i + 1) and holds the engines' `clients`, broadcasts each bucket while every
-    engine receives it (`/update_weights_from_distributed`), inside one `/begin_weight_update` ..
-    `/end_weight_update(version)` bracket."""
+    engine receives it (`/update_weights_from_distributed`). Miles engines: inside one `/begin_weight_update` ..
+    `/end_weight_update(version)` bracket. `sglang` engines (whose routes of those names serve quantized weights):
+    the last bucket carries the version and flushes the cache."""
     result: dict[str, Any] = {"num_buckets": 0, "num_bytes": 0}
-    if group is not None:
+    bracket = group is not None and not sglang
+    if bracket:
         loop.run_until_complete(_together(*(c.begin_weight_update() for c in clients)))
-    for tensors in trainer.backend.iter_tensor_buckets(bucket_bytes):
+    for tensors, last in _with_last(trainer.backend.iter_tensor_buckets(bucket_bytes)):
         if group is not None:
-            loop.run_until_complete(_broadcast_bucket(group, clients, tensors))
+            stamp = {"weight_version": version if last else None, "flush_cache": last} if sglang else {}
+            replies = loop.run_until_complete(_broadcast_bucket(group, clients, tensors, stamp))
+            if sglang and last and "weight_version" in replies[0]:  # SGLang's reply has none; a stand-in's may
+                result["weight_version"] = replies[0]["weight_version"]
         result["num_buckets"] += 1
         result["num_bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
-    if group is not None:
+    if bracket:
         replies = loop.run_until_complete(_together(*(c.end_weight_update(version) for c in clients)))
         result["weight_version"] = replies[0]["weight_version"]
     return result
+
+
+def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """Each item with whether it is the last one (one item read ahead)."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
 
 
 async def _together(*calls: Awaitable[Any]) -> list[Any]:
@@ -129,13 +160,23 @@ async def _together(*calls: Awaitable[Any]) -> list[Any]:
     return list(await asyncio.gather(*calls))
 
 
-async def _broadcast_bucket(group: WeightUpdateGroup, clients: list[Client], tensors: dict[str, Any]) -> None:
-    """Every engine receives the bucket (`/update_weights_from_distributed`) while rank 0 broadcasts it."""
+async def _broadcast_bucket(
+    group: WeightUpdateGroup, clients: list[Client], tensors: dict[str, Any], stamp: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Every engine receives the bucket (`/update_weights_from_distributed`, with `stamp`'s fields) while rank 0
+    broadcasts it (from its GPU over NCCL); the engines' replies."""
     values = list(tensors.values())
     dtypes, shapes = [dtype_name(t.dtype) for t in values], [list(t.shape) for t in values]
+    if group.backend == "nccl":
+        values = [t.to("cuda") for t in values]
     names = list(tensors)
-    receives = [c.update_weights_from_distributed(names, dtypes, shapes, group_name=WEIGHT_GROUP) for c in clients]
-    await asyncio.gather(*receives, asyncio.to_thread(broadcast_tensors, group, values, 0))
+    receives = [
+        c.update_weights_from_distributed(names, dtypes, shapes, group_name=WEIGHT_GROUP, **stamp) for c in clients
+    ]
+    replies, _ = await asyncio.gather(
+        asyncio.gather(*receives), asyncio.to_thread(broadcast_tensors, group, values, 0)
+    )
+    return list(replies)
 
 
 def copy_in_process(trainer: TrainerRank, engine: Engine, version: int) -> dict[str, Any]:

@@ -177,3 +177,10 @@ class SGLangConfig(BaseModel):
     startup_timeout_s: float = Field(
         default=1200.0, gt=0, description="Seconds a server may take to load and answer /health."
     )
+
+    def network_transports(self, colocated: bool) -> tuple[str, ...]:
+        """The network weight transports these servers take: a broadcast (`/update_weights_from_distributed`)
+        unless they share their GPUs with the trainer (`colocated`: NCCL cannot join two processes on one GPU) or
+        have data-parallel replicas (SGLang 0.5.23 refuses the broadcast then); never http (SGLang's
+        `/update_weights_from_tensor` unpickles its payload)."""
+        return () if colocated or self.dp_size > 1 else ("distributed",)

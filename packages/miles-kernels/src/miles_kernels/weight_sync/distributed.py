@@ -40,6 +40,7 @@ class WeightUpdateGroup:
     store: Any  # dist.TCPStore
     rank: int
     world_size: int
+    backend: str = "gloo"  # "nccl": tensors broadcast over it live on the rank's current CUDA device
 
 
 def init_weight_update_group(
@@ -68,7 +69,7 @@ def init_weight_update_group(
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
-    return WeightUpdateGroup(group, store, rank, world_size)
+    return WeightUpdateGroup(group, store, rank, world_size, backend)
 
 
 def broadcast_tensors(group: WeightUpdateGroup, tensors: list[torch.Tensor], src: int = 0) -> None:
