@@ -8,7 +8,8 @@ the run's settings give), checks the version-0 sync by the served weight version
 memory around each training step (SGLang's memory saver is asked for), trains with recomputed old log-probs and TIS
 (kernel.mode=fast), and stops the server with the run.
 
-A run with the engine on GPUs of its own (run.colocate=false) syncs by broadcast (run.sync_transport=distributed):
+An async run with the engine on GPUs of its own (run.colocate=false) syncs by broadcast
+(run.sync_transport=distributed), generation paused around each sync:
 the engine joins trainer rank 0's weight-update group (gloo from this CPU trainer; NCCL from a CUDA one), each sync
 speaks SGLang's protocol (`/update_weights_from_distributed` per bucket, the version on the last one; no
 `/begin_weight_update`, whose SGLang route is for quantized weights), and with fault tolerance on each sync also
@@ -66,13 +67,15 @@ def test_a_disaggregated_run_broadcasts_weights_to_sglang_engines(cold_run, tmp_
         f"model.path={policy_dir(cache)}", *SMALL, "run.num_steps=2", "run.eval_every=0", f"run.run_dir={run_dir}",
         "rollout.backend=sglang", "kernel.mode=fast", "trainer.loss.is_mode=mask", "run.colocate=false",
         "run.sync_transport=distributed", "rollout.fault_tolerance.enabled=true", "rollout.sglang.log_level=info",
+        "run.mode=async",
         f"rollout.sglang.launch_command=[{sys.executable}, {STAND_IN}]",
         cache=cache,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = history(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["train_rollout_logprob_abs_diff"] < 0.05 for r in rows)  # the broadcast weights generated them
+    # the broadcast v0 generated step 1 (step 2's samples are one version stale: no mismatch is measured on them)
+    assert rows[0]["staleness_max"] == 0 and rows[0]["train_rollout_logprob_abs_diff"] < 0.05
     log = (run_dir / "run.log").read_text()
     assert "weights v0 synced via a gloo broadcast from trainer rank 0" in log and "the SGLang engines serve v0" in log
     (config,) = (run_dir / "engines").glob("sglang-*.yaml")
@@ -82,4 +85,6 @@ def test_a_disaggregated_run_broadcasts_weights_to_sglang_engines(cold_run, tmp_
     assert calls.count("POST /init_weights_update_group") == 1
     assert calls.count("POST /update_weights_from_distributed") >= 3  # v0, v1, v2: a bucket or more each
     assert "/begin_weight_update" not in calls and "/end_weight_update" not in calls
+    # async: each sync after the first pauses generation (rollout.pause_mode=retract) and continues it after
+    assert calls.count("POST /pause_generation") >= 2 and calls.count("POST /continue_generation") >= 2
     assert (run_dir / "sync" / "model.safetensors").is_file()  # what a restarted engine would load
