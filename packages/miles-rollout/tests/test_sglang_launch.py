@@ -3,6 +3,8 @@
 - The mapping of a run's settings to SGLang's ServerArgs fields, and against SGLang 0.5.23's own `ServerArgs`: the
   config file Miles writes is parsed by SGLang's `prepare_server_args` (SGLang's source, installed without its GPU
   dependencies by the nox session; skipped where it is absent) and every field comes out as Miles meant it.
+- The bodies the client sends to an SGLang engine's routes, validated with those routes' own request types (compiled
+  from SGLang's source).
 - A server process: started with `--config FILE` (a stand-in executable that records what it got and serves the
   fake SGLang API of conftest.py), waited for until /health answers, stopped with its children; a server that
   exits or never answers is reported with its log.
@@ -155,6 +157,87 @@ def test_sglangs_weight_update_group_and_ours_meet(sglang_hosts: bool) -> None:
         thread.join(timeout=60)
     assert set(got) == {"sglang", "miles"}, "the two sides did not meet"
     assert torch.equal(got["sglang"], torch.arange(4.0)) and torch.equal(got["miles"], torch.arange(4.0))
+
+
+def sglang_request_types() -> dict[str, type]:
+    """{route: SGLang 0.5.23's request type of it}, from SGLang's own source: each `Annotated[Type, Body()]` route of
+    `http_server.py`, the type's class (and `BaseReq`) compiled from `io_struct.py` alone (importing io_struct pulls
+    in SGLang's multimodal GPU stack), validated as FastAPI validates it (`__get_pydantic_core_schema__`)."""
+    import ast
+    import types
+    import typing
+
+    import msgspec
+
+    utils = sglang_module("sglang.srt.utils.msgspec_utils")
+    root = Path(utils.__file__).parents[1]
+    server = ast.parse((root / "entrypoints" / "http_server.py").read_text())
+    routes: dict[str, str] = {}
+    for node in server.body:
+        if not isinstance(node, ast.AsyncFunctionDef):
+            continue
+        paths = [d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call) and d.args and
+                 isinstance(d.args[0], ast.Constant) and str(d.args[0].value).startswith("/")]  # fmt: skip
+        for arg in node.args.args:
+            annotation = arg.annotation
+            if paths and isinstance(annotation, ast.Subscript) and ast.unparse(annotation).endswith("Body()]"):
+                routes[paths[0]] = ast.unparse(annotation.slice.elts[0])  # type: ignore[attr-defined]
+    source = (root / "managers" / "io_struct.py").read_text()
+    classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+    module = types.ModuleType("sglang_io_struct_requests")  # msgspec resolves annotations in the class's module
+    sys.modules[module.__name__] = module
+    namespace = module.__dict__
+    namespace |= {"msgspec": msgspec, "msgspec_struct_pydantic_core_schema": utils.msgspec_struct_pydantic_core_schema,
+                  **{name: getattr(typing, name) for name in typing.__all__}}  # fmt: skip
+    for name in ["BaseReq", *sorted(set(routes.values()) & set(classes))]:
+        exec(compile(ast.Module([classes[name]], []), "io_struct.py", "exec"), namespace)
+    return {route: namespace[name] for route, name in routes.items() if name in namespace}
+
+
+def test_the_clients_sglang_calls_are_valid_sglang_requests() -> None:
+    """Every call a run makes to an SGLang engine (weight sync by broadcast or from disk, pause / continue, memory
+    release / resume) sends a body SGLang 0.5.23's route accepts: parsed with the route's own request type, each
+    field Miles sends is one SGLang reads (none dropped as unknown), with the value it meant (e.g. the weight version
+    a string: SGLang does not turn numbers into strings)."""
+    import httpx
+    import msgspec
+    import pydantic
+
+    types = sglang_request_types()
+    sent: list[tuple[str, dict]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, json.loads(request.content or b"{}")))
+        return httpx.Response(200, json={"success": True, "message": "Success"})
+
+    async def calls() -> None:
+        client = Client("http://sglang", admin_key="k", transport=httpx.MockTransport(handler))
+        await client.init_weights_update_group("10.0.0.1", 29500, rank_offset=1, world_size=3,
+                                               group_name="miles_weight_sync", backend="nccl")  # fmt: skip
+        await client.update_weights_from_distributed(["lm_head.weight"], ["bfloat16"], [[8, 4]], "miles_weight_sync",
+                                                     weight_version=3, flush_cache=True)  # fmt: skip
+        await client.update_weights_from_distributed(["a"], ["float32"], [[2]], "miles_weight_sync", flush_cache=False)
+        await client.update_weights_from_disk("/dev/shm/miles-sync", 4)
+        await client.destroy_weights_update_group("miles_weight_sync")
+        for mode in ("abort", "retract", "in_place"):
+            await client.pause_generation(mode)
+        await client.continue_generation()
+        await client.release_memory_occupation(["kv_cache", "weights"])
+        await client.resume_memory_occupation()
+        await client.aclose()
+
+    asyncio.run(calls())
+    assert len(sent) == 11
+    for route, body in sent:
+        assert route in types, f"{route}: SGLang 0.5.23 has no such route taking a body"
+        fields = {field.name for field in msgspec.structs.fields(types[route])}
+        assert set(body) <= fields, f"{route}: SGLang ignores {sorted(set(body) - fields)}"
+        parsed = pydantic.TypeAdapter(types[route]).validate_python(body)
+        kept = {name: getattr(parsed, name) for name in body}
+        assert kept == body, f"{route}: SGLang reads {kept}, Miles sent {body}"
+    by_route = dict(sent)
+    assert by_route["/update_weights_from_disk"]["weight_version"] == "4"
+    assert sent[1][1]["weight_version"] == "3" and sent[1][1]["flush_cache"] is True
 
 
 def test_missing_sglang_and_cuda_get_clear_errors(monkeypatch) -> None:
