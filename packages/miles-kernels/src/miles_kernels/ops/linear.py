@@ -134,7 +134,27 @@ def _plain_linear(
     return F.linear(x, weight, bias)
 
 
+def _triton_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
+) -> torch.Tensor:
+    from miles_kernels.triton_ops.matmul import matmul  # imports Triton: only when this backend runs
+
+    out = matmul(x.reshape(-1, x.shape[-1]), weight, config.linear_tile)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _triton_available() -> bool | str:
+    from miles_kernels.triton_ops import triton_available
+
+    return triton_available()
+
+
 register_backend("linear:deterministic", "torch-tiled", _tiled_linear)
+# The persistent Triton matmul (miles_kernels/triton_ops/matmul.py): chosen by name (kernel.linear_backend=triton)
+# until its GPU speed is measured; `auto` keeps torch-tiled.
+register_backend("linear:deterministic", "triton", _triton_linear, is_available=_triton_available, priority=-1)
 register_backend("linear:fast", "torch", _plain_linear)
 
 
