@@ -138,3 +138,105 @@ def test_a_deterministic_linear_layer_can_run_the_triton_matmul() -> None:
     got = linear(x, weight, config, bias)
     assert torch.equal(got, (matmul.matmul(x.reshape(10, 48), weight, 16) + bias).reshape(2, 5, 24))
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def _attention_inputs(config, lengths: list[int], seed: int = 0):
+    """A random paged K/V store holding sequences of `lengths` keys (heads 4 query / 2 KV, head dim 16), and the
+    queries of every position."""
+    from miles_kernels.ops.attention_batch import build_packed_batch
+
+    generator = torch.Generator().manual_seed(seed)
+    batch = build_packed_batch(lengths, config.page_size, config.attention_query_tile)
+    total = sum(lengths)
+    q = torch.randn(total, 4, 16, generator=generator)
+    k, v = torch.randn(total, 2, 16, generator=generator), torch.randn(total, 2, 16, generator=generator)
+    return batch, q, k, v
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_the_attention_matches_the_blocked_attention_and_is_the_same_however_computed(window) -> None:
+    """The Triton attention equals the torch blocked attention within float32 rounding, and a token's output is the
+    same bits in a packed forward of its sequence alone, in a batch with others, and in prefill / chunk / decode
+    steps over a paged cache (the engine's way)."""
+    from miles_kernels import KernelConfig
+    from miles_kernels.ops.attention import packed_attention
+
+    config = KernelConfig(attention_backend="triton", page_size=4)
+    lengths = [9, 1, 14]
+    batch, q, k, v = _attention_inputs(config, lengths)
+    got = packed_attention(q, k, v, batch, 0.25, config, window)
+    blocked = packed_attention(q, k, v, batch, 0.25, KernelConfig(page_size=4), window)
+    torch.testing.assert_close(got, blocked, rtol=1e-5, atol=1e-5)
+    starts = [0, 9, 10]
+    for seq, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+        alone_batch, _, _, _ = _attention_inputs(config, [length])
+        rows = slice(start, start + length)
+        alone = packed_attention(q[rows], k[rows], v[rows], alone_batch, 0.25, config, window)
+        assert torch.equal(alone, got[rows]), f"sequence {seq}: alone differs from the batch"
+    # the engine's way for the last sequence: a paged cache (pages out of order) filled by a prefill of 5, a chunk
+    # of 6, then three decode steps
+    from miles_kernels.ops.attention import attention, write_kv
+    from miles_kernels.ops.attention_batch import build_attention_batch
+
+    seq_rows = slice(10, 24)
+    k_pages, v_pages = torch.zeros(8, 2, 4, 16), torch.zeros(8, 2, 4, 16)
+    pages, done = [3, 1, 6, 2], 0
+    for step in (5, 6, 1, 1, 1):
+        chunk = slice(done, done + step)
+        engine = build_attention_batch([step], [done], [pages], 4, config.attention_query_tile)
+        write_kv(k_pages, v_pages, k[seq_rows][chunk], v[seq_rows][chunk], engine)
+        step_out = attention(q[seq_rows][chunk], k_pages, v_pages, engine, 0.25, config, window)
+        assert torch.equal(step_out, got[seq_rows][chunk]), f"tokens {done}..{done + step - 1} differ from prefill"
+        done += step
+
+
+def test_the_trainers_triton_attention_has_the_blocked_attentions_gradient() -> None:
+    from miles_kernels import KernelConfig
+    from miles_kernels.ops.attention import packed_attention
+
+    config = KernelConfig(attention_backend="triton", page_size=4)
+    batch, q, k, v = _attention_inputs(config, [6, 11])
+    grad = torch.randn(17, 4, 16, generator=torch.Generator().manual_seed(3))
+    results = []
+    for backend in ("triton", "torch-blocked"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = packed_attention(*leaves, batch, 0.25, KernelConfig(attention_backend=backend, page_size=4))
+        out.backward(grad)
+        results.append((out.detach(), [t.grad for t in leaves]))
+    (triton_out, triton_grads), (blocked_out, blocked_grads) = results
+    torch.testing.assert_close(triton_out, blocked_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(triton_grads, blocked_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "qwen2-window"])
+def test_a_model_on_the_triton_kernels_gives_the_trainer_the_engines_bits(kind: str) -> None:
+    """The model with the Triton matmul and attention (`linear_backend` / `attention_backend` = triton): the
+    engine's schedule (prefill, chunks, decode steps with sequences joining and leaving) gives every row the bits
+    of the trainer's packed forward, and a sequence's rows do not depend on the others packed with it."""
+    from miles_kernels import KernelConfig
+    from miles_kernels.testing import PagedRunner, packed_logits, random_model, tiny_config
+
+    kernel = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=16, moe_tile=4,
+                          linear_backend="triton", attention_backend="triton")  # fmt: skip
+    overrides = {"sliding_window": 11, "layer_types": ("full_attention", "sliding_attention")}
+    config = tiny_config("qwen2", **overrides) if kind == "qwen2-window" else tiny_config(kind)
+    model = random_model(config, kernel, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (13, 3, 21)]
+    continuations = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (3, 4, 2)]
+    full = [torch.cat([p, c]) for p, c in zip(prompts, continuations, strict=True)]
+    reference = packed_logits(model, full)
+    assert torch.equal(packed_logits(model, [full[2]])[0], reference[2]), "a sequence alone differs"
+    runner = PagedRunner(model)
+    outputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
+    for step in ({0: prompts[0], 1: prompts[1], 2: prompts[2][:9]}, {2: prompts[2][9:]}):
+        for seq, logits in runner.step(step).items():
+            outputs[seq].append(logits)
+    for t in range(4):
+        step = {s: continuations[s][t : t + 1] for s in range(3) if t < len(continuations[s])}
+        for seq, logits in runner.step(step).items():
+            outputs[seq].append(logits)
+    for seq in range(3):
+        got = torch.cat(outputs[seq])
+        assert torch.equal(got, reference[seq]), f"seq {seq}: the engine's rows differ from the trainer's"

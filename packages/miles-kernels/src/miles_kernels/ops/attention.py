@@ -40,6 +40,7 @@ from miles_kernels.config import KernelConfig
 from miles_kernels.ops.attention_batch import AttentionBatch, BlockChunk, num_pages_needed
 from miles_kernels.ops.linear import invariant_bmm
 from miles_kernels.registry import get_backend, register_backend
+from miles_kernels.triton_ops import triton_available
 
 
 def attention(
@@ -95,6 +96,10 @@ def packed_attention(
     its own ops."""
     num_pages = num_pages_needed(batch)
     backend = get_backend(f"attention:{config.mode}", config.attention_backend).fn
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD))
+    if backend is _triton_attention and grad:
+        triton_out: torch.Tensor = _TritonAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
+        return triton_out
     if backend is _blocked_attention or (backend is _hybrid_attention and not _uses_sdpa(batch)):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD)):
             out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
@@ -415,8 +420,50 @@ def _sdpa_group(
     return out[seq_of_row, slot]
 
 
-# Deterministic mode needs a batch-invariant backend; fast mode takes the fastest usable one. GPU kernels
-# (FA3 and friends) register here with an `is_available` check in a later issue.
+def _triton_attention(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Deterministic mode on a GPU: the Triton kernel (miles_kernels/triton_ops/attention.py, imported on first
+    use), one program per (token, KV head) over its key blocks in ascending order."""
+    from miles_kernels.triton_ops.attention import paged_attention
+
+    return paged_attention(q_NHD, k_pages, v_pages, batch, scale, window)
+
+
+class _TritonAttention(torch.autograd.Function):
+    """The trainer's Triton attention: the kernel's forward (the engine's bits) over the batch's own K/V, and the
+    gradient of the same function taken through the blocked attention (recomputed in the backward; only the forward
+    has to match the engine)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch, scale: float,
+        num_pages: int, window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(q_NHD, k_NKD, v_NKD)
+        ctx.batch, ctx.scale, ctx.num_pages, ctx.window = batch, scale, num_pages, window
+        return _triton_attention(q_NHD, *_scratch_pages(k_NKD, v_NKD, batch, num_pages), batch, scale, window)
+
+    @staticmethod
+    def backward(ctx: Any, grad_NHD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        needed = ctx.needs_input_grad[:3]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needed, strict=True)]
+        with torch.enable_grad():
+            out = _BlockedAttention.apply(*inputs, ctx.batch, ctx.scale, ctx.num_pages, ctx.window)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_NHD))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None)
+
+
+# Deterministic mode needs a batch-invariant backend; fast mode takes the fastest usable one. The Triton kernel is
+# chosen by name (kernel.attention_backend=triton) until its GPU speed is measured; `auto` keeps torch-blocked.
 register_backend("attention:deterministic", "torch-blocked", _blocked_attention)
+register_backend("attention:deterministic", "triton", _triton_attention, is_available=triton_available,
+                 priority=-1)  # fmt: skip
 register_backend("attention:fast", "torch-sdpa", _sdpa_attention)
 register_backend("attention:fast", "torch-hybrid", _hybrid_attention, priority=1)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from miles_kernels.config import KernelConfig
 from miles_kernels.registry import get_backend, register_backend
+from miles_kernels.triton_ops import triton_available
 
 # On CUDA every batched matmul carries exactly this many matrices (the last call zero-padded), so cuBLAS sees one
 # shape and picks one kernel whatever the number of matrices.
@@ -145,16 +146,10 @@ def _triton_linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _triton_available() -> bool | str:
-    from miles_kernels.triton_ops import triton_available
-
-    return triton_available()
-
-
 register_backend("linear:deterministic", "torch-tiled", _tiled_linear)
 # The persistent Triton matmul (miles_kernels/triton_ops/matmul.py): chosen by name (kernel.linear_backend=triton)
 # until its GPU speed is measured; `auto` keeps torch-tiled.
-register_backend("linear:deterministic", "triton", _triton_linear, is_available=_triton_available, priority=-1)
+register_backend("linear:deterministic", "triton", _triton_linear, is_available=triton_available, priority=-1)
 register_backend("linear:fast", "torch", _plain_linear)
 
 
