@@ -51,14 +51,19 @@ def test_the_matmul_is_x_times_w_transposed_and_batch_invariant(dtype: torch.dty
     assert torch.equal(matmul.matmul(strided, weight), matmul.matmul(strided.contiguous(), weight))
 
 
-def test_the_matmul_backward_is_the_plain_gemms() -> None:
+def test_the_matmul_backward_runs_the_kernel_and_repeats_its_bits() -> None:
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(9, 48, generator=generator, device=DEVICE, requires_grad=True)
     weight = torch.randn(20, 48, generator=generator, device=DEVICE, requires_grad=True)
     grad = torch.randn(9, 20, generator=generator, device=DEVICE)
-    matmul.matmul(x, weight).backward(grad)
-    torch.testing.assert_close(x.grad, grad @ weight.detach())
-    torch.testing.assert_close(weight.grad, grad.t() @ x.detach())
+    grads = []
+    for _ in range(2):
+        x.grad = weight.grad = None
+        matmul.matmul(x, weight).backward(grad)
+        grads.append((x.grad, weight.grad))
+    torch.testing.assert_close(grads[0][0], grad @ weight.detach())
+    torch.testing.assert_close(grads[0][1], grad.t() @ x.detach())
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True)), "not the same bits run to run"
 
 
 def test_the_matmul_refuses_mixed_dtypes_and_handles_empty_batches() -> None:
@@ -240,3 +245,42 @@ def test_a_model_on_the_triton_kernels_gives_the_trainer_the_engines_bits(kind: 
     for seq in range(3):
         got = torch.cat(outputs[seq])
         assert torch.equal(got, reference[seq]), f"seq {seq}: the engine's rows differ from the trainer's"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_grouped_expert_gemm_is_each_experts_product_and_batch_invariant(dtype: torch.dtype) -> None:
+    """Rows grouped by expert times their own expert's weight, in one launch: equal to each group's product, and a
+    row's result the same bits whichever rows and how many share its expert, and wherever its group starts."""
+    from miles_kernels.triton_ops.grouped import grouped_matmul
+
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    weights = [(torch.randn(40, 48, generator=generator, device=DEVICE) / 7).to(dtype) for _ in range(4)]
+    counts = [5, 0, 21, 3]
+    x = torch.randn(sum(counts), 48, generator=generator, device=DEVICE).to(dtype)
+    got = grouped_matmul(x, counts, weights, tile=16)
+    starts = [0, 5, 5, 26]
+    for expert, (start, count) in enumerate(zip(starts, counts, strict=True)):
+        rows = slice(start, start + count)
+        want = (x[rows].float() @ weights[expert].float().t()).to(dtype)
+        torch.testing.assert_close(got[rows].float(), want.float(), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * 3)
+    row = x[7:8]  # expert 2's third row
+    assert torch.equal(grouped_matmul(row, [0, 0, 1, 0], weights, 16)[0], got[7]), "alone differs"
+    noise = torch.randn(30, 48, generator=generator, device=DEVICE).to(dtype)
+    regrouped = torch.cat((noise[:9], noise[9:12], row, noise[12:30]))  # expert 2 now has 19 rows, the row 4th
+    assert torch.equal(grouped_matmul(regrouped, [9, 0, 19, 3], weights, 16)[12], got[7]), "among others differs"
+
+
+def test_the_grouped_expert_gemm_has_each_experts_gradient() -> None:
+    from miles_kernels.triton_ops.grouped import grouped_matmul
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(8, 16, generator=generator, requires_grad=True) for _ in range(3)]
+    x = torch.randn(7, 16, generator=generator, requires_grad=True)
+    counts, grad = [3, 0, 4], torch.randn(7, 8, generator=generator)
+    grouped_matmul(x, counts, weights, 16).backward(grad)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = [w.detach().clone().requires_grad_() for w in weights]
+    torch.cat((x_ref[:3] @ w_ref[0].t(), x_ref[3:] @ w_ref[2].t())).backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for got, want in zip(weights, w_ref, strict=True):
+        torch.testing.assert_close(got.grad, want.grad if want.grad is not None else torch.zeros_like(got))

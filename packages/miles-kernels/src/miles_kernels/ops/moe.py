@@ -143,6 +143,9 @@ def experts_forward(
     flat_ids = expert_ids_NK.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # group (token, rank) pairs by expert, token order kept
     counts = torch.bincount(flat_ids, minlength=len(gate_proj)).tolist()
+    if config.is_deterministic and config.linear_backend == "triton":
+        per_rank = _grouped_experts(x_NH, order, counts, weights_NK, (gate_proj, up_proj, down_proj), config, per_rank)
+        return _combine(per_rank)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -154,7 +157,31 @@ def experts_forward(
         hidden = swiglu(_expert_linear(x_e, gate_proj[expert], config), _expert_linear(x_e, up_proj[expert], config))
         y = _expert_linear(hidden, down_proj[expert], config) * weights_NK[tokens, ranks][:, None]
         per_rank = per_rank.index_put((ranks, tokens), y)
-    out = per_rank[0]
-    for rank in range(1, top_k):
-        out = out + per_rank[rank]
+    return _combine(per_rank)
+
+
+def _combine(per_rank_KNH: torch.Tensor) -> torch.Tensor:
+    """The experts' outputs added in top-k rank order, one rank at a time (a fixed sum order per token)."""
+    out = per_rank_KNH[0]
+    for rank in range(1, per_rank_KNH.shape[0]):
+        out = out + per_rank_KNH[rank]
     return out
+
+
+def _grouped_experts(
+    x_NH: torch.Tensor, order: torch.Tensor, counts: list[int], weights_NK: torch.Tensor,
+    projections: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], config: KernelConfig,
+    per_rank: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """`experts_forward` on the Triton grouped GEMM (kernel.linear_backend=triton): every expert's rows in one
+    launch per projection (miles_kernels/triton_ops/grouped.py), each row's arithmetic its own."""
+    from miles_kernels.triton_ops.grouped import grouped_matmul
+
+    gate_proj, up_proj, down_proj = projections
+    top_k = weights_NK.shape[1]
+    tokens, ranks = order // top_k, order % top_k
+    x_sorted = x_NH[tokens]
+    hidden = swiglu(grouped_matmul(x_sorted, counts, gate_proj, config.moe_tile),
+                    grouped_matmul(x_sorted, counts, up_proj, config.moe_tile))  # fmt: skip
+    y = grouped_matmul(hidden, counts, down_proj, config.moe_tile) * weights_NK[tokens, ranks][:, None]
+    return per_rank.index_put((ranks, tokens), y)

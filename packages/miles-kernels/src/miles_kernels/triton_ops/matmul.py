@@ -7,8 +7,9 @@ order are the same whatever M is and wherever the row sits in its tile (rows pas
 touch another row's sums). The grid is persistent: one program per SM (`NUM_PROGRAMS`), each taking every
 NUM_PROGRAMS-th tile; which program computes a tile does not change its bits.
 
-The backward runs two plain torch GEMMs, as the torch-tiled backend's does: only the forward must be
-batch-invariant (it is what the engine computes), and plain GEMMs are deterministic run to run for a given shape.
+The backward runs the same kernel for its two GEMMs (grad @ W and grad^T @ x, the operands strided views): only
+the forward must be batch-invariant (it is what the engine computes); the backward's fixed reduction order makes
+the gradients the same bits run to run.
 Importing this module imports Triton (`linear.py` imports it on first use of the backend). Shapes: x_MK,
 weight_NK, out_MN.
 """
@@ -57,7 +58,7 @@ def _matmul_kernel(
 
 
 @functools.cache
-def _num_programs(device_index: int | None) -> int:
+def num_programs(device_index: int | None) -> int:
     """One program per SM on CUDA; a few under the interpreter."""
     if device_index is None:
         return INTERPRETER_PROGRAMS
@@ -76,7 +77,7 @@ def _forward(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Te
         return out
     block_m = max(MIN_BLOCK_M, tile)
     num_tiles = -(-num_rows // block_m) * -(-n // BLOCK_N)
-    programs = _num_programs(x_MK.device.index if x_MK.is_cuda else None)
+    programs = num_programs(x_MK.device.index if x_MK.is_cuda else None)
     grid = (min(programs, num_tiles),)
     _matmul_kernel[grid](
         x_MK, weight_NK, out, num_rows, n, k, *x_MK.stride(), *weight_NK.stride(), *out.stride(),
@@ -86,8 +87,8 @@ def _forward(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Te
 
 
 def matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int = MIN_BLOCK_M) -> torch.Tensor:
-    """`x @ weight.T` in x's dtype (float32 accumulation), batch-invariant; differentiable, with plain-GEMM
-    gradients."""
+    """`x @ weight.T` in x's dtype (float32 accumulation), batch-invariant; differentiable (the backward GEMMs run
+    the same kernel)."""
     if torch.is_grad_enabled() and (x_MK.requires_grad or weight_NK.requires_grad):
         out: torch.Tensor = _Matmul.apply(x_MK, weight_NK, tile)
         return out
@@ -98,12 +99,15 @@ class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x_MK, weight_NK)
+        ctx.tile = tile
         return _forward(x_MK, weight_NK, tile)
 
     @staticmethod
     def backward(ctx: Any, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
         x_MK, weight_NK = ctx.saved_tensors
-        grad_MN = grad_MN.contiguous()
-        grad_x = grad_MN @ weight_NK if ctx.needs_input_grad[0] else None
-        grad_weight = grad_MN.t() @ x_MK if ctx.needs_input_grad[1] else None
+        grad_MN = grad_MN.to(x_MK.dtype).contiguous()
+        # the same kernel, operands as strided views: grad_x = grad @ W, grad_W = grad^T @ x (a sum over the rows,
+        # in the kernel's fixed K order: the same bits run to run)
+        grad_x = _forward(grad_MN, weight_NK.t(), ctx.tile) if ctx.needs_input_grad[0] else None
+        grad_weight = _forward(grad_MN.t(), x_MK.t(), ctx.tile) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, None
