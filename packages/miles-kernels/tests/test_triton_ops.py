@@ -216,14 +216,15 @@ def test_the_trainers_triton_attention_has_the_blocked_attentions_gradient() -> 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "qwen2-window"])
 def test_a_model_on_the_triton_kernels_gives_the_trainer_the_engines_bits(kind: str) -> None:
-    """The model with the Triton matmul and attention (`linear_backend` / `attention_backend` = triton): the
-    engine's schedule (prefill, chunks, decode steps with sequences joining and leaving) gives every row the bits
-    of the trainer's packed forward, and a sequence's rows do not depend on the others packed with it."""
+    """The model on the Triton matmul, attention and RMSNorm (`linear_backend` / `attention_backend` /
+    `norm_backend` = triton): the engine's schedule (prefill, chunks, decode steps with sequences joining and
+    leaving) gives every row the bits of the trainer's packed forward, and a sequence's rows do not depend on the
+    others packed with it."""
     from miles_kernels import KernelConfig
     from miles_kernels.testing import PagedRunner, packed_logits, random_model, tiny_config
 
     kernel = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=16, moe_tile=4,
-                          linear_backend="triton", attention_backend="triton")  # fmt: skip
+                          linear_backend="triton", attention_backend="triton", norm_backend="triton")  # fmt: skip
     overrides = {"sliding_window": 11, "layer_types": ("full_attention", "sliding_attention")}
     config = tiny_config("qwen2", **overrides) if kind == "qwen2-window" else tiny_config(kind)
     model = random_model(config, kernel, seed=0)
@@ -284,3 +285,23 @@ def test_the_grouped_expert_gemm_has_each_experts_gradient() -> None:
     torch.testing.assert_close(x.grad, x_ref.grad)
     for got, want in zip(weights, w_ref, strict=True):
         torch.testing.assert_close(got.grad, want.grad if want.grad is not None else torch.zeros_like(got))
+
+
+def test_a_deterministic_rms_norm_can_run_the_triton_kernel_with_the_torch_ops_gradient() -> None:
+    from miles_kernels import KernelConfig
+    from miles_kernels.ops.norm import rms_norm
+
+    config = KernelConfig(norm_backend="triton")
+    assert config.resolved_backends()["rms_norm"] == "triton"
+    assert KernelConfig().resolved_backends()["rms_norm"] == "torch"
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(5, 96, generator=generator), torch.randn(96, generator=generator)
+    assert torch.equal(rms_norm(x, weight, 1e-6, config), norm.rms_norm(x, weight, 1e-6))
+    grad = torch.randn(5, 96, generator=generator)
+    results = []
+    for kernel in (config, None):
+        leaves = [t.clone().requires_grad_() for t in (x, weight)]
+        rms_norm(*leaves, 1e-6, kernel).backward(grad)
+        results.append([t.grad for t in leaves])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)

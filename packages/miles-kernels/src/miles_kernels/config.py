@@ -47,6 +47,9 @@ class KernelConfig(BaseModel):
     linear_backend: str = Field(
         default="auto", description="Linear backend for this mode (see miles_kernels.registry); auto: best usable."
     )
+    norm_backend: str = Field(
+        default="auto", description="RMSNorm backend for this mode (see miles_kernels.registry); auto: best usable."
+    )
 
     @model_validator(mode="after")
     def _powers_of_two(self) -> KernelConfig:
@@ -72,13 +75,12 @@ class KernelConfig(BaseModel):
     def resolved_backends(self) -> dict[str, str]:
         """The backend each op runs here (`auto` resolved on this machine)."""
         import miles_kernels.ops.attention
-        import miles_kernels.ops.linear  # noqa: F401  (registers the backends)
+        import miles_kernels.ops.linear
+        import miles_kernels.ops.norm  # noqa: F401  (registers the backends)
         from miles_kernels.registry import get_backend
 
-        return {
-            op: get_backend(f"{op}:{self.mode}", name).name
-            for op, name in (("attention", self.attention_backend), ("linear", self.linear_backend))
-        }
+        ops = (("attention", self.attention_backend), ("linear", self.linear_backend), ("rms_norm", self.norm_backend))
+        return {op: get_backend(f"{op}:{self.mode}", name).name for op, name in ops}
 
     def _identity(self, device_type: str = "cpu") -> dict[str, object]:
         import torch

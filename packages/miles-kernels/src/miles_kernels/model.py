@@ -46,13 +46,13 @@ def _embedding(config: ModelConfig) -> nn.Embedding:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, kernel: KernelConfig | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.eps, self.kernel = eps, kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.kernel)
 
 
 class Linear(nn.Module):
@@ -77,8 +77,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, kv_heads * dim, bias, kernel)
         self.v_proj = Linear(config.hidden_size, kv_heads * dim, bias, kernel)
         self.o_proj = Linear(heads * dim, config.hidden_size, config.o_proj_bias, kernel)
-        self.q_norm = RMSNorm(dim, config.rms_norm_eps) if config.use_qk_norm else None
-        self.k_norm = RMSNorm(dim, config.rms_norm_eps) if config.use_qk_norm else None
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps, kernel) if config.use_qk_norm else None
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps, kernel) if config.use_qk_norm else None
         self.shape = (heads, kv_heads, dim)
         self.scale = dim**-0.5
         self.window = config.attention_window(layer)
@@ -206,8 +206,8 @@ class DecoderLayer(nn.Module):
             if config.is_moe_layer(layer)
             else MLP(config.hidden_size, config.intermediate_size, kernel)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel)
 
     def forward(
         self,
@@ -231,7 +231,7 @@ class SharedHead(nn.Module):
 
     def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
         super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel)
         self.head = Linear(config.hidden_size, config.vocab_size, False, kernel)
 
 
@@ -243,8 +243,8 @@ class MTPLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
         super().__init__(config, kernel, layer)
-        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, False, kernel)
         self.embed_tokens = _embedding(config)
         self.shared_head = SharedHead(config, kernel)
@@ -277,7 +277,7 @@ class Backbone(nn.Module):
             [DecoderLayer(config, kernel, i) for i in range(trunk)]
             + [MTPLayer(config, kernel, trunk + i) for i in range(config.num_nextn_predict_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel)
 
 
 class CausalLM(nn.Module):

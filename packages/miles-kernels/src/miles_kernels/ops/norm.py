@@ -14,19 +14,40 @@ from typing import Any
 
 import torch
 
+from miles_kernels.config import KernelConfig
 from miles_kernels.ops.linear import tiled_matmul
+from miles_kernels.registry import get_backend, register_backend
+from miles_kernels.triton_ops import triton_available
 
 CUDA_NORM_TILE = 16  # rows per fixed-shape GEMM of the CUDA sum of squares
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x^2) + eps)`, normalized in fp32, returned in x's dtype. Differentiable: under
-    autograd it runs `_RMSNorm` (the same forward ops, one node with a hand-written backward instead of seven)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, config: KernelConfig | None = None) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)`, normalized in fp32, returned in x's dtype, by `config`'s backend
+    (`norm_backend`; None: the torch op). Differentiable: under autograd it runs one node with a hand-written
+    backward instead of seven."""
+    backend = _torch_rms_norm if config is None else get_backend(f"rms_norm:{config.mode}", config.norm_backend).fn
+    out: torch.Tensor = backend(x, weight, eps)
+    return out
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out: torch.Tensor = _RMSNorm.apply(x, weight, eps)
         return out
     normed, _ = _normalize(x, eps)
     return weight * normed
+
+
+def _triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Triton kernel (miles_kernels/triton_ops/norm.py, imported on first use); under autograd its forward with
+    `_RMSNorm`'s backward (only the forward has to match the engine)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out: torch.Tensor = _TritonRMSNorm.apply(x, weight, eps)
+        return out
+    from miles_kernels.triton_ops.norm import rms_norm as triton_rms_norm
+
+    return triton_rms_norm(x, weight, eps)
 
 
 def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,14 +78,42 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
         x, weight, inverse = ctx.saved_tensors
-        normed32 = x.to(torch.float32) * inverse
-        grad32 = grad.to(torch.float32)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            rows = grad32.reshape(-1, grad32.shape[-1])
-            grad_weight = (rows * normed32.to(x.dtype).to(torch.float32).reshape_as(rows)).sum(0).to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            g = grad32 * weight.to(torch.float32)
-            grad_x = (inverse * (g - normed32 * (g * normed32).mean(-1, keepdim=True))).to(x.dtype)
-        return grad_x, grad_weight, None
+        return _backward(ctx, x, weight, inverse, grad)
+
+
+class _TritonRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        from miles_kernels.triton_ops.norm import rms_norm as triton_rms_norm
+
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return triton_rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        return _backward(ctx, x, weight, _normalize(x, ctx.eps)[1], grad)
+
+
+def _backward(
+    ctx: Any, x: torch.Tensor, weight: torch.Tensor, inverse: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    """dw = sum over rows of dy * n;  dx = r * (g - n * mean(g * n)), g = dy * w (float32)."""
+    normed32 = x.to(torch.float32) * inverse
+    grad32 = grad.to(torch.float32)
+    grad_weight = None
+    if ctx.needs_input_grad[1]:
+        rows = grad32.reshape(-1, grad32.shape[-1])
+        grad_weight = (rows * normed32.to(x.dtype).to(torch.float32).reshape_as(rows)).sum(0).to(weight.dtype)
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        g = grad32 * weight.to(torch.float32)
+        grad_x = (inverse * (g - normed32 * (g * normed32).mean(-1, keepdim=True))).to(x.dtype)
+    return grad_x, grad_weight, None
+
+
+register_backend("rms_norm:deterministic", "torch", _torch_rms_norm)
+# chosen by name (kernel.norm_backend=triton) until its GPU speed is measured; `auto` keeps the torch op
+register_backend("rms_norm:deterministic", "triton", _triton_rms_norm, is_available=triton_available, priority=-1)
+register_backend("rms_norm:fast", "torch", _torch_rms_norm)
