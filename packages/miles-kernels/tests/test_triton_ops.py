@@ -158,13 +158,20 @@ def _attention_inputs(config, lengths: list[int], seed: int = 0):
     return batch, q, k, v
 
 
+@pytest.mark.parametrize("split_keys", [1024, 8], ids=["one-split", "splits-of-8-keys"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_the_attention_matches_the_blocked_attention_and_is_the_same_however_computed(window) -> None:
+def test_the_attention_matches_the_blocked_attention_and_is_the_same_however_computed(
+    window, split_keys, monkeypatch
+) -> None:
     """The Triton attention equals the torch blocked attention within float32 rounding, and a token's output is the
     same bits in a packed forward of its sequence alone, in a batch with others, and in prefill / chunk / decode
-    steps over a paged cache (the engine's way)."""
+    steps over a paged cache (the engine's way); also where a token's keys are walked in splits merged after
+    (splits of 8 keys here, so up to two splits; with the window, splits wholly before it)."""
     from miles_kernels import KernelConfig
     from miles_kernels.ops.attention import packed_attention
+    from miles_kernels.triton_ops import attention as triton_attention
+
+    monkeypatch.setattr(triton_attention, "SPLIT_KEYS", split_keys)
 
     config = KernelConfig(attention_backend="triton", page_size=4)
     lengths = [9, 1, 14]
