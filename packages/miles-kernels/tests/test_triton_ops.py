@@ -312,3 +312,23 @@ def test_a_deterministic_rms_norm_can_run_the_triton_kernel_with_the_torch_ops_g
         results.append([t.grad for t in leaves])
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_the_sampler_kernel_draws_the_torch_samplers_tokens_batch_invariantly() -> None:
+    """The fused Gumbel-max kernel: the torch sampler's noise (so its tokens), filtered tokens never drawn, and a
+    row's token the same alone or in a batch."""
+    from miles_kernels.ops.sampling import RowSampling, sample
+    from miles_kernels.triton_ops.sampling import gumbel_argmax
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 2500  # three chunks, the last partial
+    logits = torch.randn(24, vocab, generator=generator) * 2
+    rows = [RowSampling(temperature=0.5 + 0.1 * i, seed=1000 + i, position=3 * i) for i in range(24)]
+    got = gumbel_argmax(logits, rows)
+    assert torch.equal(got, sample(logits, rows))
+    masked = logits.clone()
+    masked[:, : vocab - 3] = float("-inf")  # a filter that keeps the last three tokens
+    assert bool((gumbel_argmax(masked, rows) >= vocab - 3).all())
+    for r in (0, 11, 23):
+        assert torch.equal(gumbel_argmax(logits[r : r + 1], rows[r : r + 1]), got[r : r + 1])
+    assert torch.equal(gumbel_argmax(logits[5:20], rows[5:20]), got[5:20])

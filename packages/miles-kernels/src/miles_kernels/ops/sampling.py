@@ -74,10 +74,14 @@ def uniforms(seed: int, position: int, vocab: int, device: torch.device | None =
     return _uniforms(keys, vocab)[0]
 
 
+def row_keys(rows: Sequence[RowSampling], device: torch.device) -> torch.Tensor:
+    """Each row's noise key (from its seed and position) as the int64 holding its 64 bits, shape (rows,)."""
+    return torch.tensor([_signed(_row_key(r.seed, r.position)) for r in rows], dtype=torch.int64, device=device)
+
+
 def gumbel_noise(rows: Sequence[RowSampling], vocab: int, device: torch.device) -> torch.Tensor:
     """One standard Gumbel variable per (row's seed, row's position, token id), float64, shape (rows, vocab)."""
-    keys = torch.tensor([_signed(_row_key(r.seed, r.position)) for r in rows], dtype=torch.int64, device=device)
-    return -torch.log(-torch.log(_uniforms(keys, vocab)))
+    return -torch.log(-torch.log(_uniforms(row_keys(rows, device), vocab)))
 
 
 @dataclass(frozen=True)
