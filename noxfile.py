@@ -111,6 +111,8 @@ def gpu(session: nox.Session) -> None:
     session.log(f"GPU: {name}")
     paths = [f"packages/{p}/tests" for p in PACKAGES] + ["tests/integration"]
     session.run("pytest", *paths, "-m", "gpu", *session.posargs, env=TEST_ENV)
+    # the Triton kernels' tests, which the CPU sessions run in Triton's interpreter, compiled for this GPU
+    session.run("pytest", "packages/miles-kernels/tests/test_triton_ops.py", *session.posargs, env=TEST_ENV)
 
 
 @nox.session(python=PYTHON)
