@@ -42,11 +42,11 @@ def _attention_kernel(
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    position = tl.load(positions_ptr + token)
+    position = tl.load(positions_ptr + token).to(tl.int32)  # int32 throughout: one type for the loop bounds
     last_block = position // P
     num_splits = last_block // SPLIT_BLOCKS + 1
     if split < num_splits:
-        seq = tl.load(seqs_ptr + token)
+        seq = tl.load(seqs_ptr + token).to(tl.int64)
         rows = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)
         offsets = tl.arange(0, P)
@@ -99,7 +99,7 @@ def _combine_kernel(
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    num_splits = (tl.load(positions_ptr + token) // P) // SPLIT_BLOCKS + 1
+    num_splits = (tl.load(positions_ptr + token).to(tl.int32) // P) // SPLIT_BLOCKS + 1
     if num_splits > 1:
         rows = tl.arange(0, BLOCK_G)
         dims = tl.arange(0, BLOCK_D)

@@ -26,8 +26,8 @@ def _gumbel_argmax_kernel(logits_ptr, keys_ptr, temperatures_ptr, out_ptr, V, st
     row = tl.program_id(0).to(tl.int64)
     key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
     temperature = tl.load(temperatures_ptr + row)
-    best_score = float("-inf")
-    best_token = 0
+    best_score = tl.full((), float("-inf"), dtype=tl.float64)  # typed: a loop-carried value keeps one type
+    best_token = tl.full((), 0, dtype=tl.int32)
     for v0 in range(0, V, BLOCK):
         tokens = v0 + tl.arange(0, BLOCK)
         bits = key ^ tokens.to(tl.uint64)
