@@ -429,7 +429,7 @@ def _triton_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Deterministic mode on a GPU: the Triton kernel (miles_kernels/triton_ops/attention.py, imported on first
-    use), one program per (token, KV head) over its key blocks in ascending order."""
+    use), one program per (token, KV head, split of its keys) over key blocks in ascending order."""
     from miles_kernels.triton_ops.attention import paged_attention
 
     return paged_attention(q_NHD, k_pages, v_pages, batch, scale, window)

@@ -19,6 +19,7 @@ Shapes: x_MK, weight_NK, out_MN.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,13 +121,21 @@ def _tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> tor
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _tiled_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
-) -> torch.Tensor:
-    out = tiled_matmul(x.reshape(-1, x.shape[-1]), weight, config.linear_tile)
+def _rows_linear(
+    matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+    bias: torch.Tensor | None, tile: int,
+) -> torch.Tensor:  # fmt: skip
+    """`F.linear` of x's rows (any leading shape) by a batch-invariant `matmul(x_MK, weight_NK, tile)`."""
+    out = matmul(x.reshape(-1, x.shape[-1]), weight, tile)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
+) -> torch.Tensor:
+    return _rows_linear(tiled_matmul, x, weight, bias, config.linear_tile)
 
 
 def _plain_linear(
@@ -140,10 +149,7 @@ def _triton_linear(
 ) -> torch.Tensor:
     from miles_kernels.triton_ops.matmul import matmul  # imports Triton: only when this backend runs
 
-    out = matmul(x.reshape(-1, x.shape[-1]), weight, config.linear_tile)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return _rows_linear(matmul, x, weight, bias, config.linear_tile)
 
 
 register_backend("linear:deterministic", "torch-tiled", _tiled_linear)
