@@ -35,15 +35,15 @@ def test_a_run_launches_sglang_engines_and_trains(cold_run, tmp_path) -> None:
     _, cache = cold_run
     run_dir = tmp_path / "sglang"
     result = cli(
-        f"model.path={policy_dir(cache)}", *SMALL, "run.num_steps=2", "run.eval_every=0", f"run.run_dir={run_dir}",
+        f"model.path={policy_dir(cache)}", *SMALL, "run.num_steps=1", "run.eval_every=0", f"run.run_dir={run_dir}",
         "rollout.backend=sglang", "kernel.mode=fast", "trainer.loss.is_mode=truncate",
         f"rollout.sglang.launch_command=[{sys.executable}, {STAND_IN}]", "rollout.sglang.mem_fraction_static=0.5",
         cache=cache,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = history(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["train_rollout_logprob_abs_diff"] < 0.05 and "is_weight_mean" in r for r in rows)
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["train_rollout_logprob_abs_diff"] < 0.05 and "is_weight_mean" in rows[0]
     (config,) = (run_dir / "engines").glob("sglang-*.yaml")
     assert stat.S_IMODE(config.stat().st_mode) == 0o600  # it holds the admin key
     launched = json.loads(config.with_suffix(".launched.json").read_text())

@@ -307,7 +307,8 @@ def test_a_checkpoint_resumes_bit_exact_and_reshards(layers: int, world: int, la
     layer is its copy of the embedding): step, checkpoint (megatron-core's dist_checkpointing), step; against a
     fresh run on the layout that loads the checkpoint and makes the second step: the same bits and RNG stream. The
     same checkpoint resumed on one rank (dist_checkpointing reshards: TP shards, the model chunks' layers, the
-    embedding's replica) gives that step to float32 rounding. An offload / onload between the steps changes no bit.
+    embedding's replica) gives that step to float32 rounding. An offload / onload between the steps changes no bit
+    (checked on the PP layout, whose ranks hold several model chunks).
     The Hugging Face export loads back as the trained weights."""
     from test_fsdp import run_ranks
 
@@ -327,11 +328,12 @@ def test_a_checkpoint_resumes_bit_exact_and_reshards(layers: int, world: int, la
     assert metrics_one["loss"] == pytest.approx(metrics_straight["loss"], rel=1e-6)
     for name, tensor in straight.items():
         torch.testing.assert_close(one[name], tensor, rtol=0, atol=1e-6, msg=name)
-    offloaded, metrics_offloaded = run_ranks(model_dir, tmp_path / "offload", world, "offload", extra_env=env,
-                                             worker=WORKER)  # fmt: skip
-    assert metrics_offloaded == metrics_straight
-    for name, tensor in straight.items():
-        assert torch.equal(offloaded[name], tensor), name
+    if "pp" in layout:  # offload / onload once, on the layout with several model chunks per rank
+        offloaded, metrics_offloaded = run_ranks(model_dir, tmp_path / "offload", world, "offload", extra_env=env,
+                                                 worker=WORKER)  # fmt: skip
+        assert metrics_offloaded == metrics_straight
+        for name, tensor in straight.items():
+            assert torch.equal(offloaded[name], tensor), name
     exported = load_model(tmp_path / "two" / "hf", KernelConfig()).state_dict()
     for name, tensor in straight.items():
         assert torch.equal(exported[name], tensor), name
