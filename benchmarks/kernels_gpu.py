@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -55,28 +54,17 @@ from miles_kernels.ops.sampling import token_logprobs  # noqa: E402
 from miles_kernels.testing import BENCHMARK_MODEL, PagedRunner, packed_logits, save_random_model, tiny_config  # noqa: E402
 from miles_kernels.triton_ops import logsoftmax, norm  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from kernels import median_seconds, miles_decode  # noqa: E402  (the kernels benchmark's timing and decode step)
+
 TRITON = {"linear_backend": "triton", "attention_backend": "triton"}
 ONE_B = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of `fn` in ms, each run ended by a device synchronize."""
-
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    """`kernels.median_seconds` in ms (each run ended by a device synchronize)."""
+    return 1e3 * median_seconds(fn, repeats, warmup)
 
 
 def invariance(op: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, sizes: list[int]) -> float:
@@ -213,24 +201,10 @@ def measure_model(
             k: median_ms(lambda m=m: packed_logits(m, [prompt]), repeats) for k, m in models.items()
         }
         entry["prefill_ms"]["hf"] = median_ms(lambda: hf(prompt[None], use_cache=False), repeats)
-        entry["decode_step_ms"] = {k: median_ms(decode_step(m, prompts), repeats) for k, m in models.items()}
+        entry["decode_step_ms"] = {k: median_ms(miles_decode(m, prompts), repeats) for k, m in models.items()}
         entry["generate_tokens_per_s"] = {k: generate_rate(m, prompts, new_tokens) for k, m in models.items()}
         entry["generate_tokens_per_s"]["hf_generate"] = hf_generate_rate(hf, prompts, new_tokens)
     return entry
-
-
-def decode_step(model: Any, prompts: torch.Tensor) -> Callable[[], object]:
-    page = model.kernel.page_size
-    runner = PagedRunner(model, num_pages=prompts.shape[0] * (prompts.shape[1] // page + 2) + 1)
-    runner.step({i: p for i, p in enumerate(prompts)})
-    context = dict(runner.cached)
-    last = {i: p[-1:] for i, p in enumerate(prompts)}
-
-    def step() -> None:
-        runner.cached.update(context)  # every timed step decodes from the same context
-        runner.step(last)
-
-    return step
 
 
 def generate_rate(model: Any, prompts: torch.Tensor, new_tokens: int) -> float:
