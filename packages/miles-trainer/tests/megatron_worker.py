@@ -17,7 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from fsdp_worker import KERNEL, batch
+from fsdp_worker import KERNEL, batch, leave_together
 from safetensors.torch import save_file
 
 from miles_trainer import (
@@ -78,8 +78,7 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
             json.dump(metrics, f)
         with open(os.path.join(out_dir, "logprobs.json"), "w") as f:
             json.dump([by_sample[i] for i in sorted(by_sample)], f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_together()
 
 
 def weights_of(state: dict[str, torch.Tensor]) -> str:

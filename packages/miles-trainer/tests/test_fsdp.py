@@ -55,7 +55,8 @@ def run_ranks(
     processes = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1", **(extra_env or {})}  # fmt: skip
+               "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+               **(extra_env or {})}  # fmt: skip
         command = [sys.executable, str(worker), str(model_dir), str(out_dir), mode, str(out_dir.parent / "checkpoint")]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))  # fmt: skip
@@ -66,13 +67,14 @@ def run_ranks(
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    for process, output in zip(processes, collected, strict=True):
-        if outputs is not None:
-            outputs.append((process.returncode, output))
-        elif expect_killed:
-            assert process.returncode == -9, output
-        else:
-            assert process.returncode == 0, output
+    codes = [process.returncode for process in processes]
+    if outputs is not None:
+        outputs.extend(zip(codes, collected, strict=True))
+    else:  # on failure, every rank's exit code and output: one rank aborting alone vs all failing tells where to look
+        expected = -9 if expect_killed else 0
+        report = "\n".join(f"--- rank {rank} (exit {code}):\n{text[-3000:]}" for rank, (code, text) in
+                           enumerate(zip(codes, collected, strict=True)))  # fmt: skip
+        assert codes == [expected] * world, report
     if expect_killed or outputs is not None:
         return {}, {}
     metrics = json.loads((out_dir / "metrics.json").read_text())
