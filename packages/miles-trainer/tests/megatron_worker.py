@@ -17,7 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from fsdp_worker import KERNEL, batch, leave_together
+from fsdp_worker import KERNEL, batch
 from safetensors.torch import save_file
 
 from miles_trainer import (
@@ -78,7 +78,10 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
             json.dump(metrics, f)
         with open(os.path.join(out_dir, "logprobs.json"), "w") as f:
             json.dump([by_sample[i] for i in sorted(by_sample)], f)
-    leave_together()
+    # Not fsdp_worker.leave_together's os._exit: megatron-core's checkpoint writer processes must be reaped by
+    # multiprocessing's exit handler, or they outlive the rank holding its output pipe open (the test then hangs).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def weights_of(state: dict[str, torch.Tensor]) -> str:
