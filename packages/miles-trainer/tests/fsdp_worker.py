@@ -220,9 +220,9 @@ def leave_together() -> None:
     """End the rank: barrier, destroy the group, exit without the interpreter's teardown.
 
     The barrier: a rank that exits while another still holds gloo connections to it can abort that rank. The exit:
-    about one rank run in several hundred in CI ended with SIGABRT and only "terminate called without an active
-    exception" (C++ std::terminate with no exception: a thread torn down while Python finalizes, as torch's own
-    issues report for gloo), its work done; it did not recur in 100 runs under load here. Every file this rank
+    three CI runs failed when one rank ended with SIGABRT and only "terminate called without an active exception"
+    (C++ std::terminate with no exception: a thread torn down while Python finalizes, as torch's own issues report
+    for gloo); it did not recur in 100 runs under load here, so where it struck is not known. Every file this rank
     writes is closed by now, so os._exit loses nothing and skips that teardown. run_ranks sets PYTHONFAULTHANDLER,
     so an abort anywhere else prints its stacks.
     """
