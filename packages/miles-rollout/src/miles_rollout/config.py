@@ -18,6 +18,54 @@ DRAFT_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names that draft with the mode
 DEFAULT_DRAFT_STEPS = 3
 
 
+class RequestLimits(BaseModel):
+    """Bounds on the work one request may ask of the engine, checked at intake (a 4xx naming the limit, 429 when the
+    queue is full). The defaults sit far above what SGLang's clients (slime, sglang-router, the openai client) send
+    in normal use; they exist so that no single request can stall or starve the others."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_queued_requests: int = Field(
+        default=4096,
+        ge=1,
+        description="Prompts (groups of n samples) waiting for admission; past it a request is refused with 429 "
+        "and Retry-After.",
+    )
+    max_prompts_per_request: int = Field(
+        default=4096, ge=1, description="Prompts in one batched /generate request (text or input_ids lists)."
+    )
+    max_samples_per_request: int = Field(
+        default=8192, ge=1, description="Samples in one request: its prompts times sampling_params.n."
+    )
+    max_top_logprob_entries: int = Field(
+        default=1 << 21,
+        ge=1,
+        description="top_logprobs_num times the positions that return them (output tokens, plus prompt tokens when "
+        "logprob_start_len is set), summed over a request's samples.",
+    )
+    max_stop_patterns: int = Field(
+        default=64, ge=0, description="Stop strings plus stop regexes of one sample's sampling params."
+    )
+    max_stop_chars: int = Field(
+        default=1024, ge=1, description="Longest stop string or stop regex, in characters."
+    )
+    stop_regex_window_chars: int = Field(
+        default=4096,
+        ge=64,
+        description="Stop regexes are matched (linear-time, RE2) over this many trailing characters of a sample's "
+        "text after each token; a match longer than this is not found.",
+    )
+    intake_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a request's intake work (chat template, tokenization, grammar compilation) may take, "
+        "in the intake worker pool; past it the request is refused with 400.",
+    )
+    max_intake_workers: int = Field(
+        default=2, ge=1, le=64, description="Threads doing intake work (templates, tokenization, grammars)."
+    )
+
+
 class EngineConfig(BaseModel):
     """How the embedded engine runs: memory, batching, context, device and the default seed."""
 
@@ -60,6 +108,9 @@ class EngineConfig(BaseModel):
         description="Record the MoE experts every token is routed to, for requests with return_routed_experts "
         "(routing replay; SGLang's flag). MoE models only; a host buffer of num_kv_pages x page_size x "
         "num_hidden_layers x num_experts_per_tok x 4 bytes.",
+    )
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits, description="Bounds on the work one request may ask of the engine."
     )
 
     @field_validator("speculative_algorithm", mode="before")
@@ -115,8 +166,37 @@ class ServeConfig(BaseModel):
     model_path: str = Field(description="Hugging Face model directory (config.json + safetensors).")
     host: str = Field(default="127.0.0.1", description="Address to bind; a non-loopback one needs admin_key.")
     port: int = Field(default=30000, ge=1, le=65535, description="TCP port.")
-    api_key: str | None = Field(default=None, description="Require 'Authorization: Bearer KEY' on every endpoint.")
-    admin_key: str | None = Field(default=None, description="Key of the weight, memory and control endpoints.")
+    api_key: str | None = Field(
+        default=None,
+        description="Require 'Authorization: Bearer KEY' on every endpoint but /health. Visible in `ps`: prefer "
+        "api_key_file or the MILES_API_KEY environment variable.",
+    )
+    admin_key: str | None = Field(
+        default=None,
+        description="Key of the weight, memory and control endpoints. Visible in `ps`: prefer admin_key_file or "
+        "the MILES_ADMIN_KEY environment variable.",
+    )
+    api_key_file: str | None = Field(default=None, description="Read api_key from this file (first line).")
+    admin_key_file: str | None = Field(default=None, description="Read admin_key from this file (first line).")
+    allowed_hosts: list[str] | None = Field(
+        default=None,
+        description="Host header names (optionally host:port) the server answers; others get 400 (DNS rebinding). "
+        "null: the loopback names (localhost, 127.0.0.1, ::1) when bound to loopback, any host otherwise; ['*']: "
+        "any host.",
+    )
+    allow_client_chat_template: bool = Field(
+        default=False,
+        description="Let /v1/chat/completions requests bring their own chat_template (Jinja, rendered in a sandbox "
+        "but able to loop for long): off, such requests are a 400.",
+    )
+    max_request_bytes: int = Field(
+        default=64 << 20, ge=1024, description="Largest JSON request body; a larger one is refused with 413."
+    )
+    max_bucket_bytes: int = Field(
+        default=8 << 30,
+        ge=1024,
+        description="Largest weight bucket body (/update_weights_from_tensor); a larger one is refused with 413.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Server log level.")
     kernel: KernelConfig = Field(
         default_factory=lambda: KernelConfig(mode="fast"),
