@@ -11,7 +11,12 @@ The wire format (JSON both ways; nothing is ever unpickled):
   sample, in order;
 
 where SAMPLE is `Sample.model_dump(mode="json")`: every field (`prompt`, `response`, `label`, `metadata`, the
-token ids, ...). A reward must be a finite number (`true` / `false` count 1 / 0, as for a local reward).
+token ids, ...). A reward must be a finite number of magnitude at most `MAX_ABS_REWARD` (`true` / `false` count
+1 / 0, as for a local reward).
+
+The server is another party: nothing it answers ends the run. An answer is read up to `MAX_REPLY_BYTES` (a longer
+one fails the call unread), and whatever else goes wrong with an answer (a number too large for a float, nesting
+too deep for the JSON parser, any exception) fails its call like a malformed answer.
 
 Each attempt runs under `reward.timeout_s`; a connection error, a timeout, a 5xx or a 429 is retried up to
 `reward.max_retries` times after `reward.backoff_s`, doubling, at most `reward.max_backoff_s`; any other 4xx or a
@@ -24,11 +29,12 @@ unreachable server is a ValueError naming the field before any rollout.
 from __future__ import annotations
 
 import asyncio
-import math
+import json
 import os
+import reprlib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -38,6 +44,8 @@ from miles_orchestrator.config import RewardSection
 __all__ = ["CallResult", "HttpReward"]
 
 CallResult = tuple[list[float] | None, str | None, bool]  # (rewards, error, timed out): one reward call's outcome
+MAX_REPLY_BYTES = 1 << 20  # an answer is {"rewards": [...]}: ~25 bytes a sample; anything past this is refused
+MAX_ABS_REWARD = 1e6  # a larger reward is a broken (or hostile) server, not a score: it would swamp the advantages
 _MAX_BODY_SHOWN = 200  # characters of an error answer kept in the sample's error
 
 
@@ -47,6 +55,16 @@ class _Retryable(Exception):
     def __init__(self, message: str, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+
+
+class _Answer(NamedTuple):
+    """A server's answer, its body read up to `MAX_REPLY_BYTES`."""
+
+    status: int
+    body: bytes
+
+    def excerpt(self) -> str:
+        return repr(_cut(self.body.decode(errors="replace").strip()))
 
 
 class HttpReward:
@@ -79,8 +97,8 @@ class HttpReward:
             if attempt:
                 time.sleep(self.backoff(attempt))
             try:
-                response = httpx.get(url, headers=self.headers, timeout=self.timeout_s)
-                break
+                with httpx.stream("GET", url, headers=self.headers, timeout=self.timeout_s) as response:
+                    break  # the status is all it needs: the body is never read
             except httpx.HTTPError as error:
                 problem = f"{type(error).__name__}: {error}"
         else:
@@ -107,6 +125,12 @@ class HttpReward:
             return list(await asyncio.gather(*(self._call(client, limit, call) for call in calls)))
 
     async def _call(self, client: httpx.AsyncClient, limit: asyncio.Semaphore, call: list[Sample]) -> CallResult:
+        try:
+            return await self._attempts(client, limit, call)
+        except Exception as error:  # e.g. OverflowError, RecursionError: whatever an answer provokes fails its call
+            return None, f"http reward at {self.url}: {_cut(f'{type(error).__name__}: {error}')}", False
+
+    async def _attempts(self, client: httpx.AsyncClient, limit: asyncio.Semaphore, call: list[Sample]) -> CallResult:
         samples = [s.model_dump(mode="json") for s in call]
         body = {"samples": samples} if self.is_group else {"sample": samples[0]}
         failure = _Retryable("no attempt made")
@@ -115,8 +139,8 @@ class HttpReward:
                 await asyncio.sleep(self.backoff(attempt))  # outside the limit: a waiting call holds no slot
             try:
                 async with limit:
-                    response = await self._post(client, body)
-                return self._rewards(response, len(call)), None, False
+                    answer = await self._post(client, body)
+                return self._rewards(answer, len(call)), None, False
             except _Retryable as retryable:
                 failure = retryable
             except ValueError as error:  # a 4xx or a malformed answer: asking again gets the same
@@ -124,37 +148,58 @@ class HttpReward:
         attempts = f"{self.max_retries + 1} attempt(s)"
         return None, f"http reward at {self.url}: {failure} ({attempts})", failure.timed_out
 
-    async def _post(self, client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+    async def _post(self, client: httpx.AsyncClient, body: dict[str, Any]) -> _Answer:
         try:
-            async with asyncio.timeout(self.timeout_s):  # the whole attempt, not each phase of it
-                response = await client.post(self.url, json=body)
+            async with asyncio.timeout(self.timeout_s):  # the whole attempt, body included, not each phase of it
+                async with client.stream("POST", self.url, json=body) as response:
+                    answer = _Answer(response.status_code, await _read_capped(response))
         except (TimeoutError, httpx.TimeoutException) as error:
             raise _Retryable(f"timed out after {self.timeout_s:g}s", timed_out=True) from error
         except httpx.HTTPError as error:
             raise _Retryable(f"request failed ({type(error).__name__}: {error})") from error
-        if response.status_code >= 500 or response.status_code == 429:
-            raise _Retryable(f"the server answered {response.status_code}: {_excerpt(response)}")
-        return response
+        if answer.status >= 500 or answer.status == 429:
+            raise _Retryable(f"the server answered {answer.status}: {answer.excerpt()}")
+        return answer
 
-    def _rewards(self, response: httpx.Response, num_samples: int) -> list[float]:
-        if response.status_code >= 400:
-            raise ValueError(f"the server answered {response.status_code}: {_excerpt(response)}")
+    def _rewards(self, answer: _Answer, num_samples: int) -> list[float]:
+        if answer.status >= 400:
+            raise ValueError(f"the server answered {answer.status}: {answer.excerpt()}")
         try:
-            answer = response.json()
+            reply = json.loads(answer.body)
         except ValueError as error:
-            raise ValueError(f"the answer is not JSON ({_excerpt(response)})") from error
+            raise ValueError(f"the answer is not JSON ({answer.excerpt()})") from error
         key = "rewards" if self.is_group else "reward"
-        if not isinstance(answer, dict) or key not in answer:
-            raise ValueError(f'expected a JSON object {{"{key}": ...}}, got {_excerpt(response)}')
-        values = answer[key] if self.is_group else [answer[key]]
+        if not isinstance(reply, dict) or key not in reply:
+            raise ValueError(f'expected a JSON object {{"{key}": ...}}, got {answer.excerpt()}')
+        values = reply[key] if self.is_group else [reply[key]]
         if not isinstance(values, list) or len(values) != num_samples:
-            raise ValueError(f'"rewards" must be a list of {num_samples} numbers, one per sample, got {values!r}')
+            raise ValueError(
+                f'"rewards" must be a list of {num_samples} numbers, one per sample, got {_REPR.repr(values)}'
+            )
         for value in values:
-            if not isinstance(value, int | float) or not math.isfinite(value):  # bool is an int, as locally
-                raise ValueError(f"a reward must be a finite number, got {value!r}")
+            # bool is an int, as locally; an int is compared exactly, so a 400-digit one is refused, not converted
+            if not isinstance(value, int | float) or not abs(value) <= MAX_ABS_REWARD:
+                raise ValueError(f"a reward must be a finite number of magnitude at most {MAX_ABS_REWARD:g}, got "
+                                 f"{_REPR.repr(value)}")  # fmt: skip
         return [float(v) for v in values]
 
 
-def _excerpt(response: httpx.Response) -> str:
-    text = response.text.strip()
-    return repr(text[:_MAX_BODY_SHOWN] + ("..." if len(text) > _MAX_BODY_SHOWN else ""))
+async def _read_capped(response: httpx.Response) -> bytes:
+    """The body, or ValueError once it is longer than `MAX_REPLY_BYTES` (said up front or found while reading)."""
+    too_large = f"the answer is longer than {MAX_REPLY_BYTES} bytes"
+    if int(response.headers.get("Content-Length") or 0) > MAX_REPLY_BYTES:
+        raise ValueError(too_large)
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_REPLY_BYTES:
+            raise ValueError(too_large)
+    return bytes(body)
+
+
+def _cut(text: str) -> str:
+    return text[:_MAX_BODY_SHOWN] + ("..." if len(text) > _MAX_BODY_SHOWN else "")
+
+
+_REPR = reprlib.Repr()  # a value from an answer, shown in an error: bounded in length and depth whatever it is
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxlong, _REPR.maxstring, _REPR.maxother = 3, 8, 40, 60, 60
