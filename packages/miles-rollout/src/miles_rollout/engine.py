@@ -127,9 +127,13 @@ class Engine:
         """Run a generate request; returns one response per prompt and sample, prompt-major."""
         if request.stream:
             raise EngineError("stream=true: call Engine.generate_stream (or POST /generate), which streams")
-        groups = self.intake.make_groups(request)
+        groups = await self.intake.make_groups(request)
         self._submit(groups)
-        results = await asyncio.gather(*(g.future for g in groups if g.future is not None))
+        try:
+            results = await asyncio.gather(*(g.future for g in groups if g.future is not None))
+        except asyncio.CancelledError:  # the caller gave up (a client that disconnected): free its KV pages
+            self._queue_aborts([group.rid for group in groups])
+            raise
         return [response for group_responses in results for response in group_responses]
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
@@ -138,7 +142,7 @@ class Engine:
         samples as `generate` orders them. Each sample's partial responses carry the tokens so far and a text that
         is a prefix of its final text; its last one is the final response. Leaving the iterator early (a client that
         disconnects) aborts the request, which frees its KV pages."""
-        groups = self.intake.make_groups(request)
+        groups = await self.intake.make_groups(request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
         base = 0
@@ -168,6 +172,14 @@ class Engine:
     def _submit(self, groups: list[Group]) -> None:
         with self._lock:
             self._check_can_generate()
+            queued = len(self._incoming) + self.scheduler.num_waiting
+            limit = self.config.limits.max_queued_requests
+            if queued + len(groups) > limit:
+                raise EngineError(
+                    f"the server is busy: {queued} prompts wait for admission (limit {limit}); retry later",
+                    429,
+                    retry_after_s=1 + queued // max(self.config.max_running_requests, 1),
+                )
             self._incoming.extend(groups)
             self._lock.notify()
 
@@ -215,6 +227,7 @@ class Engine:
             self._stopped = True
             self._lock.notify()
         self._thread.join(timeout=10)
+        self.intake.shutdown()
 
     # ------------------------------------------------------------------ control operations (engine thread)
 

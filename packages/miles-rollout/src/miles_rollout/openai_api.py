@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from miles_contracts import GenerateRequest, GenerateResponse
+from miles_rollout.disconnect import unless_disconnected
 from miles_rollout.engine import Engine, StreamEvent
 from miles_rollout.engine_error import EngineError
 
@@ -51,6 +52,9 @@ UNSUPPORTED = {
     "return_hidden_states": "hidden states",
     "session_params": "sessions",
 }
+# `chat_template_kwargs` a request may set: the switches models' templates read (Qwen3's enable_thinking, DeepSeek
+# V3.1's thinking, gpt-oss' reasoning_effort). Anything else could reach into the template's rendering.
+TEMPLATE_SWITCHES = ("enable_thinking", "thinking", "reasoning_effort")
 # Values of the same keys that change nothing.
 _NEUTRAL: tuple[object, ...] = (None, False, "", [], {})
 
@@ -63,16 +67,29 @@ def sse(payload: bytes | str) -> bytes:
 class OpenAIError(Exception):
     """A request the `/v1` routes refuse; answered in OpenAI's error body."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.status_code, self.param, self.code = message, status_code, param, code
+        self.headers = headers or {}
+
+    @classmethod
+    def of(cls, error: EngineError) -> OpenAIError:
+        """The engine's refusal in OpenAI's body (a 429 keeps its Retry-After)."""
+        return cls(error.message, error.status_code, headers=error.headers)
 
     def response(self) -> JSONResponse:
         kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
             self.status_code, "invalid_request_error" if self.status_code < 500 else "server_error"
         )
         body = {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status_code}
-        return JSONResponse({"error": body}, self.status_code)
+        return JSONResponse({"error": body}, self.status_code, headers=self.headers)
 
 
 class StreamOptions(BaseModel):
@@ -247,7 +264,9 @@ def _describe(error: ValidationError) -> tuple[str, str | None]:
 async def _parse(request: Request, model: type[_Sampling]) -> Any:
     try:
         payload = json.loads(await request.body())
-    except json.JSONDecodeError as error:
+    except RecursionError as error:
+        raise OpenAIError("the request body is nested too deeply") from error
+    except ValueError as error:  # not JSON, not UTF-8, or an integer of over 4300 digits (Python's limit)
         raise OpenAIError(f"the request body is not valid JSON: {error}") from error
     if not isinstance(payload, dict):
         raise OpenAIError("the request body must be a JSON object")
@@ -256,6 +275,8 @@ async def _parse(request: Request, model: type[_Sampling]) -> Any:
     except ValidationError as error:
         message, param = _describe(error)
         raise OpenAIError(message, param=param) from error
+    except RecursionError as error:
+        raise OpenAIError("the request body is nested too deeply") from error
 
 
 def _native(**fields: Any) -> GenerateRequest:
@@ -370,14 +391,45 @@ async def _openai_stream(
     yield sse("[DONE]")
 
 
+def template_kwargs(given: dict[str, Any] | None, allow_client_chat_template: bool) -> dict[str, Any]:
+    """The `chat_template_kwargs` passed to the template: the switches in `TEMPLATE_SWITCHES`, as scalars, and a
+    client's own `chat_template` only where the server allows it; anything else is a 400 naming the key."""
+    kwargs: dict[str, Any] = {}
+    for key, value in (given or {}).items():
+        if key == "chat_template":
+            if not allow_client_chat_template:
+                raise OpenAIError(
+                    "chat_template_kwargs.chat_template: this server renders its model's own chat template; a "
+                    "client's template needs a server started with --allow-client-chat-template",
+                    param="chat_template_kwargs",
+                )
+            if not isinstance(value, str):
+                raise OpenAIError("chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs")
+        elif key not in TEMPLATE_SWITCHES:
+            raise OpenAIError(
+                f"chat_template_kwargs.{key[:64]} is not a template switch this server passes on; use "
+                f"{', '.join(TEMPLATE_SWITCHES)}",
+                param="chat_template_kwargs",
+            )
+        elif not (
+            value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 64)
+        ):
+            raise OpenAIError(f"chat_template_kwargs.{key} must be a boolean, a number or a short string",
+                              param="chat_template_kwargs")  # fmt: skip
+        kwargs[key] = value
+    return kwargs
+
+
 def register_openai_routes(
     app: FastAPI,
     engine: Engine,
     model_name: str | None = None,
     observe: Callable[[GenerateResponse], None] | None = None,
+    allow_client_chat_template: bool = False,
 ) -> None:
     """Add the `/v1` routes to `app`; `model_name`: the served model name (default: the model path); `observe`:
-    called with each finished sample (the server's metrics)."""
+    called with each finished sample (the server's metrics); `allow_client_chat_template`: requests may bring
+    their own `chat_template` in `chat_template_kwargs`."""
     count = observe or (lambda _: None)
     served = model_name or engine.model_path
     created = int(time.time())
@@ -391,20 +443,22 @@ def register_openai_routes(
                 code="model_not_found",
             )
 
-    async def run(body: GenerateRequest) -> list[GenerateResponse]:
+    async def run(request: Request, body: GenerateRequest) -> list[GenerateResponse]:
         try:
-            responses = await engine.generate(body)
+            responses = await unless_disconnected(request, engine.generate(body))
         except EngineError as error:
-            raise OpenAIError(error.message, error.status_code) from error
+            raise OpenAIError.of(error) from error
         for response in responses:
             count(response)
         return responses
 
-    async def answer(native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest) -> Response:
+    async def answer(
+        request: Request, native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest
+    ) -> Response:
         """The route's answer to `native`: a stream, or one completion object with a choice per sample."""
         if body.stream:
             return await stream(native, body)
-        responses = await run(native)
+        responses = await run(request, native)
         chat = isinstance(body, ChatCompletionRequest)
         choices = []
         for index, response in enumerate(responses):
@@ -428,7 +482,7 @@ def register_openai_routes(
         try:
             events = await engine.generate_stream(native)  # bad input raises here: a 4xx, not a broken stream
         except EngineError as error:
-            raise OpenAIError(error.message, error.status_code) from error
+            raise OpenAIError.of(error) from error
         chat = isinstance(body, ChatCompletionRequest)
         return StreamingResponse(_openai_stream(events, body, chat, count), media_type="text/event-stream")
 
@@ -460,7 +514,7 @@ def register_openai_routes(
         native = _native(**{kind: prompt}, sampling_params=body.sampling_params(body.max_tokens),
                          return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
                          return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
-        return await answer(native, body)
+        return await answer(request, native, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -470,19 +524,27 @@ def register_openai_routes(
             raise OpenAIError("this model has no tokenizer, so chat messages cannot be rendered: use /generate")
         if not getattr(engine.tokenizer, "chat_template", None):
             raise OpenAIError("the model's tokenizer has no chat template: use /v1/completions with a prompt")
-        try:
-            input_ids = engine.tokenizer.apply_chat_template(
-                [m.as_template_input() for m in body.messages],
+        kwargs = template_kwargs(body.chat_template_kwargs, allow_client_chat_template)
+        messages = [m.as_template_input() for m in body.messages]
+
+        def render(tokenizer: Any) -> Any:
+            return tokenizer.apply_chat_template(
+                messages,
                 tokenize=True,
                 add_generation_prompt=not body.continue_final_message,
                 continue_final_message=body.continue_final_message,
                 return_dict=False,
-                **(body.chat_template_kwargs or {}),
+                **kwargs,
             )
+
+        try:  # in the intake pool, off the event loop, within the intake time limit
+            input_ids = await engine.intake.run_in_pool(render, "rendering the chat template")
+        except EngineError as error:
+            raise OpenAIError.of(error) from error
         except Exception as error:  # a template that raises on these messages is the request's problem
             raise OpenAIError(f"the chat template cannot render these messages: {error}", param="messages") from error
         max_tokens = body.max_completion_tokens or body.max_tokens
         native = _native(input_ids=list(input_ids), sampling_params=body.sampling_params(max_tokens),
                          return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                          return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
-        return await answer(native, body)
+        return await answer(request, native, body)

@@ -18,6 +18,7 @@ sequence's is returned with it (routed_experts.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections import deque
 from typing import Any
@@ -32,13 +33,20 @@ from miles_rollout.grammar import Grammars
 from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.routed_experts import RoutedExperts
-from miles_rollout.row_sampling import Row, record_input_logprobs, sample_rows
+from miles_rollout.row_sampling import Row, SampledRows, record_input_logprobs, sample_rows
 from miles_rollout.sequence import DraftState, Group, Sequence, build_response, finish_reason
 from miles_rollout.speculative import Drafter, accept_drafts, add_pending
+
+logger = logging.getLogger("miles_rollout.scheduler")
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _group_of(owner: Sequence | Group) -> Group:
+    """The request (prompt group) a step's row owner belongs to."""
+    return owner.group if isinstance(owner, Sequence) else owner
 
 
 class Scheduler:
@@ -185,6 +193,42 @@ class Scheduler:
             for seq in [s for s in self._running if rid is None or s.group.rid == rid or s.rid == rid]:
                 self._finish(seq, finish_reason("abort", message="aborted"))
 
+    @property
+    def num_waiting(self) -> int:
+        """Prompts waiting for admission (read by the request side to refuse work past the queue limit)."""
+        return len(self._waiting)
+
+    def fail_group(self, group: Group, message: str) -> None:
+        """Fail one request (its future raises `message`, a 500) and free everything it holds, wherever it is; the
+        other requests keep their KV and continue. Its pages are released without entering the radix cache: the
+        failed step may have left them half written."""
+        if group in self._waiting:
+            self._waiting.remove(group)
+        if group in self._prefilling:
+            self._prefilling.remove(group)
+            self.allocator.release(group.prefill_pages)
+            group.prefill_pages = []
+        for seq in group.sequences:
+            for queue in (self._running, self._refilling, self._retracted):
+                if seq in queue:
+                    queue.remove(seq)
+            if seq.pages:
+                self.allocator.release(seq.pages)
+                seq.pages = []
+            self._reserved -= seq.reserved_pages
+            seq.reserved_pages = 0
+            if seq.finish is None:
+                seq.finish = finish_reason("abort", message=message)
+        self._reserved -= group.reserved_pages
+        group.reserved_pages = 0
+        if group.future is not None and group.loop is not None:
+            group.loop.call_soon_threadsafe(set_exception, group.future, EngineError(message, 500))
+
+    def _fail_groups(self, failed: dict[int, tuple[Group, BaseException]]) -> None:
+        for group, error in failed.values():
+            logger.error("request %s failed in an engine step: %s: %s", group.rid, type(error).__name__, error)
+            self.fail_group(group, f"the engine failed on this request: {type(error).__name__}: {error}")
+
     def fail_all(self, message: str) -> None:
         sequences = [*self._running, *self._retracted, *self._refilling]
         groups = {id(g): g for g in [*self._waiting, *self._prefilling, *(s.group for s in sequences)]}
@@ -315,6 +359,23 @@ class Scheduler:
             budget -= len(chunk)
             self.num_prefill_tokens += len(chunk)
             add("prefill", group, chunk, group.prefill_pages)
+        try:
+            hidden = self._forward(ids, query_lens, prefix_lens, tables)
+        except Exception as error:
+            if len({id(_group_of(owner)) for _, owner, _, _ in owners}) == 1:
+                self._fail_groups({id(_group_of(owners[0][1])): (_group_of(owners[0][1]), error)})
+                return
+            logger.warning("an engine step failed (%s: %s): running its requests one by one", type(error).__name__,
+                           error)  # fmt: skip
+            hidden, owners, query_lens = self._forward_each(owners, query_lens, prefix_lens, tables)
+            if not owners:
+                return
+        self._after_forward(hidden, owners, query_lens)
+
+    def _forward(
+        self, ids: list[int], query_lens: list[int], prefix_lens: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        """The trunk's forward over a step's rows (their K/V written to the store); the hidden states (rows, H)."""
         device = self.config.device
         batch = build_attention_batch(
             query_lens, prefix_lens, tables, self.page_size, self.kernel.attention_query_tile, device
@@ -322,7 +383,38 @@ class Scheduler:
         hidden = self.model.forward_hidden(torch.tensor(ids, device=device), batch, self.store)
         if self.routed_experts is not None:  # before the draft's forwards (their MoE layers are not the trunk's)
             self.routed_experts.record(batch, self.model.last_routing())
-        self._after_forward(hidden, owners, query_lens)
+        return hidden
+
+    def _forward_each(
+        self,
+        owners: list[tuple[str, Any, int, list[int]]],
+        query_lens: list[int],
+        prefix_lens: list[int],
+        tables: list[list[int]],
+    ) -> tuple[torch.Tensor, list[tuple[str, Any, int, list[int]]], list[int]]:
+        """A failed step's forward again, one request at a time: a request whose own forward fails is failed alone,
+        the others go on with their rows (the same bits in deterministic mode: every op is batch-invariant)."""
+        failed: dict[int, tuple[Group, BaseException]] = {}
+        kept: list[tuple[int, torch.Tensor]] = []
+        for k, (_, owner, _, chunk) in enumerate(owners):
+            group = _group_of(owner)
+            if id(group) in failed:
+                continue
+            try:
+                kept.append((k, self._forward(chunk, [query_lens[k]], [prefix_lens[k]], [tables[k]])))
+            except Exception as error:
+                failed[id(group)] = (group, error)
+        kept = [(k, hidden) for k, hidden in kept if id(_group_of(owners[k][1])) not in failed]
+        self._fail_groups(failed)
+        new_owners, new_lens, start = [], [], 0
+        for k, _ in kept:
+            kind, owner, _, chunk = owners[k]
+            new_owners.append((kind, owner, start, chunk))
+            new_lens.append(query_lens[k])
+            start += query_lens[k]
+        if not kept:
+            return torch.empty(0), [], []
+        return torch.cat([hidden for _, hidden in kept]), new_owners, new_lens
 
     def _after_forward(
         self, hidden: torch.Tensor, owners: list[tuple[str, Any, int, list[int]]], query_lens: list[int]
@@ -377,23 +469,63 @@ class Scheduler:
         entries = [entry for entry in entries if entry[0].group.params.max_new_tokens > 0]
         if not entries:
             return
-        row_index = [first + i for _, first, drafts, _ in entries for i in range(len(drafts) + 1)]
-        rows = [Row(seq, drafts[:i]) for seq, _, drafts, _ in entries for i in range(len(drafts) + 1)]
-        constrain = self.grammars().mask if any(row.seq.matcher is not None for row in rows) else None
-        sampled = sample_rows(logits[torch.tensor(row_index, device=logits.device)], rows, self.eos_ids, constrain)
+        failed: dict[int, tuple[Group, BaseException]] = {}
+        per_entry = self._sample_entries(logits, entries, failed)
+        for (seq, first, drafts, is_decoding), sampled in zip(entries, per_entry, strict=True):
+            if sampled is None or id(seq.group) in failed:
+                continue
+            try:
+                emitted = accept_drafts(drafts, sampled.tokens)
+                computed = seq.num_computed - len(drafts)  # with the row that samples the first token
+                for i, token in enumerate(emitted):
+                    seq.num_computed = computed + i  # the rows up to the one that sampled `token` are kept
+                    self._append_token(seq, token, sampled.logprobs[i], sampled.top[i])
+                    if seq.finish is not None:
+                        break
+                if self.drafter is not None and is_decoding:
+                    kept = hidden[torch.tensor(index[first : first + len(emitted)], device=hidden.device)]
+                    self.drafter.verified(seq, len(drafts), len(emitted), kept)
+            except Exception as error:  # one sample's stop, detokenization or grammar: its request alone fails
+                failed[id(seq.group)] = (seq.group, error)
+        self._fail_groups(failed)
+
+    def _sample_entries(
+        self,
+        logits: torch.Tensor,
+        entries: list[tuple[Sequence, int, list[int], bool]],
+        failed: dict[int, tuple[Group, BaseException]],
+    ) -> list[SampledRows | None]:
+        """Each entry's sampled rows (its decode or verify rows), sampled as one batch; if that fails, entry by entry,
+        so that a request whose own sampling fails is failed alone (`failed`, its entries None) and the others keep
+        their tokens (the same bits: sampling is row by row)."""
+
+        def sample(chosen: list[tuple[Sequence, int, list[int], bool]]) -> SampledRows:
+            row_index = [first + i for _, first, drafts, _ in chosen for i in range(len(drafts) + 1)]
+            rows = [Row(seq, drafts[:i]) for seq, _, drafts, _ in chosen for i in range(len(drafts) + 1)]
+            constrain = self.grammars().mask if any(row.seq.matcher is not None for row in rows) else None
+            return sample_rows(logits[torch.tensor(row_index, device=logits.device)], rows, self.eos_ids, constrain)
+
+        try:
+            whole = sample(entries)
+        except Exception as error:
+            if len({id(seq.group) for seq, *_ in entries}) == 1:
+                failed[id(entries[0][0].group)] = (entries[0][0].group, error)
+                return [None] * len(entries)
+            out: list[SampledRows | None] = []
+            for entry in entries:
+                try:
+                    out.append(sample([entry]))
+                except Exception as entry_error:
+                    failed[id(entry[0].group)] = (entry[0].group, entry_error)
+                    out.append(None)
+            return out
+        per_entry: list[SampledRows | None] = []
         at = 0
-        for seq, first, drafts, is_decoding in entries:
-            emitted = accept_drafts(drafts, sampled.tokens[at : at + len(drafts) + 1])
-            computed = seq.num_computed - len(drafts)  # with the row that samples the first token
-            for i, token in enumerate(emitted):
-                seq.num_computed = computed + i  # the rows up to the one that sampled `token` are kept
-                self._append_token(seq, token, sampled.logprobs[at + i], sampled.top[at + i])
-                if seq.finish is not None:
-                    break
-            if self.drafter is not None and is_decoding:
-                kept = hidden[torch.tensor(index[first : first + len(emitted)], device=hidden.device)]
-                self.drafter.verified(seq, len(drafts), len(emitted), kept)
-            at += len(drafts) + 1
+        for _, _, drafts, _ in entries:
+            end = at + len(drafts) + 1
+            per_entry.append(SampledRows(whole.tokens[at:end], whole.logprobs[at:end], whole.top[at:end]))
+            at = end
+        return per_entry
 
     def num_shared_pages(self, prompt_length: int) -> int:
         """Prompt pages a group's samples share; the rest is copied per sample. With a draft, the page of the last
