@@ -1,11 +1,14 @@
 """The sandbox of agentic rollouts' environments: `EnvPool` runs every episode's environment in one of
-`rollout.agent.num_workers` spawned worker processes (sandbox.py), each call (`reset`, `step`) under
-`rollout.agent.timeout_s`, as rewards run (rewards.py).
+`rollout.agent.num_workers` worker processes (sandbox.py, `spawn_sandboxed`), each call (`reset`, `step`) under
+`rollout.agent.timeout_s`, as rewards run (rewards.py). A worker sees an allow-listed environment (none of the
+driver's keys and tokens) and runs under rlimits (`Limits`: CPU seconds per call, address space, open files, no core
+dumps); it leads its own process group, which is killed whole, so what a tool started dies with its worker.
 
 An episode lives in one worker for its whole life (its state is a Python object there). A call that raises fails
 its episode only; a call that hangs past the timeout or kills its worker gets the worker killed and replaced, which
-fails that episode and the other episodes the worker held (their state died with it), never the run. Samples and
-messages cross as JSON, never as pickles.
+fails that episode and the other episodes the worker held (their state died with it), never the run; so does a call
+past its CPU limit (the kernel kills the worker), while one that allocates past its address space raises
+MemoryError, which fails its episode only. Samples and messages cross as JSON, never as pickles.
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ from typing import Any
 
 from miles_contracts import AgentMessage, ChatMessage, Environment, Sample, StepResult, load_plugin
 from miles_orchestrator.environments import BUILTIN_ENVS
-from miles_orchestrator.sandbox import Worker, exit_code, spawn_worker, stop_worker, wait_ready
+from miles_orchestrator.sandbox import (
+    Limits,
+    Worker,
+    exit_code,
+    renew_cpu_limit,
+    spawn_sandboxed,
+    stop_worker,
+    wait_ready,
+)
 
 
 class EnvError(RuntimeError):
@@ -60,16 +71,21 @@ class Opened:
 
 
 class EnvPool:
-    """Runs `Env(**env_args)` episodes in `num_workers` worker processes, each call under `timeout_s`.
+    """Runs `Env(**env_args)` episodes in `num_workers` worker processes, each call under `timeout_s`, each worker
+    under `limits` (sandbox.py: rlimits and the environment variables it sees; None: the defaults).
 
     `open(sample)` resets a new episode, `step(episode, message)` plays a turn, `close(episode)` frees it; every
     failure is an `EnvError`. Use as a context manager (or `close_pool()`)."""
 
-    def __init__(self, name: str, env_args: dict[str, Any], *, timeout_s: float, num_workers: int) -> None:
+    def __init__(
+        self, name: str, env_args: dict[str, Any], *, timeout_s: float, num_workers: int, limits: Limits | None = None
+    ) -> None:
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"timeout_s={timeout_s}, num_workers={num_workers}: both must be positive")
         resolve_env(name)  # fail here, in the caller, on a bad name
         self.name, self.env_args, self.timeout_s = name, env_args, timeout_s
+        self.limits = limits or Limits()
+        self._cpu_s = self.limits.cpu_s(timeout_s)
         self.num_restarts = 0
         self._ids = itertools.count()
         self._generations = [0] * num_workers
@@ -124,7 +140,8 @@ class EnvPool:
         except (EOFError, OSError):
             code = exit_code(worker)
             self._replace(index)
-            raise EnvError(f"environment {self.name!r}: its worker died (exit code {code}) during {op}") from None
+            why = f"; SIGXCPU: past its CPU limit of {self._cpu_s:g}s" if code == -signal.SIGXCPU else ""
+            raise EnvError(f"environment {self.name!r}: its worker died (exit code {code}{why}) during {op}") from None
         if "error" in reply:
             raise EnvError(f"environment {self.name!r}: {op} raised {reply['error']}")
         return reply
@@ -136,7 +153,8 @@ class EnvPool:
         self._workers[index] = self._wait_ready(self._spawn())
 
     def _spawn(self) -> Worker:
-        return spawn_worker(_worker_main, (self.name, json.dumps(self.env_args)), "miles-env")
+        args = (self.name, self.env_args, self._cpu_s)
+        return spawn_sandboxed(_worker_main, args, "miles-env", self.limits, self._cpu_s)
 
     def _wait_ready(self, worker: Worker) -> Worker:
         return wait_ready(worker, f"environment worker for {self.name!r}")
@@ -156,12 +174,11 @@ class EnvPool:
         self.close_pool()
 
 
-def _worker_main(conn: Connection, name: str, env_args_json: str) -> None:
+def _worker_main(conn: Connection, name: str, env_args: dict[str, Any], cpu_s: float) -> None:
     """A worker process: resolve the environment class, then run episodes' calls until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the workers
     try:
         env_class = resolve_env(name)
-        env_args = json.loads(env_args_json)
     except Exception as error:
         conn.send_bytes(json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
         return
@@ -173,6 +190,7 @@ def _worker_main(conn: Connection, name: str, env_args_json: str) -> None:
             request = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
+        renew_cpu_limit(cpu_s)  # the CPU limit is per call
         try:
             reply = _serve(request, episodes, env_class, env_args, loop)
         except Exception as error:
