@@ -149,10 +149,12 @@ def _check_estimator(cfg: RunConfig) -> None:
 
 
 async def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
-    """Load the latest checkpoint (trainer state, data position) and drop metrics logged after it; the step."""
+    """Load the latest checkpoint (trainer state, data position), once its files match its sha256 manifest, and
+    drop metrics logged after it (and a torn last line); the step."""
     checkpoint = run.latest_checkpoint()
     start = 0
     if checkpoint is not None:
+        run.verify_checkpoint(checkpoint)  # before any of it is unpickled
         state = await cluster.load(checkpoint)
         start = int(state["step"])
         source.load_state_dict(state["data"])

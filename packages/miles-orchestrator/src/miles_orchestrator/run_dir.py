@@ -8,14 +8,24 @@
     RUN_DIR/summary.png          reward and evaluation curves; RUN_DIR/run.log  the log
     RUN_DIR/tensorboard/         TensorBoard events (run.log.tensorboard)
 
-It also owns the console: rich progress bars for the phases of a step and one summary line per step.
+Durability: a metrics line is flushed and fsynced as it is appended, and a rewrite of metrics.jsonl is a temp file,
+fsynced, renamed over it; a committed checkpoint has every file and directory fsynced before and after its rename.
+A power cut therefore loses at most the line being written, and `--resume` skips such a torn last line (warning).
+A committed checkpoint also holds `manifest.sha256.json` (each file's sha256, computed in the same pass as the
+fsync); `--resume` verifies it and refuses a checkpoint whose files differ (its DCP metadata is a pickle).
+
+It also owns the console: rich progress bars for the phases of a step and one summary line per step. Messages are
+shown literally (a prompt quoting `[/INST]` is text, not rich markup).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,15 +33,21 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.sha256.json"  # in each committed checkpoint: {relative path: sha256 hex} of its other files
 
 
 class MetricsLog:
     """metrics.jsonl (always), TensorBoard and W&B when enabled and installed."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, wandb_project: str | None = None) -> None:
+    def __init__(
+        self, path: Path, tensorboard_dir: Path | None = None, wandb_project: str | None = None,
+        warn: Callable[[str], None] = print,
+    ) -> None:  # fmt: skip
         self.path = path
+        self.warn = warn
         self._tb: Any = None
         self._wandb: Any = None
         if tensorboard_dir is not None:
@@ -51,6 +67,8 @@ class MetricsLog:
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if self._tb is not None:
             for key, value in numbers.items():
@@ -60,14 +78,28 @@ class MetricsLog:
             self._wandb.log(numbers, step=step)
 
     def history(self) -> list[dict[str, Any]]:
+        """Every step's metrics; a torn last line (the run died writing it) is skipped with a warning."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                rows.append(json.loads(line))
+            except ValueError as error:
+                if number < len(lines):
+                    raise ValueError(
+                        f"{self.path} line {number} is not JSON ({error}): only the last line can be torn by a "
+                        "crash; repair or delete that line"
+                    ) from error
+                self.warn(f"warning: skipped the torn last line of {self.path} (the run died writing it)")
+        return rows
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines of steps after `step` (written after the checkpoint a resumed run restarts from)."""
+        """Drop lines of steps after `step` (written after the checkpoint a resumed run restarts from), and a
+        torn last line; the file is replaced whole (temp file, fsync, rename)."""
         kept = [row for row in self.history() if row["step"] <= step]
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        write_durably(self.path, "".join(json.dumps(row) + "\n" for row in kept).encode())
 
 
 class RunDir:
@@ -77,7 +109,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.console = Console(quiet=quiet, log_path=False)
         self.metrics = MetricsLog(
-            self.path / "metrics.jsonl", self.path / "tensorboard" if tensorboard else None, wandb_project
+            self.path / "metrics.jsonl", self.path / "tensorboard" if tensorboard else None, wandb_project, self.log
         )
         self._previous: dict[str, Any] = {}
         self._warned: set[str] = set()
@@ -86,7 +118,7 @@ class RunDir:
     def log(self, message: str) -> None:
         with (self.path / "run.log").open("a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
-        self.console.log(message)
+        self.console.log(Text(message))  # literally: a sample quoting "[/INST]" is not rich markup
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         self.metrics.write(step, metrics)
@@ -123,13 +155,39 @@ class RunDir:
         return self.path / CHECKPOINTS / f"pending_step_{step:06d}"
 
     def commit_checkpoint(self, step: int) -> None:
-        """Make step N's pending checkpoint (if it saved one) the resumable `step_N`."""
+        """Make step N's pending checkpoint (if it saved one) the resumable `step_N`: its files fsynced and listed
+        with their sha256 in its manifest, then renamed, the rename fsynced."""
         pending, final = self.pending_checkpoint_dir(step), self.checkpoint_dir(step)
         if not pending.is_dir():
             return
+        write_durably(pending / MANIFEST, json.dumps(hash_and_sync(pending), indent=1).encode())
         if final.exists():  # left by an earlier, interrupted attempt of this step
             shutil.rmtree(final)
         pending.rename(final)
+        sync_directory(final.parent)
+
+    def verify_checkpoint(self, checkpoint: Path) -> None:
+        """Refuse (ValueError naming the file) a checkpoint whose files differ from its manifest: changed, missing,
+        or not listed. A checkpoint without a manifest (saved before manifests) is accepted as it is."""
+        manifest_file = checkpoint / MANIFEST
+        if not manifest_file.is_file():
+            return
+        refuse = f"--resume refused: {checkpoint} does not match its {MANIFEST}"
+        try:
+            manifest = json.loads(manifest_file.read_text())
+        except ValueError as error:
+            raise ValueError(f"{refuse}: the manifest is not JSON ({error})") from error
+        if not isinstance(manifest, dict):
+            raise ValueError(f"{refuse}: the manifest is not a JSON object {{file: sha256}}")
+        actual = hash_and_sync(checkpoint, sync=False)
+        for name in sorted(set(manifest) | set(actual)):
+            if name not in actual:
+                raise ValueError(f"{refuse}: {checkpoint / name} is missing (or not a regular file)")
+            if name not in manifest:
+                raise ValueError(f"{refuse}: {checkpoint / name} is not listed in it")
+            if actual[name] != manifest[name]:
+                raise ValueError(f"{refuse}: {checkpoint / name} has sha256 {actual[name]}, the manifest "
+                                 f"{manifest[name]}; restore it, or resume from an earlier checkpoint")  # fmt: skip
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint (an interrupted save, `*.tmp`, is ignored)."""
@@ -141,6 +199,46 @@ class RunDir:
                 continue
             complete.append((int(name.split("_")[1]), candidate))
         return max(complete)[1] if complete else None
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old file or the new one, never a torn one: a temp file
+    beside it, fsynced, renamed over it, the directory fsynced."""
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with staging.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, path)
+    sync_directory(path.parent)
+
+
+def sync_directory(directory: Path) -> None:
+    """fsync a directory: the renames and new names in it reach the disk."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hash_and_sync(root: Path, sync: bool = True) -> dict[str, str]:
+    """{path relative to `root`: sha256} of every regular file under `root` but the manifest (symlinks are not
+    followed, nor listed); with `sync`, each file and directory is fsynced in the same pass."""
+    digests = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = Path(directory) / name
+            relative = path.relative_to(root).as_posix()
+            if relative == MANIFEST or not stat.S_ISREG(path.lstat().st_mode):
+                continue
+            with path.open("rb") as f:
+                digests[relative] = hashlib.file_digest(f, "sha256").hexdigest()
+                if sync:
+                    os.fsync(f.fileno())
+        if sync:
+            sync_directory(Path(directory))
+    return digests
 
 
 STEP_LINE_KEYS = (

@@ -6,9 +6,10 @@ optimizer too, under their own keys; the Megatron backend writes megatron-core's
 state (safetensors, never pickle), `config.json` of the model (so a checkpoint is self-describing for
 `miles-trainer convert`) and `trainer_state.json` (step, scheduler, the caller's `extra`, e.g. the data position).
 
-Atomicity: everything is written to `<dir>.tmp`; only when every rank has finished does rank 0 move the previous
-checkpoint aside (`<dir>.old`), rename the new one into place and delete the old one. A crash at any point leaves
-a complete checkpoint: `<dir>` itself, or `<dir>.old` during the two renames (`resolve_checkpoint` finds it).
+Atomicity: everything is written to `<dir>.tmp`; only when every rank has finished does rank 0 fsync every file and
+directory of it, move the previous checkpoint aside (`<dir>.old`), rename the new one into place, fsync the parent
+directory and delete the old one. A crash (or a power cut) at any point leaves a complete checkpoint: `<dir>`
+itself, or `<dir>.old` during the two renames (`resolve_checkpoint` finds it).
 """
 
 from __future__ import annotations
@@ -104,15 +105,39 @@ def save_checkpoint(backend: Backend, directory: str | os.PathLike[str], extra: 
         (staging / TRAINER_STATE).write_text(json.dumps(state))
     dist.barrier()
     if rank == 0:
+        _sync_tree(staging)  # every rank's files: the rename below must not outrun their data to the disk
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)
             final.rename(old)
         staging.rename(final)
+        _sync_directory(final.parent)
         if old.exists():
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every regular file and directory under `root` (DCP syncs its own files; the rest are written plainly)."""
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = Path(directory) / name
+            if path.is_file() and not path.is_symlink():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _sync_directory(Path(directory))
 
 
 def _critic_module(backend: FSDP2Backend) -> torch.nn.Module:
@@ -254,7 +279,9 @@ def hf_to_dcp(model_dir: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(staging))  # type: ignore[attr-defined]
     (staging / MODEL_CONFIG).write_text(json.dumps(model.config.to_hf(dtype="float32"), indent=2))
     (staging / TRAINER_STATE).write_text(json.dumps({"step": 0, "has_optimizer": False, "extra": {}}))
+    _sync_tree(staging)
     if final.exists():
         shutil.rmtree(final)
     staging.rename(final)
+    _sync_directory(final.parent)
     return final
