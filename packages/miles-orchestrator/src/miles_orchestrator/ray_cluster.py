@@ -22,7 +22,6 @@ import json
 import math
 import os
 import secrets
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +46,9 @@ from miles_orchestrator.sglang_engine import SGLangEngineActor
 from miles_orchestrator.weight_transport import (
     NETWORK,
     WEIGHT_GROUP,
+    SharedMemoryDir,
     checkpoint_bytes,
+    remove_stale_sync_dirs,
     resolve_transport,
     sync_directory,
     weight_group_backend,
@@ -85,6 +86,7 @@ class RayCluster:
         self.sync_method = ""
         self.transport = ""
         self.sync_dir: Path | None = None
+        self.shared_memory: SharedMemoryDir | None = None  # shm: the driver's private directory, sync_dir
         self.group_backend = "gloo"  # the weight-update group's (distributed)
         # distributed to SGLang engines with fault tolerance: each sync also writes the weights here, for a restarted
         # engine to load (SGLang has no route to copy a peer's weights)
@@ -301,7 +303,13 @@ class RayCluster:
         network = cfg.rollout.sglang.network_transports(cfg.run.colocate) if sglang else NETWORK
         self.transport = resolve_transport(cfg.run.sync_transport, same_node, checkpoint_bytes(model_dir), num_engines,
                                            network)  # fmt: skip
-        self.sync_dir = sync_directory(self.transport, run_dir, cfg.run.sync_dir)
+        for stale in remove_stale_sync_dirs():
+            self.log(f"removed {stale}: the shm weight-sync directory of a run that died")
+        if self.transport == "shm":
+            self.shared_memory = SharedMemoryDir()
+            self.sync_dir = self.shared_memory.path
+        else:
+            self.sync_dir = sync_directory(self.transport, run_dir, cfg.run.sync_dir)
         self.engine_host = cfg.rollout.engine_host
         await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)
         if self.transport == "distributed":
@@ -475,8 +483,8 @@ class RayCluster:
         for group in self.groups:
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
-        if self.transport == "shm" and self.sync_dir is not None:
-            shutil.rmtree(self.sync_dir, ignore_errors=True)
+        if self.shared_memory is not None:
+            self.shared_memory.remove()
 
 
 async def _where(actor: Any) -> dict[str, Any]:

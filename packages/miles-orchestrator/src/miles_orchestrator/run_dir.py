@@ -164,7 +164,7 @@ class RunDir:
         if final.exists():  # left by an earlier, interrupted attempt of this step
             shutil.rmtree(final)
         pending.rename(final)
-        sync_directory(final.parent)
+        fsync_directory(final.parent)
 
     def verify_checkpoint(self, checkpoint: Path) -> None:
         """Refuse (ValueError naming the file) a checkpoint whose files differ from its manifest: changed, missing,
@@ -210,10 +210,10 @@ def write_durably(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(staging, path)
-    sync_directory(path.parent)
+    fsync_directory(path.parent)
 
 
-def sync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """fsync a directory: the renames and new names in it reach the disk."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -237,7 +237,7 @@ def hash_and_sync(root: Path, sync: bool = True) -> dict[str, str]:
                 if sync:
                     os.fsync(f.fileno())
         if sync:
-            sync_directory(Path(directory))
+            fsync_directory(Path(directory))
     return digests
 
 

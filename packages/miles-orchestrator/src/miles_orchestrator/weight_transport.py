@@ -3,8 +3,8 @@ sync"): the orchestrator's part of weight sync, between the trainer's sender (`m
 the engine's receiver (`miles_rollout/weight_receiver.py`). Every transport sends from trainer rank 0: all ranks
 gather each tensor from their shards (a collective), rank 0 sends the full tensors to every engine.
 
-- `resolve_transport` picks the transport of a Ray run (`run.sync_transport`) and `sync_directory` the directory of
-  the file-based ones;
+- `resolve_transport` picks the transport of a Ray run (`run.sync_transport`); `SharedMemoryDir` is the shm
+  transport's directory, `sync_directory` the disk transport's;
 - `write_shared_file` (shm, disk): rank 0 overwrites one safetensors file, the driver then tells every engine to load
   it (`/update_weights_from_disk`): /dev/shm when the engines share rank 0's node, else a directory every node reads;
 - `post_buckets` (http): rank 0 posts each bucket to every engine (`/update_weights_from_tensor`; the last bucket
@@ -18,14 +18,25 @@ gather each tensor from their shards (a collective), rank 0 sends the full tenso
 - `copy_in_process`: the local cluster's sync, one in-memory copy from the trainer into the engine's model.
 
 Nothing is pickled: a file or a bucket is safetensors, a broadcast is raw tensors, the in-process copy is tensors.
+
+/dev/shm is shared by every user of the node, so the shm transport's directory is private to the driver: made by
+it with mode 0700 under a name no one can guess (`miles-sync-<driver pid>-<random>`), never one that exists already
+(a directory or a symlink someone made there), and locked (`flock`) for as long as the driver lives. The lock is what
+tells a live run's directory from a dead one's: the kernel drops it when the driver dies, however it dies, so every
+start-up removes the unlocked ones this user left behind (`remove_stale_sync_dirs`). The engines and trainer rank 0,
+which read and write the weight file there, run as the driver's user (a local Ray, or `ray start` by that user).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
+import fcntl
 import os
+import re
+import secrets
 import shutil
+import stat
 from collections.abc import Awaitable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +48,7 @@ from miles_rollout import Client, Engine
 T = TypeVar("T")
 SHARED_MEMORY = Path("/dev/shm")
 SHM_SYNC_MAX_BYTES = 1 << 30  # `auto` syncs through shared memory up to this checkpoint size (one copy in RAM)
+SYNC_DIR_NAME = re.compile(r"miles-sync-\d+-[0-9a-f]{16}")  # SharedMemoryDir's names, pid then random
 
 
 NETWORK = ("http", "distributed")  # the network transports a Miles engine takes
@@ -74,16 +86,76 @@ def weight_group_backend(sglang_engines: bool, trainer_device: str) -> str:
 
 
 def sync_directory(transport: str, run_dir: Path, sync_dir: str | None) -> Path | None:
-    """Where the file-based transports write the weights: /dev/shm for shm (named after the run dir, so a resumed run
-    reuses, and a finished run removes, the same one), `sync_dir` or RUN_DIR/sync for disk; None otherwise."""
-    if transport == "shm":
-        directory = SHARED_MEMORY / f"miles-sync-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]}"
-    elif transport == "disk":
-        directory = Path(sync_dir) if sync_dir else run_dir / "sync"
-    else:
+    """Where the disk transport writes the weights: `sync_dir` or RUN_DIR/sync; None for the others (shm writes to
+    a `SharedMemoryDir`)."""
+    if transport != "disk":
         return None
+    directory = Path(sync_dir) if sync_dir else run_dir / "sync"
     directory.mkdir(parents=True, exist_ok=True)
     return directory
+
+
+class SharedMemoryDir:
+    """The shm transport's directory: this driver's own, in `root` (/dev/shm), locked while it lives (see the module
+    docstring). `remove()` deletes it; a driver killed before that leaves it to the next start-up's
+    `remove_stale_sync_dirs`."""
+
+    def __init__(self, root: Path = SHARED_MEMORY) -> None:
+        self.path = root / f"miles-sync-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(self.path, 0o700)  # never follows a symlink, never accepts what is there
+        except FileExistsError:
+            raise RuntimeError(
+                f"{self.path} exists already, and this run did not make it (a name chosen at random): someone else "
+                "may be reading or writing the weights there; remove it, or use run.sync_transport=disk"
+            ) from None
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            # Locked at once. Another run's start-up that found it unlocked in between holds the lock or has removed
+            # it (no name left): either way, not ours to use.
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(f"{self.path} was taken while this run made it; start again") from None
+            made = os.fstat(self._fd)
+            if made.st_nlink == 0 or made.st_uid != os.geteuid():
+                raise RuntimeError(f"{self.path} was removed or replaced while this run made it; start again")
+            os.fchmod(self._fd, 0o700)  # whatever the umask
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def remove(self) -> None:
+        """Delete the directory and drop the lock (idempotent)."""
+        if self._fd < 0:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def remove_stale_sync_dirs(root: Path = SHARED_MEMORY) -> list[Path]:
+    """Remove the `SharedMemoryDir`s in `root` of this user's dead drivers (no lock held on them); the removed.
+    Another user's, a symlink, a live run's, anything not named like one: left alone."""
+    removed = []
+    for path in root.iterdir() if root.is_dir() else []:
+        if not SYNC_DIR_NAME.fullmatch(path.name):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to open
+            seen = path.lstat()
+            if not stat.S_ISDIR(seen.st_mode) or seen.st_uid != os.geteuid():
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                opened = os.fstat(fd)
+                if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+                    continue  # replaced between the two looks
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError): its driver lives
+                shutil.rmtree(path)
+                removed.append(path)
+            finally:
+                os.close(fd)
+    return removed
 
 
 def checkpoint_bytes(model_dir: str) -> int:
