@@ -32,6 +32,7 @@ from miles_rollout.engine_error import EngineError
 from miles_rollout.intake import Intake
 from miles_rollout.scheduler import Scheduler, set_exception, set_result
 from miles_rollout.sequence import Group
+from miles_rollout.streaming import StreamChannel, StreamEvent
 from miles_rollout.weight_receiver import WeightReceiver
 
 logger = logging.getLogger("miles_rollout.engine")
@@ -40,20 +41,19 @@ MEMORY_TAGS = ("weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")
 ControlItem = tuple[Callable[[], Any], bool, "asyncio.Future[Any]", asyncio.AbstractEventLoop]
 Watcher = tuple[Callable[[dict[str, int]], bool], "asyncio.Future[dict[str, int]]", asyncio.AbstractEventLoop]
-StreamEvent = tuple[int, GenerateResponse, bool]  # (index over the request's samples, response so far, is it the last)
 
 
-def _push_progress(
-    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], base: int, index: int, response: Any, last: bool
-) -> None:
-    """A group's `on_progress` (engine thread): hand the event to the streaming request's loop."""
-    loop.call_soon_threadsafe(queue.put_nowait, (base + index, response, last))
+def _push_progress(channel: StreamChannel, base: int, index: int, payload: Any, is_last: bool) -> None:
+    """A group's `on_progress` (engine thread): hand a sample's delta, or final response, to the request's channel
+    (its index over the request's samples: the group's first, `base`, plus the sample's)."""
+    channel.push(base + index, payload, is_last)
 
 
-def _push_failure(queue: asyncio.Queue[Any], future: asyncio.Future[Any]) -> None:
+def _push_failure(channel: StreamChannel, future: asyncio.Future[Any]) -> None:
     """A streaming group's future failed (the engine failed the step): end the stream with the error."""
-    if not future.cancelled() and future.exception() is not None:
-        queue.put_nowait(future.exception())
+    error = None if future.cancelled() else future.exception()
+    if error is not None:
+        channel.fail(error)
 
 
 class Engine:
@@ -138,33 +138,29 @@ class Engine:
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamEvent]:
         """Run a generate request, streaming: returns (once the request is accepted: bad input raises here, before
-        anything streams) an iterator of (index, response so far, is it the last one), index prompt-major over
-        samples as `generate` orders them. Each sample's partial responses carry the tokens so far and a text that
-        is a prefix of its final text; its last one is the final response. Leaving the iterator early (a client that
-        disconnects) aborts the request, which frees its KV pages."""
+        anything streams) an iterator of `StreamEvent`s (streaming.py), index prompt-major over samples as
+        `generate` orders them. A sample's events carry what it gained since the previous one (new ids, their
+        log-prob entries, new text: concatenated, a prefix of its final text), its last one the final response. A
+        reader that lags gets fewer, merged events; the engine never waits for it. Leaving the iterator early (a
+        client that disconnects) aborts the request, which frees its KV pages."""
         groups = await self.intake.make_groups(request)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+        channel = StreamChannel(asyncio.get_running_loop())
         base = 0
         for group in groups:
-            group.on_progress = functools.partial(_push_progress, loop, queue, base)
+            group.on_progress = functools.partial(_push_progress, channel, base)
             base += group.params.n
             assert group.future is not None
-            group.future.add_done_callback(functools.partial(_push_failure, queue))
+            group.future.add_done_callback(functools.partial(_push_failure, channel))
         self._submit(groups)
-        return self._stream(groups, queue, base)
+        return self._stream(groups, channel, base)
 
-    async def _stream(
-        self, groups: list[Group], queue: asyncio.Queue[StreamEvent | BaseException], total: int
-    ) -> AsyncIterator[StreamEvent]:
+    async def _stream(self, groups: list[Group], channel: StreamChannel, total: int) -> AsyncIterator[StreamEvent]:
         remaining = total
         try:
             while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                remaining -= item[2]
-                yield item
+                for event in await channel.take():
+                    remaining -= event.final is not None
+                    yield event
         finally:
             if remaining:  # the consumer left before the end: stop the generation and free its KV
                 self._queue_aborts([group.rid for group in groups])

@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from miles_contracts import GenerateRequest, GenerateResponse
 from miles_rollout.disconnect import unless_disconnected
-from miles_rollout.engine import Engine, StreamEvent
+from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
+from miles_rollout.streaming import StreamEvent
 
 DEFAULT_MODEL_NAME = "default"  # SGLang's request default: always accepted
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat `top_logprobs` (completions `logprobs`: 5; SGLang allows 20 too)
@@ -344,33 +345,43 @@ async def _openai_stream(
     chat: bool,
     observe: Callable[[GenerateResponse], None],
 ) -> AsyncIterator[bytes]:
-    """OpenAI's stream: per new token of a sample a chunk with its text delta (chat: `delta.content`, the first one
-    with `role`) and, when asked, the new tokens' log-probs; its last chunk has `finish_reason`; with
-    `stream_options.include_usage`, a chunk with `usage` and no choices; then `data: [DONE]`."""
+    """OpenAI's stream: per new token of a sample (or several, for a client that reads slower than the engine
+    writes) a chunk with its text delta (chat: `delta.content`, the first one with `role`) and, when asked, the new
+    tokens' log-probs; its last chunk has `finish_reason`; with `stream_options.include_usage`, a chunk with `usage`
+    and no choices; then `data: [DONE]`. The engine's events are deltas already; a sample's last one, its final
+    response, sends what its deltas did not."""
     chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": body.model}  # fmt: skip
     wants_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
-    sent_text: dict[int, str] = {}
+    sent_text: dict[int, list[str]] = {}  # each sample's text sent so far, in pieces (joined once, at its end)
     sent_tokens: dict[int, int] = {}
     sent_chars: dict[int, int] = {}
     started: set[int] = set()
     finals: dict[int, GenerateResponse] = {}
     try:
-        async for index, response, last in events:
-            done = sent_text.get(index, "")
-            delta = response.text[len(done) :] if response.text.startswith(done) else ""  # streamed: a prefix
-            sent_text[index] = done + delta
+        async for event in events:
+            index, response = event.index, event.final
+            pieces = sent_text.setdefault(index, [])
             start = sent_tokens.get(index, 0)
-            entries, tops = _new_logprobs(response, start)
+            if response is None:
+                assert event.delta is not None
+                delta = event.delta.text
+                entries = event.delta.output_token_logprobs or []
+                tops: list[Any] = event.delta.output_top_logprobs or [None] * len(entries)
+                finish: tuple[str | None, int | str | None] = (None, None)
+            else:
+                done = "".join(pieces)
+                delta = response.text[len(done) :] if response.text.startswith(done) else ""  # streamed: a prefix
+                entries, tops = _new_logprobs(response, start)
+                finish = _finish(response)
+                finals[index] = response
+                observe(response)
+            pieces.append(delta)
             sent_tokens[index] = start + len(entries)
             offset = sent_chars.get(index, 0)
             sent_chars[index] = offset + sum(len(text or "") for _, _, text in entries)
-            finish = _finish(response) if last else (None, None)
-            if last:
-                finals[index] = response
-                observe(response)
-            elif not delta and not entries:
+            if response is None and not delta and not entries:
                 continue
             choice: dict[str, Any] = {"index": index, "finish_reason": finish[0], "matched_stop": finish[1]}
             if chat:

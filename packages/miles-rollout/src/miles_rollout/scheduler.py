@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections import deque
 from typing import Any
 
@@ -28,14 +27,16 @@ import torch
 from miles_contracts import SamplingParams
 from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch
 from miles_rollout.config import EngineConfig
+from miles_rollout.detokenizer import IncrementalDetokenizer, IncrementalText
 from miles_rollout.engine_error import EngineError
 from miles_rollout.grammar import Grammars
 from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.routed_experts import RoutedExperts
 from miles_rollout.row_sampling import Row, SampledRows, record_input_logprobs, sample_rows
-from miles_rollout.sequence import DraftState, Group, Sequence, build_response, finish_reason
+from miles_rollout.sequence import DraftState, Group, Sequence, build_delta, build_response, finish_reason
 from miles_rollout.speculative import Drafter, accept_drafts, add_pending
+from miles_rollout.stops import StopMatcher
 
 logger = logging.getLogger("miles_rollout.scheduler")
 
@@ -588,22 +589,14 @@ class Scheduler:
         if seq.group.top_logprobs_num > 0 and seq.group.return_logprob:
             seq.output_top_logprobs.append(top)
         self.num_generated_tokens += 1
-        stops = params.stop_strings()
-        regexes = params.stop_regexes()
-        if _text_per_token(params):
-            self._decode(seq)
+        new_text = self._decode_new(seq)
         may_stop = len(seq.output_ids) >= params.min_new_tokens  # SGLang: no stop before min_new_tokens
         is_eos = token in self.eos_ids and not params.ignore_eos
         if may_stop and (is_eos or (params.stop_token_ids and token in params.stop_token_ids)):
             self._finish(seq, finish_reason("stop", matched=token))
-        elif may_stop and stops and (matched := _first_stop(seq.text, stops)) is not None:
-            if not params.no_stop_trim:
-                seq.text = seq.text[: seq.text.index(matched)]
-            self._finish(seq, finish_reason("stop", matched=matched))
-        elif may_stop and regexes and (found := _first_regex(seq.text, regexes)) is not None:
-            if not params.no_stop_trim:
-                seq.text = seq.text[: found.start()]
-            self._finish(seq, finish_reason("stop", matched=found.group(0)))
+        elif may_stop and new_text and (found := self._find_stop(seq, len(new_text))) is not None:
+            seq.stop_match = found
+            self._finish(seq, finish_reason("stop", matched=found[1]))
         elif grammar_done:  # the grammar is complete and accepted its end token
             self._finish(seq, finish_reason("stop", matched=token))
         elif len(seq.output_ids) >= params.max_new_tokens:
@@ -613,39 +606,77 @@ class Scheduler:
         if seq.finish is None and seq.group.on_progress is not None:
             self._stream_progress(seq)
 
-    def _stream_progress(self, seq: Sequence) -> None:
-        """Hand a streaming sample's response so far to its listener. The text holds back what a stop string could
-        still trim (its length - 1 characters) and a trailing partial UTF-8 character, so streamed text is always a
-        prefix of the final text."""
-        params = seq.group.params
-        stops = params.stop_strings()
-        if not _text_per_token(params):
-            self._decode(seq)  # otherwise decoded already, for the stops
-        text = seq.text
-        if stops and not params.no_stop_trim:
-            text = text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
-        if params.stop_regex is not None and not params.no_stop_trim:
-            text = ""  # a regex match can start anywhere: the text streams with the sample's last event
-        response = build_response(seq, self._token_text_for(seq.group))
-        response.text = text.rstrip("\ufffd")
-        assert seq.group.on_progress is not None
-        seq.group.on_progress(seq.sample_index, response, False)
+    def _decode_new(self, seq: Sequence) -> str:
+        """The text a sample's newest token added, when it has stops or streams (decoded token by token, at a cost
+        that does not grow with its length: detokenizer.py); "" otherwise (its text is decoded once, at the end)."""
+        group = seq.group
+        if seq.text_so_far is None:
+            if self.tokenizer is None or not (_has_stops(group.params) or group.on_progress is not None):
+                return ""
+            params = group.params
+            if group.stops is None and _has_stops(params):
+                group.stops = StopMatcher(params, self.config.limits.stop_regex_window_chars)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+            seq.text_so_far = IncrementalText(detokenizer, group.stops.num_context_chars if group.stops else 0)
+        return seq.text_so_far.add(seq.output_ids)
 
-    def _decode(self, seq: Sequence) -> None:
-        if self.tokenizer is not None:
-            params = seq.group.params
-            seq.text = self.tokenizer.decode(
-                seq.output_ids,
+    def _find_stop(self, seq: Sequence, num_new: int) -> tuple[int, str] | None:
+        """The first stop string or regex match that the sample's newest `num_new` characters complete (stops.py)."""
+        if seq.group.stops is None:
+            return None
+        text = seq.text_so_far
+        assert text is not None
+        found: tuple[int, str] | None = seq.group.stops.find(text.tail, text.tail_start, num_new)
+        return found
+
+    def _stream_progress(self, seq: Sequence) -> None:
+        """Hand what a streaming sample gained with its newest token to its listener (`StreamDelta`: new ids and
+        log-prob entries, new text), at a cost that does not grow with its length. The text holds back the last
+        characters a stop could still trim (`StopMatcher.num_held_chars`) and a trailing partial UTF-8 character
+        (detokenizer.py), so streamed text is always a prefix of the final text."""
+        group = seq.group
+        text = ""
+        if seq.text_so_far is not None:
+            end = seq.text_so_far.num_chars - (group.stops.num_held_chars if group.stops is not None else 0)
+            if end > seq.num_streamed_chars:
+                text = seq.text_so_far.between(seq.num_streamed_chars, end)
+                seq.num_streamed_chars = end
+        delta = build_delta(seq, text, self._token_text_for(group))
+        seq.num_streamed_tokens = len(seq.output_ids)
+        assert group.on_progress is not None
+        group.on_progress(seq.sample_index, delta, False)
+
+    def _decode(self, ids: list[int], params: SamplingParams) -> str:
+        """`ids` decoded whole, as the sample's params ask."""
+        return str(
+            self.tokenizer.decode(
+                ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
+        )
+
+    def _final_text(self, seq: Sequence) -> str:
+        """A finished sample's text: its output ids decoded once, whole (per-token decoding matched stops on, and
+        streamed, this text up to a held-back partial character), cut where its stop starts unless no_stop_trim."""
+        if self.tokenizer is None:
+            return ""
+        params = seq.group.params
+        text = self._decode(seq.output_ids, params)
+        if seq.stop_match is None or params.no_stop_trim:
+            return text
+        start, matched = seq.stop_match
+        if text[start : start + len(matched)] != matched:  # a decoder that rewrites earlier text: SGLang's rule
+            start = text.find(matched)
+        return text[:start] if start >= 0 else text
 
     def _token_text(self, token: int) -> str:
         return str(self.tokenizer.decode([token], skip_special_tokens=False))
 
     def _finish(self, seq: Sequence, reason: Any) -> None:
-        if not _text_per_token(seq.group.params):  # else the text is decoded (and trimmed) already
-            self._decode(seq)
+        seq.text = self._final_text(seq)
         seq.finish = reason
         if seq in self._running:
             self._running.remove(seq)
@@ -687,21 +718,8 @@ class Scheduler:
             group.loop.call_soon_threadsafe(set_result, group.future, responses)
 
 
-def _text_per_token(params: SamplingParams) -> bool:
-    """Whether a sample's text is decoded after each token (stop strings and regexes match on it); otherwise it is
-    decoded once, at the end (or per streamed event)."""
+def _has_stops(params: SamplingParams) -> bool:
     return bool(params.stop_strings() or params.stop_regexes())
-
-
-def _first_regex(text: str, patterns: list[str]) -> re.Match[str] | None:
-    """The earliest match of any stop regex in `text` (SGLang's stop_regex)."""
-    found = [m for p in patterns if (m := re.search(p, text)) is not None]
-    return min(found, key=lambda m: m.start()) if found else None
-
-
-def _first_stop(text: str, stops: list[str]) -> str | None:
-    hits = [(text.find(s), s) for s in stops if s and s in text]
-    return min(hits)[1] if hits else None
 
 
 def set_result(future: asyncio.Future[Any], value: Any) -> None:

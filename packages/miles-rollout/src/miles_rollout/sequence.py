@@ -3,7 +3,9 @@
 
 Life of a group: waiting → prefill (the prompt is computed once, in chunks under the step's token budget) → fork
 into `n` sequences that decode one token per step → each finishes on EOS / stop token / stop string /
-max_new_tokens / context length / abort, and the group answers when all of them have.
+max_new_tokens / context length / abort, and the group answers when all of them have. A sample with stops or a
+stream gets its text token by token (detokenizer.py, stops.py); a streamed one hands each event's gain to the
+request's loop as a `StreamDelta` (streaming.py), never its whole response so far.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_contracts import FinishReason, GenerateResponse, MetaInfo, SamplingParams, version_string
+from miles_contracts import FinishReason, GenerateResponse, LogprobEntry, MetaInfo, SamplingParams, version_string
 from miles_kernels import RowSampling
+from miles_rollout.detokenizer import IncrementalText
 
 
 @dataclass
@@ -84,6 +87,11 @@ class Sequence:
     spec: SpecCounts | None = None  # speculative decoding's counts (None when the engine does not speculate)
     routed_experts: str | None = None  # SGLang's meta_info.routed_experts, gathered at finish (routed_experts.py)
     matcher: Any = None  # structured output: the sample's xgrammar GrammarMatcher (grammar.py), None without one
+    # Text decoded token by token, for stops and streaming (None: the text is decoded once, at the end).
+    text_so_far: IncrementalText | None = None
+    stop_match: tuple[int, str] | None = None  # a stop string's or regex's (start in the text, matched text)
+    num_streamed_tokens: int = 0  # output tokens handed to the stream so far
+    num_streamed_chars: int = 0  # characters of text handed to the stream so far
 
     @property
     def tokens(self) -> list[int]:
@@ -133,10 +141,11 @@ class Group:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     draft: DraftState = field(default_factory=DraftState)  # the prompt's draft rows (speculative.py)
-    # Streaming: called on the engine thread with (sample index, response so far, is it the last one) after each
-    # token of a sample and once per sample when the group completes (`Engine.generate_stream`).
-    on_progress: Callable[[int, GenerateResponse, bool], None] | None = None
+    # Streaming: called on the engine thread with (sample index, what it gained, False) after each token of a sample
+    # and with (sample index, its final response, True) when the group completes (`Engine.generate_stream`).
+    on_progress: Callable[[int, StreamDelta | GenerateResponse, bool], None] | None = None
     grammar: Any = None  # structured output: the request's compiled grammar (grammar.py), None without one
+    stops: Any = None  # the request's StopMatcher (stops.py), made at its first token; None without stops
 
     @property
     def is_prefilled(self) -> bool:
@@ -156,14 +165,75 @@ def finish_reason(
     return FinishReason(type=kind, matched=matched, message=message, length=length)  # type: ignore[arg-type]
 
 
-def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None) -> GenerateResponse:
-    """The SGLang-shaped response of one finished sequence; `token_text` fills each log-prob entry's text (SGLang's
-    `return_text_in_logprobs`), else it is None."""
-    group = seq.group
+@dataclass
+class StreamDelta:
+    """What a streamed sample gained since its previous event, handed from the engine thread to the request's loop
+    (streaming.py): its new output ids, their log-prob entries (None: not asked for), the new text that no stop can
+    still trim, and its `meta_info` now without the log-prob lists; a sample's first delta also carries the input's
+    log-prob entries. Deltas a slow reader has not taken yet are merged (`merge`), so they hold what the final
+    response holds at most."""
 
-    def entry(lp: float | None, tok: int) -> tuple[float | None, int, str | None]:
+    output_ids: list[int]
+    text_pieces: list[str]
+    meta: dict[str, Any]
+    output_token_logprobs: list[LogprobEntry] | None = None
+    output_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    input_token_logprobs: list[LogprobEntry] | None = None
+    input_top_logprobs: list[list[LogprobEntry] | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
+    def merge(self, later: StreamDelta) -> None:
+        """Add a later delta of the same sample to this one (costs what `later` holds)."""
+        self.output_ids += later.output_ids
+        self.text_pieces += later.text_pieces
+        self.meta = later.meta
+        if self.output_token_logprobs is not None and later.output_token_logprobs is not None:
+            self.output_token_logprobs += later.output_token_logprobs
+        if self.output_top_logprobs is not None and later.output_top_logprobs is not None:
+            self.output_top_logprobs += later.output_top_logprobs
+
+
+def _entry_maker(token_text: Callable[[int], str] | None) -> Callable[[float | None, int], LogprobEntry]:
+    def entry(lp: float | None, tok: int) -> LogprobEntry:
         return (lp, tok, token_text(tok) if token_text is not None else None)
 
+    return entry
+
+
+def build_delta(seq: Sequence, text: str, token_text: Callable[[int], str] | None = None) -> StreamDelta:
+    """A streamed sample's gain since `seq.num_streamed_tokens` (its output tokens from there on, `text`); costs what
+    it holds, not the sample's length (but the input's entries, in the sample's first delta)."""
+    group = seq.group
+    entry = _entry_maker(token_text)
+    start = seq.num_streamed_tokens
+    delta = StreamDelta(output_ids=seq.output_ids[start:], text_pieces=[text] if text else [], meta=_meta(seq))
+    if group.return_logprob:
+        new = zip(seq.output_logprobs[start:], seq.output_ids[start:], strict=True)
+        delta.output_token_logprobs = [entry(lp, tok) for lp, tok in new]
+        if group.top_logprobs_num > 0:
+            tops = seq.output_top_logprobs[start:]
+            delta.output_top_logprobs = [[entry(lp, tok) for lp, tok in top] for top in tops]
+        if start == 0 and group.logprob_start_len >= 0:
+            delta.input_token_logprobs, delta.input_top_logprobs = _input_entries(group, entry)
+    return delta
+
+
+def _input_entries(
+    group: Group, entry: Callable[[float | None, int], LogprobEntry]
+) -> tuple[list[LogprobEntry], list[list[LogprobEntry] | None] | None]:
+    ids = group.prompt_ids[group.logprob_start_len :]
+    entries = [entry(lp, tok) for lp, tok in zip(group.input_logprobs, ids, strict=True)]
+    if group.top_logprobs_num <= 0:
+        return entries, None
+    return entries, [None if top is None else [entry(lp, tok) for lp, tok in top] for top in group.input_top_logprobs]
+
+
+def _meta(seq: Sequence) -> dict[str, Any]:
+    """A sequence's `meta_info` without its log-prob lists."""
+    group = seq.group
     meta: dict[str, Any] = {
         "id": seq.rid,
         "finish_reason": seq.finish,
@@ -184,17 +254,23 @@ def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None
             {"version": version_string(version), "start": start, "end": end}
             for (version, start), end in zip(seq.version_starts, ends, strict=True)
         ]
+    return meta
+
+
+def build_response(seq: Sequence, token_text: Callable[[int], str] | None = None) -> GenerateResponse:
+    """The SGLang-shaped response of one finished sequence; `token_text` fills each log-prob entry's text (SGLang's
+    `return_text_in_logprobs`), else it is None."""
+    group = seq.group
+    entry = _entry_maker(token_text)
+    meta = _meta(seq)
     if group.return_logprob:
         meta["output_token_logprobs"] = [
             entry(lp, tok) for lp, tok in zip(seq.output_logprobs, seq.output_ids, strict=True)
         ]
-        if group.logprob_start_len >= 0:
-            ids = group.prompt_ids[group.logprob_start_len :]
-            meta["input_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(group.input_logprobs, ids, strict=True)]
         if group.top_logprobs_num > 0:
             meta["output_top_logprobs"] = [[entry(lp, tok) for lp, tok in top] for top in seq.output_top_logprobs]
-            if group.logprob_start_len >= 0:
-                meta["input_top_logprobs"] = [
-                    None if top is None else [entry(lp, tok) for lp, tok in top] for top in group.input_top_logprobs
-                ]
+        if group.logprob_start_len >= 0:
+            meta["input_token_logprobs"], tops = _input_entries(group, entry)
+            if tops is not None:
+                meta["input_top_logprobs"] = tops
     return GenerateResponse(text=seq.text, output_ids=list(seq.output_ids), meta_info=MetaInfo(**meta))

@@ -26,10 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string
-from miles_rollout.engine import Engine, StreamEvent
+from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
 from miles_rollout.metrics import ServerMetrics
 from miles_rollout.openai_api import OpenAIError, register_openai_routes, sse
+from miles_rollout.streaming import ResponseSoFar, StreamEvent
 
 logger = logging.getLogger("miles_rollout.server")
 
@@ -208,15 +209,22 @@ _IGNORED_LOGGED: set[str] = set()
 async def _native_stream(
     events: AsyncIterator[StreamEvent], indexed: bool, observe: Callable[[GenerateResponse], None]
 ) -> AsyncIterator[bytes]:
-    """SGLang's `/generate` stream: an event per new token of a sample with its response so far (text and output
-    ids so far, `meta_info`; `index` first when the request has several prompts or samples), the final response as
-    the sample's last event, then `data: [DONE]`. An engine failure mid-stream is an `error` event."""
+    """SGLang's `/generate` stream: an event per new token of a sample (fewer, merged, for a client that reads
+    slower than the engine writes) with its response so far (text and output ids so far, `meta_info`; `index` first
+    when the request has several prompts or samples), the final response as the sample's last event, then
+    `data: [DONE]`. The engine hands over deltas; the responses so far are built here. An engine failure mid-stream
+    is an `error` event."""
+    so_far: dict[int, ResponseSoFar] = {}
     try:
-        async for index, response, last in events:
-            if last:
+        async for event in events:
+            if event.final is not None:
+                response = event.final
                 observe(response)
+            else:
+                assert event.delta is not None
+                response = so_far.setdefault(event.index, ResponseSoFar()).add(event.delta)
             body = response.model_dump_json()
-            yield sse(f'{{"index": {index}, {body[1:]}' if indexed else body)
+            yield sse(f'{{"index": {event.index}, {body[1:]}' if indexed else body)
     except EngineError as error:
         yield sse(json.dumps({"error": {"message": error.message, "code": error.status_code}}))
     yield sse("[DONE]")
