@@ -45,6 +45,7 @@ from .weight_sync.distributed import (
     dtype_name,
     init_weight_update_group,
     parse_dtype,
+    rendezvous_store,
 )
 from .weight_sync.mapped_file import (
     MappedSafetensors,
@@ -102,6 +103,7 @@ __all__ = [
     "read_model_config",
     "register_backend",
     "registered_ops",
+    "rendezvous_store",
     "rms_norm",
     "rope_cos_sin",
     "route_grouped_sigmoid",

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import ipaddress
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig, WeightUpdateGroup
+from miles_kernels import KernelConfig, WeightUpdateGroup, rendezvous_store
 from miles_orchestrator.cluster import CriticTargets, TrainerSettings
 from miles_orchestrator.trainer_rank import TrainerRank
 from miles_orchestrator.weight_transport import broadcast_buckets, post_buckets, write_shared_file
@@ -55,6 +57,12 @@ def node_address(host: str) -> str:
     import ray
 
     return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+
+def _loopback_interface() -> str | None:
+    """The loopback network interface's name (Linux: lo, macOS: lo0), where there is one."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 class RolloutEngineActor:
@@ -124,8 +132,10 @@ class TrainerRankActor:
         """The heartbeat (rank_health.py): called in its own concurrency group, it answers while the rank works."""
         return True
 
-    def address(self) -> tuple[str, int]:
-        return "127.0.0.1", self.free_port()
+    def address(self, loopback: bool) -> tuple[str, int]:
+        """Where the ranks meet (MASTER_ADDR, MASTER_PORT), on rank 0: its loopback (`loopback`: every rank is on
+        its node and run.bind_host is loopback), else its node's IP; a free port."""
+        return ("127.0.0.1" if loopback else node_address("0.0.0.0")), self.free_port()
 
     def free_port(self) -> int:
         from miles_rollout import free_port
@@ -135,12 +145,18 @@ class TrainerRankActor:
     def setup(self, master: tuple[str, int], model_dir: str, settings: TrainerSettings) -> str:
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+        host, port = master
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size))  # fmt: skip
+        if ipaddress.ip_address(host).is_loopback and (interface := _loopback_interface()):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # gloo's pairs listen there too, not on the LAN
         # A short timeout: a rank lost to an OOM or a crash ends its peers' collectives in seconds, not 30 minutes
+        timeout = datetime.timedelta(seconds=settings.memory.collective_timeout_s)
+        # rank 0's store listens on MASTER_ADDR only (torch's own, made from the environment, on every interface)
+        store = rendezvous_store(host, port, self.world_size, is_host=self.rank == 0, timeout=timeout)
         on_cuda = settings.backend.device.startswith("cuda")  # CUDA tensors need NCCL; host ones stay on gloo
-        dist.init_process_group("cpu:gloo,cuda:nccl" if on_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=settings.memory.collective_timeout_s))  # fmt: skip
+        dist.init_process_group("cpu:gloo,cuda:nccl" if on_cuda else "gloo", store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)  # fmt: skip
         self.trainer = TrainerRank(model_dir, settings)
         return self.trainer.fingerprint()
 

@@ -6,6 +6,7 @@ checks them against each other.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -393,6 +394,13 @@ class RunSection(Section):
     ray_address: str | None = Field(
         default=None, description="Ray cluster address (run.cluster=ray); null: start Ray locally."
     )
+    bind_host: str = Field(
+        default="127.0.0.1",
+        description="The IP address the Ray head that the run starts (run.ray_address=null) listens on; when it is "
+        "loopback, trainer ranks that share one node also meet there (MASTER_ADDR, rank 0's TCPStore), else at rank "
+        "0's node IP. 127.0.0.1: nothing of a one-node run is reachable from the network; this node's IP: other "
+        "nodes may join the local Ray head.",
+    )
     colocate: bool = Field(
         default=True,
         description="Engine and trainer share devices, offloading in turn (one placement group); false: "
@@ -441,3 +449,17 @@ class RunSection(Section):
         "engines; run.num_threads cores each, fewer if the node has too few), e.g. to measure overlap.",
     )
     log: LogSection = Field(default_factory=LogSection, description="Metric sinks.")
+
+    @field_validator("bind_host")
+    @classmethod
+    def _ip_address(cls, value: str) -> str:
+        try:
+            address = ipaddress.ip_address(value)
+        except ValueError:
+            address = None
+        if address is None or address.is_unspecified:
+            raise ValueError(
+                f"run.bind_host={value!r}: give one IP address of this node (127.0.0.1, or its address on the "
+                "network other nodes use), not a host name or 0.0.0.0"
+            )
+        return value

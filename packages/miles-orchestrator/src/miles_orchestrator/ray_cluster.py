@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import math
 import os
 import secrets
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,9 @@ ENGINE_START_S = 300.0  # a restarted engine's actor must be placed and serving 
 SYNC_ATTEMPTS = 3  # a weight sync interrupted by engine failures is sent this many times at most
 
 
-def start_ray(address: str | None, run_dir: Path, num_cpus: int) -> None:
-    """Connect to `address`, or start a local Ray for this run (dashboard off, temp files in a short dir)."""
+def start_ray(address: str | None, run_dir: Path, num_cpus: int, bind_host: str = "127.0.0.1") -> None:
+    """Connect to `address`, or start a local Ray for this run (dashboard off, temp files in a short dir) whose head,
+    raylet and workers listen on `bind_host` (run.bind_host) only."""
     if ray.is_initialized():
         return
     if address:
@@ -72,8 +74,27 @@ def start_ray(address: str | None, run_dir: Path, num_cpus: int) -> None:
     temp = run_dir.resolve() / "ray"
     if len(str(temp)) > RAY_TEMP_MAX_CHARS:
         temp = Path(tempfile.mkdtemp(prefix="miles-ray-"))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False,
-             configure_logging=False)  # fmt: skip
+    with _loopback_allowed(ipaddress.ip_address(bind_host).is_loopback):
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False,
+                 configure_logging=False, _node_ip_address=bind_host)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _loopback_allowed(is_loopback: bool) -> Iterator[None]:
+    """Let ray.init keep a loopback node address. Ray replaces one by the node's routable IP unless it runs as a
+    one-machine cluster (`ray_constants.ENABLE_RAY_CLUSTER` false: its default on macOS and Windows); that is read
+    while the node starts, and its processes are then given the address, so the switch is needed only meanwhile."""
+    if not is_loopback:
+        yield
+        return
+    from ray._private import ray_constants
+
+    enabled = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
 class RayCluster:
@@ -118,7 +139,7 @@ class RayCluster:
         num_ranks, num_engines, threads = cfg.trainer.num_ranks, cfg.rollout.num_engines, num_threads(cfg)
         rank_bundle, engine_bundle = dict(cfg.trainer.rank_resources), dict(cfg.rollout.engine_resources)
         needed_cpus = num_ranks * rank_bundle.get("CPU", 0) + num_engines * engine_bundle.get("CPU", 0)
-        start_ray(cfg.run.ray_address, run_dir, max(threads, math.ceil(needed_cpus)))
+        start_ray(cfg.run.ray_address, run_dir, max(threads, math.ceil(needed_cpus)), cfg.run.bind_host)
         self.admin_key = secrets.token_hex(16)
         strategies = await self._place(cfg.run.colocate, [rank_bundle] * num_ranks, [engine_bundle] * num_engines)
         cpus = cpu_sets(cfg, threads) if cfg.run.pin_cpus else None
@@ -148,7 +169,11 @@ class RayCluster:
             )
             for rank in range(num_ranks)
         ]
-        master = await self.trainers[0].address.remote()
+        rank_nodes = await asyncio.gather(*(t.node_id.remote() for t in self.trainers))
+        one_node = len(set(rank_nodes)) == 1
+        master = await self.trainers[0].address.remote(
+            one_node and ipaddress.ip_address(cfg.run.bind_host).is_loopback
+        )
         fingerprints = await self._all("setup", master, model_dir, trainer_settings(cfg, run_dir))
         self.trainer_fingerprint = fingerprints[0]
         self.data_parallel = [tuple(dp) for dp in await self._all("data_parallel")]

@@ -4,11 +4,18 @@ The trainer and each engine join a group of their own, outside any default proce
 TCPStore at (master_address, master_port). Rank 0 broadcasts tensors under their Hugging Face names; engines
 receive into fresh buffers. gloo on CPU, NCCL on GPU. Used by miles-rollout's `/init_weights_update_group` /
 `/update_weights_from_distributed` and by the trainer's sender, so both sides share one implementation.
+
+Listening: torch's TCPStore server listens on every interface of its node, whatever address it is given, and gloo
+on the address the host name resolves to. Here the store (`rendezvous_store`, also the trainer ranks' own
+rendezvous) listens on the given address only, and rank 0's gloo device too (every rank's when that address is
+loopback: they are all on one node): a group meeting on 127.0.0.1 is not reachable from the network.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -58,7 +65,7 @@ def init_weight_update_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+    store = rendezvous_store(master_address, master_port, world_size, is_host=rank == 0, timeout=timeout)
     # SGLang's (and slime's) ranks join with `init_custom_process_group`: PrefixStore(group_name), then torch's
     # `_new_process_group_helper` adds "{group_name}/" and "{device}/": the same keys here, so either side may host
     prefixed: Any = store
@@ -66,10 +73,46 @@ def init_weight_update_group(
         prefixed = dist.PrefixStore(prefix, prefixed)  # type: ignore[attr-defined]
     group: Any
     if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        if rank == 0 or is_loopback(master_address):  # listen where the group meets, not on the host name's address
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]  # type: ignore[attr-defined]
+            options._timeout = timeout
+            group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        else:
+            group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
     return WeightUpdateGroup(group, store, rank, world_size, backend)
+
+
+def rendezvous_store(host: str, port: int, world_size: int, is_host: bool, timeout: timedelta) -> Any:
+    """A TCPStore at host:port; `is_host`: this rank serves it, listening on `host` only (torch's own server binds
+    every interface). Blocks until every rank has connected, as a TCPStore does."""
+    if not is_host:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.fileno()
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now and closes it with the store
+    return store
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def broadcast_tensors(group: WeightUpdateGroup, tensors: list[torch.Tensor], src: int = 0) -> None:
