@@ -86,7 +86,7 @@ def test_a_tool_runs_under_the_rlimits(plugins_on_path) -> None:
         seen = json.loads(call(pool, "rlimits")[0])
     assert seen["as"] == [3 * GiB, 3 * GiB] and seen["nofile"] == [256, 256] and seen["core"] == [0, 0]
     cpu_soft, _ = seen["cpu"]
-    assert 50 <= cpu_soft - seen["cpu_used_s"] <= 51  # renewed as the call began: 50 s more than it had used
+    assert 49 < cpu_soft - seen["cpu_used_s"] <= 51  # renewed as the call began: 50 s more than it had used then
     assert Limits().cpu_s(10) == 10 * (os.cpu_count() or 1)  # the default: no call reaches it before its timeout
 
 
