@@ -26,6 +26,7 @@ from miles_contracts import GenerateRequest, SamplingParams
 from miles_rollout.engine_error import EngineError
 from miles_rollout.scheduler import ceil_div
 from miles_rollout.sequence import Group
+from miles_rollout.stops import check_stop_patterns
 
 if TYPE_CHECKING:
     from miles_rollout.engine import Engine
@@ -128,7 +129,7 @@ class Intake:
             if len(key) > MAX_ID_DIGITS or int(key) >= vocab:
                 raise EngineError(f"sampling_params.logit_bias token id {key[:20]} is outside the vocabulary "
                                   f"(0 .. {vocab - 1})")  # fmt: skip
-        # PENDING-STOPS: check_stop_patterns(params, self.limits)
+        check_stop_patterns(params, self.limits)
         if params.grammar is not None:
             if engine.tokenizer is None:
                 raise EngineError(f"sampling_params.{params.grammar} needs the model's tokenizer; this has none")
