@@ -144,3 +144,30 @@ def test_limits_refuse_what_no_worker_can_run_under() -> None:
                        ({"env_passthrough": ("A=B",)}, "not variable names")]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             Limits(**bad)
+
+
+def test_the_run_config_sets_the_limits(monkeypatch) -> None:
+    from miles_orchestrator import agentic
+    from miles_orchestrator.rollout_config import RolloutSection
+
+    seen: dict[str, Any] = {}
+
+    class Recording:
+        def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
+            seen["limits"] = limits
+
+        def __enter__(self) -> Recording:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(agentic, "EnvPool", Recording)
+    monkeypatch.setattr(agentic, "ChatTemplate", lambda tokenizer: None)
+    agent = {"env": "calculator", "env_passthrough": ["HF_HOME"], "cpu_s_per_call": 5, "address_space_gib": 4,
+             "num_open_files": 256}  # fmt: skip
+    cfg = RolloutSection.model_validate({"agent": agent})
+    with agentic.agent_rollout(cfg, tokenizer=None):
+        pass
+    assert seen["limits"] == Limits(cpu_s_per_call=5, address_space_bytes=4 * GiB, num_open_files=256,
+                                    env_passthrough=("HF_HOME",))  # fmt: skip

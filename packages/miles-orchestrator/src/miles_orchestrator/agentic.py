@@ -41,6 +41,7 @@ from miles_contracts import (
 from miles_orchestrator.env_pool import EnvError, EnvPool
 from miles_orchestrator.rollout import STATUS_OF_FINISH, output_logprobs, output_versions, spanning_versions
 from miles_orchestrator.rollout_config import RolloutSection
+from miles_orchestrator.sandbox import Limits
 from miles_orchestrator.tool_calls import parse_tool_calls
 
 # A fixed conversation the deltas are rendered after: only what follows its assistant turn's end matters. The
@@ -240,6 +241,13 @@ def agent_rollout(cfg: RolloutSection, tokenizer: Any) -> Iterator[AgentRollout 
     if agent.env is None:
         yield None
         return
-    with EnvPool(agent.env, agent.env_args, timeout_s=agent.timeout_s, num_workers=agent.num_workers) as pool:
+    limits = Limits(
+        cpu_s_per_call=agent.cpu_s_per_call,
+        address_space_bytes=int(agent.address_space_gib * (1 << 30)),
+        num_open_files=agent.num_open_files,
+        env_passthrough=tuple(agent.env_passthrough),
+    )
+    with EnvPool(agent.env, agent.env_args, timeout_s=agent.timeout_s, num_workers=agent.num_workers,
+                 limits=limits) as pool:  # fmt: skip
         yield AgentRollout(pool, ChatTemplate(tokenizer), agent.max_turns, agent.max_response_tokens,
                            routed_experts=cfg.return_routed_experts)  # fmt: skip

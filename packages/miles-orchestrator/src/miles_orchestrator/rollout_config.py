@@ -43,6 +43,21 @@ class AgentSection(Section):
         default=10.0, gt=0, description="Seconds per environment call (reset, step) before the episode fails."
     )
     num_workers: int = Field(default=2, ge=1, le=256, description="Environment worker processes.")
+    env_passthrough: list[str] = Field(
+        default_factory=list,
+        description="Environment variables a worker sees besides PATH, HOME, locale, TMPDIR, PYTHONPATH and "
+        "VIRTUAL_ENV (e.g. HF_HOME); the driver's keys and tokens stay out unless named here.",
+    )
+    cpu_s_per_call: float | None = Field(
+        default=None,
+        gt=0,
+        description="CPU seconds one environment call may use (RLIMIT_CPU, renewed per call); null: timeout_s x "
+        "the machine's cores.",
+    )
+    address_space_gib: float = Field(
+        default=16.0, ge=1, description="A worker's address-space limit (RLIMIT_AS) in GiB; past it, MemoryError."
+    )
+    num_open_files: int = Field(default=1024, ge=64, description="A worker's open-file limit (RLIMIT_NOFILE).")
 
     @field_validator("env")
     @classmethod
