@@ -157,7 +157,7 @@ class Intake:
 
     def _token_prompts(self, request: GenerateRequest) -> list[list[int]]:
         rows = request.input_ids if request.is_batch else [request.input_ids]
-        prompts: list[list[int]] = [[int(t) for t in row] for row in rows]  # type: ignore[union-attr]
+        prompts: list[list[int]] = [[int(t) for t in row] for row in rows]  # type: ignore[union-attr,arg-type]
         vocab = self.engine.model_config.vocab_size
         for i, row in enumerate(prompts):
             bad = [t for t in row if t >= vocab]
