@@ -66,8 +66,8 @@ def _loopback_interface() -> str | None:
 
 
 class RolloutEngineActor:
-    """An embedded engine served over HTTP on `host` inside this actor (uvicorn in a thread); admin calls need the
-    run's key."""
+    """An embedded engine served over HTTP on `host` inside this actor (uvicorn in a thread); every route but
+    health needs the run's key."""
 
     def __init__(
         self, model_dir: str, kernel: KernelConfig, engine: EngineConfig, admin_key: str, num_threads: int,
@@ -81,7 +81,7 @@ class RolloutEngineActor:
         set_threads(num_threads)
         self.engine = Engine(model_dir, kernel, engine)
         port = free_port()
-        app = create_app(self.engine, admin_key=admin_key, host=host)
+        app = create_app(self.engine, api_key=admin_key, admin_key=admin_key, host=host)  # the run's key, for all
         self.server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
         )
@@ -188,7 +188,7 @@ class TrainerRankActor:
     def connect_engines(self, urls: list[str], admin_key: str) -> None:
         """Rank 0 keeps a client of every engine (http and distributed syncs); other ranks only join the gathers."""
         if self.rank == 0:
-            self._clients = [Client(url, admin_key=admin_key, timeout=600) for url in urls]
+            self._clients = [Client(url, api_key=admin_key, admin_key=admin_key, timeout=600) for url in urls]
 
     def host_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str) -> None:
         """Rank 0: host the weight-update group at address:port as its rank 0 (blocks until every engine joined)."""

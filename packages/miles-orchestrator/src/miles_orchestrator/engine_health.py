@@ -130,7 +130,8 @@ class EngineSupervisor:
 
     async def _probe(self, url: str) -> str | None:
         timeout = self.settings.check_timeout_s
-        async with Client(url, timeout=timeout, connect_retries=0, admin_key=self.admin_key) as client:
+        async with Client(url, timeout=timeout, connect_retries=0, api_key=self.admin_key,
+                          admin_key=self.admin_key) as client:  # fmt: skip
             return await client.check_health(generate=self.serving)  # the client's deadline bounds the whole probe
 
     async def _recover(self, engine: int, cause: str) -> None:

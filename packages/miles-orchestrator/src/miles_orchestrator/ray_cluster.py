@@ -140,6 +140,8 @@ class RayCluster:
         rank_bundle, engine_bundle = dict(cfg.trainer.rank_resources), dict(cfg.rollout.engine_resources)
         needed_cpus = num_ranks * rank_bundle.get("CPU", 0) + num_engines * engine_bundle.get("CPU", 0)
         start_ray(cfg.run.ray_address, run_dir, max(threads, math.ceil(needed_cpus)), cfg.run.bind_host)
+        # The run's key: embedded engines require it on every route but health, generation included (the router
+        # passes a client's Authorization on); held in memory and given to the actors, never on a command line.
         self.admin_key = secrets.token_hex(16)
         strategies = await self._place(cfg.run.colocate, [rank_bundle] * num_ranks, [engine_bundle] * num_engines)
         cpus = cpu_sets(cfg, threads) if cfg.run.pin_cpus else None
@@ -181,12 +183,12 @@ class RayCluster:
         self.engine_where = list(await asyncio.gather(*(_where(a) for a in self.engine_actors)))
         self.rank_where = list(await asyncio.gather(*(_where(t) for t in self.trainers)))
         self._write_actor_list()
-        members = [Client(url, admin_key=self.admin_key, timeout=600) for url in self.urls]
+        members = [Client(url, api_key=self.admin_key, admin_key=self.admin_key, timeout=600) for url in self.urls]
         generator = members[0]
         if num_engines > 1:
             self.router = Router(self.urls, cfg.rollout.router_policy, run_dir / "router.log")
             await self.router.wait_until_healthy()
-            generator = Client(self.router.url, timeout=600)
+            generator = Client(self.router.url, api_key=self.admin_key, timeout=600)  # the router forwards it
         faults = cfg.rollout.fault_tolerance
         if faults.enabled:
             self.supervisor = EngineSupervisor(lambda: list(self.urls), self.restart_engine, faults, self.log,
@@ -206,7 +208,7 @@ class RayCluster:
             ray.kill(self.engine_actors[engine], no_restart=True)
         actor = self.new_engine(engine)
         url = str(await asyncio.wait_for(actor.get_url.remote(), timeout=self.engine_start_s))
-        client = Client(url, admin_key=self.admin_key, timeout=600)
+        client = Client(url, api_key=self.admin_key, admin_key=self.admin_key, timeout=600)
         if self.last_version is not None:
             await self._resync(engine, client)
         await self._check_restarted_weights(engine, client)
