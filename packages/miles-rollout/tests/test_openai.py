@@ -143,7 +143,8 @@ def test_bad_input_is_an_openai_4xx_and_the_server_is_unchanged(client: openai.O
         error = response.json()["error"]
         assert needle in error["message"] and error["type"] == "invalid_request_error", (body, error)
     for raw in (b"{not json", b"[1, 2]"):
-        response = httpx.post(f"{dense_server}/v1/completions", content=raw, timeout=60)
+        response = httpx.post(f"{dense_server}/v1/completions", content=raw, timeout=60,
+                              headers={"Content-Type": "application/json"})  # fmt: skip
         assert response.status_code == 400 and "error" in response.json()
     unknown = httpx.post(f"{dense_server}/v1/completions", json={**probe, "model": "gpt-4"}, timeout=60)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"

@@ -11,6 +11,8 @@ import pytest
 
 from miles_kernels.testing import build_tokenizer
 
+JSON = {"Content-Type": "application/json"}  # a raw body needs it (a 415 otherwise)
+
 
 def post(url: str, path: str, body: object, **kwargs: object) -> httpx.Response:
     return httpx.post(f"{url}{path}", json=body, timeout=120, **kwargs)  # type: ignore[arg-type]
@@ -130,7 +132,7 @@ def test_bad_input_is_a_named_400_and_the_server_is_unchanged(dense_server: str)
     probe = {"input_ids": [3, 1, 4, 1, 5], "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
     before = post(dense_server, "/generate", probe).json()
     for body, needle in BAD_REQUESTS:
-        response = httpx.post(f"{dense_server}/generate", content=body, timeout=60)
+        response = httpx.post(f"{dense_server}/generate", content=body, headers=JSON, timeout=60)
         assert 400 <= response.status_code < 500, (body, response.text)
         assert needle in response.json()["detail"], (body, response.json())
     assert httpx.get(f"{dense_server}/health", timeout=10).status_code == 200

@@ -315,6 +315,8 @@ class GenerateRequest(BaseModel):
             raise ValueError("text is an empty batch; send at least one prompt")
         if isinstance(self.text, str) and self.text == "":
             raise ValueError("text is empty; send a non-empty prompt")
+        if isinstance(self.text, list) and "" in self.text:
+            raise ValueError("text contains an empty prompt; send a non-empty text per prompt")
         num = self.batch_size
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != num:
             raise ValueError(f"sampling_params has {len(self.sampling_params)} entries for {num} prompts")

@@ -4,33 +4,60 @@ SGLang-compatible HTTP server.
 The flags are generated (tyro) from `miles_rollout.config.ServeConfig` and the models it nests (`KernelConfig`,
 `EngineConfig`): each setting is defined once, with its description, default and allowed values, and a run config
 nests the same `EngineConfig` as `rollout.engine`. A bad flag or value exits with status 2 and says what to fix.
+
+Keys: `--api-key` / `--admin-key` work, but any user of the machine reads a command line (`ps`); `--api-key-file` /
+`--admin-key-file` (the file's first line) or the environment variables `MILES_API_KEY` / `MILES_ADMIN_KEY` keep
+them off it. A flag or file wins over the environment.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
+import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated
 
 import tyro
 
 from miles_rollout.config import ServeConfig
+from miles_rollout.http_guards import is_loopback
 
 PROG = "miles-rollout"
 ServeArgs = Annotated[ServeConfig, tyro.conf.OmitArgPrefixes]
 # Short forms kept from the hand-written flags: `--model DIR` is `--model-path DIR` (SGLang's name) and
 # `--deterministic` is `--mode deterministic`.
 ALIASES = {"--model": ["--model-path"], "--deterministic": ["--mode", "deterministic"]}
+KEY_ENV = {"api_key": "MILES_API_KEY", "admin_key": "MILES_ADMIN_KEY"}
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def resolve_keys(config: ServeConfig, environ: Mapping[str, str] = os.environ) -> ServeConfig:
+    """`config` with `api_key` and `admin_key` read from their flag, else their file (`*_file`, the first line),
+    else their environment variable (`KEY_ENV`); the file fields cleared. ValueError naming the flag on a conflict,
+    an unreadable file or an empty key."""
+    update: dict[str, str | None] = {}
+    for field, variable in KEY_ENV.items():
+        flag, file_name = field.replace("_", "-"), getattr(config, f"{field}_file")
+        key = getattr(config, field)
+        if key is not None and file_name is not None:
+            raise ValueError(f"give --{flag} or --{flag}-file, not both")
+        if file_name is not None:
+            try:
+                lines = Path(file_name).read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError(f"--{flag}-file {file_name}: {error}") from error
+            key = lines[0].strip() if lines else ""
+            if not key:
+                raise ValueError(f"--{flag}-file {file_name}: the file's first line is empty; put the key there")
+        elif key is None and variable in environ:
+            key = environ[variable].strip()
+            if not key:
+                raise ValueError(f"{variable} is set but empty: give a key, or unset it")
+        if key is not None and not key:
+            raise ValueError(f"--{flag} is empty: give a key, or leave it out")
+        update[field], update[f"{field}_file"] = key, None
+    return config.model_copy(update=update)
 
 
 def _expand(arg: str) -> list[str]:
@@ -55,14 +82,20 @@ def parse_serve(argv: list[str]) -> ServeConfig:
 
 
 def serve(config: ServeConfig) -> int:
+    try:
+        config = resolve_keys(config)
+    except ValueError as error:
+        print(f"{PROG} serve: {error}", file=sys.stderr)
+        return 2
     if config.dp_size > 1:
         from miles_rollout.serve_many import serve_behind_router
 
         return serve_behind_router(config)
-    if not _is_loopback(config.host) and not config.admin_key:
+    if not is_loopback(config.host) and not config.admin_key:
         print(
             f"refusing to bind {config.host} without --admin-key: the weight and memory endpoints would be open "
-            "to the network. Pass --admin-key KEY (and --api-key KEY for generation), or bind 127.0.0.1.",
+            "to the network. Give an admin key (--admin-key-file FILE or MILES_ADMIN_KEY; and an API key for "
+            "generation: --api-key-file or MILES_API_KEY), or bind 127.0.0.1.",
             file=sys.stderr,
         )
         return 2
@@ -77,7 +110,10 @@ def serve(config: ServeConfig) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"{PROG} serve: {error}", file=sys.stderr)
         return 2
-    app = create_app(engine, api_key=config.api_key, admin_key=config.admin_key, host=config.host)
+    app = create_app(engine, api_key=config.api_key, admin_key=config.admin_key, host=config.host,
+                     allow_client_chat_template=config.allow_client_chat_template,
+                     allowed_hosts=config.allowed_hosts, max_request_bytes=config.max_request_bytes,
+                     max_bucket_bytes=config.max_bucket_bytes)  # fmt: skip
     print(f"{PROG} serving {config.model_path} on http://{config.host}:{config.port} ({config.kernel.mode} mode)",
           flush=True)  # fmt: skip
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_keep_alive=KEEP_ALIVE_S)

@@ -32,14 +32,20 @@ def launch_server(
     log_path: str | os.PathLike[str] | None = None,
     env: dict[str, str] | None = None,
     startup_timeout: float = 180.0,
+    api_key: str | None = None,
+    admin_key: str | None = None,
 ) -> Iterator[str]:
-    """Run `miles-rollout serve --model-path DIR --port PORT FLAGS...`; yield its base URL; stop it on exit."""
+    """Run `miles-rollout serve --model-path DIR --port PORT FLAGS...`; yield its base URL; stop it on exit.
+    `api_key` / `admin_key` reach the server in its environment (`MILES_API_KEY`, `MILES_ADMIN_KEY`), off its
+    command line."""
     port = port or free_port()
+    keys = {"MILES_API_KEY": api_key, "MILES_ADMIN_KEY": admin_key}
+    env = {**(env or {}), **{name: key for name, key in keys.items() if key is not None}}
     log = Path(log_path) if log_path else Path(model_dir).parent / f"miles-rollout-{port}.log"
     command = [sys.executable, "-m", "miles_rollout.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
                *flags]  # fmt: skip
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_timeout
     try:

@@ -6,6 +6,12 @@ router SGLang and slime deploy) listens on `--host`/`--port` with the cache-awar
 prefix go to the engine that caches it. Requests go to the router; weight updates and other admin calls go to each
 engine (the router's `/workers` lists them, and they are printed at start-up). If an engine or the router exits,
 the rest are stopped and the command fails; SIGINT / SIGTERM stop them all.
+
+Keys: each engine gets the API and admin keys inside its config, which reaches the child process through
+multiprocessing's pipe, never its command line or environment. The router gets none: it forwards each client's
+`Authorization` header to the engine it picks, so generation needs the API key as on one engine, and its own
+fan-out calls (`/flush_cache` through the router) are refused by engines with an admin key: send admin calls to each
+engine. The router's own control routes (`/workers`) take no key, so it binds loopback only.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import httpx
 
 from miles_rollout.config import ServeConfig
+from miles_rollout.http_guards import is_loopback
 from miles_rollout.launch import free_port, router_command
 
 STARTUP_TIMEOUT_S = 300.0
@@ -46,24 +53,17 @@ def _wait_healthy(url: str, alive: Any, what: str) -> None:
 
 
 def serve_behind_router(config: ServeConfig) -> int:
-    """Start `config.dp_size` engines and sglang-router in front of them; return when one of them exits."""
+    """Start `config.dp_size` engines and sglang-router in front of them; return when one of them exits. `config`'s
+    keys are resolved already (`cli.resolve_keys`): they travel to the engines inside their configs."""
     try:
         import sglang_router  # noqa: F401  (checked here, run as a subprocess below)
     except ImportError:
         print("miles-rollout serve --dp-size needs sglang-router: pip install sglang-router (or serve one engine "
               "with --dp-size 1)", file=sys.stderr)  # fmt: skip
         return 2
-    if config.api_key or config.admin_key:
-        message = (
-            "miles-rollout serve --dp-size does not pass keys through the router yet: serve without "
-            "--api-key / --admin-key on a loopback host, or start the engines and the router yourself"
-        )
-        print(message, file=sys.stderr)
-        return 2
-    from miles_rollout.cli import _is_loopback
-
-    if not _is_loopback(config.host):
-        print(f"refusing to bind the router to {config.host}: without keys, bind 127.0.0.1", file=sys.stderr)
+    if not is_loopback(config.host):
+        print(f"refusing to bind the router to {config.host}: sglang-router's control routes (/workers) take no "
+              "key; bind 127.0.0.1, or start the engines and the router yourself", file=sys.stderr)  # fmt: skip
         return 2
     spawn = multiprocessing.get_context("spawn")  # the config crosses to each child by local pickling, no network
     engines = []

@@ -3,9 +3,10 @@
 Endpoints use SGLang's names and JSON fields, so SGLang clients (and `miles_rollout.Client`) drive it unchanged.
 Security: with `api_key` set every endpoint needs `Authorization: Bearer <key>`; weight, memory and control
 endpoints need the admin key when one is set, and without one they answer only when the server is bound to a
-loopback address (the CLI refuses a non-loopback bind without an admin key). Bad input is a 400 that names the
-field; an engine failure answers that request with an error and leaves the server running. Nothing received
-over HTTP is unpickled: weight buckets are safetensors bytes.
+loopback address (the CLI refuses a non-loopback bind without an admin key). The Host allow-list, cross-site,
+content-type and body-size guards run before any route (http_guards.py). Bad input is a 4xx that names the field,
+malformed bytes included; an engine failure answers that request with an error and leaves the server running.
+Nothing received over HTTP is unpickled: weight buckets are safetensors bytes.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from starlette.datastructures import Headers
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string
+from miles_rollout.config import ServeConfig
+from miles_rollout.disconnect import ClientGone, unless_disconnected
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
+from miles_rollout.http_guards import BodyRefused, HttpGuards, effective_hosts, is_loopback
 from miles_rollout.metrics import ServerMetrics
 from miles_rollout.openai_api import OpenAIError, register_openai_routes, sse
 from miles_rollout.streaming import ResponseSoFar, StreamEvent
@@ -55,6 +60,7 @@ ADMIN_PATHS = {
     "/continue_generation",
 }
 
+BUCKET_PATH = "/update_weights_from_tensor"  # its body is a weight bucket: octet-stream, max_bucket_bytes
 BUSY_COUNTERS = ("num_running", "num_prefilling", "num_waiting", "num_retracted")
 HEALTH_PATHS = {"/health", "/health_generate"}
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes (openai_api.py) answer errors in OpenAI's body
@@ -182,8 +188,8 @@ def _describe(error: ValidationError | RequestValidationError) -> str:
     for item in specific or items:
         location = [str(p) for p in item.get("loc", ()) if p != "body" and not (str(p)[:1].isupper() or "[" in str(p))]
         message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{'.'.join(location) or 'body'}: {message}")
-    return "; ".join(dict.fromkeys(parts))
+        parts.append(f"{'.'.join(location)[:200] or 'body'}: {message}")  # a location may be a client's dict key
+    return "; ".join(dict.fromkeys(parts[:20]))
 
 
 async def _parse(request: Request, model: type[BaseModel], allow_empty: bool = False) -> Any:
@@ -192,18 +198,29 @@ async def _parse(request: Request, model: type[BaseModel], allow_empty: bool = F
         return model()
     try:
         payload = json.loads(raw)
-    except json.JSONDecodeError as error:
+    except RecursionError as error:
+        raise HTTPException(400, "request body is nested too deeply") from error
+    except ValueError as error:  # not JSON, not UTF-8, or an integer of over 4300 digits (Python's limit)
         raise HTTPException(400, f"request body is not valid JSON: {error}") from error
     try:
         parsed = model.model_validate(payload)
     except ValidationError as error:
         raise HTTPException(400, _describe(error)) from error
+    except RecursionError as error:
+        raise HTTPException(400, "request body is nested too deeply") from error
     if model is GenerateRequest and isinstance(payload, dict):
         _log_ignored(GenerateRequest.ignored_keys(payload))
     return parsed
 
 
 _IGNORED_LOGGED: set[str] = set()
+
+
+def _refused(path: str, status: int, message: str) -> Response:
+    """A refusal in the route's error body: OpenAI's under `/v1/`, FastAPI's `{"detail": ...}` elsewhere."""
+    if path.startswith(OPENAI_PREFIX):
+        return OpenAIError(message, status).response()
+    return JSONResponse({"detail": message}, status)
 
 
 async def _native_stream(
@@ -246,43 +263,68 @@ KEEP_ALIVE_S = 65
 
 
 def create_app(
-    engine: Engine, *, api_key: str | None = None, admin_key: str | None = None, host: str = "127.0.0.1"
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    host: str = "127.0.0.1",
+    allow_client_chat_template: bool = False,
+    allowed_hosts: list[str] | None = None,
+    max_request_bytes: int = ServeConfig.model_fields["max_request_bytes"].default,
+    max_bucket_bytes: int = ServeConfig.model_fields["max_bucket_bytes"].default,
 ) -> FastAPI:
-    """The FastAPI app serving `engine`."""
+    """The FastAPI app serving `engine`; `allow_client_chat_template`: /v1/chat/completions may bring its own
+    `chat_template`; `allowed_hosts`, `max_request_bytes`, `max_bucket_bytes`: the HTTP guards (http_guards.py).
+    Each is ServeConfig's field of that name."""
     app = FastAPI(title="miles-rollout", description="SGLang-compatible rollout server of the Miles engine")
-    is_loopback = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+    is_loopback_bind = is_loopback(host)
     metrics = ServerMetrics(engine, engine.model_path)
+    # Compared as bytes: hmac.compare_digest refuses str with non-ASCII characters (a TypeError, so a 500).
+    api_key_bytes = None if api_key is None else api_key.encode()
+    admin_key_bytes = None if admin_key is None else admin_key.encode()
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next: Any) -> Response:
-        refused = _refusal(request)
-        if refused is None:
-            return await call_next(request)  # type: ignore[no-any-return]
-        status, message = refused
-        if request.url.path.startswith(OPENAI_PREFIX):
-            return OpenAIError(message, status).response()
-        return JSONResponse({"detail": message}, status)
-
-    def _refusal(request: Request) -> tuple[int, str] | None:
+    def _refusal(path: str, headers: Headers) -> tuple[int, str] | None:
         """(status, reason) when the request's key does not open its endpoint, else None."""
-        token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        is_admin_path = request.url.path in ADMIN_PATHS
-        if is_admin_path and admin_key is not None:
-            if not hmac.compare_digest(token, admin_key):
+        # Starlette decodes header values as latin-1: encoding them back gives the bytes the client sent.
+        token = headers.get("authorization", "").removeprefix("Bearer ").strip().encode("latin-1")
+        is_admin_path = path in ADMIN_PATHS
+        if is_admin_path and admin_key_bytes is not None:
+            if not hmac.compare_digest(token, admin_key_bytes):
                 return 401, "this endpoint needs the admin key (Authorization: Bearer ...)"
-        elif is_admin_path and not is_loopback:
+        elif is_admin_path and not is_loopback_bind:
             return 403, "admin endpoints are disabled: no admin key and not a loopback bind"
-        elif request.url.path in HEALTH_PATHS:
+        elif path in HEALTH_PATHS:
             pass  # routers probe health without a key, as SGLang lets them
-        elif api_key is not None and not (
-            hmac.compare_digest(token, api_key) or (admin_key is not None and hmac.compare_digest(token, admin_key))
+        elif api_key_bytes is not None and not (
+            hmac.compare_digest(token, api_key_bytes)
+            or (admin_key_bytes is not None and hmac.compare_digest(token, admin_key_bytes))
         ):
             return 401, "missing or wrong API key (Authorization: Bearer <api key>)"
         return None
 
+    app.add_middleware(
+        HttpGuards,
+        refuse=_refused,
+        authorize=_refusal,
+        allowed_hosts=effective_hosts(allowed_hosts, host),
+        exempt_paths=HEALTH_PATHS,
+        admin_paths=ADMIN_PATHS,
+        bucket_path=BUCKET_PATH,
+        max_request_bytes=max_request_bytes,
+        max_bucket_bytes=max_bucket_bytes,
+    )
+
+    @app.exception_handler(BodyRefused)
+    async def body_refused(request: Request, error: BodyRefused) -> Response:
+        return _refused(request.url.path, error.status, error.message)
+
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, error: EngineError) -> JSONResponse:
-        return JSONResponse({"detail": error.message}, error.status_code)
+        return JSONResponse({"detail": error.message}, error.status_code, headers=error.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -295,7 +337,7 @@ def create_app(
             events = await engine.generate_stream(body)  # bad input raises here: a 4xx, not a broken stream
             indexed = body.is_batch or body.params_for(0).n > 1
             return StreamingResponse(_native_stream(events, indexed, metrics.observe), media_type="text/event-stream")
-        responses = await engine.generate(body)
+        responses = await unless_disconnected(request, engine.generate(body))
         for response in responses:
             metrics.observe(response)
         # Serialized by pydantic-core in one call (FastAPI's generic encoder took ~5 ms for 64 responses).
@@ -316,7 +358,7 @@ def create_app(
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version_string(version),
                 "num_paused_requests": 0}  # fmt: skip
 
-    @app.post("/update_weights_from_tensor")
+    @app.post(BUCKET_PATH)
     async def update_from_tensor(request: Request) -> dict[str, Any]:
         data = await request.body()
         if not data:
@@ -469,7 +511,7 @@ def create_app(
         await engine.generate(probe)
         return Response(status_code=200)
 
-    register_openai_routes(app, engine, observe=metrics.observe)
+    register_openai_routes(app, engine, observe=metrics.observe, allow_client_chat_template=allow_client_chat_template)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
