@@ -221,6 +221,8 @@ def test_host_rules() -> None:
     assert effective_hosts(None, "0.0.0.0") is None and effective_hosts(["*"], "127.0.0.1") is None
     loopback = effective_hosts(None, "127.0.0.1")
     assert loopback is not None and host_matches("localhost:9", loopback) and not host_matches("a.example", loopback)
+    other_loopback = effective_hosts(None, "127.0.0.2")  # the bound address is allowed too
+    assert other_loopback is not None and host_matches("127.0.0.2:80", other_loopback)
     explicit = effective_hosts(["rollout.internal", "gpu-3:8080"], "0.0.0.0")
     assert explicit is not None
     assert host_matches("rollout.internal:1", explicit) and host_matches("GPU-3:8080", explicit)

@@ -74,9 +74,12 @@ HostList = tuple[tuple[str, str | None], ...]  # (name, port); a port of None: a
 
 def effective_hosts(allowed_hosts: Collection[str] | None, bind_host: str) -> HostList | None:
     """The Host allow-list as (name, port or None for any port); None: any host. `allowed_hosts` None: the loopback
-    names on a loopback bind, any host otherwise; `["*"]`: any host."""
+    names and the bound address on a loopback bind, any host otherwise; `["*"]`: any host."""
     if allowed_hosts is None:
-        return tuple((name, None) for name in LOOPBACK_NAMES) if is_loopback(bind_host) else None
+        if not is_loopback(bind_host):
+            return None
+        names = dict.fromkeys([*LOOPBACK_NAMES, split_authority(bind_host)[0]])  # e.g. 127.0.0.2
+        return tuple((name, None) for name in names)
     if "*" in allowed_hosts:
         return None
     return tuple(split_authority(entry) for entry in allowed_hosts)
