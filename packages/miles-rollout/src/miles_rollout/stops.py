@@ -56,8 +56,9 @@ def check_stop_patterns(params: SamplingParams, limits: RequestLimits) -> None:
         )
     for name, pattern in [*(("stop", s) for s in strings), *(("stop_regex", r) for r in regexes)]:
         if len(pattern) > limits.max_stop_chars:
+            shown = repr(pattern) if len(pattern) <= 64 else f"{pattern[:64]!r}..."
             raise EngineError(
-                f"sampling_params.{name} {pattern[:64]!r}... has {len(pattern)} characters; this server takes at most "
+                f"sampling_params.{name} {shown} has {len(pattern)} characters; this server takes at most "
                 f"{limits.max_stop_chars} (engine.limits.max_stop_chars)"
             )
     for pattern in regexes:
