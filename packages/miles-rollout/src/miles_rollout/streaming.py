@@ -48,9 +48,6 @@ class StreamChannel:
         self._is_wakeup_scheduled = False
         self._error: BaseException | None = None
 
-    def __len__(self) -> int:
-        return len(self._events)
-
     def push(self, index: int, payload: StreamDelta | GenerateResponse, is_last: bool) -> None:
         """Engine thread: sample `index` gained a delta, or finished (`is_last`, its final response). Never blocks."""
         with self._lock:
