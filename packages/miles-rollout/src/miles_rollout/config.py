@@ -46,9 +46,7 @@ class RequestLimits(BaseModel):
     max_stop_patterns: int = Field(
         default=64, ge=0, description="Stop strings plus stop regexes of one sample's sampling params."
     )
-    max_stop_chars: int = Field(
-        default=1024, ge=1, description="Longest stop string or stop regex, in characters."
-    )
+    max_stop_chars: int = Field(default=1024, ge=1, description="Longest stop string or stop regex, in characters.")
     stop_regex_window_chars: int = Field(
         default=4096,
         ge=64,
