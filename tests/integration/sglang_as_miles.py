@@ -23,7 +23,7 @@ def main(argv: list[str]) -> None:
         str(args["max_running_requests"]), "--log-level", args["log_level"],
     ]  # fmt: skip
     if args.get("admin_api_key"):
-        flags += ["--admin-key", args["admin_api_key"]]
+        os.environ["MILES_ADMIN_KEY"] = args["admin_api_key"]  # off the command line, as SGLang's config file keeps it
     if args.get("context_length"):
         flags += ["--context-length", str(args["context_length"])]
     os.execv(sys.executable, [sys.executable, "-m", "miles_rollout.cli", "serve", *flags])
