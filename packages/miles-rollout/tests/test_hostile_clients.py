@@ -21,32 +21,88 @@ NESTED_LOOPS = "{% for a in range(10**6) %}{% for b in range(10**6) %}x{% endfor
 
 # (what it is, method, path, keyword arguments of httpx's request, the statuses it may get)
 HOSTILE: list[tuple[str, str, str, dict[str, Any], set[int]]] = [
-    ("stop id outside the vocabulary", "POST", "/generate",
-     {"json": {"input_ids": [1, 2, 3], "sampling_params": {"min_new_tokens": 1, "stop_token_ids": [100000]}}}, {400}),
+    (
+        "stop id outside the vocabulary",
+        "POST",
+        "/generate",
+        {"json": {"input_ids": [1, 2, 3], "sampling_params": {"min_new_tokens": 1, "stop_token_ids": [100000]}}},
+        {400},
+    ),
     ("prompt id >= 2^63", "POST", "/generate", {"json": {"input_ids": [1, 2, 1 << 63]}}, {400}),
-    ("catastrophic stop regex", "POST", "/generate",
-     {"json": {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True,
-                                                            "stop_regex": r"([\s\S]+)+QQQQQ"}}}, {200}),
-    ("backreference stop regex", "POST", "/generate",
-     {"json": {"input_ids": [1, 2, 3], "sampling_params": {"stop_regex": r"(a+)\1"}}}, {400}),
-    ("client chat template with nested loops", "POST", "/v1/chat/completions",
-     {"json": {"messages": [{"role": "user", "content": "hi"}],
-               "chat_template_kwargs": {"chat_template": NESTED_LOOPS}}}, {400}),
-    ("unknown chat template kwarg", "POST", "/v1/chat/completions",
-     {"json": {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": False}}},
-     {400}),
-    ("5,000-digit number", "POST", "/generate", {"content": b"9" * 5000,
-                                                 "headers": {"content-type": "application/json"}}, {400}),
-    ("deep nesting", "POST", "/generate", {"content": b"[" * 100_000 + b"]" * 100_000,
-                                           "headers": {"content-type": "application/json"}}, {400}),
-    ("admin POST as text/plain", "POST", "/abort_request",
-     {"content": b'{"abort_all": true}', "headers": {"content-type": "text/plain"}}, {415}),
+    (
+        "catastrophic stop regex",
+        "POST",
+        "/generate",
+        {
+            "json": {
+                "input_ids": [1, 2, 3],
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "stop_regex": r"([\s\S]+)+QQQQQ"},
+            }
+        },
+        {200},
+    ),
+    (
+        "backreference stop regex",
+        "POST",
+        "/generate",
+        {"json": {"input_ids": [1, 2, 3], "sampling_params": {"stop_regex": r"(a+)\1"}}},
+        {400},
+    ),
+    (
+        "client chat template with nested loops",
+        "POST",
+        "/v1/chat/completions",
+        {
+            "json": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"chat_template": NESTED_LOOPS},
+            }
+        },
+        {400},
+    ),
+    (
+        "unknown chat template kwarg",
+        "POST",
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": False}}},
+        {400},
+    ),
+    (
+        "5,000-digit number",
+        "POST",
+        "/generate",
+        {"content": b"9" * 5000, "headers": {"content-type": "application/json"}},
+        {400},
+    ),
+    (
+        "deep nesting",
+        "POST",
+        "/generate",
+        {"content": b"[" * 100_000 + b"]" * 100_000, "headers": {"content-type": "application/json"}},
+        {400},
+    ),
+    (
+        "admin POST as text/plain",
+        "POST",
+        "/abort_request",
+        {"content": b'{"abort_all": true}', "headers": {"content-type": "text/plain"}},
+        {415},
+    ),
     ("DNS-rebound Host", "GET", "/weight_buckets", {"headers": {"host": "attacker.example"}}, {400, 421}),
-    ("cross-site admin POST", "POST", "/pause_generation",
-     {"json": {"mode": "abort"}, "headers": {"origin": "http://attacker.example", "sec-fetch-site": "cross-site"}},
-     {403}),
-    ("oversize body", "POST", "/generate", {"content": b" " * (65 << 20),
-                                            "headers": {"content-type": "application/json"}}, {413}),
+    (
+        "cross-site admin POST",
+        "POST",
+        "/pause_generation",
+        {"json": {"mode": "abort"}, "headers": {"origin": "http://attacker.example", "sec-fetch-site": "cross-site"}},
+        {403},
+    ),
+    (
+        "oversize body",
+        "POST",
+        "/generate",
+        {"content": b" " * (65 << 20), "headers": {"content-type": "application/json"}},
+        {413},
+    ),
 ]
 
 
