@@ -137,14 +137,15 @@ def main() -> None:
 
     out["megatron_core"] = megatron.core.__version__
     emulation = megatron_on_cpu() if args.device == "cpu" else contextlib.nullcontext()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out["step_parity"] = []
     with tempfile.TemporaryDirectory() as tmp, emulation:
-        out["step_parity"] = [
-            step_parity(kind, dtype, args.device, Path(tmp))
-            for kind in ("dense", "moe") for dtype in ("float32", "bfloat16")
-        ]  # fmt: skip
+        for kind in ("dense", "moe"):
+            for dtype in ("float32", "bfloat16"):
+                out["step_parity"].append(step_parity(kind, dtype, args.device, Path(tmp)))
+                args.out.write_text(json.dumps(out, indent=2) + "\n")  # after each case: a run cut short keeps it
     if args.device == "cuda" and args.rl_steps:
         out["rl_run"] = rl_run(args.rl_steps, args.out.parent)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 

@@ -197,7 +197,7 @@ def http_refusals(engine: Engine, body: dict[str, Any]) -> httpx.Response:
 
     async def post() -> httpx.Response:
         transport = httpx.ASGITransport(app=create_app(engine))
-        async with httpx.AsyncClient(transport=transport, base_url="http://engine.test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post("/generate", json=body)
 
     return asyncio.run(post())
