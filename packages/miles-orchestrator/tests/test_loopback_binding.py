@@ -53,7 +53,7 @@ def test_a_one_node_run_listens_on_loopback_only(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["node_ip"] == "127.0.0.1" and seen["master"][0] == "127.0.0.1"
+    assert seen["node_ip"] == "127.0.0.1" and seen["master"][0] == "127.0.0.1", seen
     names = {name for name, _, _ in seen["listening"]}
     assert {"gcs_server", "raylet"} <= names, seen["listening"]
     assert seen["master"][1] in {port for _, _, port in seen["listening"]}  # rank 0's store
