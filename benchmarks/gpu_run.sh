@@ -17,7 +17,7 @@ SRC=packages/miles-contracts/src:packages/miles-kernels/src:packages/miles-memor
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 if [[ "${1:-}" == "--dry-run" ]]; then
-    PY=(uv run --extra megatron python)
+    PY=(uv run --with megatron-core==0.16.1 python)
     KERNELS=(--quick) MEMORY=(--device cpu --tokens 512 --sequence-length 128) MEGATRON=(--device cpu)
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -45,10 +45,10 @@ part() {  # part SECONDS NAME COMMAND...: run one part under a time limit, its o
     echo "=== $name: exit $? after $((SECONDS - began))s" >> "$LOG"
 }
 
-part 170 kernels_ops "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts on_policy ops --repeats 5 \
+part 150 kernels_ops "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts on_policy ops --repeats 5 \
     --out "$OUT/kernels_gpu.json"
-part 90 memory "${PY[@]}" benchmarks/memory_gpu.py "${MEMORY[@]}" --out "$OUT/memory_gpu.json"
-part 110 megatron "${PY[@]}" benchmarks/megatron_gpu.py "${MEGATRON[@]}" --out "$OUT/megatron_gpu.json"
-part 150 kernels_model "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts model --repeats 5 \
+part 80 memory "${PY[@]}" benchmarks/memory_gpu.py "${MEMORY[@]}" --out "$OUT/memory_gpu.json"
+part 100 megatron "${PY[@]}" benchmarks/megatron_gpu.py "${MEGATRON[@]}" --out "$OUT/megatron_gpu.json"
+part 130 kernels_model "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts model --repeats 5 \
     --out "$OUT/kernels_gpu_model.json"
 grep "^===" "$LOG"

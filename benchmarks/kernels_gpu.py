@@ -14,7 +14,10 @@ One prepared script for a lent GPU (about 5 minutes on an H200); writes one JSON
   paged-cache driver (`PagedRunner`: the model's arithmetic, not the rollout engine's scheduler) against Hugging
   Face `generate`.
 - `on_policy`: the trainer's packed forward against the engine's schedule (prefill, then decode steps over the paged
-  cache) on the Triton kernels, on the GPU: rows that differ (0 is true on-policy).
+  cache) on the GPU, float32 and bf16, on the Triton kernels and on the torch deterministic ops (what `auto` picks
+  today): rows that differ (0 is true on-policy).
+
+Each measurement that raises records its traceback instead of a number, and the others still run.
 
     python benchmarks/kernels_gpu.py --out $OUT/kernels_gpu.json            # on the GPU machine
     uv run python benchmarks/kernels_gpu.py --quick --out /tmp/kernels_gpu_dry.json   # CPU dry run (interpreter)
@@ -33,6 +36,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,6 +81,14 @@ def invariance(op: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, s
     return worst
 
 
+def guarded(fn: Callable[[], Any]) -> Any:
+    """fn(), or its traceback: a kernel that fails on this GPU leaves the others their measurements."""
+    try:
+        return fn()
+    except Exception:
+        return {"error": traceback.format_exc(limit=6)}
+
+
 def ops_part(device: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
     dtype = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
@@ -91,23 +103,27 @@ def ops_part(device: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
     for m in [1, 64] if quick else [1, 64, 512, 4096]:
         x = torch.randn(m, hidden, device=device, dtype=dtype, generator=gen)
         results[f"matmul_m{m}"] = {
-            name: median_ms(lambda c=c, x=x: linear(x, weight, c), repeats) for name, c in configs.items()
+            name: guarded(lambda c=c, x=x: median_ms(lambda: linear(x, weight, c), repeats))
+            for name, c in configs.items()
         }
     big = torch.randn(300 if not quick else 40, hidden, device=device, dtype=dtype, generator=gen)
     sizes = [3, 17, 20, len(big)]
     results["matmul_invariance"] = {
-        name: invariance(lambda rows, c=c: linear(rows, weight, c), big, sizes) for name, c in configs.items()
+        name: guarded(lambda c=c: invariance(lambda rows: linear(rows, weight, c), big, sizes))
+        for name, c in configs.items()
     }
     rows = torch.randn(64 if quick else 4096, hidden, device=device, dtype=dtype, generator=gen)
     norm_weight = torch.randn(hidden, device=device, dtype=dtype, generator=gen)
     sizes = [3, 17, len(rows)]
-    results["rms_norm"] = {
-        "triton": median_ms(lambda: norm.rms_norm(rows, norm_weight, 1e-6), repeats),
-        "torch_deterministic": median_ms(lambda: rms_norm(rows, norm_weight, 1e-6), repeats),
-        "fast": median_ms(lambda: F.rms_norm(rows, (hidden,), norm_weight, 1e-6), repeats),
-        "invariance_triton": invariance(lambda r: norm.rms_norm(r, norm_weight, 1e-6), rows, sizes),
-        "invariance_torch_deterministic": invariance(lambda r: rms_norm(r, norm_weight, 1e-6), rows, sizes),
-    }
+    results["rms_norm"] = guarded(
+        lambda: {
+            "triton": median_ms(lambda: norm.rms_norm(rows, norm_weight, 1e-6), repeats),
+            "torch_deterministic": median_ms(lambda: rms_norm(rows, norm_weight, 1e-6), repeats),
+            "fast": median_ms(lambda: F.rms_norm(rows, (hidden,), norm_weight, 1e-6), repeats),
+            "invariance_triton": invariance(lambda r: norm.rms_norm(r, norm_weight, 1e-6), rows, sizes),
+            "invariance_torch_deterministic": invariance(lambda r: rms_norm(r, norm_weight, 1e-6), rows, sizes),
+        }
+    )
     logits = torch.randn(16 if quick else 256, vocab, device=device, dtype=dtype, generator=gen) * 3
     tokens = torch.randint(0, vocab, (len(logits),), device=device, generator=gen)
     temperatures = torch.ones(len(logits), 1, device=device)
@@ -115,12 +131,14 @@ def ops_part(device: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
     def row_logsumexp(r: torch.Tensor) -> torch.Tensor:  # a row's whole log-softmax is its logits minus this
         return logsoftmax.logsumexp(r, temperatures[: len(r)])[:, None]
 
-    results["token_logprobs"] = {
-        "triton": median_ms(lambda: logsoftmax.token_logprobs(logits, tokens, temperatures), repeats),
-        "torch": median_ms(lambda: token_logprobs(logits, tokens, temperatures), repeats),
-        "invariance_triton": invariance(row_logsumexp, logits, [3, 9, len(logits)]),
-    }
-    results |= attention_ops(device, quick, repeats, heads, kv_heads, head_dim)
+    results["token_logprobs"] = guarded(
+        lambda: {
+            "triton": median_ms(lambda: logsoftmax.token_logprobs(logits, tokens, temperatures), repeats),
+            "torch": median_ms(lambda: token_logprobs(logits, tokens, temperatures), repeats),
+            "invariance_triton": invariance(row_logsumexp, logits, [3, 9, len(logits)]),
+        }
+    )
+    results["attention"] = guarded(lambda: attention_ops(device, quick, repeats, heads, kv_heads, head_dim))
     return results
 
 
@@ -172,7 +190,9 @@ def model_part(device: torch.device, quick: bool, repeats: int) -> dict[str, Any
     batch, context, new_tokens, prefill = (4, 16, 4, 32) if quick else (64, 128, 128, 2048)
     results: dict[str, Any] = {}
     for name, fields in shapes.items():
-        results[name] = measure_model(fields, device, repeats, (batch, context, new_tokens, prefill))
+        results[name] = guarded(
+            lambda f=fields: measure_model(f, device, repeats, (batch, context, new_tokens, prefill))
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results
@@ -231,31 +251,29 @@ def hf_generate_rate(hf: Any, prompts: torch.Tensor, new_tokens: int) -> float:
     return prompts.shape[0] * new_tokens / (time.perf_counter() - start)
 
 
-def on_policy_part(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Trainer (packed forward) vs engine (prefill + decode steps over the paged cache) on the Triton kernels."""
+def on_policy(device: torch.device, quick: bool, dtype: str, backend: str) -> dict[str, Any]:
+    """Trainer (packed forward) vs engine (prefill + decode steps over the paged cache), one dtype, on the Triton
+    kernels (`backend` triton) or on the torch deterministic ops (`backend` torch: what `auto` picks today)."""
     from miles_kernels.testing import random_model
 
     fields = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128} if quick else dict(BENCHMARK_MODEL)
-    results: dict[str, Any] = {}
-    for dtype in ("float32", "bfloat16"):
-        kernel = KernelConfig(dtype=dtype, **TRITON)
-        model = random_model(tiny_config("dense", **fields), kernel, seed=0).to(device)
-        gen = torch.Generator().manual_seed(0)
-        seqs = [torch.randint(0, fields["vocab_size"], (n,), generator=gen).to(device) for n in (37, 5, 80, 16)]
-        with torch.no_grad():
-            reference = packed_logits(model, seqs)
-            runner = PagedRunner(model)
-            outputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
-            for seq, logits in runner.step({i: s[: len(s) // 2] for i, s in enumerate(seqs)}).items():
+    kernel = KernelConfig(dtype=dtype, **(TRITON if backend == "triton" else {}))  # type: ignore[arg-type]
+    model = random_model(tiny_config("dense", **fields), kernel, seed=0).to(device)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, fields["vocab_size"], (n,), generator=gen).to(device) for n in (37, 5, 80, 16)]
+    with torch.no_grad():
+        reference = packed_logits(model, seqs)
+        runner = PagedRunner(model)
+        outputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
+        for seq, logits in runner.step({i: s[: len(s) // 2] for i, s in enumerate(seqs)}).items():
+            outputs[seq].append(logits)
+        for t in range(max(len(s) - len(s) // 2 for s in seqs)):
+            step = {i: s[len(s) // 2 + t :][:1] for i, s in enumerate(seqs) if len(s) // 2 + t < len(s)}
+            for seq, logits in runner.step(step).items():
                 outputs[seq].append(logits)
-            for t in range(max(len(s) - len(s) // 2 for s in seqs)):
-                step = {i: s[len(s) // 2 + t :][:1] for i, s in enumerate(seqs) if len(s) // 2 + t < len(s)}
-                for seq, logits in runner.step(step).items():
-                    outputs[seq].append(logits)
-        rows = [(torch.cat(outputs[i]) != reference[i]).any(-1).sum().item() for i in range(len(seqs))]
-        diff = max((torch.cat(outputs[i]) - reference[i]).abs().max().item() for i in range(len(seqs)))
-        results[dtype] = {"rows": sum(len(s) for s in seqs), "rows_differing": int(sum(rows)), "max_abs_diff": diff}
-    return results
+    rows = [(torch.cat(outputs[i]) != reference[i]).any(-1).sum().item() for i in range(len(seqs))]
+    diff = max((torch.cat(outputs[i]) - reference[i]).abs().max().item() for i in range(len(seqs)))
+    return {"rows": sum(len(s) for s in seqs), "rows_differing": int(sum(rows)), "max_abs_diff": diff}
 
 
 def main() -> None:
@@ -283,7 +301,10 @@ def main() -> None:
         if part == "ops":
             results["ops"] = ops_part(device, args.quick, args.repeats)
         elif part == "on_policy":
-            results["on_policy"] = on_policy_part(device, args.quick)
+            results["on_policy"] = {
+                f"{backend}_{dtype}": guarded(lambda b=backend, d=dtype: on_policy(device, args.quick, d, b))
+                for backend in ("triton", "torch") for dtype in ("float32", "bfloat16")
+            }  # fmt: skip
         else:
             results["model"] = model_part(device, args.quick, args.repeats)
         results[f"{part}_seconds"] = time.perf_counter() - began
