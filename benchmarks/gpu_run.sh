@@ -7,8 +7,10 @@
 # goes, so a part cut short keeps what it measured. Order: what the issue asks first (trainer vs engine bits on CUDA,
 # batch invariance and per-op speed; planner vs the allocator; Megatron step parity), the ~0.9B end to end last.
 #
-#     bash benchmarks/gpu_run.sh            # on the GPU machine, OUT set; about 8 minutes at most
-#     OUT=/tmp/gpu_dry bash benchmarks/gpu_run.sh --dry-run   # here: the same steps on the CPU at tiny sizes
+#     bash benchmarks/gpu_run.sh [PART...]   # on the GPU machine, OUT set; about 8 minutes at most
+#     OUT=/tmp/gpu_dry bash benchmarks/gpu_run.sh --dry-run [PART...]   # here: the same steps on the CPU, tiny sizes
+#
+# PART: kernels_ops, megatron, memory, kernels_model (all of them when none is named).
 set -u
 : "${OUT:?set OUT to the folder the results go to}"
 mkdir -p "$OUT"
@@ -16,7 +18,14 @@ LOG="$OUT/log.txt"
 SRC=packages/miles-contracts/src:packages/miles-kernels/src:packages/miles-memory/src:packages/miles-trainer/src
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then
+    DRY=1
+    shift
+fi
+PARTS=("${@:-kernels_ops megatron memory kernels_model}")
+PARTS=(${PARTS[*]})
+if ((DRY)); then
     PY=(uv run --with megatron-core==0.16.1 python)
     KERNELS=(--quick) MEMORY=(--device cpu --tokens 512 --sequence-length 128) MEGATRON=(--device cpu)
 else
@@ -39,6 +48,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton._
 part() {  # part SECONDS NAME COMMAND...: run one part under a time limit, its output appended to the log
     local seconds=$1 name=$2
     shift 2
+    [[ " ${PARTS[*]} " == *" ${name%%_ckpt} "* ]] || return 0
     local began=$SECONDS
     echo "=== $name (limit ${seconds}s)" >> "$LOG"
     timeout --kill-after=10 "$seconds" "$@" >> "$LOG" 2>&1
@@ -47,8 +57,11 @@ part() {  # part SECONDS NAME COMMAND...: run one part under a time limit, its o
 
 part 150 kernels_ops "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts on_policy ops --repeats 5 \
     --out "$OUT/kernels_gpu.json"
-part 80 memory "${PY[@]}" benchmarks/memory_gpu.py "${MEMORY[@]}" --out "$OUT/memory_gpu.json"
-part 100 megatron "${PY[@]}" benchmarks/megatron_gpu.py "${MEGATRON[@]}" --out "$OUT/megatron_gpu.json"
-part 130 kernels_model "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts model --repeats 5 \
+part 90 megatron "${PY[@]}" benchmarks/megatron_gpu.py "${MEGATRON[@]}" --out "$OUT/megatron_gpu.json"
+# one process per checkpointing mode: the second step's peak must not hold the first backend's memory
+part 45 memory "${PY[@]}" benchmarks/memory_gpu.py "${MEMORY[@]}" --checkpointing off --out "$OUT/memory_gpu.json"
+part 45 memory_ckpt "${PY[@]}" benchmarks/memory_gpu.py "${MEMORY[@]}" --checkpointing on \
+    --out "$OUT/memory_gpu_checkpointing.json"
+part 200 kernels_model "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts model --repeats 5 \
     --out "$OUT/kernels_gpu_model.json"
 grep "^===" "$LOG"

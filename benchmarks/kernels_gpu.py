@@ -10,7 +10,7 @@ One prepared script for a lent GPU (about 5 minutes on an H200); writes one JSON
 - `model`: one prefill and decode steps (64 sequences, 128 cached tokens) of the kernels benchmark model and a
   ~0.9B Qwen3 (hidden 2048, 16 layers, vocab 32,000), bf16, random weights: deterministic on the Triton kernels
   (`linear_backend` / `attention_backend` = triton), deterministic on the torch ops, fast mode, and Hugging Face's
-  forward; and greedy generation throughput (64 prompts of 128 tokens, 128 new tokens each) through the model's
+  forward; and greedy generation throughput (64 prompts of 128 tokens, 32 new tokens each) through the model's
   paged-cache driver (`PagedRunner`: the model's arithmetic, not the rollout engine's scheduler) against Hugging
   Face `generate`.
 - `on_policy`: the trainer's packed forward against the engine's schedule (prefill, then decode steps over the paged
@@ -183,16 +183,19 @@ def attention_ops(
     return out
 
 
-def model_part(device: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
+def model_part(
+    device: torch.device, quick: bool, repeats: int, save: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
     shapes = {"benchmark": dict(BENCHMARK_MODEL), "qwen3_0.9b": ONE_B}
     if quick:
         shapes = {"tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}}
-    batch, context, new_tokens, prefill = (4, 16, 4, 32) if quick else (64, 128, 128, 2048)
+    batch, context, new_tokens, prefill = (4, 16, 4, 32) if quick else (64, 128, 32, 2048)
     results: dict[str, Any] = {}
     for name, fields in shapes.items():
         results[name] = guarded(
             lambda f=fields: measure_model(f, device, repeats, (batch, context, new_tokens, prefill))
         )
+        save(results)  # after each model: a run cut short keeps the models it measured
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results
@@ -306,7 +309,12 @@ def main() -> None:
                 for backend in ("triton", "torch") for dtype in ("float32", "bfloat16")
             }  # fmt: skip
         else:
-            results["model"] = model_part(device, args.quick, args.repeats)
+            results["model"] = model_part(
+                device,
+                args.quick,
+                args.repeats,
+                lambda so_far: out.write_text(json.dumps(results | {"model": so_far})),
+            )
         results[f"{part}_seconds"] = time.perf_counter() - began
         out.write_text(json.dumps(results, indent=2))
         print(f"{part}: {json.dumps(results[part])[:2000]}", flush=True)

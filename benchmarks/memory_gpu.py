@@ -91,12 +91,19 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--sequence-length", type=int, default=1024)
+    parser.add_argument(
+        "--checkpointing",
+        choices=["off", "on", "both"],
+        default="both",
+        help="activation checkpointing of the measured step; run one per process for a clean peak",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: use --device cpu for a dry run", file=sys.stderr)
         return 2
-    runs = [measure(args.device, args.tokens, args.sequence_length, ckpt) for ckpt in (False, True)]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
+    runs = [measure(args.device, args.tokens, args.sequence_length, ckpt) for ckpt in modes]
     result = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)",
         "torch": torch.__version__, "command": "uv run python benchmarks/memory_gpu.py " + " ".join(sys.argv[1:]),

@@ -53,6 +53,14 @@ def init_parallel(config: MegatronConfig) -> None:
         virtual_pipeline_model_parallel_size=virtual_stages(config), context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
     )  # fmt: skip
+    import torch
+
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        # Megatron's layers fork this tracker's model-parallel CUDA generator (dropout, initialization) on a GPU; its
+        # states exist only once seeded (Megatron's own default seed). On the CPU `megatron_on_cpu` stands in for it.
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
 def rank_layout(model: ModelConfig, config: MegatronConfig, vp_stage: int | None = None) -> RankLayout:
