@@ -53,8 +53,13 @@ def init_parallel(config: MegatronConfig) -> None:
         virtual_pipeline_model_parallel_size=virtual_stages(config), context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
     )  # fmt: skip
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     import torch
 
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16 defines te_general_gemm only where Transformer Engine imports, but its MoE router reads it
+        # either way (a NameError on a GPU without TE): None takes the router's torch.mm path, as TE's absence means.
+        moe_utils.te_general_gemm = None
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
