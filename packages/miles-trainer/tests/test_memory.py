@@ -7,6 +7,7 @@ offload plan and the per-step memory metrics are what the tensors hold."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -192,3 +193,16 @@ def test_the_planner_counts_every_tensor_of_each_family(kind: str, tied: bool) -
     assert shape.params() == sum(t.numel() for t in tensors.values())
     expert_free = sorted(((tuple(t.shape), 1) for name, t in tensors.items() if ".experts." not in name))
     assert [p for p in planned if p[1] == 1] == expert_free
+
+
+def test_no_graph_outlives_a_step(model_dir: str, tmp_path) -> None:
+    """The entropy (a metric at entropy_coef 0) is computed outside autograd, and what the activation meter keeps
+    holds no grad_fn: after a step no tensor of an autograd graph is left (each one left would stay for good)."""
+    samples, advantages = batch()
+    trainer = backend(model_dir, tmp_path=tmp_path)
+    for _ in range(2):
+        metrics = trainer.train_step(samples, advantages)
+    gc.collect()
+    left = [tuple(t.shape) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    assert not left, f"tensors of an autograd graph outlive the step: {left}"
+    assert metrics["entropy"] > 1.0  # still reported

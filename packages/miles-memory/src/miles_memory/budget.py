@@ -124,16 +124,20 @@ class ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        # Parameters and their views (a transposed or expanded weight) are weights, not activations: FSDP's gathered
-        # copies among them are freed after the forward whatever autograd keeps.
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        # What is kept is `tensor.detach()`: the same storage and version counter without the grad_fn. A node that
+        # saves its own output (exp, log_softmax, ...) would otherwise hold it through its grad_fn, back to the node:
+        # a cycle through autograd's C++ graph that Python's collector cannot break, so a graph never backpropagated
+        # (a metric computed with grad) would keep its saved tensors alive for good.
+        if isinstance(tensor, torch.nn.Parameter):
             return tensor
-        if tensor.device.type == "meta":
-            return tensor
+        # Views of parameters (a transposed or expanded weight) are weights, not activations: FSDP's gathered copies
+        # among them are freed after the forward whatever autograd keeps.
+        if isinstance(tensor._base, torch.nn.Parameter) or tensor.device.type == "meta":
+            return tensor.detach()
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if not storage.nbytes() or ptr in self._held_storages:
-            return tensor
+            return tensor.detach()
         entry = self._live.get(ptr)
         if entry is None:
             self._live[ptr] = [storage.nbytes(), 1]
@@ -145,7 +149,7 @@ class ActivationMeter:
                     raise out_of_memory(self.overrun)
         else:
             entry[1] += 1
-        return _Saved(self, tensor, ptr)
+        return _Saved(self, tensor.detach(), ptr)
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:

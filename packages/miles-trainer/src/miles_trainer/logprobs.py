@@ -25,11 +25,13 @@ def micro_batch_forward(
     with_entropy: bool = False,
     with_hidden: bool = False,
     replay: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """float32 log-prob of each response token of the micro-batch (K,) and, when asked, the entropy of
     softmax(logits / T) on the row that predicts it (K,) and the final-norm hidden states of every packed row
     (N, H), which a value head or an auxiliary loss reads. `replay`: the MoE layers use the micro-batch's recorded
-    routing (routing replay)."""
+    routing (routing replay). `entropy_grad` False: the entropy is computed outside autograd (a metric only: no graph,
+    none of its K x V float32 intermediates kept for the backward); its values are the same."""
     device = _device(model)
     routing = None
     if replay:
@@ -40,7 +42,10 @@ def micro_batch_forward(
     logits_KV = model.logits(hidden[micro.score_rows_K.to(device)])
     temps = logits_KV.new_full((logits_KV.shape[0], 1), 1.0 if temperature == 0.0 else temperature)
     logprobs = token_logprobs(logits_KV, micro.target_ids_K.to(device), temps)
-    entropy = entropy_from_logits(logits_KV / temps) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = entropy_from_logits(logits_KV / temps)
     return logprobs, entropy, hidden if with_hidden else None
 
 

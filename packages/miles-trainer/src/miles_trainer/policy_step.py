@@ -126,6 +126,7 @@ class PolicyStep:
             with_entropy=True,
             with_hidden=self.joint_value is not None or bool(self.aux_losses),
             replay=self.routing_replay,
+            entropy_grad=config.entropy_coef > 0,  # else only reported
         )
         assert entropy_K is not None
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
