@@ -176,3 +176,28 @@ async def test_a_caller_that_gives_up_frees_its_request(engine: Engine) -> None:
     task.cancel()
     stats = await engine.wait_until(lambda s: s["num_running"] == 0 and s["num_waiting"] == 0, timeout=5)
     assert stats["num_generated_tokens"] < 400  # aborted, not run to max_new_tokens
+
+
+def test_a_caller_whose_event_loop_is_gone_leaves_the_others_their_results(engine: Engine) -> None:
+    """An in-process caller's loop closes while its request runs (its `asyncio.run` returned, say, once it had what
+    it streamed): handing that request's result to the closed loop is not an engine error, and the victim decoding
+    beside it finishes with its bits."""
+    alone = asyncio.run(engine.generate(VICTIM))[0]
+    orphan = GenerateRequest(input_ids=[20, 21, 22], rid="orphan",
+                             sampling_params=SamplingParams(max_new_tokens=20, ignore_eos=True))  # fmt: skip
+
+    def send_and_leave() -> None:
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(engine.generate(orphan))  # never awaited again: its loop closes below
+        loop.run_until_complete(engine.wait_until(lambda s: s["num_running"] >= 2))
+        loop.close()
+        assert not task.done()
+
+    async def main() -> Any:
+        victim = asyncio.create_task(engine.generate(VICTIM))
+        await engine.wait_until(lambda s: s["num_running"] > 0 and s["num_generated_tokens"] >= 2)
+        await asyncio.to_thread(send_and_leave)
+        await engine.wait_until(lambda s: s["num_running"] == 1)  # the orphan finished while the victim decodes
+        return (await victim)[0]
+
+    assert bits(asyncio.run(main())) == bits(alone)

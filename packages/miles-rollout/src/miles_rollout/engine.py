@@ -30,7 +30,7 @@ from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
 from miles_rollout.intake import Intake
-from miles_rollout.scheduler import Scheduler, set_exception, set_result
+from miles_rollout.scheduler import Scheduler, deliver, set_exception, set_result
 from miles_rollout.sequence import Group
 from miles_rollout.streaming import StreamChannel, StreamEvent
 from miles_rollout.weight_receiver import WeightReceiver
@@ -366,9 +366,9 @@ class Engine:
         for condition, future, loop in watchers:
             try:
                 if condition(stats):
-                    loop.call_soon_threadsafe(set_result, future, dict(stats))
+                    deliver(loop, set_result, future, dict(stats))
             except Exception as error:  # a broken condition fails its waiter, never the engine
-                loop.call_soon_threadsafe(set_exception, future, error)
+                deliver(loop, set_exception, future, error)
 
     @property
     def may_generate(self) -> bool:
@@ -385,7 +385,7 @@ class Engine:
                 if not self.may_generate:  # the requests holding KV will not run until continued: refuse
                     with self._lock:
                         self._controls.popleft()
-                    loop.call_soon_threadsafe(set_exception, future, EngineError(
+                    deliver(loop, set_exception, future, EngineError(
                         f"generation is paused {self.paused or 'for a weight update'} with requests holding KV; "
                         "call /continue_generation first, or pause with mode abort or retract", 409))  # fmt: skip
                     continue
@@ -395,12 +395,12 @@ class Engine:
             try:
                 result = fn()
             except EngineError as error:
-                loop.call_soon_threadsafe(set_exception, future, error)
+                deliver(loop, set_exception, future, error)
             except Exception as error:  # report, never crash the engine thread
                 logger.exception("control operation failed")
-                loop.call_soon_threadsafe(set_exception, future, EngineError(f"{type(error).__name__}: {error}", 500))
+                deliver(loop, set_exception, future, EngineError(f"{type(error).__name__}: {error}", 500))
             else:
-                loop.call_soon_threadsafe(set_result, future, result)
+                deliver(loop, set_result, future, result)
 
     # ------------------------------------------------------------------ info
 

@@ -18,8 +18,10 @@ sequence's is returned with it (routed_experts.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -223,7 +225,7 @@ class Scheduler:
         self._reserved -= group.reserved_pages
         group.reserved_pages = 0
         if group.future is not None and group.loop is not None:
-            group.loop.call_soon_threadsafe(set_exception, group.future, EngineError(message, 500))
+            deliver(group.loop, set_exception, group.future, EngineError(message, 500))
 
     def _fail_groups(self, failed: dict[int, tuple[Group, BaseException]]) -> None:
         for group, error in failed.values():
@@ -243,7 +245,7 @@ class Scheduler:
         self._reserved = 0
         for group in groups.values():
             if group.future is not None and group.loop is not None:
-                group.loop.call_soon_threadsafe(set_exception, group.future, EngineError(message, 500))
+                deliver(group.loop, set_exception, group.future, EngineError(message, 500))
 
     def _admit(self) -> None:
         self._admit_retracted()
@@ -715,11 +717,24 @@ class Scheduler:
             for seq, response in zip(group.sequences, responses, strict=True):
                 group.on_progress(seq.sample_index, response, True)
         if group.future is not None and group.loop is not None:
-            group.loop.call_soon_threadsafe(set_result, group.future, responses)
+            deliver(group.loop, set_result, group.future, responses)
 
 
 def _has_stops(params: SamplingParams) -> bool:
     return bool(params.stop_strings() or params.stop_regexes())
+
+
+def deliver(
+    loop: asyncio.AbstractEventLoop,
+    callback: Callable[[asyncio.Future[Any], Any], None],
+    future: asyncio.Future[Any],
+    value: Any,
+) -> None:
+    """Engine thread: hand `value` to `future` on its loop (`callback`: `set_result` or `set_exception`). A closed loop
+    means its caller is gone (an in-process caller's `asyncio.run` returned, say, once it had what it streamed):
+    nothing to hand over, and never an error of the engine's step, which would fail every other caller's requests."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, future, value)
 
 
 def set_result(future: asyncio.Future[Any], value: Any) -> None:
