@@ -48,7 +48,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton._
 part() {  # part SECONDS NAME COMMAND...: run one part under a time limit, its output appended to the log
     local seconds=$1 name=$2
     shift 2
-    [[ " ${PARTS[*]} " == *" ${name%%_ckpt} "* ]] || return 0
+    [[ " ${PARTS[*]} " == *" ${name%%_ckpt} "* ]] || return 0  # memory_ckpt runs with the part memory
     local began=$SECONDS
     echo "=== $name (limit ${seconds}s)" >> "$LOG"
     timeout --kill-after=10 "$seconds" "$@" >> "$LOG" 2>&1
