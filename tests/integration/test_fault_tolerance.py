@@ -11,6 +11,11 @@ trainer rank fails stop cleanly and resume exactly (docs/fault-tolerance.md).
 - One colocated engine, no router, weights through shared memory (the default run): the engine is SIGKILLed and
   comes back from the weight file; then the trainer rank is SIGKILLed after a checkpoint: the run stops at once
   naming it, and `--resume` ends with every step and the final weights of the uninterrupted run.
+- An engine killed in each phase of a step (engine_faults.py: the kill lands inside the phase), two engines:
+  colocated and synchronous with shared-memory weights (rollout; reward; evaluation; training, the engines' memory
+  released; weight sync, between the trainer's write and the engines' load), every step bit for bit the
+  uninterrupted run's; and apart, overlapped (`run.mode=one_step_off`) with weights posted as buckets (rollout,
+  reward, training, a bucket post, evaluation), every step there once with its full batch.
 """
 
 from __future__ import annotations
@@ -28,13 +33,18 @@ from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, history, policy_d
 from safetensors.torch import load_file
 
 FAST_CHECKS = ["rollout.fault_tolerance.check_interval_s=1", "rollout.fault_tolerance.check_timeout_s=5"]
+# The plug-ins that kill an engine in a chosen phase (engine_faults.py), and held-out evaluation to kill one in.
+FAULT_PLUGINS = [
+    "rollout.rollout_fn=engine_faults:rollout", "reward.name=engine_faults:reward",
+    "trainer.loss.loss_fn=engine_faults:loss", "run.eval_every=3", "data.num_eval_prompts=16",
+]  # fmt: skip
 
 
 class Run:
     """`miles-orchestrator run ARGS` in its own process group, its stderr in a file."""
 
-    def __init__(self, args: list[str], cache: Path, stderr: Path) -> None:
-        env = {**os.environ, "MILES_CACHE_DIR": str(cache)}
+    def __init__(self, args: list[str], cache: Path, stderr: Path, env_extra: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(env_extra or {}), "MILES_CACHE_DIR": str(cache)}
         self.stderr_path = stderr
         with open(stderr, "w") as err:
             self.process = subprocess.Popen(["miles-orchestrator", "run", "--quiet", *args], env=env,
@@ -138,3 +148,53 @@ def test_a_lone_engine_comes_back_then_a_killed_trainer_rank_stops_the_run_and_r
         want, got = load_file(path), load_file(run_dir / "final" / path.name)
         for key, value in want.items():
             assert torch.equal(got[key], value), f"{path.name}: {key}"
+
+
+def run_with_faults(cache: Path, tmp_path: Path, plan: dict[str, list[int]], *args: str) -> tuple[Path, Path]:
+    """`INTERRUPTED` with two engines and an engine killed per `plan` (engine_faults.py); its run and faults dirs."""
+    run_dir, faults = tmp_path / "run", tmp_path / "faults"
+    faults.mkdir()
+    env = {"MILES_TEST_ENGINE_FAULTS": json.dumps(plan), "MILES_TEST_RUN_DIR": str(run_dir),
+           "MILES_TEST_FAULTS_DIR": str(faults), "PYTHONPATH": str(Path(__file__).parent)}  # fmt: skip
+    run = Run([f"model.path={policy_dir(cache)}", *INTERRUPTED, *FAST_CHECKS, *FAULT_PLUGINS, "rollout.num_engines=2",
+               f"run.run_dir={run_dir}", *args], cache, tmp_path / "stderr", env)  # fmt: skip
+    assert run.wait(timeout=800) == 0, run.stderr[-5000:]
+    killed = {phase: json.loads((faults / phase).read_text()) for phase in plan if (faults / phase).is_file()}
+    assert set(killed) == set(plan), f"phases that never fired: {set(plan) - set(killed)}"
+    rows = history(run_dir)
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2, 3, 4, 5, 6], "a step was lost or repeated"
+    assert sum(r.get("engine_restarts", 0) for r in rows) == len(plan)
+    assert all(r.get("num_failed_groups", 0) == 0 and r.get("num_reward_failures", 0) == 0 for r in rows)
+    assert [r["step"] for r in rows if "eval_pass@1" in r] == [0, 3, 6]
+    return run_dir, faults
+
+
+@pytest.mark.timeout(900)
+def test_an_engine_killed_in_each_phase_of_a_colocated_step_comes_back_and_every_step_is_exact(
+    cold_run, straight_run, tmp_path
+) -> None:
+    """Colocated (the engines release their memory for the trainer's turn), synchronous, shared-memory weights: the
+    restart of an engine killed in one phase runs on into the next ones (a rollout's restart into the release for
+    training, a sync's between the trainer's write and the engines' load) and lands in the fleet's state."""
+    _, cache = cold_run
+    # calls: training groups 1-8 are step 1's; evaluation groups 17-32 the eval after step 3; one loss call a step;
+    # the weight file is written once at the start (v0) and after each step (step 5's: the 6th)
+    plan = {"rollout": [12, 1], "reward": [2, 0], "eval": [20, 1], "train": [4, 0], "sync": [6, 1]}
+    run_dir, _ = run_with_faults(cache, tmp_path, plan)
+    assert_same_steps(run_dir, straight_run)
+    for path in (straight_run / "final").glob("*.safetensors"):
+        want, got = load_file(path), load_file(run_dir / "final" / path.name)
+        assert all(torch.equal(got[key], value) for key, value in want.items()), path.name
+
+
+@pytest.mark.timeout(900)
+def test_an_engine_killed_in_each_phase_of_an_overlapped_run_apart_comes_back(cold_run, tmp_path) -> None:
+    """Engines apart from the trainer, rollout overlapped with training (`one_step_off`), weights posted as buckets:
+    a restarted engine copies a healthy one's weights, the sync whose bucket post found an engine dead is sent again.
+    Overlapped steps are not the synchronous run's; each is there once, with its full batch."""
+    _, cache = cold_run
+    plan = {"rollout": [12, 1], "reward": [2, 0], "eval": [20, 0], "train": [4, 1], "sync": [6, 0]}
+    run_dir, _ = run_with_faults(
+        cache, tmp_path, plan, "run.colocate=false", "run.mode=one_step_off", "run.sync_transport=http"
+    )
+    assert (run_dir / "final").is_dir()

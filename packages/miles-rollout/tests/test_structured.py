@@ -4,6 +4,7 @@ compile is a 400 naming the field, and the server's outputs are unchanged after 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -11,6 +12,13 @@ import re
 import httpx
 import openai
 import pytest
+import transformers
+
+from miles_contracts import GenerateRequest, SamplingParams
+from miles_kernels import KernelConfig
+from miles_kernels.testing import FAMILIES, family_model
+from miles_rollout import Engine, EngineConfig, InProcessClient
+from miles_rollout.grammar import NO_TOKEN_FITS_THE_GRAMMAR
 
 SCHEMA = {
     "type": "object",
@@ -130,3 +138,64 @@ def test_response_format_on_the_openai_routes(dense_server: str) -> None:
             model="default", messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
         )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    return {family: family_model(family, tmp_path_factory.mktemp(family)) for family in FAMILIES}
+
+
+def engine_generate(model_dir: object, params: dict[str, object], prompt: str = "Is 12 + 7 = 19?") -> list:
+    engine = Engine(str(model_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=256))
+    try:
+        request = GenerateRequest(text=[prompt] * 3, sampling_params=[
+            SamplingParams(max_new_tokens=128, temperature=1.0, sampling_seed=seed, **params) for seed in range(3)
+        ])  # fmt: skip
+        return asyncio.run(InProcessClient(engine).generate(request))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_json_schema_with_the_tokenizers_of_qwen_llama3_and_glm(family_dirs, family: str) -> None:
+    """Byte-level BPE behind each family's split regex, special tokens after the learned vocabulary, the model's
+    embedding padded past the tokenizer: the grammar's token table is the tokenizer's, so the output is the schema's
+    JSON, ended by one of the model's EOS tokens (never the padding rows, never a pad token in between)."""
+    model_dir = family_dirs[family]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    eos = set(json.loads((model_dir / "config.json").read_text())["eos_token_id"])
+    for response in engine_generate(model_dir, {"json_schema": json.dumps(SCHEMA)}):
+        value = json.loads(response.text)
+        assert set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no"), response.text
+        assert response.meta_info.finish_reason.type == "stop" and response.meta_info.finish_reason.matched in eos
+        *body, end = response.output_ids
+        assert end in eos and all(token < len(tokenizer) and token not in tokenizer.all_special_ids for token in body)
+        assert tokenizer.decode(body) == response.text
+
+
+def test_a_grammar_no_token_can_continue_ends_the_sample_without_a_forbidden_token(tmp_path) -> None:
+    """A BPE without the byte alphabet has no token for a character its corpus never showed ("Z"): once the grammar
+    needs one, the mask allows nothing, and the sample ends there (`abort`, with the reason), keeping what it
+    generated; no token the grammar forbids is emitted."""
+    model_dir = family_model("qwen3", tmp_path / "no-z", byte_alphabet=False)
+    for response in engine_generate(model_dir, {"regex": "Z+"}):
+        assert response.output_ids == [] and response.text == ""
+        assert response.meta_info.finish_reason.type == "abort"
+        assert response.meta_info.finish_reason.message == NO_TOKEN_FITS_THE_GRAMMAR
+    for response in engine_generate(model_dir, {"regex": "(yes|no)Z"}):
+        assert response.text in ("yes", "no") and response.meta_info.finish_reason.type == "abort"
+        assert len(response.meta_info.output_token_logprobs or response.output_ids) == len(response.output_ids)
+
+
+def test_response_format_through_a_server_with_a_qwen_style_tokenizer(family_dirs, start_server) -> None:
+    """`miles-rollout serve` on the Qwen-style checkpoint: `/generate` with `json_schema`, and the openai client's
+    `response_format=json_schema`, both answer the schema's JSON."""
+    with start_server(family_dirs["qwen3"], "--deterministic") as url:
+        out = generate(url, {"json_schema": json.dumps(SCHEMA), "sampling_seed": 0, "max_new_tokens": 128})
+        assert set(json.loads(str(out["text"]))) == {"answer", "sure"}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        completion = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Is 12 + 7 = 19?"}], max_tokens=128, seed=1,
+            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}},
+        )  # fmt: skip
+        assert set(json.loads(completion.choices[0].message.content or "")) == {"answer", "sure"}

@@ -377,3 +377,45 @@ def test_a_restarted_engine_copies_the_weights_of_a_healthy_one(server, dense_di
 
     with start_server(second_model, "--deterministic") as target_url:
         asyncio.run(scenario(target_url))
+
+
+def test_a_weight_version_is_any_string_reported_back_unchanged(server, dense_dir) -> None:
+    """SGLang takes any string as `weight_version` (its `Optional[str]`) and reports it back as sent: on the update's
+    reply, `/get_weight_version` and each response's `meta_info`; the orchestrator's own versions stay integers."""
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as raw, Client(server) as client:
+
+            async def post(path: str, body: dict) -> httpx.Response:
+                return await raw.post(path, json=body)
+
+            reply = await post("/update_weights_from_disk", {"model_path": str(dense_dir), "weight_version": "load-2"})
+            assert reply.status_code == 200 and reply.json()["weight_version"] == "load-2", reply.text
+            assert (await raw.get("/get_weight_version")).json()["weight_version"] == "load-2"
+            generated = (await post("/generate", {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 2}}))
+            assert generated.json()["meta_info"]["weight_version"] == "load-2"
+            (response,) = await client.generate(PROBE.model_copy(update={"input_ids": [[7, 8, 9]]}))
+            assert response.meta_info.weight_version == "load-2" and response.meta_info.policy_version is None
+            assert await client.get_weight_version() == "load-2"
+            info = (await raw.get("/get_server_info")).json()
+            assert info["weight_version"] == "load-2"
+            (gauge,) = [line for line in (await raw.get("/metrics")).text.splitlines() if line.startswith("miles:weight_v")]
+            assert gauge.endswith(" -1.0")  # a label is no number
+
+            reply = await post("/update_weight_version", {"new_version": "rc/3 (with spaces)"})
+            assert reply.status_code == 200 and reply.json()["new_version"] == "rc/3 (with spaces)", reply.text
+            assert (await post("/begin_weight_update", {})).status_code == 200
+            assert (await post("/end_weight_update", {"weight_version": "x"})).json()["weight_version"] == "x"
+            for bad, why in ((-1, ">= 0"), (True, "a string"), ("", "1 to 256"), ("v" * 257, "1 to 256"),
+                             ("a\nb", "printable"), ([1], "a string")):  # fmt: skip
+                reply = await post("/update_weight_version", {"new_version": bad})
+                assert reply.status_code == 400 and why in reply.text, (bad, reply.text)
+            assert (await raw.get("/get_weight_version")).json()["weight_version"] == "x"  # nothing changed
+
+            # digits, as a string or a number, are the orchestrator's policy step
+            assert (await post("/update_weight_version", {"new_version": 12})).json()["new_version"] == "12"
+            assert await client.get_weight_version() == 12
+            (response,) = await client.generate(PROBE.model_copy(update={"input_ids": [[7, 8, 9]]}))
+            assert response.meta_info.weight_version == 12 and response.meta_info.policy_version == 12
+
+    asyncio.run(scenario())

@@ -23,7 +23,9 @@ from miles_contracts.generate import (
     LogprobEntry,
     MetaInfo,
     SamplingParams,
+    WeightVersion,
     version_string,
+    weight_version_value,
 )
 from miles_contracts.plugins import (
     DataSource,
@@ -64,8 +66,10 @@ __all__ = [
     "SamplingParams",
     "StepResult",
     "ToolCall",
+    "WeightVersion",
     "is_plugin_path",
     "load_plugin",
     "observation_messages",
     "version_string",
+    "weight_version_value",
 ]

@@ -396,8 +396,10 @@ class MetaInfo(BaseModel):
     completion_tokens: int = Field(ge=0)
     cached_tokens: int = Field(default=0, ge=0)
     e2e_latency: float | None = Field(default=None, description="Seconds from arrival to the last token.")
-    weight_version: int | None = Field(
-        default=None, description='Policy version of the weights that generated (SGLang: a string, "default" unset).'
+    weight_version: WeightVersion = Field(
+        default=None,
+        description="Version of the weights that generated: the orchestrator's policy step (an int), or the label "
+        'another client updated them with (SGLang: any string, "default" unset).',
     )
     weight_versions: list[dict[str, Any]] | None = Field(
         default=None, description="Per-token version spans {version, start, end} when the weights changed mid-way."
@@ -427,11 +429,17 @@ class MetaInfo(BaseModel):
 
     @field_validator("weight_version", mode="before")
     @classmethod
-    def _version_as_int(cls, value: Any) -> Any:
-        # SGLang reports versions as strings ("default" until the first named update).
+    def _version(cls, value: Any) -> Any:
+        # SGLang reports versions as strings ("default" until the first named update): digits are the policy step,
+        # any other label is kept as the server reports it
         if isinstance(value, str):
-            return int(value) if value.lstrip("-").isdigit() else None
+            return None if value == "default" else int(value) if value.isascii() and value.isdigit() else value
         return value
+
+    @property
+    def policy_version(self) -> int | None:
+        """The weight version as the orchestrator's policy step; None when unset or a label that is not one."""
+        return self.weight_version if isinstance(self.weight_version, int) else None
 
     @model_serializer(mode="wrap")
     def _sglang_shape(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
@@ -445,8 +453,30 @@ class MetaInfo(BaseModel):
         return data
 
 
-def version_string(version: int | None) -> str:
-    """A weight version as SGLang's API carries it: digits, or "default" before the first named update."""
+WeightVersion = int | str | None  # the orchestrator's policy step, another client's label, or None ("default")
+MAX_WEIGHT_VERSION_CHARS = 256  # a weight version label's length limit (SGLang sets none)
+
+
+def weight_version_value(value: Any) -> WeightVersion:
+    """A weight version as a client names it (SGLang: any string): None or "default" (unnamed), an int >= 0 or a
+    string of digits as the int (the orchestrator's policy step), any other label as it is; a ValueError otherwise."""
+    if value is None or value == "default":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"weight_version must be a string (or an int >= 0), got {value!r}")
+    if isinstance(value, int) or (value.isascii() and value.isdigit()):
+        if int(value) < 0:
+            raise ValueError(f"weight_version must be a string or an int >= 0, got {value!r}")
+        return int(value)
+    if not value or len(value) > MAX_WEIGHT_VERSION_CHARS or not value.isprintable():
+        raise ValueError(
+            f"weight_version must be 1 to {MAX_WEIGHT_VERSION_CHARS} printable characters, got {len(value)} characters"
+        )
+    return value
+
+
+def version_string(version: WeightVersion) -> str:
+    """A weight version as SGLang's API carries it: a string, "default" before the first named update."""
     return "default" if version is None else str(version)
 
 

@@ -194,7 +194,7 @@ class _Trace:
         self.logprobs += output_logprobs(meta)
         self.mask += [1] * len(output_ids)
         self.versions += output_versions(meta, len(output_ids))
-        self.version = meta.weight_version
+        self.version = meta.policy_version
         self.routed_experts = meta.routed_experts
         self.turn_spans.append([start, len(self.tokens)])
 

@@ -26,7 +26,7 @@ from miles_orchestrator.env_pool import resolve_env
 from miles_orchestrator.evaluation import evaluate_held_out
 from miles_orchestrator.filters import build_filters
 from miles_orchestrator.rewards import RewardPool, check_reward
-from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn, single_turn
+from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.steps import LoopParts, checked_versions, send_weights, train_batch
 from miles_trainer import (
@@ -49,7 +49,9 @@ async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     filters = build_filters(cfg.filter)
     with RewardPool.from_config(cfg.reward) as rewards, agent_rollout(cfg.rollout, encode.tokenizer) as agent:
         rollout_fn = agent or resolve_rollout_fn(cfg.rollout.rollout_fn, cfg.rollout.return_routed_experts)
-        eval_fn = agent or single_turn  # a held-out episode plays as a training one
+        # a held-out episode plays as a training one, through the same rollout function (slime's eval function
+        # defaults to its rollout function), without the routed experts only training replays
+        eval_fn = agent or resolve_rollout_fn(cfg.rollout.rollout_fn)
         cluster = await start_cluster(cfg, model_dir, run.path, run.log)
         turns = Turns(cluster, is_colocated=cfg.run.colocate, is_partial=cfg.memory.partial_offload)
         try:

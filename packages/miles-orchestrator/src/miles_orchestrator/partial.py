@@ -83,7 +83,7 @@ async def continue_sample(
         "response_tokens": sample.response_tokens + new_tokens,
         "response": (sample.response or "") + response.text,
         "rollout_logprobs": (sample.rollout_logprobs or []) + output_logprobs(meta),
-        "weight_version": meta.weight_version, "weight_versions": spanning_versions(versions),
+        "weight_version": meta.policy_version, "weight_versions": spanning_versions(versions),
         "finish_reason": reason, "status": STATUS_OF_FINISH[reason],
         "metadata": sample.metadata | {"partial_rollout_resumes": num_resumes},
     })  # fmt: skip

@@ -25,6 +25,7 @@ import os
 import secrets
 import tempfile
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ from miles_orchestrator.weight_transport import (
     sync_directory,
     weight_group_backend,
 )
-from miles_rollout import Client
+from miles_rollout import Client, RolloutClientError
 
 RAY_TEMP_MAX_CHARS = 40
 ENGINE_START_S = 300.0  # a restarted engine's actor must be placed and serving within this
@@ -117,7 +118,11 @@ class RayCluster:
         self.trainers: list[Any] = []
         self.router: Router | None = None
         self.supervisor: EngineSupervisor | None = None
-        self.last_version: int | None = None  # the weights the engines hold (and the weight file, for shm / disk)
+        self.last_version: int | None = None  # the weights the engines hold
+        # the weights the weight file holds (shm, disk; restart_dir): it moves ahead of last_version while a sync's
+        # engines load it
+        self.file_version: int | None = None
+        self._writing_file = asyncio.Lock()  # held while rank 0 writes the weight file: a restart waits to load it
         self.bucket_bytes = 512 << 20  # the last sync's bucket size (a restarted engine copies a peer's in these)
         self._restarted_since_sync: set[int] = set()
         self.log: Callable[[str], None] = print
@@ -228,13 +233,12 @@ class RayCluster:
         SGLang engines: the copy each sync writes to `restart_dir`), or copied bucket by bucket from a healthy engine
         (http, distributed); with http and distributed the next sync then reconnects rank 0 to it, and rebuilds the
         weight-update group."""
-        if self.transport in ("shm", "disk"):
-            assert self.sync_dir is not None
-            await client.update_weights_from_disk(str(self.sync_dir), self.last_version)
-            return
-        self._restarted_since_sync.add(engine)
-        if self.restart_dir is not None:
-            await client.update_weights_from_disk(str(self.restart_dir), self.last_version)
+        weight_file = self.sync_dir if self.transport in ("shm", "disk") else self.restart_dir
+        if self.transport not in ("shm", "disk"):
+            self._restarted_since_sync.add(engine)
+        if weight_file is not None:
+            async with self._writing_file:  # not a file half written by a sync under way
+                await client.update_weights_from_disk(str(weight_file), self.file_version)
             return
         if self.engine.released:  # the others hold no weights now; the next sync (right after training) sends them
             return
@@ -247,7 +251,15 @@ class RayCluster:
             )
         index, count = 0, 1
         while index < count:
-            data, count = await peer.get_weight_bucket(index, self.bucket_bytes)
+            try:
+                data, count = await peer.get_weight_bucket(index, self.bucket_bytes)
+            except RolloutClientError as error:
+                if error.status_code != HTTPStatus.CONFLICT:
+                    raise
+                # the peer released its weights since (the fleet is releasing for the trainer's turn): this engine
+                # is released with the others, and the next sync sends it the weights
+                self.log(f"rollout engine {engine}: its peer released its weights mid-copy; the next sync sends them")
+                return
             await client.update_weights_from_tensor(data)
             index += 1
 
@@ -259,20 +271,28 @@ class RayCluster:
         return healthy[0] if healthy else None
 
     async def _check_restarted_weights(self, engine: int, client: Client) -> None:
-        """The restarted engine must hold what a healthy engine holds (one not being restarted itself); with none
-        healthy, or their memory released, the weight file they all loaded (or the next sync) is trusted."""
+        """The restarted engine must hold what a healthy engine holds (one not being restarted itself) when both serve
+        the same version. With none healthy, their memory released (or being released), or a sync under way (the peer
+        serves another version), there is nothing to compare with: the weight file they all load (or the next sync)
+        is trusted, and the next sync's own check compares every engine with the trainer (loop.py)."""
         assert self.supervisor is not None
         peer = self._healthy_peer(engine)
         if peer is None or self.engine.released:  # no engine holds weights to compare with
             return
+        timeout = self.supervisor.settings.check_timeout_s
+        want_version = await asyncio.wait_for(peer.get_weight_version(), timeout)
+        if (got_version := await client.get_weight_version()) != want_version:
+            if self.engine.loading:  # a sync is loading a new version: it sends this engine the same
+                return
+            raise RuntimeError(f"the restarted engine serves weights v{got_version}, a healthy one v{want_version}")
         if self.backend == "sglang":  # SGLang reports no checksum of HF tensors: the weight versions must agree
-            want_version = await asyncio.wait_for(peer.get_weight_version(), self.supervisor.settings.check_timeout_s)
-            if (got_version := await client.get_weight_version()) != want_version:
-                raise RuntimeError(
-                    f"the restarted engine serves weights v{got_version}, a healthy one v{want_version}"
-                )
             return
-        want = await asyncio.wait_for(peer.weights_checksum(), self.supervisor.settings.check_timeout_s)
+        try:
+            want = await asyncio.wait_for(peer.weights_checksum(), timeout)
+        except RolloutClientError as error:
+            if error.status_code == HTTPStatus.CONFLICT:  # the peer released its weights since (trainer's turn)
+                return
+            raise
         got = await client.weights_checksum()
         if got != want:
             raise RuntimeError(f"the restarted engine holds weights {got[:16]}, a healthy one {want[:16]}")
@@ -465,10 +485,14 @@ class RayCluster:
         elif self.transport == "distributed":
             result = (await self._all("broadcast_weights", version, bucket_bytes, self.backend == "sglang"))[0]
             if self.restart_dir is not None:
-                await self._all("write_weights", str(self.restart_dir))
+                async with self._writing_file:
+                    await self._all("write_weights", str(self.restart_dir))
+                    self.file_version = version
         else:
             assert self.sync_dir is not None
-            num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]
+            async with self._writing_file:
+                num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]
+                self.file_version = version
             reply = await self.engine.update_weights_from_disk(str(self.sync_dir), version)
             result = {**reply, "num_buckets": 1, "num_bytes": num_bytes}
         return result

@@ -69,7 +69,7 @@ async def single_turn(
         out.append(sample.model_copy(update={
             "response_tokens": list(response.output_ids), "response": response.text,
             "rollout_logprobs": output_logprobs(meta),
-            "finish_reason": reason, "status": STATUS_OF_FINISH[reason], "weight_version": meta.weight_version,
+            "finish_reason": reason, "status": STATUS_OF_FINISH[reason], "weight_version": meta.policy_version,
             "weight_versions": token_versions(meta), "metadata": sample.metadata | _spec_counts(meta),
             "routed_experts": meta.routed_experts,
         }))  # fmt: skip
@@ -84,7 +84,7 @@ def output_logprobs(meta: MetaInfo) -> list[float]:
 def output_versions(meta: MetaInfo, num_tokens: int) -> list[int | None]:
     """The version of each of a response's `num_tokens` output tokens: its spans, or `weight_version` for all."""
     spans = token_versions(meta)
-    return [meta.weight_version] * num_tokens if spans is None else list(spans)
+    return [meta.policy_version] * num_tokens if spans is None else list(spans)
 
 
 def spanning_versions(versions: list[int | None]) -> list[int] | None:

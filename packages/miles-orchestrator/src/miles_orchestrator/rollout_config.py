@@ -110,7 +110,8 @@ class RolloutSection(Section):
     eval_temperature: float = Field(default=0.0, ge=0, le=100, description="Temperature of evaluation (0: greedy).")
     eval_k: int = Field(default=1, ge=1, le=64, description="Also report pass@k over k samples (1: pass@1 only).")
     rollout_fn: PluginPath | None = Field(
-        default=None, description="'module:function' RolloutFn; null: one-turn rollout."
+        default=None,
+        description="'module:function' RolloutFn, for training and held-out evaluation; null: one-turn rollout.",
     )
     return_routed_experts: bool = Field(
         default=False,

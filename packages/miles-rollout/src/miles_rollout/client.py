@@ -32,7 +32,7 @@ from typing import Any, Self
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from miles_contracts import GenerateRequest, GenerateResponse
+from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion
 from miles_rollout.client_wire import MAX_MESSAGE_CHARS, int_version, parse_version, server_message, version_field
 from miles_rollout.client_wire import RolloutClientError as RolloutClientError
 
@@ -255,7 +255,7 @@ class Client:
 
     # -- weights ---------------------------------------------------------------------------------------------
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+    async def update_weights_from_disk(self, model_path: str, weight_version: WeightVersion = None) -> dict[str, Any]:
         """POST /update_weights_from_disk: load a Hugging Face checkpoint directory as weight `weight_version`."""
         body = {"model_path": model_path, "weight_version": version_field(weight_version)}
         return int_version(await self._call("POST", "/update_weights_from_disk", json=body, admin=True))
@@ -318,7 +318,7 @@ class Client:
         dtypes: list[str],
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
-        weight_version: int | None = None,
+        weight_version: WeightVersion = None,
         flush_cache: bool = True,
     ) -> dict[str, Any]:
         """POST /update_weights_from_distributed: receive the named tensors by broadcast over `group_name`."""
@@ -342,7 +342,7 @@ class Client:
         `/update_weights_from_distributed` per bucket); no request runs until `end_weight_update`."""
         return await self._call("POST", "/begin_weight_update", json={}, admin=True)
 
-    async def end_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
+    async def end_weight_update(self, weight_version: WeightVersion = None) -> dict[str, Any]:
         """POST /end_weight_update: serve the weights loaded since `begin_weight_update`, as `weight_version`."""
         body = {"weight_version": version_field(weight_version)}
         return int_version(await self._call("POST", "/end_weight_update", json=body, admin=True))
@@ -359,9 +359,9 @@ class Client:
         body = await self._call("GET", "/weights_checksum", admin=True, retry=True)
         return str(body["checksum"])
 
-    async def get_weight_version(self) -> int | None:
-        """The served weight version, from GET /model_info (SGLang 0.5.23 reports it there); None while the server
-        has no numbered version (SGLang's "default")."""
+    async def get_weight_version(self) -> WeightVersion:
+        """The served weight version, from GET /model_info (SGLang 0.5.23 reports it there): the policy step (an
+        int), another client's label (a str), or None while none was named (SGLang's "default")."""
         body = await self._call("GET", "/model_info", retry=True)
         return parse_version(body.get("weight_version"))
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import httpx
 
+from miles_contracts import WeightVersion, weight_version_value
+
 # Error pages (an HTML 502 from a proxy) can be large; the message only needs their start.
 MAX_MESSAGE_CHARS = 2000
 
@@ -70,28 +72,26 @@ def server_message(response: httpx.Response) -> str:
 
 
 def int_version(reply: dict[str, Any]) -> dict[str, Any]:
-    """A weight-update reply with its `weight_version` (a string on the wire, as in SGLang) as int | None."""
+    """A weight-update reply with its `weight_version` (a string on the wire, as in SGLang) parsed."""
     if "weight_version" in reply:
         reply["weight_version"] = parse_version(reply["weight_version"])
     return reply
 
 
-def parse_version(value: Any) -> int | None:
-    # SGLang keeps versions as strings and reports "default" before the first named update; that is "unknown".
+def parse_version(value: Any) -> WeightVersion:
+    """A reported weight version: digits as the int (the orchestrator's policy step), SGLang's "default" (before the
+    first named update) as None, any other label as it is."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        return int(value)
+    if isinstance(value, str):
+        return None if value == "default" else int(value) if value.isascii() and value.isdigit() else value
     return None
 
 
-def version_field(version: int | None) -> str | None:
+def version_field(version: WeightVersion) -> str | None:
     # SGLang declares weight_version as Optional[str] and its request parsing does not turn numbers into strings;
     # a decimal string is accepted by SGLang and by a server that parses the field as an int.
-    if version is None:
-        return None
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ValueError(f"weight_version must be an int >= 0 (the trainer's policy step), got {version!r}")
-    return str(version)
+    value = weight_version_value(version)
+    return None if value is None else str(value)

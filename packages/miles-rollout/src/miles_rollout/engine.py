@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from miles_contracts import GenerateRequest, GenerateResponse, version_string
+from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, version_string
 from miles_kernels import KernelConfig, load_model
 from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig
@@ -68,7 +68,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.page_size = self.kernel.page_size
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.weight_version: int | None = None  # SGLang's "default" until an update names a version
+        self.weight_version: WeightVersion = None  # SGLang's "default" until an update names a version
         self.released: set[str] = set()
         self.weights_stale = False
         # Nothing is generated while paused (`/pause_generation`: the mode) or inside a weight-update bracket
@@ -227,7 +227,7 @@ class Engine:
 
     # ------------------------------------------------------------------ control operations (engine thread)
 
-    def commit_weights(self, version: int | None) -> int | None:
+    def commit_weights(self, version: WeightVersion) -> WeightVersion:
         """New weights are loaded (by `self.weights`): serve them as `version` (None: the version stays, as SGLang
         keeps it when an update names none)."""
         if version is not None:
@@ -276,7 +276,7 @@ class Engine:
         self.require_weights_resident()
         self.updating_weights = True
 
-    def end_weight_update(self, version: int | None) -> int | None:
+    def end_weight_update(self, version: WeightVersion) -> WeightVersion:
         """Close the weight update: serve the new weights (as `version` when given)."""
         if not self.updating_weights:
             raise EngineError("no weight update is open; call /begin_weight_update first", 409)

@@ -6,7 +6,8 @@ sample gets its own `GrammarMatcher`, which every sampled token advances. At a r
 allowed next tokens sets every other logit to -inf, before the sampler (row_sampling.py): the choice follows the
 grammar, while the returned log-probs stay those of the unconstrained logits (the log-prob contract,
 docs/architecture.md). The mask depends only on the tokens so far, so a constrained sample is as deterministic
-as any other. A sample ends (`stop`) when its grammar is complete and it emits an end token.
+as any other. A sample ends (`stop`) when its grammar is complete and it emits an end token; a mask that allows no
+token at all ends it (`abort`, `NO_TOKEN_FITS_THE_GRAMMAR`) without emitting one the grammar forbids.
 """
 
 from __future__ import annotations
@@ -20,17 +21,28 @@ from miles_contracts import SamplingParams
 from miles_rollout.engine_error import EngineError
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# A constrained sample's finish message (type "abort") when its grammar's mask allows no token of the vocabulary.
+NO_TOKEN_FITS_THE_GRAMMAR = (
+    "structured output: no token of the vocabulary continues the grammar here (the tokenizer has no token for what it "
+    "needs next, or another constraint such as min_new_tokens forbids the only ones it allows); the sample ends with "
+    "what it generated so far"
+)
 
 
 class Grammars:
     """xgrammar over the served tokenizer: compiles grammars, makes matchers, masks logits (xgrammar is imported
     here, the first time a request carries a grammar)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
+        """`vocab_size`: the model's (padded) vocabulary, the logits' width; `stop_token_ids`: the tokens that end a
+        sample (the model's EOS ids and the tokenizer's, as SGLang passes them), the only ones a complete grammar
+        allows (None: xgrammar's guess from the tokenizer)."""
         import xgrammar
 
         self._xgr = xgrammar
-        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+        )
         self._compiler = xgrammar.GrammarCompiler(self.info, max_threads=1)
         self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
 

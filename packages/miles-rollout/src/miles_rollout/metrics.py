@@ -45,7 +45,10 @@ class ServerMetrics:
         self.cache_hit_rate = gauge(
             "sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens, since start."
         )
-        self.weight_version = gauge("miles:weight_version", "The served weight version (-1: the initial weights).")
+        self.weight_version = gauge(
+            "miles:weight_version",
+            "The served weight version (-1: the initial weights, or a label that is not a number).",
+        )
         self.spec_accept_length = gauge(
             "sglang:spec_accept_length", "Tokens per speculative verify step, since start (1 without speculation)."
         )
@@ -94,7 +97,7 @@ class ServerMetrics:
         self._last = (now, generated)
         self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
         version = self.engine.weight_version
-        self.weight_version.set(-1 if version is None else version)
+        self.weight_version.set(version if isinstance(version, int) else -1)
         self.spec_accept_length.set(float(info.get("avg_spec_accept_length", 1.0)))
         proposed = info.get("spec_num_proposed_drafts", 0)
         self.spec_accept_rate.set(info.get("spec_num_correct_drafts", 0) / proposed if proposed else 0.0)

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from miles_contracts import SamplingParams
+from miles_contracts import SamplingParams, WeightVersion
 from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch
 from miles_rollout.config import EngineConfig
 from miles_rollout.detokenizer import IncrementalDetokenizer, IncrementalText
 from miles_rollout.engine_error import EngineError
-from miles_rollout.grammar import Grammars
+from miles_rollout.grammar import NO_TOKEN_FITS_THE_GRAMMAR, Grammars
 from miles_rollout.page_allocator import PageAllocator
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.routed_experts import RoutedExperts
@@ -87,7 +87,7 @@ class Scheduler:
         self._refilling: list[Sequence] = []
         self._reserved = 0
         self.num_steps = 0
-        self.weight_version: int | None = None  # the engine's, kept current by `Engine.commit_weights`
+        self.weight_version: WeightVersion = None  # the engine's, kept current by `Engine.commit_weights`
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
 
@@ -580,13 +580,18 @@ class Scheduler:
     def grammars(self) -> Grammars:
         """The structured-output backend (xgrammar over the tokenizer), made at the first request with a grammar."""
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, sorted(self.eos_ids))
         return self._grammars
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: list[tuple[float, int]]) -> None:
         params = seq.group.params
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            # The grammar's mask allowed no token of the vocabulary (each logit -inf, the sampler's choice
+            # meaningless): the sample ends here rather than emit a token the grammar forbids.
+            self._finish(seq, finish_reason("abort", message=NO_TOKEN_FITS_THE_GRAMMAR))
+            return
         seq.output_ids.append(token)
-        grammar_done = seq.matcher is not None and seq.matcher.accept_token(token) and seq.matcher.is_terminated()
+        grammar_done = seq.matcher is not None and seq.matcher.is_terminated()
         seq.output_logprobs.append(logprob)
         if seq.group.top_logprobs_num > 0 and seq.group.return_logprob:
             seq.output_top_logprobs.append(top)

@@ -16,7 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_contracts import FinishReason, GenerateResponse, LogprobEntry, MetaInfo, SamplingParams, version_string
+from miles_contracts import (
+    FinishReason,
+    GenerateResponse,
+    LogprobEntry,
+    MetaInfo,
+    SamplingParams,
+    WeightVersion,
+    version_string,
+)
 from miles_kernels import RowSampling
 from miles_rollout.detokenizer import IncrementalText
 
@@ -82,7 +90,7 @@ class Sequence:
     resume_at: int = 0  # retracted: tokens whose KV to recompute before decoding again
     # (weight version, first output token generated with it): more than one when the weights were updated while
     # the sequence was retracted; the response reports them as SGLang's `weight_versions` spans.
-    version_starts: list[tuple[int | None, int]] = field(default_factory=list)
+    version_starts: list[tuple[WeightVersion, int]] = field(default_factory=list)
     draft: DraftState = field(default_factory=DraftState)
     spec: SpecCounts | None = None  # speculative decoding's counts (None when the engine does not speculate)
     routed_experts: str | None = None  # SGLang's meta_info.routed_experts, gathered at finish (routed_experts.py)
@@ -125,7 +133,7 @@ class Group:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
-    weight_version: int | None
+    weight_version: WeightVersion
     future: asyncio.Future[list[GenerateResponse]] | None
     loop: asyncio.AbstractEventLoop | None
     prefill_pages: list[int] = field(default_factory=list)

@@ -17,17 +17,17 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from starlette.datastructures import Headers
 
-from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string
+from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string, weight_version_value
 from miles_rollout.config import ServeConfig
 from miles_rollout.disconnect import ClientGone, unless_disconnected
 from miles_rollout.engine import Engine
@@ -64,7 +64,9 @@ BUCKET_PATH = "/update_weights_from_tensor"  # its body is a weight bucket: octe
 BUSY_COUNTERS = ("num_running", "num_prefilling", "num_waiting", "num_retracted")
 HEALTH_PATHS = {"/health", "/health_generate"}
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes (openai_api.py) answer errors in OpenAI's body
-Version = int | None  # a weight version: the orchestrator's step; SGLang's clients send it as a string of digits
+# A weight version as SGLang takes it: any string, reported back unchanged ("default" until one is named); digits are
+# the orchestrator's policy step (kept as an int), an int >= 0 is accepted as those digits.
+Version = Annotated[int | str | None, BeforeValidator(weight_version_value)]
 LOAD_FORMATS = (None, "auto", "safetensors")
 
 
@@ -79,7 +81,7 @@ class UpdateFromDisk(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model_path: str = Field(min_length=1)
-    weight_version: Version = Field(default=None, ge=0)
+    weight_version: Version = None
     abort_all_requests: bool = False
     load_format: str | None = None
     flush_cache: bool = True  # the radix cache is always flushed: cached K/V came from the old weights
@@ -124,7 +126,7 @@ class UpdateFromDistributed(BaseModel):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
-    weight_version: Version = Field(default=None, ge=0)
+    weight_version: Version = None
     flush_cache: bool = True  # the radix cache is always flushed: cached K/V came from the old weights
     abort_all_requests: bool = False
     load_format: str | None = None
@@ -141,7 +143,7 @@ class UpdateFromDistributed(BaseModel):
 class WeightUpdateBracket(BaseModel):
     model_config = ConfigDict(extra="forbid")
     selector: str = "all"
-    weight_version: Version = Field(default=None, ge=0)
+    weight_version: Version = None
 
     @model_validator(mode="after")
     def _supported(self) -> WeightUpdateBracket:
@@ -151,7 +153,7 @@ class WeightUpdateBracket(BaseModel):
 
 class NewWeightVersion(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    new_version: int = Field(ge=0, description="The orchestrator's step (a string of digits is accepted).")
+    new_version: Version = Field(description="Any string (SGLang's); digits are the orchestrator's step.")
     abort_all_requests: bool = True
 
 

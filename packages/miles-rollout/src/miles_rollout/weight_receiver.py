@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles_contracts import WeightVersion
 from miles_kernels import (
     BucketAssembler,
     MappedSafetensors,
@@ -61,7 +62,7 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ engine thread
 
-    def load_from_disk(self, model_path: str, version: int | None) -> int | None:
+    def load_from_disk(self, model_path: str, version: WeightVersion) -> WeightVersion:
         """Load a Hugging Face checkpoint directory of the served architecture; returns the weight version."""
         engine, path = self.engine, Path(model_path)
         if not path.is_dir():
@@ -107,7 +108,9 @@ class WeightReceiver:
         del self._assemblers[bucket.version]
         return {"complete": True, "weight_version": self.load_tensors(assembler.tensors, bucket.version)}
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int | None, partial: bool = False) -> int | None:
+    def load_tensors(
+        self, tensors: dict[str, torch.Tensor], version: WeightVersion, partial: bool = False
+    ) -> WeightVersion:
         """Load a complete set of HF-named tensors (`partial`: any subset, one bucket of a larger update); returns
         the weight version."""
         engine = self.engine
@@ -128,6 +131,8 @@ class WeightReceiver:
         version = engine.weight_version
         if version is None:
             raise EngineError("the served weights have no version yet (no weight update so far): nothing to copy", 409)
+        if isinstance(version, str):  # the bucket format carries the orchestrator's integer steps
+            raise EngineError(f"the served weights are labelled {version!r}, not a policy step: nothing to copy", 409)
         tensors = checkpoint_tensors(engine.model, mtp_copies=False)
         try:
             plan = plan_buckets([(name, t.numel() * t.element_size()) for name, t in tensors.items()], bucket_bytes)
@@ -168,7 +173,7 @@ class WeightReceiver:
         await asyncio.to_thread(destroy_weight_update_group, group)
 
     async def receive_distributed(
-        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], version: WeightVersion
     ) -> int | None:
         """Receive one broadcast of `names` into fresh buffers off the engine thread, then load them between
         engine steps; returns the weight version. As in SGLang, a call may carry any subset of the weights (one
