@@ -33,10 +33,12 @@ from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, history, policy_d
 from safetensors.torch import load_file
 
 FAST_CHECKS = ["rollout.fault_tolerance.check_interval_s=1", "rollout.fault_tolerance.check_timeout_s=5"]
-# The plug-ins that kill an engine in a chosen phase (engine_faults.py), and held-out evaluation to kill one in.
+# The plug-ins that kill an engine in a chosen phase (engine_faults.py), held-out evaluation to kill one in, and room
+# for a restart per phase.
 FAULT_PLUGINS = [
     "rollout.rollout_fn=engine_faults:rollout", "reward.name=engine_faults:reward",
     "trainer.loss.loss_fn=engine_faults:loss", "run.eval_every=3", "data.num_eval_prompts=16",
+    "rollout.fault_tolerance.max_restarts_per_hour=8",
 ]  # fmt: skip
 
 
