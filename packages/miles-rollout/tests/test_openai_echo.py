@@ -141,6 +141,8 @@ def test_echo_text_prompts_with_samples(dense_server: str, tokenizer: Any) -> No
 
 
 def test_echo_without_logprobs_is_text_only(dense_server: str, tokenizer: Any) -> None:
+    """No logprobs: the text only. `logprobs: 0`: every token's entry, prompt's included, with no alternatives
+    (where SGLang, reading 0 as false, leaves the prompt's entries out and the lists no longer match the text)."""
     ids = tokenizer.encode(TEXTS[1])
     body = {"prompt": ids, "max_tokens": 4, "temperature": 0}
     plain = completion(dense_server, body)["choices"][0]
@@ -148,6 +150,10 @@ def test_echo_without_logprobs_is_text_only(dense_server: str, tokenizer: Any) -
     assert echoed["text"] == TEXTS[1] + plain["text"] and echoed["logprobs"] is None
     text = completion(dense_server, {**body, "prompt": TEXTS[0], "echo": True})["choices"][0]
     assert text["text"].startswith(TEXTS[0]) and text["logprobs"] is None
+    response = completion(dense_server, {**body, "echo": True, "logprobs": 0})
+    bare, num_tokens = response["choices"][0]["logprobs"], len(ids) + response["usage"]["completion_tokens"]
+    assert len(bare["token_logprobs"]) == num_tokens and bare["token_logprobs"][0] is None
+    assert bare["top_logprobs"] == [None] * num_tokens and "".join(bare["tokens"]).startswith(TEXTS[1])
 
 
 @pytest.mark.parametrize("num_top", [None, 1])
