@@ -1,9 +1,10 @@
-"""Completions' `echo` on a real `miles-rollout serve` process (server tier, CPU numerics): each choice starts with
-its prompt — the text and, with `logprobs`, the prompt tokens' log-probs (the first one null) before the output's —
-as SGLang's OpenAI layer answers. lm-evaluation-harness' `local-completions` model scores log-likelihood tasks with
-such requests; the prompt's log-probs are checked against the native API's `input_token_logprobs` and against an
-independent forward of the same weights in transformers, and lm-eval's rule for reading the response gives the right
-(sum of log-probs, is greedy). Echo input the server cannot serve is a 4xx that says what to change."""
+"""Completions' `echo` on a real `miles-rollout serve` process (server tier, CPU numerics; one in-process test, for
+a model directory without a tokenizer): each choice starts with its prompt — the text and, with `logprobs`, the
+prompt tokens' log-probs (the first one null) before the output's — as SGLang's OpenAI layer answers.
+lm-evaluation-harness' `local-completions` model scores log-likelihood tasks with such requests; the prompt's
+log-probs are checked against the native API's `input_token_logprobs` and against an independent forward of the same
+weights in transformers, and lm-eval's rule for reading the response gives the right (sum of log-probs, is greedy).
+Echo input the server cannot serve is a 4xx that says what to change."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from miles_kernels import KernelConfig
+from miles_kernels.testing import save_random_model, tiny_config
+from miles_rollout import Engine, EngineConfig, create_app
 
 TEXTS = ["12 + 7 =", "The capital of France is"]
 
@@ -197,3 +202,20 @@ def test_echo_mistakes_are_4xx_that_say_what_to_change(dense_server: str) -> Non
         message = response.json()["error"]["message"]
         assert all(needle in message for needle in needles), (body, message)
     assert completion(dense_server, probe)["choices"] == before["choices"]
+
+
+async def test_echoing_token_ids_needs_the_tokenizer(tmp_path: Path) -> None:
+    """In process, a model directory without a tokenizer: a token-id prompt's echo is a 400 that says why and what to
+    do instead; the same request without echo is served."""
+    save_random_model(tmp_path, tiny_config("dense", vocab_size=512, max_position_embeddings=512))
+    engine = Engine(str(tmp_path), KernelConfig(page_size=16), EngineConfig(num_kv_pages=64))
+    try:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:30000", timeout=60) as client:
+            body = {"model": "default", "prompt": [[3, 1, 4], [1, 5]], "max_tokens": 2, "logprobs": 1}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            refused = await client.post("/v1/completions", json={**body, "echo": True})
+    finally:
+        engine.shutdown()
+    assert refused.status_code == 400
+    assert all(word in refused.json()["error"]["message"] for word in ("no tokenizer", "remove echo", "/generate"))
