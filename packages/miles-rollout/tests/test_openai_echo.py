@@ -20,8 +20,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from miles_kernels import KernelConfig
 from miles_kernels.testing import save_random_model, tiny_config
 from miles_rollout import Engine, EngineConfig, create_app
+from miles_rollout.completion_layout import completion_logprobs
 
 TEXTS = ["12 + 7 =", "The capital of France is"]
+
+
+def test_alternatives_with_one_text_keep_the_most_likely() -> None:
+    """Pure logic: two top tokens that decode to the same text (byte pieces) are one key holding the larger
+    log-prob, so `max(top.values())` is still the position's top log-prob."""
+    entries = [(-0.5, 7, "\ufffd")]
+    top = [(-0.5, 7, "\ufffd"), (-1.5, 8, "\ufffd"), (-2.0, 9, "a")]
+    layout = completion_logprobs(entries, [top])
+    assert layout["top_logprobs"] == [{"\ufffd": -0.5, "a": -2.0}]
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:

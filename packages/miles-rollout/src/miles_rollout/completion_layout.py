@@ -36,9 +36,19 @@ def completion_logprobs(entries: list[Any], tops: list[Any], offset: int = 0) ->
     return {
         "tokens": tokens,
         "token_logprobs": [logprob for logprob, _, _ in entries],
-        "top_logprobs": [{text or "": lp for lp, _, text in top} if top else None for top in tops],
+        "top_logprobs": [_by_text(top) if top else None for top in tops],
         "text_offset": offsets,
     }
+
+
+def _by_text(top: list[Any]) -> dict[str, float]:
+    """Alternatives (most likely first) keyed by text. Tokens whose texts coincide (byte pieces of one character all
+    read "\ufffd") keep the most likely one's log-prob, so the largest value stays the position's top log-prob, the
+    one lm-eval compares a token's log-prob with to tell whether it was greedy (SGLang keeps the least likely)."""
+    alternatives: dict[str, float] = {}
+    for logprob, _, text in top:
+        alternatives.setdefault(text or "", logprob)
+    return alternatives
 
 
 def with_prompt(source: Any, output: dict[str, Any]) -> dict[str, Any]:
