@@ -266,16 +266,16 @@ OPENAI_FIELDS = dict(
     user=st.text(max_size=4),
     rid=st.text(min_size=1, max_size=6),
 )
-OPENAI_REFUSED = ["echo", "best_of", "suffix", "tools", "functions", "lora_path"]
+OPENAI_REFUSED = ["best_of", "suffix", "tools", "functions", "lora_path"]
 MAX_TOKENS = st.integers(1, 4)
 COMPLETION = with_junk(
     st.builds(
         lambda prompt, max_tokens, rest: {**rest, "prompt": prompt, "max_tokens": max_tokens},
         st.one_of(TEXT, IDS, st.lists(IDS, min_size=1, max_size=2), st.lists(TEXT, min_size=1, max_size=2)),
         MAX_TOKENS,
-        optional_fields(**OPENAI_FIELDS, logprobs=st.integers(0, 5)),
+        optional_fields(**OPENAI_FIELDS, logprobs=st.integers(0, 5), echo=st.booleans()),
     ),
-    [*OPENAI_FIELDS, "prompt", "max_tokens", "logprobs", *OPENAI_REFUSED],
+    [*OPENAI_FIELDS, "prompt", "max_tokens", "logprobs", "echo", *OPENAI_REFUSED],
 )
 MESSAGE = st.fixed_dictionaries(
     {
@@ -300,7 +300,7 @@ CHAT = with_junk(
         MAX_TOKENS,
         optional_fields(**OPENAI_FIELDS, **CHAT_FIELDS),
     ),
-    [*OPENAI_FIELDS, *CHAT_FIELDS, "messages", "max_tokens", *OPENAI_REFUSED],
+    [*OPENAI_FIELDS, *CHAT_FIELDS, "messages", "max_tokens", "echo", *OPENAI_REFUSED],
 )
 
 # JSON that Python's json.loads refuses with something other than a JSONDecodeError.

@@ -10,7 +10,8 @@ sampling extras (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `stop_tok
 `json_schema`) maps to the native `json_schema` as SGLang maps it; SGLang's `json_schema`, `regex`, `ebnf`,
 `logit_bias`, `stop_regex` and `custom_params` pass through. `stream: true` answers with server-sent events
 (OpenAI's chunk objects, `data: [DONE]` last); a client that disconnects aborts the request, which frees its KV
-pages.
+pages. Completions' `echo` puts the prompt's text, and with `logprobs` its tokens' log-probs, in front of each
+choice's (completion_layout.py; what lm-evaluation-harness' `local-completions` model sends to score a continuation).
 
 A field this server cannot honour is refused with a 400 that names it; unknown top-level keys are ignored, as
 SGLang (and its router, which adds its own) does. Every error uses OpenAI's body,
@@ -29,9 +30,10 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from miles_contracts import GenerateRequest, GenerateResponse
+from miles_rollout.completion_layout import completion_logprobs, echo_texts, with_prompt
 from miles_rollout.disconnect import unless_disconnected
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
@@ -43,7 +45,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat `top_logprobs` (completions `log
 # Fields of OpenAI's / SGLang's requests this server does not implement yet: refused unless absent, null, false or
 # empty (then they change nothing).
 UNSUPPORTED = {
-    "echo": "echoing the prompt",
     "suffix": "suffixes",
     "best_of": "best_of",
     "custom_logit_processor": "custom logit processors",
@@ -203,8 +204,20 @@ class CompletionRequest(_Sampling):
     """`POST /v1/completions`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default; null: up to the context length
+    max_tokens: int | None = 16  # OpenAI's default; null: up to the context length
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the prompt in front of each choice: its text, and with logprobs its tokens' log-probs
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:  # SGLang's rule; the native API scores a prompt alone
+            raise ValueError(
+                "must be at least 1 (as SGLang requires). To score a prompt without generating, send echo: true "
+                "with logprobs and max_tokens: 1 and drop the last entry (lm-eval's local-completions does), or "
+                "POST /generate with max_new_tokens 0, return_logprob true and logprob_start_len 0"
+            )
+        return value
 
 
 class ContentPart(BaseModel):
@@ -241,6 +254,15 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_echo(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("echo") not in _NEUTRAL:  # SGLang's chat request has no echo
+            raise ValueError(
+                "echo: chat completions do not echo the prompt; use /v1/completions with echo, or remove it"
+            )
+        return data
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -308,22 +330,6 @@ def _new_logprobs(response: GenerateResponse, start: int) -> tuple[list[Any], li
     return list(entries[start:]), list(tops[start:])
 
 
-def _completion_logprobs(entries: list[Any], tops: list[Any], offset: int = 0) -> dict[str, Any]:
-    """The legacy completions layout: token texts, their log-probs, the top alternatives as {text: log-prob}, and
-    each token's character offset in the output text (from `offset`, the characters of earlier tokens)."""
-    tokens = [text or "" for _, _, text in entries]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [logprob for logprob, _, _ in entries],
-        "top_logprobs": [{text or "": lp for lp, _, text in top} if top else None for top in tops],
-        "text_offset": offsets,
-    }
-
-
 def _chat_logprobs(entries: list[Any], tops: list[Any]) -> dict[str, Any]:
     """The chat layout: per token {token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]}."""
 
@@ -344,12 +350,14 @@ async def _openai_stream(
     body: CompletionRequest | ChatCompletionRequest,
     chat: bool,
     observe: Callable[[GenerateResponse], None],
+    echo: list[str] | None = None,
 ) -> AsyncIterator[bytes]:
     """OpenAI's stream: per new token of a sample (or several, for a client that reads slower than the engine
     writes) a chunk with its text delta (chat: `delta.content`, the first one with `role`) and, when asked, the new
     tokens' log-probs; its last chunk has `finish_reason`; with `stream_options.include_usage`, a chunk with `usage`
     and no choices; then `data: [DONE]`. The engine's events are deltas already; a sample's last one, its final
-    response, sends what its deltas did not."""
+    response, sends what its deltas did not. With `echo` (each prompt's text), a sample's first chunk starts with
+    its prompt: the text, and the prompt's log-prob entries (its first delta, or its final response, holds them)."""
     chunk_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": body.model}  # fmt: skip
@@ -379,9 +387,10 @@ async def _openai_stream(
                 observe(response)
             pieces.append(delta)
             sent_tokens[index] = start + len(entries)
-            offset = sent_chars.get(index, 0)
+            echoed = echo[index // body.n] if echo is not None and index not in started else None
+            offset = sent_chars.get(index, len(echoed or ""))
             sent_chars[index] = offset + sum(len(text or "") for _, _, text in entries)
-            if response is None and not delta and not entries:
+            if response is None and not delta and not entries and echoed is None:  # an echoing first chunk goes
                 continue
             choice: dict[str, Any] = {"index": index, "finish_reason": finish[0], "matched_stop": finish[1]}
             if chat:
@@ -389,8 +398,11 @@ async def _openai_stream(
                 choice["delta"] = {**role, "content": delta}
                 choice["logprobs"] = _chat_logprobs(entries, tops) if wants_logprobs else None
             else:
-                choice["text"] = delta
-                choice["logprobs"] = _completion_logprobs(entries, tops, offset) if wants_logprobs else None
+                choice["text"] = delta if echoed is None else echoed + delta
+                logprobs = completion_logprobs(entries, tops, offset) if wants_logprobs else None
+                if logprobs is not None and echoed is not None:
+                    logprobs = with_prompt(event.delta if response is None else response.meta_info, logprobs)
+                choice["logprobs"] = logprobs
             started.add(index)
             yield sse(json.dumps({**head, "choices": [choice]}))
         if body.stream_options is not None and body.stream_options.include_usage:
@@ -464,11 +476,15 @@ def register_openai_routes(
         return responses
 
     async def answer(
-        request: Request, native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest
+        request: Request,
+        native: GenerateRequest,
+        body: CompletionRequest | ChatCompletionRequest,
+        echo: list[str] | None = None,
     ) -> Response:
-        """The route's answer to `native`: a stream, or one completion object with a choice per sample."""
+        """The route's answer to `native`: a stream, or one completion object with a choice per sample; `echo`: each
+        prompt's text, to put in front of its choices' (with their prompt's log-probs, when asked)."""
         if body.stream:
-            return await stream(native, body)
+            return await stream(native, body, echo)
         responses = await run(request, native)
         chat = isinstance(body, ChatCompletionRequest)
         choices = []
@@ -480,8 +496,12 @@ def register_openai_routes(
                 choice["message"] = {"role": "assistant", "content": response.text}
                 choice["logprobs"] = _chat_logprobs(entries, tops) if body.logprobs else None
             else:
-                choice["text"] = response.text
-                choice["logprobs"] = _completion_logprobs(entries, tops) if body.logprobs is not None else None
+                echoed = echo[index // body.n] if echo is not None else ""
+                choice["text"] = echoed + response.text
+                logprobs = completion_logprobs(entries, tops, len(echoed)) if body.logprobs is not None else None
+                if logprobs is not None and echo is not None:
+                    logprobs = with_prompt(response.meta_info, logprobs)
+                choice["logprobs"] = logprobs
             choices.append(choice)
         return JSONResponse({
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -489,13 +509,15 @@ def register_openai_routes(
             "model": body.model, "choices": choices, "usage": _usage(responses, body.n),
         })  # fmt: skip
 
-    async def stream(native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest) -> StreamingResponse:
+    async def stream(
+        native: GenerateRequest, body: CompletionRequest | ChatCompletionRequest, echo: list[str] | None
+    ) -> StreamingResponse:
         try:
             events = await engine.generate_stream(native)  # bad input raises here: a 4xx, not a broken stream
         except EngineError as error:
             raise OpenAIError.of(error) from error
         chat = isinstance(body, ChatCompletionRequest)
-        return StreamingResponse(_openai_stream(events, body, chat, count), media_type="text/event-stream")
+        return StreamingResponse(_openai_stream(events, body, chat, count, echo), media_type="text/event-stream")
 
     def card() -> dict[str, Any]:
         return {"id": served, "object": "model", "created": created, "owned_by": "miles", "root": engine.model_path,
@@ -522,10 +544,16 @@ def register_openai_routes(
         if isinstance(prompt, list) and not prompt:
             raise OpenAIError("prompt is empty; send a string, a list of strings or token ids", param="prompt")
         kind = "input_ids" if isinstance(prompt, list) and isinstance(prompt[0], (int, list)) else "text"
+        # echo with logprobs: the prompt's log-probs too, from its first token (SGLang's logprob_start_len)
         native = _native(**{kind: prompt}, sampling_params=body.sampling_params(body.max_tokens),
                          return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
+                         logprob_start_len=0 if body.echo and body.logprobs is not None else -1,
                          return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
-        return await answer(request, native, body)
+        try:  # before the generation starts: a prompt that cannot be echoed is refused, not half-streamed
+            echo = await echo_texts(engine, prompt, body.skip_special_tokens) if body.echo else None
+        except EngineError as error:
+            raise OpenAIError.of(error) from error
+        return await answer(request, native, body, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
