@@ -141,7 +141,8 @@ def save_transformers_model(
 
     hf = config.to_hf()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf), dtype=torch.float32)
+    hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
