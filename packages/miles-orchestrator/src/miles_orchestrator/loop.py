@@ -168,8 +168,8 @@ def with_fresh_draft(cfg: RunConfig, model_dir: str, run: RunDir) -> str:
     """The checkpoint the run loads. For spec.mode=online on a checkpoint whose config.json declares MTP modules it
     holds no tensor of (one saved by transformers: any GLM-4.5 fine-tuned with Hugging Face tooling), a copy with
     fresh ones, initialized from `run.seed` (`miles_spec.add_mtp_modules`: the trunk's files linked, not copied),
-    in RUN_DIR/model_with_draft: the draft then trains from scratch on the rollouts, as Megatron's MTP does when
-    the checkpoint has none. A resumed run finds it there (its checkpoint holds the trained draft). Any other run:
+    in RUN_DIR/model_with_draft: the draft then trains from scratch on the rollouts (slime / Megatron's MTP
+    training from scratch). A resumed run finds it there (its checkpoint holds the trained draft). Any other run:
     `model_dir` as it is, read here first, so that miles-kernels' warning about MTP modules left out is logged by
     this process (the engines and trainer ranks log theirs in their own logs)."""
     fresh = run.path / FRESH_DRAFT_DIR
