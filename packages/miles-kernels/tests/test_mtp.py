@@ -2,17 +2,35 @@
 `transformers` Qwen3 / Qwen3-MoE / GLM-4.5 layer as the independent reference for the decoder layer: transformers
 does not run MTP modules, so GLM-4.5's are checked against the written formula only), checkpoints round-trip with the
 MTP copies of the embedding and LM head, a model without MTP still loads, the trunk is untouched, and the MTP
-forward is batch-invariant like the trunk."""
+forward is batch-invariant like the trunk. A checkpoint written by transformers (which keeps
+`num_nextn_predict_layers` in config.json and writes no MTP tensor) loads as its trunk, with transformers' own
+forward as the reference, and says so once; one that holds part of an MTP module is refused."""
 
 from __future__ import annotations
+
+import json
+import logging
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
 
-from miles_kernels import KernelConfig, build_packed_batch, load_model, save_model
-from miles_kernels.testing import random_model, tiny_config
+from miles_kernels import (
+    KernelConfig,
+    build_packed_batch,
+    load_model,
+    num_absent_mtp_layers,
+    read_model_config,
+    save_model,
+)
+from miles_kernels.testing import (
+    packed_logits,
+    random_model,
+    save_random_model,
+    save_transformers_model,
+    tiny_config,
+)
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 
@@ -138,3 +156,81 @@ def test_mtp_forward_is_batch_invariant() -> None:
     together = mtp_rows(seqs)
     for s, rows in zip(seqs, together, strict=True):
         assert torch.equal(mtp_rows([s])[0], rows)
+
+
+def glm45_saved_by_transformers(directory) -> Glm4MoeForCausalLM:
+    """A tiny GLM-4.5 built and saved by transformers with one MTP layer declared: the layer at index
+    num_hidden_layers (3) is not a module of transformers' model, so `save_pretrained` writes no tensor of it."""
+    config = Glm4MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+        partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    hf = Glm4MoeForCausalLM(config).eval()
+    with torch.no_grad():  # transformers initializes the router bias to zeros: give it values that steer the choice
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    hf.save_pretrained(directory)
+    return hf
+
+
+def test_a_glm45_checkpoint_saved_by_transformers_loads_as_its_trunk(tmp_path, caplog) -> None:
+    hf = glm45_saved_by_transformers(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert not any(name.startswith("model.layers.3.") for name in load_file(tmp_path / "model.safetensors"))
+    assert num_absent_mtp_layers(tmp_path) == 1
+    generator = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (n,), generator=generator) for n in (9, 20)]
+    with torch.no_grad():
+        reference = [hf(s[None]).logits[0] for s in seqs]
+    with caplog.at_level(logging.WARNING, logger="miles_kernels"):
+        config = read_model_config(tmp_path)
+        models = [load_model(tmp_path, kernel) for kernel in (KERNEL, KernelConfig(mode="fast"))]
+    assert config.num_nextn_predict_layers == 0
+    for model in models:
+        assert model.config.num_nextn_predict_layers == 0 and model.mtp_layers == []
+        for got, want in zip(packed_logits(model, seqs), reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # said once, however often the directory is read: which checkpoint, what it declares and holds, what it means
+    (record,) = [r for r in caplog.records if r.name.startswith("miles_kernels")]
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert str(tmp_path) in message and "declares 1 MTP layer" in message and "holds none" in message
+    assert "no speculative-decoding draft" in message
+    # written back, the model says what it is: no MTP modules
+    assert json.loads((save_model(models[0], tmp_path / "again") / "config.json").read_text())[
+        "num_nextn_predict_layers"
+    ] == 0  # fmt: skip
+
+
+def test_a_qwen3_with_mtp_saved_by_transformers_loads_as_its_trunk(tmp_path) -> None:
+    """Qwen3 keeps Miles' `num_nextn_predict_layers` in config.json through transformers, and loses the module too."""
+    config = tiny_config("dense", num_nextn_predict_layers=1, tie_word_embeddings=False)
+    save_transformers_model(tmp_path, config, seed=3)
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    seqs = [torch.arange(5, 17), torch.arange(40, 47)]
+    with torch.no_grad():
+        reference = [hf(s[None]).logits[0] for s in seqs]
+    model = load_model(tmp_path, KERNEL)
+    assert model.mtp_layers == []
+    for got, want in zip(packed_logits(model, seqs), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kept", ["some", "only_the_copies"])
+def test_partly_missing_mtp_tensors_are_refused(tmp_path, kept: str) -> None:
+    """Only a checkpoint with none of an MTP module's tensors is the transformers case; one that holds part of it
+    (a truncated copy, a bad merge) is refused, naming what is missing."""
+    source = save_random_model(tmp_path, tiny_config("glm", num_nextn_predict_layers=1), seed=4)
+    saved = load_file(source / "model.safetensors")
+    mtp = [name for name in saved if name.startswith("model.layers.3.")]
+    copies = {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
+    dropped = {"model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight"} if kept == "some" else set(mtp) - copies
+    save_file({k: v for k, v in saved.items() if k not in dropped}, str(source / "model.safetensors"))
+    assert read_model_config(source).num_nextn_predict_layers == 1 and num_absent_mtp_layers(source) == 0
+    with pytest.raises(ValueError, match=rf"checkpoint is missing {len(dropped)} tensor\(s\): model\.layers\.3\."):
+        load_model(source, KERNEL)

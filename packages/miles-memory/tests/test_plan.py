@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,29 @@ def test_cpu_plan_of_a_local_model_sums_ranks(tmp_path: Path) -> None:
     assert one.fits and two.fits and one.supported_by == ["fsdp2"]
     # two ranks hold half the state each, plus a second runtime: more than one rank's total, less than twice
     assert one.phases["train"] < two.phases["train"] < 2 * one.phases["train"]
+
+
+def write_safetensors(path: Path, names: list[str]) -> None:
+    """A safetensors file of one-float tensors (the format: 8-byte little-endian header length, JSON header, data)."""
+    header = {name: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i, name in enumerate(names)}
+    data = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(data)) + data + bytes(4 * len(names)))
+
+
+def test_a_checkpoint_without_the_mtp_layer_its_config_declares_is_planned_without(tmp_path: Path) -> None:
+    """As transformers saves GLM-4.5 (and Miles loads it): config.json declares the MTP layer, no tensor of it."""
+    (tmp_path / "config.json").write_text(json.dumps(POLICY))  # 4 trunk layers + 1 MTP layer (layer 4)
+    trunk = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    config = {"model": {"path": str(tmp_path)}, "run": {"colocate": False}, "spec": {"mode": "online"}}
+    write_safetensors(tmp_path / "model.safetensors", trunk)
+    without = plan_memory(config, "cpu")
+    assert without.params["mtp"] == 0 and "1 MTP layer(s) absent from the checkpoint" in without.model
+    assert not any(c.tag == "mtp" and c.bytes for c in without.components)
+    write_safetensors(tmp_path / "model.safetensors", [*trunk, "model.layers.4.eh_proj.weight"])
+    with_mtp = plan_memory(config, "cpu")
+    assert with_mtp.params["mtp"] == ModelShape.from_hf(POLICY).params(mtp=True) > 0
+    assert any(c.tag == "mtp" and c.bytes for c in with_mtp.components)
+    assert with_mtp.phases["train"] > without.phases["train"]
 
 
 EXAMPLES = sorted((ROOT / "examples" / "plans").glob("*.json"))

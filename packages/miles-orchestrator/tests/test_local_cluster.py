@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
+from miles_kernels.testing import build_tokenizer, save_random_model, save_transformers_model, tiny_config
 from miles_orchestrator.config import load_config
 from miles_orchestrator.loop import run_sync
 from miles_orchestrator.run_dir import RunDir
@@ -138,3 +138,23 @@ def test_the_mtp_draft_trains_online_and_resumes_exactly(mtp_policy, policy, tmp
     assert deterministic(run(mtp_policy, stopped, *online, "run.num_steps=3")) == deterministic(straight)
     with pytest.raises(ValueError, match="has none"):
         run(policy, tmp_path / "no_mtp", "spec.mode=online", "run.num_steps=1")
+
+
+@pytest.mark.timeout(300)
+def test_a_glm45_saved_by_transformers_trains_its_trunk_and_a_fresh_draft_online(tmp_path) -> None:
+    """A GLM-4.5 checkpoint written by transformers declares its MTP layer in config.json and holds none of it:
+    spec.mode=off trains the trunk, without a draft; online gives it a fresh MTP module, which drafts in the engine
+    and trains on the rollouts from step 1."""
+    tokenizer = build_tokenizer(vocab_size=300)
+    config = tiny_config("glm", vocab_size=len(tokenizer), num_nextn_predict_layers=1)
+    source = save_transformers_model(tmp_path / "hf", config, seed=3, tokenizer=tokenizer)
+    (trunk,) = [r for r in run(source, tmp_path / "off", "run.eval_every=0", "run.num_steps=1") if r["step"] == 1]
+    assert trunk["train_rollout_logprob_abs_diff"] == 0.0 and trunk["num_tokens"] > 0
+    assert "mtp_loss" not in trunk and "spec_accept_length" not in trunk
+    assert json.loads((tmp_path / "off" / "final" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    rows = run(source, tmp_path / "online", "spec.mode=online", "run.eval_every=0", "run.num_steps=1")
+    (step,) = [r for r in rows if r["step"] == 1]
+    assert step["mtp_loss"] > 0 and step["aux_grad_norm"] > 0 and step["spec_accept_length"] >= 1
+    assert (tmp_path / "online" / "model_with_draft" / "model-mtp.safetensors").is_file()
+    final = json.loads((tmp_path / "online" / "final" / "config.json").read_text())
+    assert final["num_nextn_predict_layers"] == 1  # the exported policy carries the draft it trained

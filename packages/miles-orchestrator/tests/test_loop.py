@@ -287,3 +287,48 @@ def test_recording_routing_needs_an_moe_policy(tmp_path) -> None:
         load_config(None, ["trainer.routing_replay=rollout"]),
         str(save_random_model(tmp_path / "moe", tiny_config("moe"))),
     )
+
+
+def glm45_saved_by_transformers(directory):
+    """A tiny GLM-4.5 as Hugging Face tooling writes it: config.json declares one MTP layer, no tensor of it."""
+    from miles_kernels.testing import build_tokenizer, save_transformers_model, tiny_config
+
+    tokenizer = build_tokenizer(vocab_size=300)
+    config = tiny_config("glm", vocab_size=len(tokenizer), num_nextn_predict_layers=1)
+    return save_transformers_model(directory, config, seed=4, tokenizer=tokenizer)
+
+
+def test_a_checkpoint_saved_by_transformers_drafts_online_with_fresh_mtp_modules_and_never_frozen(
+    tmp_path, caplog
+) -> None:
+    """spec.mode=off runs its trunk (the driver logs, once, that the MTP modules are left out); online gets fresh
+    MTP modules in the run directory (said once in the run log, found again on resume); frozen is refused with the
+    fixes, since an untrained draft is useless frozen."""
+    import logging
+
+    from miles_kernels import num_absent_mtp_layers, read_model_config
+    from miles_orchestrator.config import load_config
+    from miles_orchestrator.loop import check_model, with_fresh_draft
+    from miles_orchestrator.run_dir import RunDir
+
+    source = str(glm45_saved_by_transformers(tmp_path / "hf"))
+    run = RunDir(tmp_path / "run", quiet=True)
+    off = load_config(None, [])
+    check_model(off, source)
+    with caplog.at_level(logging.WARNING, logger="miles_kernels"):
+        assert with_fresh_draft(off, source, run) == source
+        assert with_fresh_draft(off, source, run) == source
+    (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("miles_kernels")]
+    assert source in warning and "declares 1 MTP layer" in warning and "no speculative-decoding draft" in warning
+    with pytest.raises(ValueError, match=r"spec.mode=frozen.*declares 1.*spec.mode=online.*miles-spec train"):
+        check_model(load_config(None, ["spec.mode=frozen"]), source)
+    online = load_config(None, ["spec.mode=online"])
+    check_model(online, source)
+    model_dir = with_fresh_draft(online, source, run)
+    assert model_dir == str(tmp_path / "run" / "model_with_draft")
+    assert read_model_config(model_dir).num_nextn_predict_layers == 1 and num_absent_mtp_layers(model_dir) == 0
+    check_model(online, model_dir)
+    assert with_fresh_draft(online, source, run) == model_dir  # a resumed run: the same directory, not rebuilt
+    assert with_fresh_draft(online, model_dir, run) == model_dir
+    lines = [line for line in (tmp_path / "run" / "run.log").read_text().splitlines() if "fresh" in line]
+    assert len(lines) == 1 and source in lines[0] and "declares 1 MTP module" in lines[0]

@@ -5,7 +5,8 @@ top log-probs, finish reasons, texts — at temperature 0 and at temperature > 0
 when EOS, a stop token, a stop string or max_new_tokens falls inside an accepted run, across retract / resume, for
 dense and MoE models. The random MTP head of a test model is rarely right, so an oracle draft (the reference
 continuation, wrong at some positions) drives long accepted runs and rejections; the real draft's rows are checked
-against the offline MTP forward (`CausalLM.mtp_hidden`), which proves its K/V bookkeeping (extend, rollback).
+against the offline MTP forward (`CausalLM.mtp_hidden`), which proves its K/V bookkeeping (extend, rollback). A
+checkpoint saved by transformers (config.json declares an MTP layer, no tensor of it) is served without a draft.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from miles_kernels import (
     read_model_config,
     sample,
 )
-from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
+from miles_kernels.testing import build_tokenizer, save_random_model, save_transformers_model, tiny_config
 from miles_rollout import Engine, EngineConfig, InProcessClient, free_port
 from miles_rollout.speculative import accept_drafts
 
@@ -317,3 +318,20 @@ def test_the_drafts_weights_travel_with_every_weight_update(mtp_dir: Path, tmp_p
         assert drafted(engine) == references["mtp"]
     finally:
         engine.shutdown()
+
+
+def test_a_glm45_saved_by_transformers_is_served_without_a_draft(tmp_path: Path) -> None:
+    """Its config.json declares an MTP layer that transformers did not write: the engine serves the trunk, decoding
+    without a draft, and asking for one is refused with the reason."""
+    config = tiny_config("glm", vocab_size=512, max_position_embeddings=512, num_nextn_predict_layers=1)
+    save_transformers_model(tmp_path, config, seed=1, tokenizer=build_tokenizer(save_dir=tmp_path))
+    engine = make_engine(tmp_path)
+    try:
+        assert engine.model.mtp_layers == []
+        responses = generate(engine, {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert [len(r.output_ids) for r in responses] == [6] * len(PROMPTS)
+    assert all(not r.meta_info.spec_verify_ct for r in responses)
+    with pytest.raises(ValueError, match=r"has none \(num_nextn_predict_layers = 0 in config.json, or MTP layers it"):
+        make_engine(tmp_path, **SPEC)

@@ -1,8 +1,9 @@
 """`miles-spec train` as a user runs it (the console script in a real process, and `main` in-process for the error
 paths): it trains a checkpoint's MTP draft
 on token rows or text rows and writes the trunk back bit for bit; a checkpoint without MTP modules gets new ones
-on request; bad input (no such model, a model of another family, malformed rows, a full --out) is a clear error
-with exit status 2 and nothing written."""
+on request, and one saved by transformers (its config.json declares an MTP layer it holds no tensor of) gets
+the module it declares; bad input (no such model, a model of another family, malformed rows, a full --out) is a
+clear error with exit status 2 and nothing written."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 import miles_spec
 from miles_kernels import KernelConfig, save_model
-from miles_kernels.testing import build_tokenizer, random_model, tiny_config
+from miles_kernels.testing import build_tokenizer, random_model, save_transformers_model, tiny_config
 from miles_spec.cli import build_parser, main
 
 
@@ -105,6 +106,20 @@ def test_a_checkpoint_without_mtp_gets_a_new_module_on_request(checkpoints, tmp_
     before, after = tensors(checkpoints["without_mtp"]), tensors(out)
     assert all(torch.equal(after[name], value) for name, value in before.items())
     assert any(name.startswith("model.layers.2.eh_proj") for name in after)
+
+
+def test_a_checkpoint_saved_by_transformers_gets_the_module_its_config_declares(checkpoints, tmp_path, capsys):
+    tokenizer = build_tokenizer(vocab_size=300)
+    config = tiny_config("glm", vocab_size=len(tokenizer), num_nextn_predict_layers=1)
+    source = save_transformers_model(tmp_path / "hf", config, seed=2, tokenizer=tokenizer)
+    out = tmp_path / "out"
+    code, err = run_main(capsys, "train", "--model", str(source), "--data", str(checkpoints["rows"]), "--out",
+                         str(out))  # fmt: skip
+    assert code == 0, err[-3000:]
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    before, after = tensors(source), tensors(out)
+    assert all(torch.equal(after[name], value) for name, value in before.items())  # the trunk as saved
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.mlp.gate.e_score_correction_bias"} <= after.keys()
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from .hf_io import (
     iter_checkpoint,
     load_model,
     load_state,
+    num_absent_mtp_layers,
     read_model_config,
     save_model,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "load_model",
     "load_state",
     "logprob_temperatures",
+    "num_absent_mtp_layers",
     "parse_dtype",
     "plan_buckets",
     "read_model_config",

@@ -4,11 +4,19 @@ Loading reads `model.safetensors` or a sharded `model.safetensors.index.json`; e
 model's, with the same shape, or the error names the tensor. Saving writes what `transformers` reloads
 (per-expert MoE names as Qwen3-MoE and GLM-4.5 checkpoints store them; a tied `lm_head.weight` is not written;
 GLM-4.5's `e_score_correction_bias` in float32 whatever the model dtype).
+
+MTP modules that config.json declares (`num_nextn_predict_layers`) but the checkpoint holds no tensor of are left
+out: `transformers` does not model them, so its `save_pretrained` keeps the count and writes none (any GLM-4.5
+checkpoint fine-tuned with Hugging Face tooling). Such a directory is read as the trunk alone
+(`num_nextn_predict_layers = 0`: no speculative-decoding draft), and the first read says so in the log. A
+checkpoint that holds some of an MTP module's tensors and misses others is refused, naming the missing ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -25,13 +33,50 @@ from miles_kernels.model_config import ModelConfig
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
+logger = logging.getLogger("miles_kernels.hf_io")
+_reported_without_mtp: set[Path] = set()  # checkpoints whose absent MTP modules this process has logged
+
 
 def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
-    """Parse `config.json` of a Hugging Face model directory."""
-    path = Path(model_dir) / "config.json"
+    """Parse `config.json` of a Hugging Face model directory: the model Miles builds from it. MTP modules that
+    config.json declares and the checkpoint holds none of (`num_absent_mtp_layers`) are left out, with one log
+    warning per process and directory."""
+    directory = Path(model_dir)
+    path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass a Hugging Face model directory (config.json + safetensors)")
-    return ModelConfig.from_hf(json.loads(path.read_text()))
+    config = ModelConfig.from_hf(json.loads(path.read_text()))
+    absent = _num_absent_mtp_layers(directory, config)
+    if not absent:
+        return config
+    if directory.resolve() not in _reported_without_mtp:
+        _reported_without_mtp.add(directory.resolve())
+        logger.warning(
+            "%s: config.json declares %d MTP layer(s) (num_nextn_predict_layers) but the checkpoint holds none of "
+            "their tensors (transformers' save_pretrained does not write them): loading the trunk only, without "
+            "MTP modules, so this model has no speculative-decoding draft (to get one: `miles-spec train "
+            "--num-mtp-layers %d`, or spec.mode=online in a miles-orchestrator run, which starts them fresh)",
+            directory, absent, absent,
+        )  # fmt: skip
+    return dataclasses.replace(config, num_nextn_predict_layers=0)
+
+
+def num_absent_mtp_layers(model_dir: str | os.PathLike[str]) -> int:
+    """How many MTP modules config.json declares that the checkpoint holds no tensor of: all of them
+    (`num_nextn_predict_layers`) when no tensor is named `model.layers.{i}.*` for i >= num_hidden_layers, as in a
+    directory written by transformers; else 0 (a partly missing module is `load_state`'s error). 0 for a directory
+    without safetensors (a trainer checkpoint's config.json)."""
+    directory = Path(model_dir)
+    return _num_absent_mtp_layers(directory, ModelConfig.from_hf(json.loads((directory / "config.json").read_text())))
+
+
+def _num_absent_mtp_layers(directory: Path, config: ModelConfig) -> int:
+    declared = config.num_nextn_predict_layers
+    if not declared or not ((directory / INDEX_FILE).is_file() or (directory / SINGLE_FILE).is_file()):
+        return 0
+    mtp_prefixes = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(declared))
+    holds_mtp = any(name.startswith(mtp_prefixes) for name in _tensor_files(directory))
+    return 0 if holds_mtp else declared
 
 
 def checkpoint_tensors(model: CausalLM, mtp_copies: bool = True) -> dict[str, torch.Tensor]:

@@ -7,12 +7,18 @@ dense `qwen2` (Qwen2.5: q/k/v biases, no q/k norms) and `llama` (Llama 3.x: no q
 (GLM-4.5: qkv bias, optional q/k norms, dense first layers, one shared expert, router with a score-correction bias)
 and `deepseek_v3` / `kimi_k2` (MLA attention: low-rank q and a compressed KV latent; Hugging Face's
 modeling_deepseek_v3.py names). Profiles of public models live in `profiles/models.yaml`.
+
+A local checkpoint is planned as Miles loads it: MTP modules that its config.json declares
+(`num_nextn_predict_layers`) but its safetensors hold no tensor of, as transformers' `save_pretrained` writes GLM-4.5,
+are left out (miles_kernels.hf_io reads it the same way; a spec.mode=online run plans the fresh ones it adds, since
+it plans the checkpoint that holds them).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import struct
 from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -272,5 +278,26 @@ def resolve_model(path: str | None, profile: str | None) -> tuple[ModelShape, st
         )
     config = Path(path).expanduser() / "config.json"
     if config.is_file():
-        return ModelShape.from_hf(json.loads(config.read_text())), str(config)
+        shape = ModelShape.from_hf(json.loads(config.read_text()))
+        names = _tensor_names(config.parent)
+        prefixes = tuple(f"model.layers.{layer}." for layer in shape.mtp_layers())
+        if not prefixes or names is None or any(name.startswith(prefixes) for name in names):
+            return shape, str(config)
+        absent = f" (its {len(prefixes)} MTP layer(s) absent from the checkpoint: planned without)"
+        return shape.model_copy(update={"num_nextn_predict_layers": 0}), str(config) + absent
     return load_model_profile(path), f"profile {path}"
+
+
+def _tensor_names(directory: Path) -> list[str] | None:
+    """The tensor names of a safetensors checkpoint (its index, or the single file's JSON header: 8 bytes of
+    little-endian length, then the header); None without one."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        return None
+    with single.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(length))
+    return [name for name in header if name != "__metadata__"]

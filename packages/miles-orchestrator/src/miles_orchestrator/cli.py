@@ -114,11 +114,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _execute(cfg: RunConfig, run: Any, force: bool = False) -> None:
     from miles_orchestrator.bootstrap import bootstrap_policy
-    from miles_orchestrator.loop import run_sync
+    from miles_orchestrator.loop import run_sync, with_fresh_draft
     from miles_orchestrator.memory_check import check_plan
     from miles_orchestrator.report import report
 
-    model_dir = cfg.model.path or bootstrap_policy(cfg, log=run.log)
+    model_dir = with_fresh_draft(cfg, cfg.model.path or bootstrap_policy(cfg, log=run.log), run)  # planned with it
     check_plan(cfg, model_dir, run.path, run.log, force)
     history = run_sync(cfg, model_dir, run)
     report(history, run.path, run.console)

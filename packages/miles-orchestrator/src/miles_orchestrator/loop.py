@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
-from miles_kernels import read_model_config
+from miles_kernels import num_absent_mtp_layers, read_model_config
 from miles_orchestrator.agentic import agent_rollout
 from miles_orchestrator.async_loop import run_overlapped
 from miles_orchestrator.cluster import Cluster, start_cluster
@@ -29,6 +30,7 @@ from miles_orchestrator.rewards import RewardPool, check_reward
 from miles_orchestrator.rollout import DataExhausted, PromptEncoder, generate_batch, resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.steps import LoopParts, checked_versions, send_weights, train_batch
+from miles_spec import add_mtp_modules
 from miles_trainer import (
     load_advantage_estimator,
     resolve_loss_fn,
@@ -43,6 +45,7 @@ def run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, Any]
 
 async def _run_sync(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     check_batch_identity(cfg)
+    model_dir = with_fresh_draft(cfg, model_dir, run)
     check_model(cfg, model_dir)
     source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
     encode = PromptEncoder(model_dir)
@@ -123,8 +126,9 @@ def check_plugins(cfg: RunConfig) -> None:
 
 def check_model(cfg: RunConfig, model_dir: str) -> None:
     """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
-    frozen or online); MoE layers when the run records or replays routing. (Other runs read the model only when
-    they load it.)"""
+    frozen or online; online accepts a checkpoint whose config.json declares MTP modules it holds no tensor of,
+    which `with_fresh_draft` completes); MoE layers when the run records or replays routing. (Other runs read the
+    model only when they load it.)"""
     if not (cfg.spec.drafts or cfg.rollout.return_routed_experts):
         return
     model = read_model_config(model_dir)
@@ -138,11 +142,53 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
             f"{setting} records MoE routing, but {model_dir} is a dense {model.model_type} model; drop the setting, "
             "or use an MoE policy (e.g. model.bootstrap_architecture=qwen3_moe)"
         )
-    if cfg.spec.drafts and model.num_nextn_predict_layers == 0:
+    if not cfg.spec.drafts or model.num_nextn_predict_layers:
+        return
+    absent = num_absent_mtp_layers(model_dir)
+    if absent and cfg.spec.mode == "online":
+        return  # the run starts them fresh (with_fresh_draft)
+    if absent:
         raise ValueError(
-            f"spec.mode={cfg.spec.mode} drafts with the policy's MTP modules, but {model_dir} has none "
-            "(num_nextn_predict_layers = 0 in its config.json); use a checkpoint with MTP layers, or spec.mode=off"
+            f"spec.mode=frozen drafts with the policy's MTP modules as loaded, but {model_dir} holds none: its "
+            f"config.json declares {absent} (num_nextn_predict_layers) and the checkpoint has no tensor of them "
+            "(transformers' save_pretrained does not write them), and an untrained draft left frozen would reject "
+            "nearly every token; use spec.mode=online (fresh MTP modules, trained on the rollouts), train a draft "
+            f"first (miles-spec train --model {model_dir} --data ROWS.jsonl --out DIR, then model.path=DIR), or "
+            "spec.mode=off"
         )
+    raise ValueError(
+        f"spec.mode={cfg.spec.mode} drafts with the policy's MTP modules, but {model_dir} has none "
+        "(num_nextn_predict_layers = 0 in its config.json); use a checkpoint with MTP layers (miles-spec train "
+        "--num-mtp-layers 1 adds one), or spec.mode=off"
+    )
+
+
+FRESH_DRAFT_DIR = "model_with_draft"  # in the run directory
+
+
+def with_fresh_draft(cfg: RunConfig, model_dir: str, run: RunDir) -> str:
+    """The checkpoint the run loads. For spec.mode=online on a checkpoint whose config.json declares MTP modules it
+    holds no tensor of (one saved by transformers: any GLM-4.5 fine-tuned with Hugging Face tooling), a copy with
+    fresh ones, initialized from `run.seed` (`miles_spec.add_mtp_modules`: the trunk's files linked, not copied),
+    in RUN_DIR/model_with_draft: the draft then trains from scratch on the rollouts (slime / Megatron's MTP
+    training from scratch). A resumed run finds it there (its checkpoint holds the trained draft). Any other run:
+    `model_dir` as it is, read here first, so that miles-kernels' warning about MTP modules left out is logged by
+    this process (the engines and trainer ranks log theirs in their own logs)."""
+    fresh = run.path / FRESH_DRAFT_DIR
+    if Path(model_dir).resolve() == fresh.resolve():
+        return model_dir
+    absent = num_absent_mtp_layers(model_dir)
+    if cfg.spec.mode != "online" or not absent:
+        read_model_config(model_dir)
+        return model_dir
+    if not fresh.is_dir():
+        add_mtp_modules(model_dir, fresh, absent, seed=cfg.run.seed)
+        run.log(
+            f"{model_dir}: config.json declares {absent} MTP module(s) the checkpoint holds no tensor of (saved by "
+            f"transformers); spec.mode=online trains {absent} fresh one(s) from scratch, initialized in {fresh} "
+            "(the trunk's files linked from the checkpoint)"
+        )
+    return str(fresh)
 
 
 def _check_estimator(cfg: RunConfig) -> None:

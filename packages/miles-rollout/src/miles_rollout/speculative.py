@@ -78,8 +78,9 @@ class Drafter:
         if not model.mtp_layers:
             raise ValueError(
                 "speculative decoding drafts with the model's MTP layers, and this model has none "
-                "(num_nextn_predict_layers = 0 in config.json): serve a model with MTP layers, or leave "
-                "--speculative-algorithm unset"
+                "(num_nextn_predict_layers = 0 in config.json, or MTP layers it declares and the checkpoint holds no "
+                "tensor of, as transformers saves GLM-4.5): serve a model with MTP layers (miles-spec train adds "
+                "them), or leave --speculative-algorithm unset"
             )
         self.model = model
         self.num_steps = num_steps

@@ -29,11 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         "response_tokens, or slime's tokens / response_length; optional loss_mask) or text (prompt / response, "
         "messages). The trunk is written back unchanged; only the MTP modules move.",
     )
-    train.add_argument("--model", required=True, help="Hugging Face checkpoint directory (Qwen3 / Qwen3-MoE)")
+    train.add_argument("--model", required=True,
+                       help="Hugging Face checkpoint directory (a family miles-kernels runs)")  # fmt: skip
     train.add_argument("--data", required=True, help="JSONL file, one row per line")
     train.add_argument("--out", required=True, help="where to write the checkpoint with the trained draft")
     train.add_argument("--num-mtp-layers", type=int, default=None,
-                       help="add this many new MTP modules to a checkpoint that has none")  # fmt: skip
+                       help="add this many new MTP modules to a checkpoint that has none (default for one whose "
+                       "config.json declares MTP layers it holds no tensor of, as transformers saves GLM-4.5: "
+                       "that many)")  # fmt: skip
     train.add_argument("--epochs", type=int, default=1)
     train.add_argument("--batch-size", type=int, default=32, help="rows per optimizer step")
     train.add_argument("--lr", type=float, default=1e-4, help="peak AdamW learning rate (10 warm-up steps, cosine)")

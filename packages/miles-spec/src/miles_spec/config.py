@@ -27,9 +27,10 @@ class SpecConfig(BaseModel):
         description="'off': no speculative decoding, the MTP modules are left as they are; 'frozen': the engine "
         "drafts with the policy's MTP modules as loaded, never trained; 'online': it drafts with them and they "
         "train on every rollout batch, in the policy's train step. frozen and online need a model with MTP "
-        "layers (num_nextn_predict_layers >= 1). off is the default because the built-in example (64 sequences "
-        "of ~4-token answers) rolls out fastest without a draft (benchmarks/spec.py); few sequences with long "
-        "outputs are where online pays.",
+        "layers (num_nextn_predict_layers >= 1); online starts fresh ones when config.json declares MTP layers the "
+        "checkpoint holds no tensor of (saved by transformers), frozen refuses it. off is the default because the "
+        "built-in example (64 sequences of ~4-token answers) rolls out fastest without a draft (benchmarks/spec.py); "
+        "few sequences with long outputs are where online pays.",
     )
     num_steps: int = Field(
         default=3,

@@ -5,21 +5,21 @@ The rows are what `miles_trainer.load_sft_samples` reads: token ids (Miles' `pro
 or slime's `tokens` / `response_length`, optional `loss_mask`), or text (`prompt` / `response`, chat `messages`).
 The draft trains with `MTPLoss` through `run_sft(train_policy=False)`: the trunk runs without autograd, its weights
 are written back as loaded (bit for bit), only the MTP modules move. A checkpoint without MTP modules gets
-`num_mtp_layers` new ones, initialized from their own seed (DeepSeek-V3's layout: `model.layers.{L + i}`).
+`num_mtp_layers` new ones, initialized from their own seed (DeepSeek-V3's layout: `model.layers.{L + i}`;
+`add_mtp_modules`); one whose config.json declares MTP modules it holds no tensor of (written by transformers, whose
+`save_pretrained` drops them) gets that many new ones unless `num_mtp_layers` says otherwise.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any
 
 from miles_spec.mtp_loss import MTPLoss
+from miles_spec.new_mtp import add_mtp_modules, checkpoint_dtype
 
 __all__ = ["DraftTrainConfig", "train_draft"]
 
@@ -34,7 +34,7 @@ class DraftTrainConfig:
     warmup_steps: int = 10
     max_grad_norm: float = 1.0
     mtp_loss_coef: float = 1.0
-    num_mtp_layers: int | None = None  # add this many MTP modules to a checkpoint that has none
+    num_mtp_layers: int | None = None  # add this many MTP modules to a checkpoint that has none (default: as declared)
     seed: int = 0
     chat_template: bool = False
 
@@ -57,7 +57,7 @@ def train_draft(
 ) -> list[dict[str, float]]:
     """Train the MTP modules of the Hugging Face checkpoint `model_dir` on `data` and write the checkpoint, trunk
     unchanged, to `out`. Returns one metrics dict per epoch (`mtp_loss`, `mtp_accuracy_{i}`, ...)."""
-    from miles_kernels import KernelConfig, read_model_config
+    from miles_kernels import KernelConfig, num_absent_mtp_layers, read_model_config
     from miles_trainer import OptimizerConfig, SFTConfig, run_sft
 
     config = config or DraftTrainConfig()
@@ -74,7 +74,8 @@ def train_draft(
             f"{source} already has {model_config.num_nextn_predict_layers} MTP module(s); --num-mtp-layers="
             f"{config.num_mtp_layers} would change them: drop the flag to refresh the existing ones"
         )
-    if not has_mtp and config.num_mtp_layers is None:
+    num_new = config.num_mtp_layers or num_absent_mtp_layers(source)  # declared in config.json, not in the weights
+    if not has_mtp and not num_new:
         raise ValueError(
             f"{source} has no MTP modules (num_nextn_predict_layers = 0 in config.json): add --num-mtp-layers 1 to "
             "train a new one"
@@ -83,48 +84,9 @@ def train_draft(
                                 max_grad_norm=config.max_grad_norm)  # fmt: skip
     sft = SFTConfig(epochs=config.epochs, batch_size=config.batch_size, seed=config.seed,
                     chat_template=config.chat_template, optimizer=optimizer)  # fmt: skip
-    kernel = KernelConfig(dtype=_checkpoint_dtype(source))  # the checkpoint's own dtype: the trunk goes back as is
+    kernel = KernelConfig(dtype=checkpoint_dtype(source))  # the checkpoint's own dtype: the trunk goes back as is
     with tempfile.TemporaryDirectory(prefix="miles-spec-") as staging:
-        start = source if has_mtp else _with_new_mtp_modules(source, Path(staging), kernel, config)
+        start = source if has_mtp else add_mtp_modules(source, Path(staging) / "model", num_new, config.seed)
         return run_sft(start, data, out, sft, kernel=kernel, log=log,
                        aux_losses=[MTPLoss(config.mtp_loss_coef)], aux_optimizer=optimizer,
                        train_policy=False)  # fmt: skip
-
-
-DType = Literal["float32", "bfloat16", "float16"]
-
-
-def _checkpoint_dtype(source: Path) -> DType:
-    hf = json.loads((source / "config.json").read_text())
-    dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"{source}/config.json: dtype {dtype!r} is not one of float32, bfloat16, float16")
-    return cast(DType, dtype)
-
-
-def _with_new_mtp_modules(source: Path, staging: Path, kernel: Any, config: DraftTrainConfig) -> Path:
-    """A copy of the checkpoint with `num_mtp_layers` new MTP modules: norm weights 1, every other new weight
-    normal(0, 0.02) from `config.seed` (the embedding and LM head they share stay the trunk's)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from miles_kernels import CausalLM, load_model, save_model
-
-    trunk = load_model(source, kernel)
-    num = config.num_mtp_layers or 1
-    model = CausalLM(dataclasses.replace(trunk.config, num_nextn_predict_layers=num), kernel).to(kernel.torch_dtype)
-    missing, _ = model.load_state_dict(trunk.state_dict(), strict=False)
-    generator = torch.Generator().manual_seed(config.seed)
-    shared = model.mtp_copy_names()
-    with torch.no_grad():
-        for name in sorted(set(missing) - shared.keys()):
-            param = model.get_parameter(name)
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
-    save_model(model, staging / "model", tokenizer=AutoTokenizer.from_pretrained(str(source)))
-    for extra in ("generation_config.json",):
-        if (source / extra).is_file():
-            shutil.copy(source / extra, staging / "model" / extra)
-    return staging / "model"

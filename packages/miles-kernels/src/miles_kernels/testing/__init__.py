@@ -2,7 +2,8 @@
 drivers of the model (nothing is downloaded). Not part of the engine or the trainer.
 
 - `tiny_config` / `random_model` / `save_random_model`, `BENCHMARK_MODEL`: small models of every family (Qwen3,
-  Qwen2.5, Llama 3.x, Qwen3-MoE, GLM-4.5);
+  Qwen2.5, Llama 3.x, Qwen3-MoE, GLM-4.5); `save_transformers_model`: the same written by `transformers` (as Hugging
+  Face tooling writes a checkpoint: no MTP tensors);
 - `build_tokenizer`, `DEFAULT_CORPUS`: a byte-level BPE tokenizer with a family's chat template (`CHAT_FORMATS`:
   plain ChatML, Qwen2.5, Qwen3, Llama 3.1);
 - `family_tokenizer`, `family_model`, `FAMILIES`: tokenizers built the way Qwen3's, Llama 3's and GLM-4.5's
@@ -14,7 +15,13 @@ drivers of the model (nothing is downloaded). Not part of the engine or the trai
 from miles_kernels.testing.chat_templates import CHAT_FORMATS
 from miles_kernels.testing.family_tokenizers import FAMILIES, family_model, family_tokenizer
 from miles_kernels.testing.paged_runner import PagedRunner, greedy_generate, packed_logits
-from miles_kernels.testing.random_model import BENCHMARK_MODEL, random_model, save_random_model, tiny_config
+from miles_kernels.testing.random_model import (
+    BENCHMARK_MODEL,
+    random_model,
+    save_random_model,
+    save_transformers_model,
+    tiny_config,
+)
 from miles_kernels.testing.tokenizer import DEFAULT_CORPUS, build_tokenizer
 
 __all__ = [
@@ -30,5 +37,6 @@ __all__ = [
     "packed_logits",
     "random_model",
     "save_random_model",
+    "save_transformers_model",
     "tiny_config",
 ]

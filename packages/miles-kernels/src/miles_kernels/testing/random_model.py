@@ -2,7 +2,9 @@
 
 `tiny_config("dense" | "moe" | "glm", ...)` gives a small Qwen3 / Qwen3-MoE / GLM-4.5 MoE architecture;
 `random_model` initializes one reproducibly from a seed (normal weights; norm weights near 1 so they matter);
-`save_random_model` writes it as a Hugging Face directory, with a tokenizer if one is given.
+`save_random_model` writes it as a Hugging Face directory, with a tokenizer if one is given;
+`save_transformers_model` has `transformers` build, initialize and save the same architecture, as Hugging Face
+tooling writes a checkpoint (no MTP tensors: transformers does not model the MTP modules config.json declares).
 """
 
 from __future__ import annotations
@@ -126,3 +128,26 @@ def save_random_model(
     """Write a random model as a Hugging Face directory; returns the directory."""
     model = random_model(config, KernelConfig(dtype=dtype), seed)
     return save_model(model, model_dir, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
+
+
+def save_transformers_model(
+    model_dir: str | os.PathLike[str], config: ModelConfig, seed: int = 0, tokenizer: Any = None
+) -> Path:
+    """Write `config`'s architecture as `transformers` writes it (`AutoModelForCausalLM.from_config`, its own
+    initialization from `seed`, `save_pretrained`): what a model fine-tuned with Hugging Face tooling looks like.
+    config.json keeps `num_nextn_predict_layers`, and no MTP tensor is written. GLM-4.5's router bias, which
+    transformers initializes to zeros, gets small random values so that it steers the expert choice."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = config.to_hf()
+    torch.manual_seed(seed)
+    hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.05)
+    model.save_pretrained(model_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(model_dir)
+    return Path(model_dir)
