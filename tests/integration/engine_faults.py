@@ -39,7 +39,7 @@ def _kill_once(phase: str) -> None:
     except FileExistsError:
         return
     pid = json.loads((run_dir / "actors.json").read_text())["engines"][engine]["pid"]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)  # (the engine being restarted, if another phase killed it: a test plan's mistake)
     os.write(marker, json.dumps({"engine": engine, "pid": pid}).encode())
     os.close(marker)
 

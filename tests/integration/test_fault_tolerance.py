@@ -12,10 +12,10 @@ trainer rank fails stop cleanly and resume exactly (docs/fault-tolerance.md).
   comes back from the weight file; then the trainer rank is SIGKILLed after a checkpoint: the run stops at once
   naming it, and `--resume` ends with every step and the final weights of the uninterrupted run.
 - An engine killed in each phase of a step (engine_faults.py: the kill lands inside the phase), two engines:
-  colocated and synchronous with shared-memory weights (rollout; reward; evaluation; training, the engines' memory
-  released; weight sync, between the trainer's write and the engines' load), every step bit for bit the
-  uninterrupted run's; and apart, overlapped (`run.mode=one_step_off`) with weights posted as buckets (rollout,
-  reward, training, a bucket post, evaluation), every step there once with its full batch.
+  colocated and synchronous with weights posted as buckets (rollout; reward; evaluation; training, the engines'
+  memory released; weight sync, as the buckets go out), every step bit for bit the uninterrupted run's; and apart,
+  overlapped (`run.mode=one_step_off`) with shared-memory weights (the same phases; the sync's kill between the
+  trainer's write of the weight file and the engines' load), every step there once with its full batch.
 """
 
 from __future__ import annotations
@@ -175,14 +175,15 @@ def run_with_faults(cache: Path, tmp_path: Path, plan: dict[str, list[int]], *ar
 def test_an_engine_killed_in_each_phase_of_a_colocated_step_comes_back_and_every_step_is_exact(
     cold_run, straight_run, tmp_path
 ) -> None:
-    """Colocated (the engines release their memory for the trainer's turn), synchronous, shared-memory weights: the
-    restart of an engine killed in one phase runs on into the next ones (a rollout's restart into the release for
-    training, a sync's between the trainer's write and the engines' load) and lands in the fleet's state."""
+    """Colocated (the engines release their memory for the trainer's turn), synchronous, weights posted as buckets:
+    the restart of an engine killed in one phase runs on into the next ones (a rollout's into the release for
+    training, while its peer, released, has no weights to copy or compare) and lands in the fleet's state; a sync
+    whose bucket post found an engine dead is sent again."""
     _, cache = cold_run
     # calls: training groups 1-8 are step 1's; evaluation groups 17-32 the eval after step 3; one loss call a step;
-    # the weight file is written once at the start (v0) and after each step (step 5's: the 6th)
+    # the weights are posted once at the start (v0) and after each step (step 5's: the 6th)
     plan = {"rollout": [12, 1], "reward": [2, 0], "eval": [20, 1], "train": [4, 0], "sync": [6, 1]}
-    run_dir, _ = run_with_faults(cache, tmp_path, plan)
+    run_dir, _ = run_with_faults(cache, tmp_path, plan, "run.sync_transport=http")
     assert_same_steps(run_dir, straight_run)
     for path in (straight_run / "final").glob("*.safetensors"):
         want, got = load_file(path), load_file(run_dir / "final" / path.name)
@@ -191,12 +192,11 @@ def test_an_engine_killed_in_each_phase_of_a_colocated_step_comes_back_and_every
 
 @pytest.mark.timeout(900)
 def test_an_engine_killed_in_each_phase_of_an_overlapped_run_apart_comes_back(cold_run, tmp_path) -> None:
-    """Engines apart from the trainer, rollout overlapped with training (`one_step_off`), weights posted as buckets:
-    a restarted engine copies a healthy one's weights, the sync whose bucket post found an engine dead is sent again.
-    Overlapped steps are not the synchronous run's; each is there once, with its full batch."""
+    """Engines apart from the trainer, rollout overlapped with training (`one_step_off`), shared-memory weights:
+    phases overlap (an evaluation's kill and a training's can leave no engine alive at once, which the weight file
+    re-syncs), and an engine dies between the trainer's write of the weight file and its load. Overlapped steps are
+    not the synchronous run's; each is there once, with its full batch."""
     _, cache = cold_run
     plan = {"rollout": [12, 1], "reward": [2, 0], "eval": [20, 0], "train": [4, 1], "sync": [6, 0]}
-    run_dir, _ = run_with_faults(
-        cache, tmp_path, plan, "run.colocate=false", "run.mode=one_step_off", "run.sync_transport=http"
-    )
+    run_dir, _ = run_with_faults(cache, tmp_path, plan, "run.colocate=false", "run.mode=one_step_off")
     assert (run_dir / "final").is_dir()

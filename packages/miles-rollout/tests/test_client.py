@@ -209,10 +209,10 @@ async def test_info_endpoints(client: Client) -> None:
 
 
 @pytest.mark.parametrize(
-    ("reported", "expected"), [("default", None), ("12", 12), (4, 4), (None, None), ("v2", None), ("-1", None)]
+    ("reported", "expected"), [("default", None), ("12", 12), (4, 4), (None, None), ("v2", "v2"), ("-1", "-1")]
 )
 async def test_get_weight_version_accepts_sglang_strings(
-    client: Client, engine: Any, reported: Any, expected: int | None
+    client: Client, engine: Any, reported: Any, expected: int | str | None
 ) -> None:
     engine.weight_version = reported
     assert await client.get_weight_version() == expected

@@ -392,14 +392,15 @@ def test_a_weight_version_is_any_string_reported_back_unchanged(server, dense_di
             reply = await post("/update_weights_from_disk", {"model_path": str(dense_dir), "weight_version": "load-2"})
             assert reply.status_code == 200 and reply.json()["weight_version"] == "load-2", reply.text
             assert (await raw.get("/get_weight_version")).json()["weight_version"] == "load-2"
-            generated = (await post("/generate", {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 2}}))
+            generated = await post("/generate", {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 2}})
             assert generated.json()["meta_info"]["weight_version"] == "load-2"
             (response,) = await client.generate(PROBE.model_copy(update={"input_ids": [[7, 8, 9]]}))
             assert response.meta_info.weight_version == "load-2" and response.meta_info.policy_version is None
             assert await client.get_weight_version() == "load-2"
             info = (await raw.get("/get_server_info")).json()
             assert info["weight_version"] == "load-2"
-            (gauge,) = [line for line in (await raw.get("/metrics")).text.splitlines() if line.startswith("miles:weight_v")]
+            metrics = (await raw.get("/metrics")).text.splitlines()
+            (gauge,) = [line for line in metrics if line.startswith("miles:weight_version{")]
             assert gauge.endswith(" -1.0")  # a label is no number
 
             reply = await post("/update_weight_version", {"new_version": "rc/3 (with spaces)"})

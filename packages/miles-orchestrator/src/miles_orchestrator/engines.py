@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from miles_contracts import GenerateRequest, GenerateResponse
+from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion
 from miles_orchestrator.engine_health import EngineSupervisor, is_engine_failure
 from miles_rollout import Client, RolloutClientError, free_port, router_command
 
@@ -226,10 +226,10 @@ class EngineFleet:
             )
         return str(checksums[0])
 
-    async def get_weight_versions(self) -> list[int | None]:
+    async def get_weight_versions(self) -> list[WeightVersion]:
         return await self._each("get_weight_version")
 
-    async def get_weight_version(self) -> int | None:
+    async def get_weight_version(self) -> WeightVersion:
         """The weight version every engine serves; a RuntimeError naming the engines that serve another."""
         versions = await self.get_weight_versions()
         differing = [i for i, version in enumerate(versions) if version != versions[0]]

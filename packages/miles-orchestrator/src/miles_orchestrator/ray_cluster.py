@@ -214,9 +214,8 @@ class RayCluster:
         actor = self.new_engine(engine)
         url = str(await asyncio.wait_for(actor.get_url.remote(), timeout=self.engine_start_s))
         client = Client(url, api_key=self.admin_key, admin_key=self.admin_key, timeout=600)
-        if self.last_version is not None:
-            await self._resync(engine, client)
-        await self._check_restarted_weights(engine, client)
+        if self.last_version is None or await self._resync(engine, client):
+            await self._check_restarted_weights(engine, client)
         if self.engine.released:
             await client.release_memory_occupation()
         if self.engine.paused is not None:
@@ -228,20 +227,21 @@ class RayCluster:
         if self.router is not None:
             await self.router.add_worker(url)
 
-    async def _resync(self, engine: int, client: Client) -> None:
+    async def _resync(self, engine: int, client: Client) -> bool:
         """The restarted engine gets the version the others serve: from the weight file (shm, disk; distributed to
         SGLang engines: the copy each sync writes to `restart_dir`), or copied bucket by bucket from a healthy engine
         (http, distributed); with http and distributed the next sync then reconnects rank 0 to it, and rebuilds the
-        weight-update group."""
+        weight-update group. False when there was nothing to copy (the others' memory released, or being released
+        mid-copy): the next sync, right after training, sends it the weights."""
         weight_file = self.sync_dir if self.transport in ("shm", "disk") else self.restart_dir
         if self.transport not in ("shm", "disk"):
             self._restarted_since_sync.add(engine)
         if weight_file is not None:
             async with self._writing_file:  # not a file half written by a sync under way
                 await client.update_weights_from_disk(str(weight_file), self.file_version)
-            return
+            return True
         if self.engine.released:  # the others hold no weights now; the next sync (right after training) sends them
-            return
+            return False
         peer = self._healthy_peer(engine)
         if peer is None:
             raise RuntimeError(
@@ -259,9 +259,10 @@ class RayCluster:
                 # the peer released its weights since (the fleet is releasing for the trainer's turn): this engine
                 # is released with the others, and the next sync sends it the weights
                 self.log(f"rollout engine {engine}: its peer released its weights mid-copy; the next sync sends them")
-                return
+                return False
             await client.update_weights_from_tensor(data)
             index += 1
+        return True
 
     def _healthy_peer(self, engine: int) -> Client | None:
         """An engine other than `engine` that is not being restarted (None: there is none)."""

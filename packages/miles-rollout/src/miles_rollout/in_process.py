@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
+from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, WeightVersion
 from miles_rollout.client import RolloutClientError
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
@@ -135,7 +135,7 @@ class InProcessClient:
         )
         return result
 
-    async def get_weight_version(self) -> int | None:
+    async def get_weight_version(self) -> WeightVersion:
         return self.engine.weight_version
 
     async def health(self) -> bool:

@@ -61,7 +61,7 @@ def family_tokenizer(
     ])  # fmt: skip
     tokenizer.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_alphabet else []
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, show_progress=False)  # type: ignore[no-untyped-call]
     tokenizer.train_from_iterator(corpus or list(DEFAULT_CORPUS), trainer)
     tokenizer.add_special_tokens(specials)  # after the learned vocabulary, as the families' added_tokens are
     if family == "llama3":
@@ -73,7 +73,14 @@ def family_tokenizer(
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({**fields, "model_max_length": 512}))
     loaded = transformers.AutoTokenizer.from_pretrained(directory)
-    return loaded, [tokenizer.token_to_id(specials[i]) for i in eos]
+    return loaded, [_token_id(tokenizer, specials[i]) for i in eos]
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise ValueError(f"{token!r} is not in the tokenizer")
+    return int(found)
 
 
 def family_model(family: str, directory: Path, *, byte_alphabet: bool = True) -> Path:
