@@ -24,6 +24,7 @@ from miles_contracts.generate import (
     MetaInfo,
     SamplingParams,
     WeightVersion,
+    reported_weight_version,
     version_string,
     weight_version_value,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "is_plugin_path",
     "load_plugin",
     "observation_messages",
+    "reported_weight_version",
     "version_string",
     "weight_version_value",
 ]

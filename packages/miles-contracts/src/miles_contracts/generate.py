@@ -430,11 +430,7 @@ class MetaInfo(BaseModel):
     @field_validator("weight_version", mode="before")
     @classmethod
     def _version(cls, value: Any) -> Any:
-        # SGLang reports versions as strings ("default" until the first named update): digits are the policy step,
-        # any other label is kept as the server reports it
-        if isinstance(value, str):
-            return None if value == "default" else int(value) if value.isascii() and value.isdigit() else value
-        return value
+        return reported_weight_version(value) if isinstance(value, str) else value
 
     @property
     def policy_version(self) -> int | None:
@@ -473,6 +469,19 @@ def weight_version_value(value: Any) -> WeightVersion:
             f"weight_version must be 1 to {MAX_WEIGHT_VERSION_CHARS} printable characters, got {len(value)} characters"
         )
     return value
+
+
+def reported_weight_version(value: Any) -> WeightVersion:
+    """A weight version as a server reports it (SGLang: a string, "default" until the first named update): digits
+    as the int (the orchestrator's policy step), "default" as None, any other label as it is; anything else
+    (a bool, a malformed body) None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        return None if value == "default" else int(value) if value.isascii() and value.isdigit() else value
+    return None
 
 
 def version_string(version: WeightVersion) -> str:

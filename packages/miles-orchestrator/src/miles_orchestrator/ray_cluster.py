@@ -233,9 +233,11 @@ class RayCluster:
         (http, distributed); with http and distributed the next sync then reconnects rank 0 to it, and rebuilds the
         weight-update group. False when there was nothing to copy (the others' memory released, or being released
         mid-copy): the next sync, right after training, sends it the weights."""
-        weight_file = self.sync_dir if self.transport in ("shm", "disk") else self.restart_dir
-        if self.transport not in ("shm", "disk"):
+        if self.transport in ("shm", "disk"):
+            weight_file = self.sync_dir
+        else:
             self._restarted_since_sync.add(engine)
+            weight_file = self.restart_dir
         if weight_file is not None:
             async with self._writing_file:  # not a file half written by a sync under way
                 await client.update_weights_from_disk(str(weight_file), self.file_version)

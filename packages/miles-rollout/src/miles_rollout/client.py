@@ -32,8 +32,8 @@ from typing import Any, Self
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion
-from miles_rollout.client_wire import MAX_MESSAGE_CHARS, int_version, parse_version, server_message, version_field
+from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, reported_weight_version
+from miles_rollout.client_wire import MAX_MESSAGE_CHARS, int_version, server_message, version_field
 from miles_rollout.client_wire import RolloutClientError as RolloutClientError
 
 logger = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ class Client:
         """The served weight version, from GET /model_info (SGLang 0.5.23 reports it there): the policy step (an
         int), another client's label (a str), or None while none was named (SGLang's "default")."""
         body = await self._call("GET", "/model_info", retry=True)
-        return parse_version(body.get("weight_version"))
+        return reported_weight_version(body.get("weight_version"))
 
     # -- memory and cache ------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from miles_contracts import WeightVersion, weight_version_value
+from miles_contracts import WeightVersion, reported_weight_version, weight_version_value
 
 # Error pages (an HTML 502 from a proxy) can be large; the message only needs their start.
 MAX_MESSAGE_CHARS = 2000
@@ -74,20 +74,8 @@ def server_message(response: httpx.Response) -> str:
 def int_version(reply: dict[str, Any]) -> dict[str, Any]:
     """A weight-update reply with its `weight_version` (a string on the wire, as in SGLang) parsed."""
     if "weight_version" in reply:
-        reply["weight_version"] = parse_version(reply["weight_version"])
+        reply["weight_version"] = reported_weight_version(reply["weight_version"])
     return reply
-
-
-def parse_version(value: Any) -> WeightVersion:
-    """A reported weight version: digits as the int (the orchestrator's policy step), SGLang's "default" (before the
-    first named update) as None, any other label as it is."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        return None if value == "default" else int(value) if value.isascii() and value.isdigit() else value
-    return None
 
 
 def version_field(version: WeightVersion) -> str | None:

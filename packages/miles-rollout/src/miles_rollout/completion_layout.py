@@ -74,11 +74,7 @@ async def echo_texts(engine: Engine, prompt: Prompt, skip_special_tokens: bool) 
             "echo: this model directory has no tokenizer, so a token-id prompt's text cannot be echoed; remove echo, "
             "or use /generate with return_logprob and logprob_start_len 0 for the prompt's log-probs"
         )
-    vocab = engine.model_config.vocab_size
-    for i, row in enumerate(rows):
-        bad = [t for t in row if t >= vocab]
-        if bad:
-            raise EngineError(f"prompt[{i}] has token ids {bad[:5]} outside the vocabulary (size {vocab})")
+    engine.intake.check_token_rows(rows, "prompt")
 
     def decode(tokenizer: Any) -> list[str]:
         return [str(tokenizer.decode(row, skip_special_tokens=skip_special_tokens)) for row in rows]

@@ -158,12 +158,16 @@ class Intake:
     def _token_prompts(self, request: GenerateRequest) -> list[list[int]]:
         rows = request.input_ids if request.is_batch else [request.input_ids]
         prompts: list[list[int]] = [[int(t) for t in row] for row in rows]  # type: ignore[union-attr,arg-type]
+        self.check_token_rows(prompts, "input_ids")
+        return prompts
+
+    def check_token_rows(self, rows: list[list[int]], field: str) -> None:
+        """An EngineError (400) naming `field[i]` when a row holds a token id outside the model's vocabulary."""
         vocab = self.engine.model_config.vocab_size
-        for i, row in enumerate(prompts):
+        for i, row in enumerate(rows):
             bad = [t for t in row if t >= vocab]
             if bad:
-                raise EngineError(f"input_ids[{i}] has token ids {bad[:5]} outside the vocabulary (size {vocab})")
-        return prompts
+                raise EngineError(f"{field}[{i}] has token ids {bad[:5]} outside the vocabulary (size {vocab})")
 
     def _texts(self, request: GenerateRequest) -> list[str]:
         if self.engine.tokenizer is None:
