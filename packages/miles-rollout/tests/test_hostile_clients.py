@@ -1,5 +1,5 @@
 """Multi-process tier (a real `miles-rollout serve` process, deterministic mode): one client cannot hurt another.
-A victim request decodes while each hostile request of issue 45 is sent; the victim finishes with all its tokens
+A victim request decodes while each kind of hostile request is sent; the victim finishes with all its tokens
 and the same bits as alone, `/health` answers within 1 s throughout, and each hostile request gets a 4xx (or is
 served safely). An abandoned request is gone from the scheduler within seconds."""
 

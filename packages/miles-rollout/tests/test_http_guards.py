@@ -1,5 +1,5 @@
 """Multi-process tier: the rollout server's HTTP guards against real `miles-rollout serve` processes over real HTTP
-(issue 45) — the Host allow-list (DNS rebinding), cross-site browser requests, content types, body-size limits
+— the Host allow-list (DNS rebinding), cross-site browser requests, content types, body-size limits
 (Content-Length and chunked), keys from a file or the environment (and `--dp-size` passing them to its engines off
 every command line), and malformed bytes that are a 4xx, never a 5xx. The guards' host and origin rules are also
 checked as pure logic."""
