@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from host import host_info
+
 BASE = [
     "run.colocate=false", "run.pin_cpus=true", "run.eval_every=0", "data.num_eval_prompts=0",
     "rollout.num_prompts_per_step=16", "trainer.global_batch_size=128", "filter.dynamic_sampling=false",
@@ -97,6 +99,7 @@ def main() -> None:
     report = {
         "benchmark": "async.py",
         "command": " ".join(["python", "benchmarks/async.py", *sys.argv[1:]]),
+        "host": host_info(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None},
         "config": {"overrides": BASE + args.extra, "steps": args.steps, "warmup": args.warmup,

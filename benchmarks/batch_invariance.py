@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from host import host_info
 
 from miles_kernels import rms_norm, tiled_matmul
 from miles_kernels.ops.linear import invariant_bmm
@@ -83,6 +84,7 @@ def main() -> None:
 
     results: dict[str, object] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "host": host_info(),
         "torch": torch.__version__,
         "metric": "max |row computed alone - the same row in a batch of M rows|, per M",
         "linear_K4096_N4096": {

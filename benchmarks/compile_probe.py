@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from host import host_info
 
 from miles_kernels.ops.activation import silu
 from miles_kernels.ops.norm import rms_norm
@@ -152,7 +152,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
+        "host": host_info(),
         "fresh_inductor_cache": args.fresh_cache,
         "import_dynamo_inductor_s": round(import_s, 2),
         "shapes": {"hidden": HIDDEN, "heads": HEADS, "head_dim": HEAD_DIM, "intermediate": INTERMEDIATE},

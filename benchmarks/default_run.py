@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host import host_info
 
 TIMING_KEYS = re.compile(r"(_time_s|_per_s|^time)$")
 
@@ -170,8 +170,7 @@ def main() -> None:
         "script_command": " ".join(["python", *sys.argv]),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
+        "host": host_info(),
         "cold_cache_first_run": args.cold,
         "runs": runs,
     }

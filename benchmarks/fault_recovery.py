@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -31,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from host import host_info
 
 from miles_orchestrator.config_sections import TrainerSection
 from miles_orchestrator.rollout_config import FaultToleranceSection
@@ -134,7 +135,7 @@ def main() -> None:
     chosen = "" if args.scenarios == list(SCENARIOS) else " --scenarios " + " ".join(args.scenarios)
     report = {
         "script_command": f"python benchmarks/fault_recovery.py{chosen} --out {args.out}",
-        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "host": host_info(), "cpus": os.cpu_count(),
         "defaults": {
             "rollout.fault_tolerance": faults.model_dump(include={"check_interval_s", "check_timeout_s",
                                                                   "failure_threshold"}),

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from host import host_info
 from transformers import AutoModelForCausalLM
 
 from miles_kernels import KernelConfig, load_model
@@ -71,7 +71,7 @@ def main() -> None:
                 results[f"{family}/{'tied' if tied else 'untied'}"] = worst
                 print(family, tied, json.dumps(worst), flush=True)
     report = {"script_command": f"python benchmarks/hf_parity.py --seeds {args.seeds}", "torch": torch.__version__,
-              "transformers": __import__("transformers").__version__, "machine": platform.machine(),
+              "transformers": __import__("transformers").__version__, "host": host_info(),
               "dtype": "float32", "results": results}  # fmt: skip
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

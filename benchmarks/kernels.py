@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from host import host_info
 from transformers import AutoModelForCausalLM
 
 from miles_kernels import KernelConfig, load_model
@@ -117,8 +117,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
+        "host": host_info(),
         "repeats": args.repeats,
         "kernel_config": tiles,
         "unit": "seconds (median)",

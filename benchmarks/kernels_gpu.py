@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -59,6 +58,7 @@ from miles_kernels.testing import BENCHMARK_MODEL, PagedRunner, packed_logits, s
 from miles_kernels.triton_ops import logsoftmax, norm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from host import host_info  # noqa: E402
 from kernels import median_seconds, miles_decode  # noqa: E402  (the kernels benchmark's timing and decode step)
 
 TRITON = {"linear_backend": "triton", "attention_backend": "triton"}
@@ -294,7 +294,7 @@ def main() -> None:
 
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__, "machine": platform.machine(),
+        "torch": torch.__version__, "triton": triton.__version__, "host": host_info(),
         "quick": args.quick, "repeats": args.repeats, "unit": "ms (median) unless named otherwise",
     }  # fmt: skip
     out = Path(args.out)

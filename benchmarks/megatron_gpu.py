@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host import host_info
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, load_model, save_model
@@ -132,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     ensure_process_group()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)",
-                           "torch": torch.__version__}  # fmt: skip
+                           "torch": torch.__version__, "host": host_info()}  # fmt: skip
     import megatron.core
 
     out["megatron_core"] = megatron.core.__version__

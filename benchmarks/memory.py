@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from host import host_info
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, save_model
@@ -146,7 +146,7 @@ def main() -> int:
         save_model(random_model(config, seed=0), model_dir)
         shape = ModelShape.from_hf(json.loads(Path(model_dir, "config.json").read_text()))
         result = {
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+            "host": host_info(),
             "command": "uv run python benchmarks/memory.py " + " ".join(sys.argv[1:]),
             "trainer": [validate_trainer(model_dir, shape, world, args.tokens) for world in (1, 2)],
             "engine": validate_engine(model_dir, shape),

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from host import host_info
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, save_model
@@ -106,6 +107,7 @@ def main() -> int:
     runs = [measure(args.device, args.tokens, args.sequence_length, ckpt) for ckpt in modes]
     result = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)",
+        "host": host_info(),
         "torch": torch.__version__, "command": "uv run python benchmarks/memory_gpu.py " + " ".join(sys.argv[1:]),
         "runs": runs,
     }  # fmt: skip

@@ -25,13 +25,13 @@ import asyncio
 import collections
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import torch
+from host import host_info
 from transformers import AutoModelForCausalLM
 
 from miles_kernels.testing import BENCHMARK_MODEL, build_tokenizer, save_random_model, tiny_config
@@ -165,8 +165,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
         "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
+        "host": host_info(),
         "workload": {
             "num_prompts": args.num_prompts,
             "min_prompt_tokens": args.min_prompt,

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from host import host_info
 
 from miles_contracts import GenerateRequest, Sample, SamplingParams
 from miles_kernels import KernelConfig, load_model
@@ -126,7 +126,7 @@ def main() -> None:
     report = {
         "script_command": "python benchmarks/routing_replay.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "host": host_info(),
         "weights": args.model_dir or "random (miles_kernels.testing.random_model, std 0.05)",
         "results": results,
     }  # fmt: skip

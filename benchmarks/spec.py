@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -38,6 +37,7 @@ from typing import Any
 
 import spec_task
 import torch
+from host import host_info
 from safetensors.torch import load_file
 
 from miles_kernels import KernelConfig
@@ -237,7 +237,7 @@ def main() -> None:
         "multiply_adds_per_token": multiply_adds_per_token(boot["shape"]),
         "bootstrap": {k: v for k, v in boot.items() if k != "shape"},
         "timings_meaningful": not args.smoke,
-        "machine": platform.machine(),
+        "host": host_info(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "identical_rewards_losses_kl_per_step": identical,

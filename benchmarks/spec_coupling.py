@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import torch
+from host import host_info
 
 
 def inverse_cdf_agreement(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -67,7 +67,7 @@ def main() -> None:
         "what": "P(draft token == target token) per position under each coupling of the shared noise, vs 1 - TV",
         "command": "uv run python benchmarks/spec_coupling.py",
         "settings": vars(args),
-        "machine": platform.machine(),
+        "host": host_info(),
         "torch": torch.__version__,
         "rows": rows,
     }

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 import spec_task
 import torch
+from host import host_info
 from transformers import AutoTokenizer
 
 from miles_contracts import GenerateRequest, SamplingParams
@@ -88,7 +88,7 @@ def main() -> None:
         "what": "the end-of-run policy's rollout tokens/s with no draft, its frozen and its online draft, interleaved",
         "command": " ".join(["python", *sys.argv]),
         "settings": vars(args),
-        "machine": platform.machine(),
+        "host": host_info(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "identical_outputs": same,

@@ -29,7 +29,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host import host_info
 from torch.profiler import ProfilerActivity, profile, record_function
 
 GEMMS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
@@ -195,7 +195,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
+        "host": host_info(),
         "policy": policy,
         "workload": {
             "overrides": workload,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from host import host_info
 
 from miles_kernels import KernelConfig, tiled_matmul
 
@@ -75,7 +75,7 @@ def main() -> None:
     results: dict[str, object] = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
+        "host": host_info(),
         "dtype": "float32",
         "tile": args.tile,
         "repeats": args.repeats,

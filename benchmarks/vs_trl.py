@@ -49,6 +49,7 @@ import torch
 import transformers
 import trl
 from datasets import Dataset
+from host import host_info
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 
 from miles_orchestrator.bootstrap import bootstrap_policy
@@ -337,8 +338,7 @@ def describe(
         "cpu_count": os.cpu_count(),
         "cores_used": cores,
         "threads": args.threads,
-        "machine": platform.machine(),
-        "processor": platform.processor(),
+        "host": host_info(),
         "policy": policy,
         "policy_config": json.loads((Path(policy) / "config.json").read_text()),
         "workload": {

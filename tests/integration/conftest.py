@@ -1,4 +1,5 @@
-"""The integration tier's shared fixture: the shortened default example, run once per session on a cold cache."""
+"""The integration tier's shared fixture: the shortened default example, run once per session on a cold cache, under
+a non-native CPU dispatch (`orchestrator_runs.OTHER_CPU`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests import orchestrator_runs (pytest's importlib mode)
 
-from orchestrator_runs import INTERRUPTED, SHORT, cli, policy_dir
+from orchestrator_runs import INTERRUPTED, OTHER_CPU, SHORT, cli, policy_dir
 
 
 @pytest.fixture(scope="session")
 def cold_run(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("cold")
     cache, run_dir = root / "cache", root / "run"
-    result = cli(*SHORT, f"run.run_dir={run_dir}", cache=cache)
+    result = cli(*SHORT, f"run.run_dir={run_dir}", cache=cache, env_extra=OTHER_CPU)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return run_dir, cache
 

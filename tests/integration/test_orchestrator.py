@@ -1,9 +1,10 @@
 """Integration tier (a real local Ray cluster, real processes): `miles-orchestrator run` end to end.
 
 - the shortened default example on a cold cache (a fresh MILES_CACHE_DIR, so a broken bootstrap cannot hide
-  behind a cached one): it bootstraps, trains and evaluates, the training reward rises, and the train/rollout
-  mismatch is exactly 0 at every step (30 steps are too few for the held-out pass rate to rise reliably; the
-  full default run's rise is measured by `benchmarks/default_run.py`, in `benchmarks/results/default_run.json`);
+  behind a cached one), under a non-native CPU dispatch: it bootstraps, trains and evaluates, the training reward
+  rises by a margin measured across CPUs and seeds, and the train/rollout mismatch is exactly 0 at every step (30
+  steps are too few for the held-out pass rate to rise reliably; the full run's rise across CPUs and seeds is
+  measured by `benchmarks/robustness.py`, in `benchmarks/results/robustness.json`);
 - a run SIGKILLed after a checkpoint and resumed with `--resume` continues with exactly the steps of an
   uninterrupted run (metrics and final weights, bitwise);
 - a reward function that raises or hangs is contained: the samples fail, the run finishes;
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, SHORT, SMALL, cli, history, policy_dir
+from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, OTHER_CPU, SHORT, SMALL, cli, history, policy_dir
 from safetensors.torch import load_file
 
 
@@ -35,11 +36,13 @@ def test_default_example_runs_with_zero_mismatch_on_a_cold_cache(cold_run) -> No
     rows = history(run_dir)
     train_rows = [r for r in rows if r["step"] > 0]
     assert len(train_rows) == 30
-    # The reward rises: mean reward of every generated sample, steps 26-30 against steps 1-5. The run is bitwise
-    # reproducible on one machine, but its numbers depend on the CPU: on an AVX-512 VM 0.236 -> 0.314 (steps 16-20
-    # were 0.231: flat); on the machine this test was first tuned on, steps 16-20 already gave 0.330 -> 0.431.
+    # The reward rises: mean reward of every generated sample, steps 26-30 against steps 1-5, under a non-native CPU
+    # dispatch (OTHER_CPU), so a default example that learns on one CPU's bits only fails here. The margin comes from
+    # benchmarks/results/robustness.json: over its 9 cells (3 dispatch settings x 3 seeds) that rise was 0.086-0.180
+    # (0.180 for this one, avx2 seed 0); a policy that does not learn (lr 1e-12, 30 steps) rose 0.027, its per-step
+    # reward varying with a standard deviation of 0.035, i.e. 0.022 for the difference of two 5-step means.
     first, last = (sum(r["reward_mean"] for r in window) / 5 for window in (train_rows[:5], train_rows[-5:]))
-    assert last >= first + 0.04, (first, last)
+    assert last >= first + 0.06, (first, last)
     assert all(r["train_rollout_logprob_abs_diff"] == 0.0 for r in train_rows)
     assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in train_rows)
     assert rows[0]["step"] == 0 and 0.0 < rows[0]["eval_pass@1"] < 1.0  # the bootstrap is imperfect, not broken
@@ -106,7 +109,7 @@ def test_the_local_cluster_runs_the_same_steps_as_ray(cold_run, tmp_path) -> Non
     ray_dir, cache = cold_run
     run_dir = tmp_path / "local"
     result = cli(*SHORT, "run.cluster=local", f"model.path={policy_dir(cache)}", f"run.run_dir={run_dir}",
-                 cache=cache)  # fmt: skip
+                 cache=cache, env_extra=OTHER_CPU)  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
     local, ray = history(run_dir), history(ray_dir)
     assert [r["step"] for r in local] == [r["step"] for r in ray]
@@ -140,7 +143,7 @@ def test_the_default_example_drafts_and_trains_its_mtp_module_online(cold_run, t
     ray_dir, cache = cold_run
     run_dir = tmp_path / "online"
     result = cli("run.num_steps=2", "run.eval_every=0", "run.cluster=local", f"model.path={policy_dir(cache)}",
-                 "spec.mode=online", f"run.run_dir={run_dir}", cache=cache)  # fmt: skip
+                 "spec.mode=online", f"run.run_dir={run_dir}", cache=cache, env_extra=OTHER_CPU)  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
     rows = [r for r in history(run_dir) if r["step"] > 0]
     assert all(r["spec_accept_length"] > 1.5 and r["mtp_loss"] > 0 for r in rows), rows

@@ -37,7 +37,7 @@ from miles_trainer import SFTConfig, load_sft_samples, pack_samples, run_sft
 # The bootstrap needs no batch invariance (RL starts from whatever weights it writes), so it runs the plain torch
 # ops; 16-token KV pages fit the task's ~15-token rows (64-token pages would mostly be padding).
 BOOTSTRAP_KERNEL = KernelConfig(mode="fast", page_size=16)
-PROBE_SIZE, PROBE_FROM, PROBE_EVERY = 128, 100, 25  # early-stop probe: prompts, first check, check interval
+PROBE_SIZE, PROBE_FROM, PROBE_EVERY = 128, 100, 10  # early-stop probe: prompts, first check, check interval
 # The tokenizer's chat template and special tokens per family (miles_kernels.testing.chat_templates); others: ChatML
 CHAT_FORMAT = {"qwen2": "qwen2.5", "llama": "llama3"}
 

@@ -50,12 +50,15 @@ class ModelSection(Section):
 
     path: str | None = Field(default=None, description="HF model directory; null: bootstrap the built-in policy.")
     bootstrap_steps: int = Field(
-        default=400, ge=0, description="Most SFT steps of the built-in policy (path=null); the LR schedule's length."
-    )
+        default=1000, ge=0,
+        description="Most SFT steps of the built-in policy (path=null) and its cosine LR schedule's length: a cap the "
+        "probe target normally stops well before (at steps 250-410 in benchmarks/results/robustness.json), with the "
+        "LR still high.",
+    )  # fmt: skip
     bootstrap_target_pass_rate: float | None = Field(
         default=0.35, gt=0, le=1,
-        description="Stop the bootstrap SFT at the first check (every 25 steps) where greedy pass@1 on 128 "
-        "train-split probe prompts reaches this; null: run all bootstrap_steps.",
+        description="Stop the bootstrap SFT at the first check (every 10 steps from step 100) where greedy pass@1 on "
+        "128 train-split probe prompts reaches this; null: run all bootstrap_steps.",
     )  # fmt: skip
     bootstrap_lr: float = Field(default=3e-3, gt=0, description="SFT learning rate of the built-in policy.")
     bootstrap_batch_size: int = Field(default=32, ge=1, description="SFT rows per step of the built-in policy.")
