@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from miles_orchestrator.config import load_config
-from miles_orchestrator.loop import check_plugins
+from miles_orchestrator.preflight import check_plugins
 
 PLUGINS = str(Path(__file__).parent)
 

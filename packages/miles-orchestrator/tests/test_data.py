@@ -221,7 +221,7 @@ def test_plugin_source_is_checked_at_start_up(
 ) -> None:
     cfg = DataSection(source=source, source_args=source_args)
     with pytest.raises(error, match=expected):
-        check_data_source(cfg)  # before anything is built (loop.check_plugins prefixes data.source=...)
+        check_data_source(cfg)  # before anything is built (preflight.check_plugins prefixes data.source=...)
     with pytest.raises(error, match=expected):
         build_data_source(cfg)
 

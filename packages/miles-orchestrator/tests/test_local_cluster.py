@@ -1,4 +1,4 @@
-"""CPU tier (one process, no Ray): `run_sync` end to end on the local cluster with a tiny random policy -- the
+"""CPU tier (one process, no Ray): `run_training` end to end on the local cluster with a tiny random policy -- the
 loop's mechanics in seconds: every step trains with a train/rollout mismatch of exactly 0, evaluates, exports, and
 a run stopped after a checkpoint resumes with exactly the steps (metrics and weights) of an uninterrupted run.
 Whether the reward rises (which needs a bootstrapped policy) is checked on both clusters by the integration tier.
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from miles_kernels.testing import build_tokenizer, save_random_model, save_transformers_model, tiny_config
 from miles_orchestrator.config import load_config
-from miles_orchestrator.loop import run_sync
+from miles_orchestrator.loop import run_training
 from miles_orchestrator.run_dir import RunDir
 
 SMALL = [
@@ -39,7 +39,7 @@ def policy(tmp_path_factory) -> Path:
 
 def run(policy: Path, run_dir: Path, *overrides: str) -> list[dict]:
     cfg = load_config(None, [*SMALL, f"model.path={policy}", f"run.run_dir={run_dir}", *overrides])
-    return run_sync(cfg, str(policy), RunDir(run_dir, quiet=True))
+    return run_training(cfg, str(policy), RunDir(run_dir, quiet=True))
 
 
 def deterministic(rows: list[dict]) -> list[dict]:

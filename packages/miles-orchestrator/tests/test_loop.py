@@ -154,7 +154,7 @@ def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:
     import asyncio
 
     from miles_kernels import KernelConfig
-    from miles_orchestrator import loop
+    from miles_orchestrator import preflight
     from miles_orchestrator.config import RunConfig
 
     kernel = KernelConfig()
@@ -187,7 +187,7 @@ def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:
     cfg, logs = RunConfig(), []
 
     def guard(cluster: FakeCluster) -> None:
-        asyncio.run(loop.check_on_policy(cfg, cluster, version=0, log=logs.append))  # type: ignore[arg-type]
+        asyncio.run(preflight.check_on_policy(cfg, cluster, version=0, log=logs.append))  # type: ignore[arg-type]
 
     with pytest.raises(RuntimeError, match=r"true on-policy refused.*same kind of device"):
         guard(FakeCluster(FakeEngine(kernel.describe("cuda"))))
@@ -202,7 +202,7 @@ def test_colocated_turns_switch_once_each_way() -> None:
     """The engine's memory is resumed once per trainer turn (by the weight sync when there is one), never twice."""
     import asyncio
 
-    from miles_orchestrator.loop import Turns
+    from miles_orchestrator.turns import Turns
 
     calls: list[str] = []
 
@@ -278,7 +278,7 @@ def test_advantages_follow_the_loss_masks() -> None:
 def test_recording_routing_needs_an_moe_policy(tmp_path) -> None:
     from miles_kernels.testing import save_random_model, tiny_config
     from miles_orchestrator.config import load_config
-    from miles_orchestrator.loop import check_model
+    from miles_orchestrator.preflight import check_model
 
     dense = save_random_model(tmp_path / "dense", tiny_config("dense"))
     with pytest.raises(ValueError, match=r"trainer.routing_replay=rollout records MoE routing.*dense qwen3 model"):
@@ -308,7 +308,7 @@ def test_a_checkpoint_saved_by_transformers_drafts_online_with_fresh_mtp_modules
 
     from miles_kernels import num_absent_mtp_layers, read_model_config
     from miles_orchestrator.config import load_config
-    from miles_orchestrator.loop import check_model, with_fresh_draft
+    from miles_orchestrator.preflight import check_model, with_fresh_draft
     from miles_orchestrator.run_dir import RunDir
 
     source = str(glm45_saved_by_transformers(tmp_path / "hf"))

@@ -1,6 +1,6 @@
 """The cluster interface: where the rollout engine and the trainer ranks run, and the calls the loop makes on them.
 
-`run_sync` (loop.py) talks to a `Cluster` and never knows which one it runs on (docs/architecture.md, "Cluster"):
+`run_training` (loop.py) talks to a `Cluster` and never knows which one it runs on (docs/architecture.md, "Cluster"):
 - `RayCluster` (ray_cluster.py, `run.cluster=ray`, the default): the engine and each trainer rank are Ray actors
   in one placement group, on a local Ray or an existing cluster; the loop reaches the engine over HTTP with
   `miles_rollout.Client`, exactly as it would a standalone `miles-rollout serve` or an SGLang server.

@@ -34,13 +34,12 @@ from miles_orchestrator.agent_metrics import agent_metrics
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.engine_health import EngineFailed
 from miles_orchestrator.filters import apply_filters
-from miles_orchestrator.rewards import RewardPool
 from miles_orchestrator.run_dir import RunDir
 from miles_rollout import CoalescingClient
 
 if TYPE_CHECKING:
-    from miles_orchestrator.cluster import Cluster
     from miles_orchestrator.partial import Aborted
+    from miles_orchestrator.parts import RunParts
 
 SEED_STRIDE = 2**32
 
@@ -201,11 +200,11 @@ class DataExhausted(Exception):
 
 
 async def generate_batch(
-    cfg: RunConfig, cluster: Cluster, rewards: RewardPool, source: Any, filters: Any, rollout_fn: Any,
-    encode: PromptEncoder, run: RunDir, aborted: Aborted | None = None,
-) -> tuple[list[Sample], dict[str, float]]:  # fmt: skip
-    """Generate and score prompt groups until `num_prompts_per_step` pass the filters (at most
-    `filter.max_oversample_rounds` extra rounds); the batch comes back in sample-index order."""
+    cfg: RunConfig, parts: RunParts, client: GenerateClient, run: RunDir, aborted: Aborted | None = None
+) -> tuple[list[Sample], dict[str, float]]:
+    """Generate (through `client`, the engines) and score prompt groups until `num_prompts_per_step` pass the
+    filters (at most `filter.max_oversample_rounds` extra rounds); the batch comes back in sample-index order."""
+    source, filters = parts.source, parts.filters
     r = cfg.rollout
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
     kept: list[list[Sample]] = []
@@ -214,7 +213,6 @@ async def generate_batch(
     num_failed_groups = 0
     reward_seconds = 0.0
     began = time.perf_counter()
-    client = cluster.engine
     for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
         needed = r.num_prompts_per_step - len(kept)
         if needed <= 0:
@@ -222,11 +220,11 @@ async def generate_batch(
         prompts = source.get_samples(needed)
         if not prompts:
             break  # a file source at the end of its last epoch
-        groups = expand_groups(prompts, r.n_samples_per_prompt, encode)
+        groups = expand_groups(prompts, r.n_samples_per_prompt, parts.encode)
         label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
         with run.progress(label, len(groups)) as advance:
             groups = await run_groups(
-                client, groups, params, cfg.run.seed, rollout_fn, advance, r.batch_requests, aborted
+                client, groups, params, cfg.run.seed, parts.rollout_fn, advance, r.batch_requests, aborted
             )
         # Before rewards, a failed sample is the rollout's (an engine error, a crashed environment): its group cannot
         # be compared within itself, so it is not trained.
@@ -235,7 +233,7 @@ async def generate_batch(
             num_failed_groups += 1
         groups = [g for g in groups if not _failed_sample(g)]
         scoring = time.perf_counter()
-        stats = await rewards.score([s for g in groups for s in g])
+        stats = await parts.rewards.score([s for g in groups for s in g])
         reward_seconds += time.perf_counter() - scoring
         if stats.num_failed:
             run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "

@@ -1,23 +1,21 @@
-"""The phases of one RL step, shared by the sync loop (loop.py) and the overlapped one (async_loop.py): the
-weight-version check of a batch, advantages (group estimators or PPO's GAE), the optimizer steps, and the weight
-sync to the engines (docs/architecture.md, "The RL data path", steps 5-7).
+"""The phases of one RL step after its rollout (loop.py): the weight-version check of a batch, advantages (group
+estimators or PPO's GAE), the optimizer steps, and publishing the new weights to the engines (docs/architecture.md,
+"The RL data path", steps 5-7).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from miles_contracts import Sample
 from miles_orchestrator.cluster import Cluster, CriticTargets
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.rewards import RewardPool
-from miles_orchestrator.rollout import PromptEncoder
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.staleness import bound_staleness, has_off_policy_tokens, onpolicy_mismatch
+from miles_orchestrator.turns import Turns
 from miles_trainer import (
     compute_advantages,
     estimator_kwargs,
@@ -25,19 +23,6 @@ from miles_trainer import (
     gae_advantages,
     outcome_token_rewards,
 )
-
-
-@dataclass(frozen=True)
-class LoopParts:
-    """The components a run's steps use, built once at start-up."""
-
-    source: Any
-    rewards: RewardPool
-    filters: Any
-    rollout_fn: Any
-    encode: PromptEncoder
-    eval_prompts: list[Sample]
-    eval_fn: Any  # the rollout function of held-out evaluation
 
 
 def checked_versions(
@@ -150,9 +135,37 @@ def batch_keys(train_metrics: dict[str, float]) -> dict[str, float]:
     return {f"batch_{key}" if key.startswith("reward_") else key: v for key, v in train_metrics.items()}
 
 
-async def send_weights(cfg: RunConfig, cluster: Cluster, version: int, run: RunDir) -> dict[str, float]:
-    """The trainer's weights to every engine as `version`."""
-    began = time.perf_counter()
+async def publish_weights(
+    cfg: RunConfig, cluster: Cluster, run: RunDir, version: int, turns: Turns, generating: asyncio.Lock
+) -> dict[str, float]:
+    """The trainer's weights to every engine as `version`, after each optimizer step. sync: once the engine has its
+    memory back (colocated). one_step_off: once the rollout in flight (holding `generating`) finished, so no
+    generation spans a sync. async: at once, the generations in flight paused (`rollout.pause_mode`) and continued
+    after. `sync_time_s` is the transfer's time; overlapped runs add the wait before it (`sync_wait_s`)."""
+    mode = cfg.run.mode
+    if mode == "sync":
+        began = time.perf_counter()
+        await turns.resume_engine()
+        return await _send_weights(cfg, cluster, run, version, began)
+    if mode == "one_step_off":
+        began = time.perf_counter()
+        async with generating:
+            waited = time.perf_counter() - began
+            return await _send_weights(cfg, cluster, run, version) | {"sync_wait_s": waited}
+    num_paused = await cluster.engine.pause_generation(cfg.rollout.pause_mode)
+    try:
+        synced = await _send_weights(cfg, cluster, run, version)
+    finally:
+        await cluster.engine.continue_generation()
+    paused = num_paused if isinstance(num_paused, int) else int(num_paused.get("num_paused_requests", 0))
+    return synced | {"num_paused_requests": float(paused), "sync_wait_s": 0.0}
+
+
+async def _send_weights(
+    cfg: RunConfig, cluster: Cluster, run: RunDir, version: int, began: float | None = None
+) -> dict[str, float]:
+    """`cluster.sync_weights` with progress; `sync_time_s` from `began` (default: now)."""
+    began = time.perf_counter() if began is None else began
     with run.progress("weight sync", 1) as advance:
         sync = await cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
         advance()

@@ -1,0 +1,51 @@
+"""`RunParts`: the components every step of a run uses — data source, rewards, filters, rollout function, prompt
+encoder, held-out prompts and their rollout function — built once at start-up by `open_parts` (which also owns the
+reward and environment workers: they stop when it exits)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from miles_contracts import RolloutFn, Sample
+from miles_orchestrator.agentic import agent_rollout
+from miles_orchestrator.config import RunConfig
+from miles_orchestrator.data import build_data_source, build_eval_samples
+from miles_orchestrator.filters import build_filters
+from miles_orchestrator.rewards import RewardPool
+from miles_orchestrator.rollout import PromptEncoder, resolve_rollout_fn
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The components a run's steps use, built once at start-up."""
+
+    source: Any  # the data source (miles_contracts.DataSource)
+    rewards: RewardPool
+    filters: Any  # the dynamic-sampling filters (filters.build_filters), or None
+    rollout_fn: RolloutFn
+    encode: PromptEncoder
+    eval_prompts: list[Sample]
+    eval_fn: RolloutFn  # the rollout function of held-out evaluation
+
+
+@contextlib.contextmanager
+def open_parts(cfg: RunConfig, model_dir: str) -> Iterator[RunParts]:
+    """The run's parts; the reward workers and the agentic environments stop on exit."""
+    source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
+    encode = PromptEncoder(model_dir)
+    filters = build_filters(cfg.filter)
+    with RewardPool.from_config(cfg.reward) as rewards, agent_rollout(cfg.rollout, encode.tokenizer) as agent:
+        yield RunParts(
+            source=source,
+            rewards=rewards,
+            filters=filters,
+            rollout_fn=agent or resolve_rollout_fn(cfg.rollout.rollout_fn, cfg.rollout.return_routed_experts),
+            encode=encode,
+            eval_prompts=eval_prompts,
+            # a held-out episode plays as a training one, through the same rollout function (slime's eval
+            # function defaults to its rollout function), without the routed experts only training replays
+            eval_fn=agent or resolve_rollout_fn(cfg.rollout.rollout_fn),
+        )

@@ -1,0 +1,144 @@
+"""Start-up checks: every plug-in the config names imports and fits, the model has what the run asks of it
+(MTP modules for drafting, MoE layers for routing replay; `with_fresh_draft` adds fresh MTP modules to a checkpoint
+that declares them without tensors), and, once the cluster is up, the engine holds the trainer's weights and runs
+its kernels (`check_on_policy`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles_kernels import num_absent_mtp_layers, read_model_config
+from miles_orchestrator.cluster import Cluster
+from miles_orchestrator.config import RunConfig
+from miles_orchestrator.data import check_data_source
+from miles_orchestrator.env_pool import resolve_env
+from miles_orchestrator.filters import build_filters
+from miles_orchestrator.rewards import check_reward
+from miles_orchestrator.rollout import resolve_rollout_fn
+from miles_orchestrator.run_dir import RunDir
+from miles_spec import add_mtp_modules
+from miles_trainer import load_advantage_estimator, resolve_loss_fn
+
+
+def check_plugins(cfg: RunConfig) -> None:
+    """Import and check every plug-in the config names (data source, reward, rollout function, filters, loss,
+    advantage; the http reward's server), so a wrong path or signature fails at start-up with the field named."""
+    env = cfg.rollout.agent.env
+    checks: list[tuple[str, str | None, Callable[[], object]]] = [
+        ("data.source", cfg.data.source, lambda: check_data_source(cfg.data)),
+        ("reward.name", cfg.reward.name, lambda: check_reward(cfg.reward)),
+        ("rollout.rollout_fn", cfg.rollout.rollout_fn, lambda: resolve_rollout_fn(cfg.rollout.rollout_fn)),
+        ("rollout.agent.env", env, lambda: env is not None and resolve_env(env)),
+        ("filter.custom", cfg.filter.custom, lambda: build_filters(cfg.filter)),
+        ("trainer.loss.loss_fn", cfg.trainer.loss.loss_fn, lambda: resolve_loss_fn(cfg.trainer.loss.loss_fn)),
+        ("trainer.advantage_estimator", cfg.trainer.advantage_estimator, lambda: _check_estimator(cfg)),
+    ]
+    for field, value, check in checks:
+        try:
+            check()
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{field}={value!r}: {error}") from error
+
+
+def check_model(cfg: RunConfig, model_dir: str) -> None:
+    """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
+    frozen or online; online accepts a checkpoint whose config.json declares MTP modules it holds no tensor of,
+    which `with_fresh_draft` completes); MoE layers when the run records or replays routing. (Other runs read the
+    model only when they load it.)"""
+    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts):
+        return
+    model = read_model_config(model_dir)
+    if cfg.rollout.return_routed_experts and not model.is_moe:
+        setting = (
+            "trainer.routing_replay=rollout"
+            if cfg.trainer.routing_replay == "rollout"
+            else "rollout.return_routed_experts=true"
+        )
+        raise ValueError(
+            f"{setting} records MoE routing, but {model_dir} is a dense {model.model_type} model; drop the setting, "
+            "or use an MoE policy (e.g. model.bootstrap_architecture=qwen3_moe)"
+        )
+    if not cfg.spec.drafts or model.num_nextn_predict_layers:
+        return
+    absent = num_absent_mtp_layers(model_dir)
+    if absent and cfg.spec.mode == "online":
+        return  # the run starts them fresh (with_fresh_draft)
+    if absent:
+        raise ValueError(
+            f"spec.mode=frozen drafts with the policy's MTP modules as loaded, but {model_dir} holds none: its "
+            f"config.json declares {absent} (num_nextn_predict_layers) and the checkpoint has no tensor of them "
+            "(transformers' save_pretrained does not write them), and an untrained draft left frozen would reject "
+            "nearly every token; use spec.mode=online (fresh MTP modules, trained on the rollouts), train a draft "
+            f"first (miles-spec train --model {model_dir} --data ROWS.jsonl --out DIR, then model.path=DIR), or "
+            "spec.mode=off"
+        )
+    raise ValueError(
+        f"spec.mode={cfg.spec.mode} drafts with the policy's MTP modules, but {model_dir} has none "
+        "(num_nextn_predict_layers = 0 in its config.json); use a checkpoint with MTP layers (miles-spec train "
+        "--num-mtp-layers 1 adds one), or spec.mode=off"
+    )
+
+
+FRESH_DRAFT_DIR = "model_with_draft"  # in the run directory
+
+
+def with_fresh_draft(cfg: RunConfig, model_dir: str, run: RunDir) -> str:
+    """The checkpoint the run loads. For spec.mode=online on a checkpoint whose config.json declares MTP modules it
+    holds no tensor of (one saved by transformers: any GLM-4.5 fine-tuned with Hugging Face tooling), a copy with
+    fresh ones, initialized from `run.seed` (`miles_spec.add_mtp_modules`: the trunk's files linked, not copied),
+    in RUN_DIR/model_with_draft: the draft then trains from scratch on the rollouts (slime / Megatron's MTP
+    training from scratch). A resumed run finds it there (its checkpoint holds the trained draft). Any other run:
+    `model_dir` as it is, read here first, so that miles-kernels' warning about MTP modules left out is logged by
+    this process (the engines and trainer ranks log theirs in their own logs)."""
+    fresh = run.path / FRESH_DRAFT_DIR
+    if Path(model_dir).resolve() == fresh.resolve():
+        return model_dir
+    absent = num_absent_mtp_layers(model_dir)
+    if cfg.spec.mode != "online" or not absent:
+        read_model_config(model_dir)
+        return model_dir
+    if not fresh.is_dir():
+        add_mtp_modules(model_dir, fresh, absent, seed=cfg.run.seed)
+        run.log(
+            f"{model_dir}: config.json declares {absent} MTP module(s) the checkpoint holds no tensor of (saved by "
+            f"transformers); spec.mode=online trains {absent} fresh one(s) from scratch, initialized in {fresh} "
+            "(the trunk's files linked from the checkpoint)"
+        )
+    return str(fresh)
+
+
+def _check_estimator(cfg: RunConfig) -> None:
+    if ":" in cfg.trainer.advantage_estimator:
+        load_advantage_estimator(cfg.trainer.advantage_estimator)
+
+
+async def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: Any) -> None:
+    """Sync the trainer's weights to the engine as `version`, then refuse to start unless the engine holds the
+    same bits (weight checksum) and, for true on-policy, runs the same kernels (fingerprint); SGLang engines, which
+    report neither, must serve `version`."""
+    await cluster.sync_weights(version, cfg.run.sync_bucket_bytes)
+    if cfg.rollout.backend == "sglang":  # SGLang reports neither Miles' kernel config nor a checksum of HF tensors
+        served = await cluster.engine.get_weight_version()  # every engine's, or a RuntimeError naming them
+        if served != version:
+            raise RuntimeError(f"weight sync check failed: the SGLang engines serve weights v{served}, not v{version}")
+        log(f"weights v{version} synced via {cluster.sync_method}; the SGLang engines serve v{version} (SGLang "
+            "reports no checksum of HF tensors to verify the bits by)")  # fmt: skip
+        return
+    described = (await cluster.engine.get_server_info())["kernel_config"]
+    fingerprint = described["fingerprint"]
+    if cfg.kernel.is_deterministic and fingerprint != cluster.trainer_fingerprint:
+        raise RuntimeError(
+            f"true on-policy refused: the engine runs kernel config {described} (fingerprint {fingerprint}), the "
+            f"trainer {cluster.trainer_fingerprint}; give both the same KernelConfig (dtype, mode, tile and page "
+            "sizes), the same torch version and the same kind of device"
+        )
+    engine_checksum, checksum = await cluster.engine.weights_checksum(), await cluster.trainer_checksum()
+    if engine_checksum != checksum:
+        raise RuntimeError(
+            f"weight sync check failed: the engine holds {engine_checksum[:16]}, the trainer sent {checksum[:16]} "
+            f"(version {version})"
+        )
+    log(f"weights v{version} synced via {cluster.sync_method} and verified (checksum {checksum[:12]}), kernels "
+        f"{fingerprint}")  # fmt: skip
