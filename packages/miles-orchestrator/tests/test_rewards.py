@@ -176,3 +176,14 @@ def test_workers_do_not_import_torch(plugins_on_path: None) -> None:
     # Reward workers start in about a second only if the reward path stays torch-free.
     code = "import sys, miles_orchestrator.rewards; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_builtin_reward_table_is_keyed_by_the_configs_names() -> None:
+    """config.py checks `reward.name` without importing rewards (`BUILTIN_REWARD_NAMES`); the table the pool
+    dispatches on must hold exactly those names, each mapped by name."""
+    from miles_orchestrator.config import BUILTIN_REWARD_NAMES
+    from miles_orchestrator.rewards import BUILTIN_REWARDS
+
+    assert sorted(BUILTIN_REWARDS) == sorted(BUILTIN_REWARD_NAMES)
+    assert BUILTIN_REWARDS["exact_match"] is exact_match and BUILTIN_REWARDS["task"] is task_reward
+    assert BUILTIN_REWARDS["math"] is math_reward

@@ -219,3 +219,15 @@ def test_advantage_plugin_by_path(tmp_path, monkeypatch) -> None:
     assert torch.equal(got, torch.tensor([[0.5] * 3, [-0.5] * 3, [-0.5] * 3, [0.5] * 3]))
     with pytest.raises(TypeError, match="must accept"):
         compute_advantages("my_advantages:wrong", rewards, torch.tensor([0, 0, 1, 1]), mask)
+
+
+def test_the_estimator_table_is_keyed_by_the_configs_names() -> None:
+    """The run config checks estimator names without torch (`ADVANTAGE_ESTIMATOR_NAMES`, its Literal); the table
+    the trainer dispatches on must hold exactly those names, each mapped by name (not by position)."""
+    from miles_trainer.config import ADVANTAGE_ESTIMATOR_NAMES
+
+    assert sorted(ADVANTAGE_ESTIMATORS) == sorted(ADVANTAGE_ESTIMATOR_NAMES)
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    mask = torch.ones(4, 2)
+    expected = expand_to_tokens(rloo_advantages(rewards, groups), mask)
+    assert torch.equal(ADVANTAGE_ESTIMATORS["rloo"](rewards, groups, mask), expected)

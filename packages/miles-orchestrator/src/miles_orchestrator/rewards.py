@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
 from miles_orchestrator import task
-from miles_orchestrator.config import BUILTIN_REWARD_NAMES, HTTP_REWARD, RewardSection
+from miles_orchestrator.config import HTTP_REWARD, RewardSection
 from miles_orchestrator.http_reward import CallResult, HttpReward
 from miles_orchestrator.sandbox import Worker, exit_code, spawn_worker, stop_worker, wait_ready
 
@@ -98,10 +98,14 @@ def env_reward(sample: Sample) -> float:
     return float(agent["reward"])  # type: ignore[arg-type]
 
 
-# Named in the run config (`reward.name`); the names are config.py's, checked there without importing rewards.
-BUILTIN_REWARDS: dict[str, RewardFn] = dict(
-    zip(BUILTIN_REWARD_NAMES, (exact_match, math_reward, task_reward, env_reward), strict=True)
-)
+# Named in the run config (`reward.name`); the keys are config.py's names (checked there without importing rewards);
+# a test holds the two equal.
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math": math_reward,
+    "task": task_reward,
+    "env": env_reward,
+}
 
 
 def resolve_reward(name: str, *, is_group: bool = False) -> RewardFn | GroupRewardFn:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_trainer.config import ADVANTAGE_ESTIMATOR_NAMES, SCALE_REWARDS, AdvantageConfig
+from miles_trainer.config import SCALE_REWARDS, AdvantageConfig
 from miles_trainer.plugins import load_checked_plugin
 
 __all__ = [
@@ -333,11 +333,15 @@ def _rpp_baseline(
 
 
 # Outcome-reward estimators under one signature. GAE needs a critic's values and token rewards, so it is called
-# directly (`gae_advantages`), not through this table. The names are miles_trainer.config's (a run config checks
-# them without torch), in its order.
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = dict(
-    zip(ADVANTAGE_ESTIMATOR_NAMES, (_grpo, _dr_grpo, _rloo, _rpp, _rpp_baseline), strict=True)
-)
+# directly (`gae_advantages`), not through this table. The keys are miles_trainer.config's names (a run config checks
+# them without torch); a test holds the two equal.
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
+    "rloo": _rloo,
+    "reinforce_plus_plus": _rpp,
+    "reinforce_plus_plus_baseline": _rpp_baseline,
+}
 
 
 def compute_advantages(
