@@ -1,5 +1,5 @@
-"""The docs stay true to the code: every module docs/architecture.md names exists, its package table matches what
-each package declares, and every relative link in the repository's Markdown resolves."""
+"""The docs stay true to the code: every module docs/architecture.md names exists, its package table and the
+README's match what each package declares, and every relative link in the repository's Markdown resolves."""
 
 from __future__ import annotations
 
@@ -28,16 +28,31 @@ def test_every_module_the_architecture_doc_names_exists() -> None:
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
 
 
+def _declared(package: str) -> set[str]:
+    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    return {d for d in meta["project"]["dependencies"] if d.startswith("miles-")}
+
+
+def _listed(cell: str) -> set[str]:
+    """A table cell of package names ("contracts, kernels", "—", "all of the above") as miles-* names."""
+    return {f"miles-{name.strip()}" for name in cell.split("(")[0].replace("—", "").split(",") if name.strip()}
+
+
 def test_the_package_table_is_what_each_package_declares() -> None:
     rows = re.findall(r"^\| (miles-[a-z]+) \| .* \| ([^|]*) \|$", ARCHITECTURE, flags=re.M)
     assert len(rows) == len(list((ROOT / "packages").iterdir())), rows
-    for package, declared in rows:
-        meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
-        deps = {d for d in meta["project"]["dependencies"] if d.startswith("miles-")}
-        listed = {
-            f"miles-{name.strip()}" for name in declared.split("(")[0].replace("—", "").split(",") if name.strip()
-        }
+    for package, cell in rows:
+        deps, listed = _declared(package), _listed(cell)
         assert deps == listed, f"{package}: pyproject declares {sorted(deps)}, docs/architecture.md {sorted(listed)}"
+
+
+def test_the_readme_package_table_is_what_each_package_declares() -> None:
+    rows = re.findall(r"^\| \[(miles-[a-z]+)\]\([^)]*\) \| .* \| ([^|]*) \|$", (ROOT / "README.md").read_text(),
+                      flags=re.M)  # fmt: skip
+    assert len(rows) == len(list((ROOT / "packages").iterdir())), rows
+    for package, cell in rows:
+        deps, listed = _declared(package), _listed(cell)
+        assert deps == listed, f"{package}: pyproject declares {sorted(deps)}, README.md {sorted(listed)}"
 
 
 def test_relative_links_in_markdown_resolve() -> None:
