@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import miles_spec
 from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import build_tokenizer, random_model, save_transformers_model, tiny_config
-from miles_spec.cli import build_parser, main
+from miles_spec.cli import COMMANDS, main
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -64,7 +64,7 @@ def test_help_lists_subcommands() -> None:
     assert miles_spec.__doc__
     result = cli("--help")
     assert result.returncode == 0
-    for name in build_parser()._subparsers._group_actions[0].choices:  # type: ignore[union-attr]
+    for name in COMMANDS:
         assert name in result.stdout
 
 
@@ -162,3 +162,21 @@ def test_bad_models_and_outputs_are_refused(checkpoints, tmp_path, capsys) -> No
     code, err = run_main(capsys, "train", "--model", str(checkpoints["with_mtp"]), "--data", rows, "--out",
                          str(tmp_path / "o3"), "--num-mtp-layers", "2")  # fmt: skip
     assert code == 2 and "already has 1 MTP module" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--epochs", "0"], "epochs"),
+        (["--lr", "-1"], "lr"),
+        (["--num-mtp-layers", "0"], "num_mtp_layers"),
+        (["--no-such-flag", "1"], "--no-such-flag"),
+    ],
+)
+def test_bad_flags_are_refused_with_the_setting_named(checkpoints, tmp_path, capsys, flags, message) -> None:
+    """The flags come from DraftTrainConfig: a value its constraints refuse (or an unknown flag) is exit 2 naming
+    the setting, before anything is loaded or written."""
+    code, err = run_main(capsys, "train", "--model", str(checkpoints["with_mtp"]), "--data",
+                         str(checkpoints["rows"]), "--out", str(tmp_path / "out"), *flags)  # fmt: skip
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,5 @@
-"""miles-spec's config model, torch-free: `SpecConfig`, the `spec` section of a run config (docs/architecture.md,
-"Config")."""
+"""miles-spec's config models, torch-free: `SpecConfig`, the `spec` section of a run config (docs/architecture.md,
+"Config"), and `DraftTrainConfig`, the settings of offline draft training (`miles-spec train`'s flags)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from miles_trainer.config import OptimizerConfig
 
-__all__ = ["SpecConfig"]
+__all__ = ["DraftTrainConfig", "SpecConfig"]
 
 
 def _draft_optimizer() -> OptimizerConfig:
@@ -54,3 +54,24 @@ class SpecConfig(BaseModel):
     def drafts(self) -> bool:
         """The engine decodes speculatively (frozen or online)."""
         return self.mode != "off"
+
+
+class DraftTrainConfig(BaseModel):
+    """Settings of `train_draft` (`miles-spec train`'s flags, generated from this model)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    epochs: int = Field(default=1, ge=1, description="Passes over the rows.")
+    batch_size: int = Field(default=32, ge=1, description="Rows per optimizer step.")
+    lr: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate (linear warm-up, then cosine).")
+    warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps of the learning rate.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    mtp_loss_coef: float = Field(default=1.0, gt=0, description="Weight of the MTP loss.")
+    num_mtp_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Add this many new MTP modules to a checkpoint that has none (default for one whose config.json "
+        "declares MTP layers it holds no tensor of, as transformers saves GLM-4.5: that many).",
+    )
+    seed: int = Field(default=0, description="Row order, and the initialization of new MTP modules.")
+    chat_template: bool = Field(default=False, description="Text prompts go through the chat template.")

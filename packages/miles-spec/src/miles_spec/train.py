@@ -14,38 +14,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_spec.config import DraftTrainConfig
 from miles_spec.mtp_loss import MTPLoss
 from miles_spec.new_mtp import add_mtp_modules, checkpoint_dtype
 
 __all__ = ["DraftTrainConfig", "train_draft"]
-
-
-@dataclass(frozen=True)
-class DraftTrainConfig:
-    """Settings of `train_draft` (the CLI's flags)."""
-
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 1e-4
-    warmup_steps: int = 10
-    max_grad_norm: float = 1.0
-    mtp_loss_coef: float = 1.0
-    num_mtp_layers: int | None = None  # add this many MTP modules to a checkpoint that has none (default: as declared)
-    seed: int = 0
-    chat_template: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.lr <= 0 or self.max_grad_norm <= 0 or self.mtp_loss_coef <= 0:
-            raise ValueError("lr, max_grad_norm and mtp_loss_coef must be > 0")
-        if self.num_mtp_layers is not None and self.num_mtp_layers < 1:
-            raise ValueError(f"num_mtp_layers={self.num_mtp_layers}: must be >= 1")
 
 
 def train_draft(
