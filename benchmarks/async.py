@@ -8,7 +8,7 @@ saves and exports, left out) and reports the medians of the step time (wall time
 rollout time (the rollout phase: generation, rewards, filters), the train time, the weight-sync time, and:
 
 - `bound_s` = max(rollout time, train + sync time): the step time perfect overlap would reach;
-- `step_over_bound`: step time / bound_s (the issue's goal for async: at most 1.1);
+- `step_over_bound`: step time / bound_s (the target for async: at most 1.1);
 - `overlap_fraction`: (rollout + train + sync - step) / min(rollout, train + sync), clipped to [0, 1]: the share of
   the shorter phase hidden behind the longer one (0 for sync by construction);
 - `speedup_vs_sync`: the sync run's step time / this run's.

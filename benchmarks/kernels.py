@@ -1,6 +1,6 @@
 """Benchmark: miles-kernels deterministic vs fast mode vs Hugging Face `transformers`, side by side in one run.
 
-Model (fixed by the kernels issue): Qwen3, hidden 512, intermediate 1536, 8 layers, 8 heads / 4 KV heads
+Model (fixed for these benchmarks): Qwen3, hidden 512, intermediate 1536, 8 layers, 8 heads / 4 KV heads
 (head dim 64), vocab 8192, float32, random weights. Measured on the CPU with the threads torch has:
 - prefill: one forward over a 512-token prompt (miles: packed trainer path = engine prefill path);
 - decode: one forward step of 1 token for each of B sequences with 128 cached tokens, B in 1/8/32/64

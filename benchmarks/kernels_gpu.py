@@ -1,6 +1,6 @@
 """GPU benchmark of the batch-invariant Triton kernels (miles_kernels/triton_ops), side by side in one run.
 
-One prepared script for a lent GPU (about 5 minutes on an H200); writes one JSON. Parts:
+One prepared script for a GPU machine (about 5 minutes on an H200); writes one JSON. Parts:
 - `ops`: per-op median time of each Triton kernel against the torch deterministic form it replaces (the backend
   `auto` picks today) and the fast path (cuBLAS / SDPA / plain torch), bf16, at shapes of a ~1B model: the matmul at
   M = 1, 64, 512, 4096 rows (K = N = 4096); RMSNorm (4096 rows of 4096); the token log-probs (256 rows of a

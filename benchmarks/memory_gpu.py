@@ -4,7 +4,7 @@ A ~0.25B-parameter Qwen3 (hidden 1024, 12 layers, vocab 32,000; random weights m
 backend on the GPU with bf16 fast kernels (SDPA attention: no score matrix, the case the planner's formula
 describes), one step of `--tokens` packed tokens. Measured: the allocator's peak during the step, the bytes
 allocated before it, the rank's resident bytes by tag. Planned: `miles_memory.fsdp2_bytes` for the same shape,
-world 1, bfloat16, the same tokens. Error = planned / measured − 1 (the issue's bar: within 10%).
+world 1, bfloat16, the same tokens. Error = planned / measured − 1 (the target: within 10%).
 `--device cpu` is a dry run of the script itself (no allocator peak there).
 
     uv run python benchmarks/memory_gpu.py --out benchmarks/results/memory_gpu.json

@@ -10,7 +10,7 @@ The rollout runs where speculative decoding is the right tool: few sequences at 
 (`rollout.engine.max_running_requests`, default 4) and long outputs (~45 tokens). Per step it reports the accept
 length (tokens per verify step), the rollout's tokens/s, the reward, the policy's KL to the initial policy on the
 rollout tokens (`trainer.log_kl`) and the MTP loss; per mode, the mean rollout tokens/s over the second half of the
-run, and the ratios the issue sets goals for (online / frozen >= 1.25, online / off >= 1.5). It checks that the
+run, and the ratios the targets are set on (online / frozen >= 1.25, online / off >= 1.5). It checks that the
 three runs' rewards, losses, trained tokens and final trunk weights are identical (speculative decoding changes no
 token in deterministic mode), and reports the draft-to-target cost per token (multiply-adds of the MTP module vs
 the trunk, LM head included in both). Then it runs the built-in example (`miles-orchestrator run`, shortened to

@@ -1,6 +1,6 @@
 """Benchmark: Miles vs TRL `GRPOTrainer`, one GRPO run each per seed, side by side in one run on the CPU.
 
-Both sides (fixed by the issue): the same `--threads` CPU threads (the process is pinned to that many cores when
+Both sides (fixed for the comparison): the same `--threads` CPU threads (the process is pinned to that many cores when
 the machine has more, and Ray workers, reward workers and TRL inherit the pinning); the policy
 `miles_orchestrator.bootstrap.bootstrap_policy` builds (Qwen3 hidden 256, intermediate 768, 4 layers, 8 / 4 KV
 heads, head dim 32, tied embeddings, the built-in task's tokenizer, SFT-bootstrapped; float32); the built-in

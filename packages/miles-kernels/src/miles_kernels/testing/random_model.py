@@ -20,7 +20,7 @@ from miles_kernels.hf_io import save_model
 from miles_kernels.model import CausalLM
 from miles_kernels.model_config import ModelConfig
 
-# The fixed benchmark model of the kernels issue: Qwen3, hidden 512, intermediate 1536, 8 layers, 8 heads / 4 KV
+# The fixed benchmark model of the kernel benchmarks: Qwen3, hidden 512, intermediate 1536, 8 layers, 8 heads / 4 KV
 # heads (head dim 64), vocab 8192, untied embeddings. Shared by benchmarks/kernels.py and benchmarks/rollout.py.
 BENCHMARK_MODEL: dict[str, Any] = {
     "vocab_size": 8192,
