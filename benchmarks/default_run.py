@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from host import host_info
 
-TIMING_KEYS = re.compile(r"(_time_s|_per_s|^time)$")
+TIMING_KEYS = re.compile(r"(_time_s|_wait_s|_per_s|^time)$")  # durations and rates (rollout_wait_s, sync_wait_s too)
 
 
 def metric_lines(run_dir: Path) -> list[dict[str, Any]]:
