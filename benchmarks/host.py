@@ -25,22 +25,21 @@ DISPATCH_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "O
 PACKAGES = ("torch", "numpy", "transformers", "tokenizers", "ray", "triton")
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux; platform.processor() elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M)
-        if match:
-            return match.group(1).strip()
-    return platform.processor() or platform.machine()
+def _cpuinfo() -> str:
+    """/proc/cpuinfo's text ("" where there is none: not Linux)."""
+    path = Path("/proc/cpuinfo")
+    return path.read_text() if path.is_file() else ""
 
 
-def isa_flags() -> list[str]:
-    """Which of `ISA_FLAGS` the CPU reports (empty where /proc/cpuinfo is missing)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return []
-    match = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", cpuinfo.read_text(), re.M)
+def cpu_model(cpuinfo: str) -> str:
+    """The CPU's model name (from /proc/cpuinfo's text; platform.processor() elsewhere)."""
+    match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    return match.group(1).strip() if match else platform.processor() or platform.machine()
+
+
+def isa_flags(cpuinfo: str) -> list[str]:
+    """Which of `ISA_FLAGS` the CPU reports in /proc/cpuinfo's text (none without it)."""
+    match = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", cpuinfo, re.M)
     present = set(match.group(1).split()) if match else set()
     return [flag for flag in ISA_FLAGS if flag in present]
 
@@ -60,9 +59,10 @@ def host_info() -> dict[str, Any]:
     config = torch.__config__.show()
     mkl = re.search(r"Math Kernel Library Version ([^\s]+)", config)
     onednn = re.search(r"MKL-DNN (v[^\s]+)", config)
+    cpuinfo = _cpuinfo()
     return {
-        "cpu": cpu_model(),
-        "isa_flags": isa_flags(),
+        "cpu": cpu_model(cpuinfo),
+        "isa_flags": isa_flags(cpuinfo),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "os": platform.platform(),
@@ -72,5 +72,5 @@ def host_info() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "dispatch_env": {name: os.environ[name] for name in DISPATCH_ENV if name in os.environ},
         "python": sys.version.split()[0],
-        "versions": {package: _version(package) for package in PACKAGES if _version(package)},
+        "versions": {package: version for package in PACKAGES if (version := _version(package))},
     }

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from default_run import metric_lines
 from host import host_info
 
 DISPATCH = {
@@ -119,7 +120,7 @@ def run_cell(dispatch: str, seed: int, args: argparse.Namespace, work: Path) -> 
         return out | {"error": f"exit {result.returncode}: {result.stderr[-2000:]}"}
     run_dir = cell / "run"
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = metric_lines(run_dir)
     steps = [line for line in lines if line["step"] > 0]
     evals = {line["step"]: line["eval_pass@1"] for line in lines if "eval_pass@1" in line}
     probes = probe_history((run_dir / "run.log").read_text())

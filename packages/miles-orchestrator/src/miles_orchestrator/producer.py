@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -100,10 +101,10 @@ class Producer:
             return await self._make(step)
         waited = time.perf_counter()
         item = await self._next_queued()
-        if isinstance(item, Produced):
-            assert item.step == step, (item.step, step)
-            item.metrics["rollout_wait_s"] = time.perf_counter() - waited
-        return item
+        if isinstance(item, DataExhausted):
+            return item
+        assert item.step == step, (item.step, step)
+        return dataclasses.replace(item, metrics=item.metrics | {"rollout_wait_s": time.perf_counter() - waited})
 
     async def published(self, version: int) -> None:
         """The engines serve `version` now: batches that wait for it may start."""

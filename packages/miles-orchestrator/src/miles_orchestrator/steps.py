@@ -141,7 +141,8 @@ async def publish_weights(
     """The trainer's weights to every engine as `version`, after each optimizer step. sync: once the engine has its
     memory back (colocated). one_step_off: once the rollout in flight (holding `generating`) finished, so no
     generation spans a sync. async: at once, the generations in flight paused (`rollout.pause_mode`) and continued
-    after. `sync_time_s` is the transfer's time; overlapped runs add the wait before it (`sync_wait_s`)."""
+    after. `sync_time_s` is the transfer's time (in sync runs with the engine's resume before it); overlapped runs
+    add the wait before it (`sync_wait_s`)."""
     mode = cfg.run.mode
     if mode == "sync":
         began = time.perf_counter()
