@@ -6,7 +6,7 @@ import struct
 import pytest
 from pydantic import ValidationError
 
-from miles_contracts import ChatMessage, Sample, SampleStatus
+from miles_contracts import ChatMessage, GenerateResponse, Sample, SampleStatus
 
 # SGLang's routed-experts layout for 3 prompt + 3 response tokens, 1 layer, top-2: rows for tokens 0..4 (the last
 # token has none), int32, base64.
@@ -91,3 +91,64 @@ def test_negative_index_and_unknown_field_are_named() -> None:
 
 def test_effective_loss_mask_defaults_to_all_tokens() -> None:
     assert Sample(index=0, group_index=0, prompt="p", response_tokens=[5, 6]).effective_loss_mask() == [1, 1]
+
+
+def engine_response(tokens: list[int], text: str, finish: str, version: str, **meta: object) -> GenerateResponse:
+    """A response as SGLang's `/generate` returns it (JSON), parsed by the contract."""
+    return GenerateResponse.model_validate({
+        "text": text, "output_ids": tokens,
+        "meta_info": {
+            "id": "r", "finish_reason": {"type": finish}, "prompt_tokens": 3, "completion_tokens": len(tokens),
+            "weight_version": version,
+            "output_token_logprobs": [[-0.5 * (i + 1), t, None] for i, t in enumerate(tokens)],
+            **meta,
+        },
+    })  # fmt: skip
+
+
+def pending() -> Sample:
+    return Sample(index=0, group_index=0, prompt="2+3=?", prompt_tokens=[1, 2, 3])
+
+
+def test_extended_fills_a_pending_sample_from_a_response() -> None:
+    spec = {"spec_verify_ct": 2, "spec_num_proposed_drafts": 4, "spec_num_correct_drafts": 1,
+            "spec_accept_histogram": [1, 1]}  # fmt: skip
+    sample = pending().extended(engine_response([4, 5], "5", "stop", "3", routed_experts=ROUTING_B64, **spec))
+    assert sample.response_tokens == [4, 5] and sample.response == "5"
+    assert sample.rollout_logprobs == [-0.5, -1.0] and sample.loss_mask is None
+    assert (sample.status, sample.finish_reason) == (SampleStatus.COMPLETED, "stop")
+    assert (sample.weight_version, sample.weight_versions) == (3, None)
+    assert sample.routed_experts == ROUTING_B64
+    assert sample.metadata["spec"] == {"verify_ct": 2, "num_correct": 1, "num_proposed": 4, "histogram": [1, 1]}
+
+
+def test_extended_appends_a_continuation_across_a_weight_update() -> None:
+    first = pending().extended(engine_response([4, 5], "a", "abort", "3", spec_verify_ct=1, spec_accept_histogram=[1]))
+    assert first.status is SampleStatus.ABORTED
+    again = first.extended(engine_response([6], "b", "length", "4", spec_verify_ct=1, spec_num_correct_drafts=1,
+                                           spec_num_proposed_drafts=1, spec_accept_histogram=[0, 1]))  # fmt: skip
+    assert again.response_tokens == [4, 5, 6] and again.response == "ab"
+    assert again.rollout_logprobs == [-0.5, -1.0, -0.5]
+    assert (again.weight_version, again.weight_versions, again.token_versions()) == (4, [3, 3, 4], [3, 3, 4])
+    assert (again.status, again.finish_reason) == (SampleStatus.TRUNCATED, "length")
+    assert again.metadata["spec"] == {"verify_ct": 2, "num_correct": 1, "num_proposed": 1, "histogram": [1, 1]}
+
+
+def test_extended_reads_per_token_version_spans() -> None:
+    spans = [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]
+    sample = pending().extended(engine_response([4, 5], "", "stop", "3", weight_versions=spans))
+    assert sample.weight_versions == [2, 3]
+    unnamed = [{"version": "default", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]
+    assert (
+        pending().extended(engine_response([4, 5], "", "stop", "3", weight_versions=unnamed)).weight_versions is None
+    )
+
+
+def test_observation_tokens_do_not_train_and_keep_the_version() -> None:
+    turn = pending().model_copy(update={"loss_mask": []}).extended(engine_response([4], "x", "stop", "2"))
+    observed = turn.with_observation([7, 8])
+    assert observed.response_tokens == [4, 7, 8] and observed.loss_mask == [1, 0, 0]
+    assert observed.rollout_logprobs == [-0.5, 0.0, 0.0] and observed.token_versions() == [2, 2, 2]
+    after = observed.extended(engine_response([9], "y", "stop", "3"))
+    assert after.loss_mask == [1, 0, 0, 1] and after.weight_versions == [2, 2, 2, 3]
+    assert after.response == "xy"  # the observation's text is the caller's (an agent decodes the whole response)

@@ -1,6 +1,6 @@
 """miles-contracts: the data that crosses Miles packages (pure Python + pydantic, no torch).
 
-- `Sample`: one prompt/response through the RL data path.
+- `Sample`: one prompt/response through the RL data path (`Sample.extended` appends an engine response).
 - `GenerateRequest` / `SamplingParams` / `GenerateResponse` / `MetaInfo`: SGLang's `/generate` schema.
 - Plug-in Protocols (`RewardFn`, `GroupRewardFn`, `DataSource`, `RolloutFn`, `SampleFilter`), `load_plugin` and
   `PluginPath` (a config field holding a `module:function` path).
@@ -39,12 +39,13 @@ from miles_contracts.plugins import (
     is_plugin_path,
     load_plugin,
 )
-from miles_contracts.sample import ChatMessage, FinishReasonType, Sample, SampleStatus
+from miles_contracts.sample import STATUS_OF_FINISH, ChatMessage, FinishReasonType, Sample, SampleStatus
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MAX_NEW_TOKENS_LIMIT",
+    "STATUS_OF_FINISH",
     "AgentMessage",
     "ChatMessage",
     "DataSource",

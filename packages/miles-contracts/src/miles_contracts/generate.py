@@ -437,6 +437,27 @@ class MetaInfo(BaseModel):
         """The weight version as the orchestrator's policy step; None when unset or a label that is not one."""
         return self.weight_version if isinstance(self.weight_version, int) else None
 
+    @property
+    def finish_type(self) -> Literal["stop", "length", "abort"]:
+        """Why generation ended; `length` when the server did not say."""
+        return self.finish_reason.type if self.finish_reason else "length"
+
+    def output_logprobs(self) -> list[float]:
+        """The log-prob of each output token (`output_token_logprobs` entries: [logprob, token id, text])."""
+        return [float(entry[0] or 0.0) for entry in self.output_token_logprobs or []]
+
+    def output_versions(self, num_tokens: int) -> list[int | None]:
+        """The policy version of each of the `num_tokens` output tokens: from the version spans (SGLang's
+        `weight_versions`: {version, start, end}, reported when the weights changed mid-generation), else
+        `policy_version` for all (also when a span is the engine's unnumbered "default" weights)."""
+        versions: list[int | None] = []
+        for span in self.weight_versions or []:
+            version = str(span["version"])
+            if not version.isdigit():
+                return [self.policy_version] * num_tokens
+            versions += [int(version)] * (int(span["end"]) - int(span["start"]))
+        return versions if self.weight_versions else [self.policy_version] * num_tokens
+
     @model_serializer(mode="wrap")
     def _sglang_shape(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
         """In JSON, as SGLang 0.5.23 writes meta_info: keys without a value left out, the weight version a string

@@ -4,6 +4,10 @@ Data source → rollout (fills tokens, log-probs, versions) → reward → filte
 Every per-response-token list (`rollout_logprobs`, `loss_mask`, `weight_versions`) has one entry per
 `response_tokens` entry; this is checked on construction and on assignment. `routed_experts` (MoE routing replay)
 covers every token but the last, as SGLang's `meta_info.routed_experts` with `routed_experts_start_len=0`.
+
+A rollout fills a sample from engine responses with `Sample.extended` (one more generation appended: the one-turn
+rollout, a partial rollout's continuation, each turn of an agentic episode) and `Sample.with_observation` (tokens
+the model did not generate, e.g. an environment's reply).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+
+from miles_contracts.generate import GenerateResponse, MetaInfo
 
 
 class SampleStatus(StrEnum):
@@ -27,6 +33,7 @@ class SampleStatus(StrEnum):
 
 
 FinishReasonType = Literal["stop", "length", "abort"]
+STATUS_OF_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 class ChatMessage(BaseModel):
@@ -124,3 +131,60 @@ class Sample(BaseModel):
     def effective_loss_mask(self) -> list[int]:
         """The loss mask, defaulting to all response tokens training."""
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_tokens)
+
+    def extended(self, response: GenerateResponse) -> Sample:
+        """This sample with one more generation appended to its response: the engine was sent the prompt plus the
+        response so far as `input_ids`, and answered `response`. Appends the tokens, their log-probs, their versions
+        (`weight_versions` kept only when the response now spans several) and text; the loss mask grows with 1s
+        when the sample has one; status, finish reason, `weight_version` and `routed_experts` (which covered the
+        whole sequence sent) come from the new generation; speculative decoding's counts add up in
+        `metadata["spec"]`."""
+        meta = response.meta_info
+        tokens = list(response.output_ids)
+        versions = [*self.token_versions(), *meta.output_versions(len(tokens))]
+        return self.model_copy(update={
+            "response_tokens": self.response_tokens + tokens,
+            "response": self.response + response.text,
+            "rollout_logprobs": (self.rollout_logprobs or []) + meta.output_logprobs(),
+            "loss_mask": None if self.loss_mask is None else self.loss_mask + [1] * len(tokens),
+            "finish_reason": meta.finish_type, "status": STATUS_OF_FINISH[meta.finish_type],
+            "weight_version": meta.policy_version, "weight_versions": _spanning(versions),
+            "routed_experts": meta.routed_experts, "metadata": self.metadata | _spec_counts(self.metadata, meta),
+        })  # fmt: skip
+
+    def with_observation(self, tokens: list[int]) -> Sample:
+        """This sample with tokens the model did not generate appended to its response (an environment's reply):
+        loss mask 0, log-prob 0.0, the version of the token before them."""
+        versions = self.token_versions()
+        version = versions[-1] if versions else self.weight_version
+        return self.model_copy(update={
+            "response_tokens": self.response_tokens + tokens,
+            "rollout_logprobs": (self.rollout_logprobs or []) + [0.0] * len(tokens),
+            "loss_mask": self.effective_loss_mask() + [0] * len(tokens),
+            "weight_versions": _spanning([*versions, *[version] * len(tokens)]),
+        })  # fmt: skip
+
+
+def _spanning(versions: list[int | None]) -> list[int] | None:
+    """`Sample.weight_versions` for these per-token versions: the list when they differ (and all are known), else
+    None (`weight_version` says it)."""
+    known = [v for v in versions if v is not None]
+    return known if len(set(versions)) > 1 and len(known) == len(versions) else None
+
+
+def _spec_counts(metadata: dict[str, JsonValue], meta: MetaInfo) -> dict[str, JsonValue]:
+    """`metadata["spec"]` with a generation's speculative decoding counts added (verify steps, drafts proposed and
+    accepted, the histogram of accepted drafts per verify step); nothing when the engine did not draft."""
+    if meta.spec_verify_ct is None:
+        return {}
+    before: Any = metadata.get("spec") or {"verify_ct": 0, "num_correct": 0, "num_proposed": 0, "histogram": []}
+    histogram = list(before["histogram"])
+    for accepted, steps in enumerate(meta.spec_accept_histogram or []):
+        histogram += [0] * (accepted + 1 - len(histogram))
+        histogram[accepted] += steps
+    return {"spec": {
+        "verify_ct": before["verify_ct"] + meta.spec_verify_ct,
+        "num_correct": before["num_correct"] + (meta.spec_num_correct_drafts or 0),
+        "num_proposed": before["num_proposed"] + (meta.spec_num_proposed_drafts or 0),
+        "histogram": histogram,
+    }}  # fmt: skip

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import JsonValue
 
 from miles_contracts import (
+    STATUS_OF_FINISH,
     AgentMessage,
     ChatMessage,
     GenerateClient,
@@ -39,7 +40,6 @@ from miles_contracts import (
     observation_messages,
 )
 from miles_orchestrator.env_pool import EnvError, EnvPool
-from miles_orchestrator.rollout import STATUS_OF_FINISH, output_logprobs, output_versions, spanning_versions
 from miles_orchestrator.rollout_config import RolloutSection
 from miles_orchestrator.sandbox import Limits
 from miles_orchestrator.tool_calls import parse_tool_calls
@@ -128,21 +128,28 @@ class AgentRollout:
         opening = [m.model_dump() for m in messages] if messages is not None else _prompt_messages(sample)
         prompt = self.chat.opening(opening, tools)
         seed = None if params.sampling_seed is None else params.sampling_seed + position
+        played = sample.model_copy(update={
+            "prompt_tokens": prompt, "response_tokens": [], "response": "", "rollout_logprobs": [], "loss_mask": [],
+            "weight_version": None, "weight_versions": None, "routed_experts": None,
+        })  # fmt: skip
         trace = _Trace()
         status, reason = SampleStatus.TRUNCATED, "length"
         for turn in range(self.max_turns):
-            budget = min(params.max_new_tokens, self.max_response_tokens - len(trace.tokens))
+            budget = min(params.max_new_tokens, self.max_response_tokens - len(played.response_tokens))
             if budget <= 0:
                 trace.end = "budget"
                 break
             request = GenerateRequest(
-                input_ids=prompt + trace.tokens, return_logprob=True, return_routed_experts=self.routed_experts,
+                input_ids=prompt + played.response_tokens, return_logprob=True,
+                return_routed_experts=self.routed_experts,
                 sampling_params=params.model_copy(update={"n": 1, "max_new_tokens": budget, "sampling_seed": seed}),
             )  # fmt: skip
             (response,) = await client.generate(request)
-            meta = response.meta_info
-            reason = meta.finish_reason.type if meta.finish_reason else "length"
-            trace.add_turn(list(response.output_ids), meta)
+            reason = response.meta_info.finish_type
+            trace.turn_spans.append(
+                [len(played.response_tokens), len(played.response_tokens) + len(response.output_ids)]
+            )
+            played = played.extended(response)
             if reason != "stop":  # cut by the budget or the context (truncated), or aborted by a weight sync
                 status, trace.end = STATUS_OF_FINISH[reason], "truncated" if reason == "length" else "aborted"
                 break
@@ -165,62 +172,39 @@ class AgentRollout:
             delta = self.chat.delta(observed)
             if response.output_ids[-1] != self.chat.eos_id:  # a stop string or token ended the turn, not EOS
                 delta = [self.chat.eos_id, *delta]
-            if len(trace.tokens) + len(delta) >= self.max_response_tokens:
+            if len(played.response_tokens) + len(delta) >= self.max_response_tokens:
                 trace.end = "budget"
                 break
-            trace.add_observation(delta)
-        return trace.sample(sample, prompt, status, reason, self.chat.decode(trace.tokens))
+            played = played.with_observation(delta)
+        return played.model_copy(update={
+            "response": self.chat.decode(played.response_tokens), "status": status, "finish_reason": reason,
+            "metadata": played.metadata | {"agent": trace.metadata()},
+        })  # fmt: skip
 
 
 class _Trace:
-    """An episode's response as it grows: tokens, log-probs, loss mask and versions, one entry per token."""
+    """An episode's record beside its tokens: each turn's span of the response, the environment's reward and
+    info, tool calls and errors, and why it ended."""
 
     def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.mask: list[int] = []
-        self.versions: list[int | None] = []
         self.turn_spans: list[list[int]] = []
         self.reward = 0.0
         self.num_tool_calls = self.num_tool_errors = 0
         self.end = "max_turns"
         self.info: dict[str, JsonValue] = {}
-        self.version: int | None = None
-        self.routed_experts: str | None = None
-
-    def add_turn(self, output_ids: list[int], meta: Any) -> None:
-        start = len(self.tokens)
-        self.tokens += output_ids
-        self.logprobs += output_logprobs(meta)
-        self.mask += [1] * len(output_ids)
-        self.versions += output_versions(meta, len(output_ids))
-        self.version = meta.policy_version
-        self.routed_experts = meta.routed_experts
-        self.turn_spans.append([start, len(self.tokens)])
 
     def add_step(self, result: StepResult) -> None:
         self.reward += result.reward
         self.num_tool_errors += result.num_tool_errors
         self.info |= result.info
 
-    def add_observation(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        self.logprobs += [0.0] * len(tokens)
-        self.mask += [0] * len(tokens)
-        self.versions += [self.versions[-1] if self.versions else self.version] * len(tokens)
-
-    def sample(self, sample: Sample, prompt: list[int], status: SampleStatus, reason: str, text: str) -> Sample:
-        agent: dict[str, JsonValue] = {
+    def metadata(self) -> dict[str, JsonValue]:
+        """`Sample.metadata["agent"]`."""
+        return {
             "turns": len(self.turn_spans), "turn_spans": self.turn_spans,  # type: ignore[dict-item]
             "tool_calls": self.num_tool_calls, "tool_errors": self.num_tool_errors, "reward": self.reward,
             "end": self.end, "info": self.info,
         }  # fmt: skip
-        return sample.model_copy(update={
-            "prompt_tokens": prompt, "response_tokens": self.tokens, "response": text,
-            "rollout_logprobs": self.logprobs, "loss_mask": self.mask, "status": status, "finish_reason": reason,
-            "weight_version": self.version, "weight_versions": spanning_versions(self.versions),
-            "routed_experts": self.routed_experts, "metadata": sample.metadata | {"agent": agent},
-        })  # fmt: skip
 
 
 def _prompt_messages(sample: Sample) -> list[dict[str, Any]]:

@@ -15,7 +15,6 @@ import asyncio
 from dataclasses import dataclass
 
 from miles_contracts import GenerateClient, GenerateRequest, RolloutFn, Sample, SampleStatus, SamplingParams
-from miles_orchestrator.rollout import STATUS_OF_FINISH, output_logprobs, output_versions, spanning_versions
 
 MAX_RESUMES = 16  # a generation aborted this many times in a row fails (its group is not trained)
 RESEED = 1 << 40  # retry k of sample seed s draws with s + k * RESEED (seeds stay distinct for any run)
@@ -62,7 +61,8 @@ async def continue_sample(
 ) -> Sample:
     """One aborted sample (sample `position` of its group, which the one-turn rollout seeded with seed + position)
     continued where it stopped: its prompt and response tokens are the new prompt, the tokens left of
-    `max_new_tokens` the budget; tokens, log-probs and per-token versions are appended."""
+    `max_new_tokens` the budget; the new generation is appended (`Sample.extended`: tokens, log-probs, per-token
+    versions, speculative counts; the routed experts, asked for again when the sample has them, cover it all)."""
     done = len(sample.response_tokens)
     left = params.max_new_tokens - done
     if left <= 0:
@@ -70,23 +70,14 @@ async def continue_sample(
     seed = None if params.sampling_seed is None else _reseed(params.sampling_seed + position, attempt)
     request = GenerateRequest(
         input_ids=sample.prompt_tokens + sample.response_tokens, return_logprob=True,
+        return_routed_experts=sample.routed_experts is not None,
         sampling_params=params.model_copy(update={"n": 1, "max_new_tokens": left, "sampling_seed": seed}),
     )  # fmt: skip
     (response,) = await client.generate(request)
-    meta = response.meta_info
-    reason = meta.finish_reason.type if meta.finish_reason else "length"
-    new_tokens = list(response.output_ids)
-    versions = [*sample.token_versions(), *output_versions(meta, len(new_tokens))]
     resumes = sample.metadata.get("partial_rollout_resumes")
     num_resumes = (resumes if isinstance(resumes, int) else 0) + 1
-    return sample.model_copy(update={
-        "response_tokens": sample.response_tokens + new_tokens,
-        "response": (sample.response or "") + response.text,
-        "rollout_logprobs": (sample.rollout_logprobs or []) + output_logprobs(meta),
-        "weight_version": meta.policy_version, "weight_versions": spanning_versions(versions),
-        "finish_reason": reason, "status": STATUS_OF_FINISH[reason],
-        "metadata": sample.metadata | {"partial_rollout_resumes": num_resumes},
-    })  # fmt: skip
+    continued = sample.extended(response)
+    return continued.model_copy(update={"metadata": continued.metadata | {"partial_rollout_resumes": num_resumes}})
 
 
 def aborted_policy(mode: str, pause_mode: str, partial_rollout: bool, is_default_fn: bool) -> Aborted | None:

@@ -18,12 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import JsonValue
-
 from miles_contracts import (
     GenerateClient,
     GenerateRequest,
-    MetaInfo,
     RolloutFn,
     Sample,
     SampleStatus,
@@ -49,9 +46,6 @@ def sample_seed(run_seed: int, sample_index: int) -> int:
     return run_seed * SEED_STRIDE + sample_index
 
 
-STATUS_OF_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
-
-
 async def single_turn(
     client: GenerateClient, group: list[Sample], sampling_params: SamplingParams, *, routed_experts: bool = False
 ) -> list[Sample]:
@@ -61,59 +55,7 @@ async def single_turn(
     request = GenerateRequest(input_ids=group[0].prompt_tokens, sampling_params=params, return_logprob=True,
                               return_routed_experts=routed_experts)  # fmt: skip
     responses = await client.generate(request)
-    out = []
-    for sample, response in zip(group, responses, strict=True):
-        meta = response.meta_info
-        reason = meta.finish_reason.type if meta.finish_reason else "length"
-        out.append(sample.model_copy(update={
-            "response_tokens": list(response.output_ids), "response": response.text,
-            "rollout_logprobs": output_logprobs(meta),
-            "finish_reason": reason, "status": STATUS_OF_FINISH[reason], "weight_version": meta.policy_version,
-            "weight_versions": token_versions(meta), "metadata": sample.metadata | _spec_counts(meta),
-            "routed_experts": meta.routed_experts,
-        }))  # fmt: skip
-    return out
-
-
-def output_logprobs(meta: MetaInfo) -> list[float]:
-    """The log-prob of each output token (SGLang's `output_token_logprobs` entries: [logprob, token id, text])."""
-    return [float(entry[0] or 0.0) for entry in meta.output_token_logprobs or []]
-
-
-def output_versions(meta: MetaInfo, num_tokens: int) -> list[int | None]:
-    """The version of each of a response's `num_tokens` output tokens: its spans, or `weight_version` for all."""
-    spans = token_versions(meta)
-    return [meta.policy_version] * num_tokens if spans is None else list(spans)
-
-
-def spanning_versions(versions: list[int | None]) -> list[int] | None:
-    """`Sample.weight_versions` for a response assembled from several generations: the per-token versions when
-    they differ (and are all known), else None (`weight_version` says it)."""
-    known = [v for v in versions if v is not None]
-    return known if len(set(versions)) > 1 and len(known) == len(versions) else None
-
-
-def token_versions(meta: MetaInfo) -> list[int] | None:
-    """Per-token weight versions from the engine's version spans (SGLang's `weight_versions`: {version, start,
-    end}), reported when the weights changed while the response was generated; None when they did not."""
-    if not meta.weight_versions:
-        return None
-    versions: list[int] = []
-    for span in meta.weight_versions:
-        version = str(span["version"])
-        if not version.isdigit():  # "default": the engine's unnumbered initial weights
-            return None
-        versions += [int(version)] * (int(span["end"]) - int(span["start"]))
-    return versions
-
-
-def _spec_counts(meta: MetaInfo) -> dict[str, JsonValue]:
-    """Speculative decoding's counts of a response (`metadata["spec"]`), when the engine drafted."""
-    if meta.spec_verify_ct is None:
-        return {}
-    histogram: list[JsonValue] = list(meta.spec_accept_histogram or [])
-    return {"spec": {"verify_ct": meta.spec_verify_ct, "num_correct": meta.spec_num_correct_drafts or 0,
-                     "num_proposed": meta.spec_num_proposed_drafts or 0, "histogram": histogram}}  # fmt: skip
+    return [sample.extended(response) for sample, response in zip(group, responses, strict=True)]
 
 
 def spec_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -29,14 +29,13 @@ import httpx
 from miles_rollout.config import ServeConfig
 from miles_rollout.http_guards import is_loopback
 from miles_rollout.launch import free_port, router_command
+from miles_rollout.serve_one import serve_one
 
 STARTUP_TIMEOUT_S = 300.0
 
 
 def _serve_one(config: ServeConfig) -> None:
-    from miles_rollout.cli import serve
-
-    sys.exit(serve(config))
+    sys.exit(serve_one(config))
 
 
 def _wait_healthy(url: str, alive: Any, what: str) -> None:

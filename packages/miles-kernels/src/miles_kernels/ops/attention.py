@@ -31,16 +31,18 @@ layout (`AttentionBatch`, its builders, the block plans and chunks) is `ops/atte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from miles_kernels.config import KernelConfig
 from miles_kernels.ops.attention_batch import AttentionBatch, BlockChunk, num_pages_needed
 from miles_kernels.ops.linear import invariant_bmm
 from miles_kernels.registry import get_backend, register_backend
 from miles_kernels.triton_ops import triton_available
+
+if TYPE_CHECKING:
+    from miles_kernels.config import KernelConfig  # annotations only: config imports the ops to resolve backends
 
 
 def attention(

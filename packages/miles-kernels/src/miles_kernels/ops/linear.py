@@ -20,14 +20,16 @@ Shapes: x_MK, weight_NK, out_MN.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from miles_kernels.config import KernelConfig
 from miles_kernels.registry import get_backend, register_backend
 from miles_kernels.triton_ops import triton_available
+
+if TYPE_CHECKING:
+    from miles_kernels.config import KernelConfig  # annotations only: config imports the ops to resolve backends
 
 # On CUDA every batched matmul carries exactly this many matrices (the last call zero-padded), so cuBLAS sees one
 # shape and picks one kernel whatever the number of matrices.

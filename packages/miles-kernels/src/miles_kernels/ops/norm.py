@@ -10,14 +10,16 @@ ones vector (`tiled_matmul`), which is batch-invariant by construction.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles_kernels.config import KernelConfig
 from miles_kernels.ops.linear import tiled_matmul
 from miles_kernels.registry import get_backend, register_backend
 from miles_kernels.triton_ops import triton_available
+
+if TYPE_CHECKING:
+    from miles_kernels.config import KernelConfig  # annotations only: config imports the ops to resolve backends
 
 CUDA_NORM_TILE = 16  # rows per fixed-shape GEMM of the CUDA sum of squares
 
