@@ -84,11 +84,13 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff (lint + format check) and import-linter (the package table of docs/architecture.md)."""
+    """ruff (lint + format check), import-linter (the package table of docs/architecture.md) and the import-cycle
+    check inside each package (tests/check_cycles.py)."""
     _sync(session, "--all-packages", "--group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
+    session.run("python", "tests/check_cycles.py")
 
 
 @nox.session(python=PYTHON)

@@ -33,8 +33,8 @@ from typing import Any
 
 from host import host_info
 
-from miles_orchestrator.config_sections import TrainerSection
-from miles_orchestrator.rollout_config import FaultToleranceSection
+from miles_orchestrator.config.rollout import FaultToleranceSection
+from miles_orchestrator.config.sections import TrainerSection
 
 BASE = ["rollout.num_prompts_per_step=8", "trainer.global_batch_size=64", "filter.dynamic_sampling=false",
         "run.num_steps=6", "run.eval_every=0"]  # fmt: skip

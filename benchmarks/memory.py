@@ -34,7 +34,7 @@ from miles_contracts import Sample
 from miles_kernels import KernelConfig, save_model
 from miles_kernels.testing import random_model
 from miles_memory import ModelShape, blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes
-from miles_orchestrator.bootstrap import policy_config
+from miles_orchestrator.data.bootstrap import policy_config
 from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig, ensure_process_group
 
 VOCAB = 264

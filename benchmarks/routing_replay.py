@@ -1,6 +1,6 @@
 """Routing flips between the rollout engine and the trainer, and what routing replay (R3) does about them, measured.
 
-For each MoE family (Qwen3-MoE, GLM-4.5 MoE; the built-in policy's shapes, `miles_orchestrator.bootstrap
+For each MoE family (Qwen3-MoE, GLM-4.5 MoE; the built-in policy's shapes, `miles_orchestrator.data.bootstrap
 .policy_config`) and each kernel mode (`fast`: plain torch; `deterministic`: batch-invariant), in `--dtype`
 (bfloat16 by default): the embedded engine generates `--prompts` x `--samples` responses with their log-probs and
 routed experts (SGLang's `return_routed_experts`), then the trainer's path (sequence packing, one packed forward,
@@ -32,7 +32,7 @@ from host import host_info
 from miles_contracts import GenerateRequest, Sample, SamplingParams
 from miles_kernels import KernelConfig, load_model
 from miles_kernels.testing import save_random_model
-from miles_orchestrator.bootstrap import policy_config
+from miles_orchestrator.data.bootstrap import policy_config
 from miles_rollout import Engine, EngineConfig, InProcessClient
 from miles_trainer import pack_samples
 from miles_trainer.logprobs import micro_batch_forward

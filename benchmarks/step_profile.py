@@ -93,9 +93,9 @@ def main() -> None:
     import miles_kernels.ops.moe as moe_module
     import miles_rollout.scheduler as scheduler_module
     import miles_trainer.fsdp as fsdp_module
-    from miles_orchestrator.bootstrap import bootstrap_policy
     from miles_orchestrator.cli import main as cli_main
     from miles_orchestrator.config import load_config
+    from miles_orchestrator.data.bootstrap import bootstrap_policy
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from vs_trl import workload_overrides  # the benchmark's own workload, not a copy of it

@@ -2,7 +2,7 @@
 
 Both sides (fixed for the comparison): the same `--threads` CPU threads (the process is pinned to that many cores when
 the machine has more, and Ray workers, reward workers and TRL inherit the pinning); the policy
-`miles_orchestrator.bootstrap.bootstrap_policy` builds (Qwen3 hidden 256, intermediate 768, 4 layers, 8 / 4 KV
+`miles_orchestrator.data.bootstrap.bootstrap_policy` builds (Qwen3 hidden 256, intermediate 768, 4 layers, 8 / 4 KV
 heads, head dim 32, tied embeddings, the built-in task's tokenizer, SFT-bootstrapped; float32); the built-in
 arithmetic task's train prompts in the same order (no chat template); 8 prompts x 8 samples per step, at most 32
 new tokens at temperature 1 (top-p 1, no top-k); the GRPO loss (`--loss`), no KL, AdamW at the same constant
@@ -19,7 +19,7 @@ learning rate, gradient clipping at 1.0, one optimizer step per rollout on all 6
 Per seed, the step time is the median over steps 1..N-1 on both sides: Miles' step N also evaluates, saves a
 checkpoint and exports the final policy (N = 1: step 1 alone). Ray start-up and the step-0 evaluation are
 outside every step. Ratio = TRL / Miles median step time (> 1: Miles is faster).
-Pass rate: greedy pass@1 on the same held-out prompts, scored by `miles_orchestrator.task.verify`, computed by
+Pass rate: greedy pass@1 on the same held-out prompts, scored by `miles_orchestrator.data.task.verify`, computed by
 one HF `generate` evaluation for the initial policy, Miles' final policy (RUN_DIR/final) and TRL's trained model;
 Miles' own engine evaluation (`eval_pass@1` at step N) is reported next to it. Seeds run interleaved (Miles,
 TRL, Miles, ...) so a change in machine load hits both sides.
@@ -52,10 +52,10 @@ from datasets import Dataset
 from host import host_info
 from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 
-from miles_orchestrator.bootstrap import bootstrap_policy
 from miles_orchestrator.config import RunConfig, load_config
-from miles_orchestrator.data import build_data_source, build_eval_samples
-from miles_orchestrator.task import verify
+from miles_orchestrator.data.bootstrap import bootstrap_policy
+from miles_orchestrator.data.sources import build_data_source, build_eval_samples
+from miles_orchestrator.data.task import verify
 
 # --loss: TRL loss_type and scale_rewards, Miles advantage estimator and aggregation, which compute the same loss.
 LOSSES = {

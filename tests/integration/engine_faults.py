@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample, SamplingParams
-from miles_orchestrator import actors
-from miles_orchestrator.rollout import single_turn
-from miles_orchestrator.task import verify
+from miles_orchestrator.cluster.ray import actors
+from miles_orchestrator.data.task import verify
+from miles_orchestrator.rollout.single_turn import single_turn
 from miles_trainer.losses import policy_loss
 
 _PLAN: dict[str, list[int]] = json.loads(os.environ.get("MILES_TEST_ENGINE_FAULTS", "{}"))

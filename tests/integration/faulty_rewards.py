@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from miles_contracts import Sample
-from miles_orchestrator.task import verify
+from miles_orchestrator.data.task import verify
 
 
 def flaky(sample: Sample) -> float:

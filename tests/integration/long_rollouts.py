@@ -4,7 +4,7 @@ that a rollout reliably outlasts a training step and the weight sync after it la
 from __future__ import annotations
 
 from miles_contracts import GenerateClient, Sample, SamplingParams
-from miles_orchestrator.rollout import single_turn
+from miles_orchestrator.rollout.single_turn import single_turn
 
 
 async def past_eos(client: GenerateClient, group: list[Sample], sampling_params: SamplingParams) -> list[Sample]:

@@ -3,6 +3,8 @@
 import importlib
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +35,35 @@ def test_every_exported_name_loads(name: str) -> None:
     module = importlib.import_module(f"miles_{name}")
     missing = [attr for attr in getattr(module, "__all__", []) if getattr(module, attr, None) is None]
     assert not missing, f"miles_{name}.__all__ names what it cannot load: {missing}"
+
+
+def _check_cycles(root, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """tests/check_cycles.py on a package made of `files` under ROOT/packages/demo/src."""
+    for name, text in files.items():
+        path = root / "packages" / "demo" / "src" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    script = Path(__file__).resolve().parents[1] / "check_cycles.py"
+    (root / "tests").mkdir(exist_ok=True)
+    shutil.copy(script, root / "tests" / "check_cycles.py")
+    return subprocess.run([sys.executable, str(root / "tests" / "check_cycles.py")], capture_output=True, text=True)
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path) -> None:
+    result = _check_cycles(tmp_path, {
+        "demo/__init__.py": "",
+        "demo/a.py": "from demo.sub import b\n",
+        "demo/sub/__init__.py": "",
+        "demo/sub/b.py": "def f():\n    from .. import a\n",
+    })  # fmt: skip
+    assert result.returncode == 1, result.stdout
+    assert "import cycle among demo.a, demo.sub.b" in result.stdout
+
+
+def test_the_cycle_check_lets_annotation_only_imports_be(tmp_path) -> None:
+    result = _check_cycles(tmp_path, {
+        "demo/__init__.py": "",
+        "demo/a.py": "import demo.b\n",
+        "demo/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from demo.a import X\n",
+    })  # fmt: skip
+    assert result.returncode == 0, result.stdout

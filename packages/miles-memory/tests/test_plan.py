@@ -19,7 +19,7 @@ from miles_memory.planner import _plan, read_run
 ROOT = Path(__file__).resolve().parents[3]
 GIB = 2**30
 
-# The built-in example's policy (miles_orchestrator.bootstrap.policy_config with the default 264-token vocab)
+# The built-in example's policy (miles_orchestrator.data.bootstrap.policy_config with the default 264-token vocab)
 POLICY = {
     "model_type": "qwen3", "vocab_size": 264, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "tie_word_embeddings": True,

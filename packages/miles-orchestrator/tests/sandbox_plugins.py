@@ -12,7 +12,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from miles_orchestrator.environments import ToolEnv
+from miles_orchestrator.rollout.environments import ToolEnv
 
 RLIMITS = {"cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS, "nofile": resource.RLIMIT_NOFILE,
            "core": resource.RLIMIT_CORE}  # fmt: skip

@@ -25,12 +25,12 @@ from miles_contracts import (
 )
 from miles_kernels import KernelConfig
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
-from miles_orchestrator.agent_metrics import agent_metrics
-from miles_orchestrator.agentic import AgentRollout, ChatTemplate
-from miles_orchestrator.env_pool import EnvPool
-from miles_orchestrator.environments import CalculatorEnv, calculate
-from miles_orchestrator.rollout import run_groups
-from miles_orchestrator.tool_calls import format_tool_call, parse_tool_calls
+from miles_orchestrator.rollout.agent_metrics import agent_metrics
+from miles_orchestrator.rollout.agentic import AgentRollout, ChatTemplate
+from miles_orchestrator.rollout.batch import run_groups
+from miles_orchestrator.rollout.env_pool import EnvPool
+from miles_orchestrator.rollout.environments import CalculatorEnv, calculate
+from miles_orchestrator.rollout.tool_calls import format_tool_call, parse_tool_calls
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
 EOS_BIAS = {"2": 4.6}  # <|im_end|> (id 2) about a quarter of the draws: turns of a few tokens that end by themselves
@@ -259,8 +259,8 @@ def test_tool_calls_reach_the_calculator_and_malformed_ones_come_back_as_observa
 
 
 def test_the_bootstrap_teaches_the_calculator_on_a_share_of_its_rows() -> None:
-    from miles_orchestrator.bootstrap import sft_rows
     from miles_orchestrator.config import load_config
+    from miles_orchestrator.data.bootstrap import sft_rows
 
     cfg = load_config(Path(__file__).parents[3] / "examples" / "agentic_calculator.yaml", [])
     rows = sft_rows(cfg, 400, seed=1)
@@ -275,7 +275,7 @@ def test_the_bootstrap_teaches_the_calculator_on_a_share_of_its_rows() -> None:
 
 
 def test_the_env_reward_reads_the_episodes_reward() -> None:
-    from miles_orchestrator.rewards import env_reward
+    from miles_orchestrator.reward.pool import env_reward
 
     sample = Sample(index=0, group_index=0, prompt="q", metadata={"agent": {"reward": 0.75}})
     assert env_reward(sample) == 0.75

@@ -4,8 +4,8 @@ a stop at the target comes with the learning rate still high (benchmarks/robustn
 
 from __future__ import annotations
 
-from miles_orchestrator.bootstrap import ProbeStop
 from miles_orchestrator.config import RunConfig
+from miles_orchestrator.data.bootstrap import ProbeStop
 from miles_trainer import SFTConfig
 
 

@@ -150,7 +150,7 @@ def test_advantage_plugin_path_is_checked_at_start_up(tmp_path) -> None:
 def test_a_failed_bootstrap_leaves_no_staging_directory(tmp_path, monkeypatch) -> None:
     import pytest
 
-    from miles_orchestrator import bootstrap
+    from miles_orchestrator.data import bootstrap
 
     monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
 

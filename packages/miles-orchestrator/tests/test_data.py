@@ -16,7 +16,7 @@ import pytest
 
 from miles_contracts import ChatMessage, DataSource, Sample
 from miles_orchestrator.config import DataSection
-from miles_orchestrator.data import (
+from miles_orchestrator.data.sources import (
     BuiltinTaskSource,
     FileSource,
     PluginSource,
@@ -25,7 +25,7 @@ from miles_orchestrator.data import (
     check_data_source,
     load_eval_samples,
 )
-from miles_orchestrator.task import BuiltinTask
+from miles_orchestrator.data.task import BuiltinTask
 
 ROWS = [{"prompt": f"question {i}", "label": str(i), "source": "unit"} for i in range(7)]
 PLUGINS = str(Path(__file__).parent)

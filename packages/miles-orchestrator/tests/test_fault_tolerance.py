@@ -26,10 +26,11 @@ from fastapi import FastAPI
 from ray.exceptions import RayActorError
 
 from miles_contracts import GenerateRequest
-from miles_orchestrator.engine_health import EngineFailed, EngineSupervisor, is_engine_failure
-from miles_orchestrator.engines import EngineFleet, Router
-from miles_orchestrator.rank_health import TrainerRankFailed, collective, diagnose
-from miles_orchestrator.rollout_config import FaultToleranceSection
+from miles_orchestrator.cluster import EngineFailed
+from miles_orchestrator.cluster.ray.engine_health import EngineSupervisor, is_engine_failure
+from miles_orchestrator.cluster.ray.fleet import EngineFleet, Router
+from miles_orchestrator.cluster.ray.rank_health import TrainerRankFailed, collective, diagnose
+from miles_orchestrator.config.rollout import FaultToleranceSection
 from miles_rollout import RolloutClientError, free_port
 
 
@@ -383,7 +384,7 @@ def test_a_batch_splits_over_data_parallel_shares_megatron_peers_share_one() -> 
     import asyncio
 
     from miles_contracts import Sample
-    from miles_orchestrator.ray_cluster import RayCluster
+    from miles_orchestrator.cluster.ray.cluster import RayCluster
 
     samples = [Sample(index=i, group_index=0, prompt="", prompt_tokens=[1], response_tokens=[2]) for i in range(6)]
     cluster = RayCluster()

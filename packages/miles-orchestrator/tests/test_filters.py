@@ -10,7 +10,13 @@ import pytest
 
 from miles_contracts import Sample
 from miles_orchestrator.config import FilterSection
-from miles_orchestrator.filters import apply_filters, build_filters, group_samples, load_filter, nonzero_reward_std
+from miles_orchestrator.rollout.filters import (
+    apply_filters,
+    build_filters,
+    group_samples,
+    load_filter,
+    nonzero_reward_std,
+)
 
 
 def group(group_index: int, rewards: list[float | None], prompt: str = "short") -> list[Sample]:
@@ -54,7 +60,7 @@ def test_dynamic_sampling_then_custom_filter(plugins_on_path: None) -> None:
     assert result.num_dropped == 2
     assert [g[0].group_index for g in result.dropped] == [1, 2]
     assert result.dropped_by == {
-        "miles_orchestrator.filters:nonzero_reward_std": 1,
+        "miles_orchestrator.rollout.filters:nonzero_reward_std": 1,
         "orchestrator_plugins:short_prompt": 1,
     }
     assert [s.index for s in result.kept_samples] == [0, 1, 30, 31, 32]

@@ -22,7 +22,7 @@ import pytest
 
 from miles_contracts import Sample, SampleStatus
 from miles_orchestrator.config import RewardSection
-from miles_orchestrator.rewards import RewardPool, check_reward
+from miles_orchestrator.reward.pool import RewardPool, check_reward
 
 ROUTES = ("/reward", "/flaky", "/down", "/refuse", "/garbage", "/slow", "/busy", "/secure")
 

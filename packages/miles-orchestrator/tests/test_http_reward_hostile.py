@@ -20,8 +20,8 @@ import pytest
 
 from miles_contracts import Sample, SampleStatus
 from miles_orchestrator.config import RewardSection
-from miles_orchestrator.http_reward import MAX_ABS_REWARD, MAX_REPLY_BYTES
-from miles_orchestrator.rewards import RewardPool
+from miles_orchestrator.reward.http import MAX_ABS_REWARD, MAX_REPLY_BYTES
+from miles_orchestrator.reward.pool import RewardPool
 
 HOSTILE = {  # path -> (the answer's body, the error the sample must carry)
     "/huge-int": (b'{"reward": 1' + b"0" * 400 + b"}", "a reward must be a finite number of magnitude at most"),

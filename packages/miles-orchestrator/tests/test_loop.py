@@ -17,7 +17,7 @@ def test_trainer_reward_stats_do_not_overwrite_the_rollouts() -> None:
 
 
 def test_the_weight_transport_follows_where_the_engines_landed(tmp_path, monkeypatch) -> None:
-    from miles_orchestrator import weight_transport
+    from miles_orchestrator.cluster import weight_transport
 
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -81,7 +81,7 @@ def test_a_broadcast_sync_speaks_each_engines_protocol(sglang, monkeypatch) -> N
 
     import torch
 
-    from miles_orchestrator import weight_transport
+    from miles_orchestrator.cluster import weight_transport
 
     buckets = [{"a": torch.zeros(2)}, {"b": torch.ones(3), "c": torch.ones(1)}, {"d": torch.zeros(4)}]
     trainer = SimpleNamespace(backend=SimpleNamespace(iter_tensor_buckets=lambda size: iter(buckets)))
@@ -109,8 +109,8 @@ def test_a_broadcast_sync_speaks_each_engines_protocol(sglang, monkeypatch) -> N
 def test_pinned_actors_get_cores_of_their_own(monkeypatch) -> None:
     import os
 
+    from miles_orchestrator.cluster.ray.cluster import cpu_sets
     from miles_orchestrator.config import load_config
-    from miles_orchestrator.ray_cluster import cpu_sets
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
     cfg = load_config(None, ["run.pin_cpus=true", "rollout.num_engines=2", "run.colocate=false"])
@@ -126,7 +126,7 @@ def test_pinned_actors_get_cores_of_their_own(monkeypatch) -> None:
 def test_the_fleet_checks_that_its_engines_agree() -> None:
     import asyncio
 
-    from miles_orchestrator.engines import EngineFleet
+    from miles_orchestrator.cluster.ray.fleet import EngineFleet
 
     class FakeEngine:
         def __init__(self, checksum: str, fingerprint: str, kv: int) -> None:

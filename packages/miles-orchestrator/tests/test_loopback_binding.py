@@ -23,10 +23,10 @@ import json, sys
 from pathlib import Path
 import psutil, ray
 from miles_kernels.testing import save_random_model, tiny_config
-from miles_orchestrator.actors import TrainerRankActor
+from miles_orchestrator.cluster.ray.actors import TrainerRankActor
 from miles_orchestrator.cluster import trainer_settings
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.ray_cluster import start_ray
+from miles_orchestrator.cluster.ray.cluster import start_ray
 
 root = Path(sys.argv[1])
 save_random_model(root / "model", tiny_config("dense"), seed=3)

@@ -14,8 +14,9 @@ import pytest
 from miles_contracts import Sample, SampleStatus, SamplingParams
 from miles_kernels import KernelConfig
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
-from miles_orchestrator.partial import Aborted
-from miles_orchestrator.rollout import run_groups, single_turn
+from miles_orchestrator.rollout.batch import run_groups
+from miles_orchestrator.rollout.partial import Aborted
+from miles_orchestrator.rollout.single_turn import single_turn
 from miles_orchestrator.staleness import bound_staleness, onpolicy_mismatch
 from miles_rollout import Engine, EngineConfig, InProcessClient
 

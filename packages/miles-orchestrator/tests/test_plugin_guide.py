@@ -15,9 +15,9 @@ from miles_contracts import RolloutFn, Sample, SampleFilter, SampleStatus, Sampl
 from miles_kernels import KernelConfig
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator.config import DataSection, RewardSection
-from miles_orchestrator.data import build_data_source
-from miles_orchestrator.rewards import RewardPool, resolve_reward
-from miles_orchestrator.rollout import PromptEncoder, expand_groups, run_groups
+from miles_orchestrator.data.sources import build_data_source
+from miles_orchestrator.reward.pool import RewardPool, resolve_reward
+from miles_orchestrator.rollout.batch import PromptEncoder, expand_groups, run_groups
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
 GUIDE = Path(__file__).resolve().parents[3] / "docs" / "plugins.md"
@@ -107,7 +107,7 @@ def test_data_source_example(my_plugins) -> None:
 
 def test_environment_examples(my_plugins) -> None:
     from miles_contracts import AgentMessage, Environment, ToolCall
-    from miles_orchestrator.env_pool import EnvPool
+    from miles_orchestrator.rollout.env_pool import EnvPool
 
     game = load_plugin("my_plugins:GuessTheNumber", Environment)()
     assert "Guess it" in game.reset(Sample(index=0, group_index=0, prompt="", label="42"))

@@ -16,7 +16,7 @@ import pytest
 from pydantic import JsonValue
 
 from miles_contracts import Sample, SampleStatus
-from miles_orchestrator.rewards import RewardPool, exact_match, math_reward, resolve_reward, task_reward
+from miles_orchestrator.reward.pool import RewardPool, exact_match, math_reward, resolve_reward, task_reward
 
 
 def make(response: str, label: JsonValue = None, *, index: int = 0, group: int = 0, mode: str = "ok") -> Sample:
@@ -174,15 +174,15 @@ async def test_closed_pool_refuses_work() -> None:
 
 def test_workers_do_not_import_torch(plugins_on_path: None) -> None:
     # Reward workers start in about a second only if the reward path stays torch-free.
-    code = "import sys, miles_orchestrator.rewards; sys.exit('torch' in sys.modules)"
+    code = "import sys, miles_orchestrator.reward.pool; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_the_builtin_reward_table_is_keyed_by_the_configs_names() -> None:
-    """config.py checks `reward.name` without importing rewards (`BUILTIN_REWARD_NAMES`); the table the pool
+    """config/run.py checks `reward.name` without importing rewards (`BUILTIN_REWARD_NAMES`); the table the pool
     dispatches on must hold exactly those names, each mapped by name."""
     from miles_orchestrator.config import BUILTIN_REWARD_NAMES
-    from miles_orchestrator.rewards import BUILTIN_REWARDS
+    from miles_orchestrator.reward.pool import BUILTIN_REWARDS
 
     assert sorted(BUILTIN_REWARDS) == sorted(BUILTIN_REWARD_NAMES)
     assert BUILTIN_REWARDS["exact_match"] is exact_match and BUILTIN_REWARDS["task"] is task_reward

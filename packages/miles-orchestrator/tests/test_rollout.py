@@ -12,7 +12,8 @@ import pytest
 from miles_contracts import Sample, SampleStatus, SamplingParams
 from miles_kernels import KernelConfig
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
-from miles_orchestrator.rollout import PromptEncoder, expand_groups, run_groups, sample_seed, single_turn
+from miles_orchestrator.rollout.batch import PromptEncoder, expand_groups, run_groups, sample_seed
+from miles_orchestrator.rollout.single_turn import single_turn
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
@@ -71,7 +72,7 @@ def test_a_failing_rollout_function_fails_only_its_group(engine) -> None:
 def test_the_one_turn_rollout_keeps_the_engines_routed_experts(tmp_path) -> None:
     """With `rollout.return_routed_experts` (or routing replay) the one-turn rollout asks for the routed experts
     and each sample keeps its own, covering prompt + response but the last token, as the trainer replays them."""
-    from miles_orchestrator.rollout import resolve_rollout_fn
+    from miles_orchestrator.rollout.single_turn import resolve_rollout_fn
 
     tokenizer = build_tokenizer(vocab_size=300)
     save_random_model(tmp_path, tiny_config("moe", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)

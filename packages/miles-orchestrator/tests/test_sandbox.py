@@ -1,6 +1,7 @@
-"""The sandbox of user code (sandbox.py, env_pool.py). Multi-process: real worker processes run the tools of
-sandbox_plugins.ProbeEnv. A tool sees an allow-listed environment and runs under rlimits; what a tool started dies
-with its worker on a timeout and when the pool closes; a memory hog or a CPU runaway fails a call, not the pool."""
+"""The sandbox of user code (rollout/sandbox.py, rollout/env_pool.py). Multi-process: real worker processes run the
+tools of sandbox_plugins.ProbeEnv. A tool sees an allow-listed environment and runs under rlimits; what a tool
+started dies with its worker on a timeout and when the pool closes; a memory hog or a CPU runaway fails a call, not
+the pool."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Any
 import pytest
 
 from miles_contracts import AgentMessage, Sample, ToolCall
-from miles_orchestrator.env_pool import EnvError, EnvPool, Episode
-from miles_orchestrator.sandbox import ALLOWED_ENV, GiB, Limits, spawn_worker, stop_worker, wait_ready
+from miles_orchestrator.rollout.env_pool import EnvError, EnvPool, Episode
+from miles_orchestrator.rollout.sandbox import ALLOWED_ENV, GiB, Limits, spawn_worker, stop_worker, wait_ready
 
 PROBE = "sandbox_plugins:ProbeEnv"
 
@@ -147,8 +148,8 @@ def test_limits_refuse_what_no_worker_can_run_under() -> None:
 
 
 def test_the_run_config_sets_the_limits(monkeypatch) -> None:
-    from miles_orchestrator import agentic
-    from miles_orchestrator.rollout_config import RolloutSection
+    from miles_orchestrator.config.rollout import RolloutSection
+    from miles_orchestrator.rollout import agentic
 
     seen: dict[str, Any] = {}
 

@@ -12,8 +12,8 @@ import pytest
 
 from miles_kernels import KernelConfig
 from miles_kernels.testing import save_random_model, tiny_config
-from miles_orchestrator import sglang_engine
-from miles_orchestrator.sglang_engine import PORT_ATTEMPTS, SGLangEngineActor
+from miles_orchestrator.cluster.ray import sglang as sglang_engine
+from miles_orchestrator.cluster.ray.sglang import PORT_ATTEMPTS, SGLangEngineActor
 from miles_rollout import free_port
 from miles_rollout.config import EngineConfig, SGLangConfig
 

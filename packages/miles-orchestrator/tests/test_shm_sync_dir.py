@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_orchestrator import weight_transport
-from miles_orchestrator.weight_transport import SYNC_DIR_NAME, SharedMemoryDir, remove_stale_sync_dirs
+from miles_orchestrator.cluster import weight_transport
+from miles_orchestrator.cluster.weight_transport import SYNC_DIR_NAME, SharedMemoryDir, remove_stale_sync_dirs
 
 
 def test_the_directory_is_private_and_unpredictable(tmp_path: Path) -> None:

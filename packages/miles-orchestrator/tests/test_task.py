@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from miles_orchestrator.task import BuiltinTask, Problem, evaluate_expression, extract_answer, verify
+from miles_orchestrator.data.task import BuiltinTask, Problem, evaluate_expression, extract_answer, verify
 
 EXPRESSION = re.compile(r"What is ((?:\d+ [-+*] )+\d+)\?")
 

@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _execute(cfg: RunConfig, run: Any, force: bool = False) -> None:
-    from miles_orchestrator.bootstrap import bootstrap_policy
+    from miles_orchestrator.data.bootstrap import bootstrap_policy
     from miles_orchestrator.loop import run_training
     from miles_orchestrator.memory_check import check_plan
     from miles_orchestrator.preflight import with_fresh_draft

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from miles_contracts import GenerateClient, Sample, SampleStatus, SamplingParams
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.rollout import expand_groups, run_groups
+from miles_orchestrator.rollout.batch import expand_groups, run_groups
 from miles_orchestrator.run_dir import RunDir
 
 if TYPE_CHECKING:

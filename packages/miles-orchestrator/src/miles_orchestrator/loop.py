@@ -4,7 +4,7 @@
 (producer.py: inline in sync runs, a task ahead of training by up to `lag` weight versions in one_step_off and async
 ones), and every step goes through the one tail below. Everything it calls lives in its own module (parts,
 preflight, steps, turns, the cluster, the run directory). It runs on one event loop and talks to a `Cluster`
-(cluster.py): Ray actors or everything in this process, it does not know which. Under true on-policy
+(cluster/protocol.py): Ray actors or everything in this process, it does not know which. Under true on-policy
 (deterministic kernels, the same `KernelConfig` on both sides) the rollout log-probs are the trainer's old
 log-probs and the measured mismatch is exactly 0; in fast mode the trainer recomputes them first and the mismatch
 is reported (and corrected with TIS / MIS when `trainer.loss.is_mode` is set).
@@ -22,7 +22,7 @@ from miles_orchestrator.evaluation import evaluate_held_out
 from miles_orchestrator.parts import open_parts
 from miles_orchestrator.preflight import check_model, check_on_policy, with_fresh_draft
 from miles_orchestrator.producer import Produced, Producer
-from miles_orchestrator.rollout import DataExhausted
+from miles_orchestrator.rollout.batch import DataExhausted
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.steps import checked_versions, publish_weights, train_batch
 from miles_orchestrator.turns import Turns

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_contracts import RolloutFn, Sample
-from miles_orchestrator.agentic import agent_rollout
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.data import build_data_source, build_eval_samples
-from miles_orchestrator.filters import build_filters
-from miles_orchestrator.rewards import RewardPool
-from miles_orchestrator.rollout import PromptEncoder, resolve_rollout_fn
+from miles_orchestrator.data.sources import build_data_source, build_eval_samples
+from miles_orchestrator.reward.pool import RewardPool
+from miles_orchestrator.rollout.agentic import agent_rollout
+from miles_orchestrator.rollout.batch import PromptEncoder
+from miles_orchestrator.rollout.filters import build_filters
+from miles_orchestrator.rollout.single_turn import resolve_rollout_fn
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from typing import Any
 from miles_kernels import num_absent_mtp_layers, read_model_config
 from miles_orchestrator.cluster import Cluster
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.data import check_data_source
-from miles_orchestrator.env_pool import resolve_env
-from miles_orchestrator.filters import build_filters
-from miles_orchestrator.rewards import check_reward
-from miles_orchestrator.rollout import resolve_rollout_fn
+from miles_orchestrator.data.sources import check_data_source
+from miles_orchestrator.reward.pool import check_reward
+from miles_orchestrator.rollout.env_pool import resolve_env
+from miles_orchestrator.rollout.filters import build_filters
+from miles_orchestrator.rollout.single_turn import resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
 from miles_spec import add_mtp_modules
 from miles_trainer import load_advantage_estimator, resolve_loss_fn

@@ -10,7 +10,7 @@ s - 1 - lag or newer, so no token lags the trained version by more than `lag`:
   after the first is exactly one version old;
 - async (lag `run.max_staleness`): the weight sync happens as soon as a step is trained, pausing the generations in
   flight (`rollout.pause_mode`): retract continues them under the new weights (the engine recomputes their KV),
-  abort ends them and partial.py continues or regenerates them. Tokens keep the versions that generated them.
+  abort ends them and rollout/partial.py continues or regenerates them. Tokens keep the versions that generated them.
 
 Each batch carries the data source's position after its prompts were drawn: a checkpoint saves the position of the
 batch it follows, so a resumed run regenerates the batches after it — no prompt lost, none trained twice.
@@ -29,9 +29,9 @@ from typing import Any
 from miles_contracts import Sample
 from miles_orchestrator.cluster import Cluster
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.partial import aborted_policy
 from miles_orchestrator.parts import RunParts
-from miles_orchestrator.rollout import DataExhausted, generate_batch
+from miles_orchestrator.rollout.batch import DataExhausted, generate_batch
+from miles_orchestrator.rollout.partial import aborted_policy
 from miles_orchestrator.run_dir import RunDir
 
 

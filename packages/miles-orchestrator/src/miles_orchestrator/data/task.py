@@ -1,6 +1,6 @@
 """The built-in procedural task: integer arithmetic with a verifiable answer ("What is 37 + 48?" → "85").
 
-It sits at both ends of the RL data path for the default example: `miles_orchestrator.data.BuiltinTaskSource`
+It sits at both ends of the RL data path for the default example: `miles_orchestrator.data.sources.BuiltinTaskSource`
 turns its problems into prompt `Sample`s (step 1), and `verify` is the built-in `task` reward (step 3). The same
 generator also writes the supervised rows that bootstrap a tiny policy before RL (`BuiltinTask.sft_rows`).
 

@@ -6,7 +6,7 @@ engine of an `EngineFleet` and restarts one that dies or hangs, within a limit o
   generation is paused or weights load (a probe would wait for them). A probe begun before an engine's restart is
   about the old engine and is ignored. `failure_threshold` failures in a row, and the engine is
   restarted: the cluster's `restart(engine, cause)` kills it, starts a new one on its bundle, re-syncs it and
-  re-adds it to the router (ray_cluster.py).
+  re-adds it to the router (cluster.py).
 - A `/generate` that fails for an engine's sake (no connection, HTTP 5xx) triggers a check of every engine at once,
   whose failures restart at once; the fleet then re-issues the request unchanged (same seeds, so in deterministic
   mode the same samples, whichever engine serves it).
@@ -23,7 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from miles_orchestrator.rollout_config import FaultToleranceSection
+from miles_orchestrator.cluster.protocol import EngineFailed
+from miles_orchestrator.config.rollout import FaultToleranceSection
 from miles_rollout import Client, RolloutClientError
 
 HOUR_S = 3600.0
@@ -35,10 +36,6 @@ class Restart:
     cause: str
     at: float  # time.monotonic() when the failure was acted on
     recovery_s: float
-
-
-class EngineFailed(RuntimeError):
-    """The engines failed more often than the run allows, or a restart itself failed: the run stops."""
 
 
 class EngineSupervisor:

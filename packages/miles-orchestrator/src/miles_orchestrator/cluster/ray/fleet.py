@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion
-from miles_orchestrator.engine_health import EngineSupervisor, is_engine_failure
+from miles_orchestrator.cluster.ray.engine_health import EngineSupervisor, is_engine_failure
 from miles_rollout import Client, RolloutClientError, free_port, router_command
 
 ROUTER_STARTUP_S = 60.0

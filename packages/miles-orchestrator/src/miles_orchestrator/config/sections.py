@@ -1,6 +1,6 @@
 """The run config's sections (docs/architecture.md, "Config"): one pydantic model per component the loop owns --
-model, task, data, reward, filter, trainer, logging, run (rollout and its agentic settings: rollout_config.py) --
-each nesting its package's own config model where there is one. `RunConfig` (config.py) puts them together and
+model, task, data, reward, filter, trainer, logging, run (rollout and its agentic settings: rollout.py) --
+each nesting its package's own config model where there is one. `RunConfig` (run.py) puts them together and
 checks them against each other.
 """
 
@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from miles_contracts import PluginPath, is_plugin_path
-from miles_orchestrator.task import BuiltinTask
+from miles_orchestrator.data.task import BuiltinTask
 from miles_trainer.config import (
     ADVANTAGE_ESTIMATOR_NAMES,
     AdvantageConfig,
@@ -31,9 +31,9 @@ from miles_trainer.config import (
 )
 
 BUILTIN_REWARD_NAMES = ("exact_match", "math", "task", "env")
-HTTP_REWARD = "http"  # the built-in remote reward (miles_orchestrator.http_reward)
+HTTP_REWARD = "http"  # the built-in remote reward (miles_orchestrator.reward.http)
 DATA_SUFFIXES = (".jsonl", ".parquet")
-HF_PREFIX = "hf:"  # a local Hugging Face dataset (miles_orchestrator.hf_data); reserved, so never a plug-in path
+HF_PREFIX = "hf:"  # a local Hugging Face dataset (miles_orchestrator.data.hf); reserved, so never a plug-in path
 CLUSTERS = ("ray", "local")
 # A Ray placement bundle: resource name -> amount (CPU, GPU, memory or a custom resource a node advertises)
 RayResources = Annotated[dict[str, Annotated[float, Field(ge=0)]], Field(min_length=1)]
@@ -74,12 +74,12 @@ class ModelSection(Section):
         default="qwen3",
         description="The built-in policy's family: a dense Qwen3, Qwen2.5 (qwen2) or Llama 3.x (llama, with its chat "
         "template and Llama 3 RoPE scaling), a Qwen3-MoE (8 experts, top-2) or a GLM-4.5-style MoE (8 experts, top-2, "
-        "a shared expert, a dense first layer); the sizes are in miles_orchestrator.bootstrap.",
+        "a shared expert, a dense first layer); the sizes are in miles_orchestrator.data.bootstrap.",
     )
 
 
 class TaskSection(Section):
-    """Difficulty of the built-in arithmetic task (`miles_orchestrator.task.BuiltinTask`)."""
+    """Difficulty of the built-in arithmetic task (`miles_orchestrator.data.task.BuiltinTask`)."""
 
     num_digits: int | list[int] = Field(default=2, description="Digits of each operand, or a list: one per operand.")
     operations: list[Literal["+", "-", "*"]] = Field(default=["+"], min_length=1, description="Operators drawn.")

@@ -1,6 +1,6 @@
 """The built-in remote reward (`reward.name=http`): step 3 of the RL data path, scored by a server over HTTP.
 
-`RewardPool` (rewards.py) hands its calls here instead of to worker processes; the results go back through the
+`RewardPool` (pool.py) hands its calls here instead of to worker processes; the results go back through the
 pool's own bookkeeping, so a failed call means what it means for a local reward: its sample(s) `failed`, reward
 0.0, `error` saying why, the run going on.
 

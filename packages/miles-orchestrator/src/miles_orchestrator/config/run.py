@@ -4,7 +4,7 @@ It sits before the RL data path: `load_config` runs once at start-up and every c
 reward pool, filters, trainer, loop) reads its own section. Each component's model is owned by its package and
 nested here, so every setting is defined once (docs/architecture.md, "Config"): `kernel` is miles-kernels'
 `KernelConfig` (engine and trainer share it), `rollout.engine` miles-rollout's `EngineConfig`, and
-`trainer.optimizer`, `trainer.loss`, `trainer.backend` miles-trainer's models; config_sections.py defines the
+`trainer.optimizer`, `trainer.loss`, `trainer.backend` miles-trainer's models; sections.py defines the
 sections only the loop has, and this module puts them together in `RunConfig` and checks them against each other.
 All of them are torch-free: a whole config validates without importing torch.
 A bad value fails here, with a `ValueError` that names the dotted field and the fix, rather than minutes into a
@@ -25,7 +25,8 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from miles_kernels.config import KernelConfig
 from miles_memory.config import MemoryConfig
-from miles_orchestrator.config_sections import (
+from miles_orchestrator.config.rollout import RolloutSection
+from miles_orchestrator.config.sections import (
     BUILTIN_REWARD_NAMES,
     HF_PREFIX,
     HTTP_REWARD,
@@ -38,7 +39,6 @@ from miles_orchestrator.config_sections import (
     TrainerSection,
     data_source_kind,
 )
-from miles_orchestrator.rollout_config import RolloutSection
 from miles_rollout.config import SGLangConfig
 from miles_spec.config import SpecConfig
 

@@ -1,6 +1,6 @@
 """Hugging Face `datasets` as input: step 1 of the RL data path for `data.source` / `data.eval_path` = 'hf:PATH'.
 
-`hf_records` reads the rows of a local dataset; data.py turns them into prompt `Sample`s with the same row checks,
+`hf_records` reads the rows of a local dataset; sources.py turns them into prompt `Sample`s with the same row checks,
 shuffling, epochs and resume as a .jsonl / .parquet file (`FileSource`). PATH is one of:
 
 - a directory written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk` (`datasets.load_from_disk`);

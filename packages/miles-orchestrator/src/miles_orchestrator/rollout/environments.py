@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from pydantic import JsonValue
 
 from miles_contracts import AgentMessage, ChatMessage, Sample, StepResult
-from miles_orchestrator import task
+from miles_orchestrator.data import task
 
 MAX_TOOL_OUTPUT_CHARS = 4000  # a tool's answer is cut here, so one call cannot flood the context
 

@@ -39,10 +39,10 @@ from miles_contracts import (
     StepResult,
     observation_messages,
 )
-from miles_orchestrator.env_pool import EnvError, EnvPool
-from miles_orchestrator.rollout_config import RolloutSection
-from miles_orchestrator.sandbox import Limits
-from miles_orchestrator.tool_calls import parse_tool_calls
+from miles_orchestrator.config.rollout import RolloutSection
+from miles_orchestrator.rollout.env_pool import EnvError, EnvPool
+from miles_orchestrator.rollout.sandbox import Limits
+from miles_orchestrator.rollout.tool_calls import parse_tool_calls
 
 # A fixed conversation the deltas are rendered after: only what follows its assistant turn's end matters. The
 # marker finds that end wherever a template re-renders earlier turns (Qwen3 drops an earlier turn's <think> block).

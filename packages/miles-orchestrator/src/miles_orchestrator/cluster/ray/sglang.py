@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from miles_kernels import KernelConfig
-from miles_orchestrator.actors import node_address, ray_node_id
+from miles_orchestrator.cluster.ray.actors import node_address, ray_node_id
 from miles_rollout import SGLangServer, free_port, launch_command, require_cuda, sglang_server_args
 from miles_rollout.config import EngineConfig, SGLangConfig
 

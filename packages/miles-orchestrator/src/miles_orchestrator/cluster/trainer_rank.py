@@ -1,7 +1,7 @@
 """One trainer rank's share of the job: its backend (FSDP2 or Megatron, `trainer.backend.name`) and the calls the
 loop makes on it.
 
-The Ray cluster runs one per actor (actors.py: `TrainerRankActor`, which adds the process group and the weight
+The Ray cluster runs one per actor (ray/actors.py: `TrainerRankActor`, which adds the process group and the weight
 transfer to the engine); the local cluster runs one in the driver, on the engine's thread. Every call is collective:
 each rank makes it with its own share of the batch.
 """
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_contracts import Sample
-from miles_orchestrator.cluster import CriticTargets, TrainerSettings
+from miles_orchestrator.cluster.protocol import CriticTargets
+from miles_orchestrator.cluster.settings import TrainerSettings
 from miles_spec import MTPLoss
 from miles_trainer import FSDP2Backend, MegatronBackend, export_hf, load_checkpoint, save_checkpoint
 

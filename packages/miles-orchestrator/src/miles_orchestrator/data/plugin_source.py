@@ -3,7 +3,7 @@
 `PluginSource` builds the class as `Class(data_section, **data.source_args)` (the `DataSection` gives it the
 run's seed, shuffle, epochs and keys; `source_args` its own settings), checks the object against the
 `miles_contracts.DataSource` Protocol, and holds every batch it returns to the invariants the loop relies on
-(data.py's module docstring): one `Sample` per prompt, `group_index` counting up by one from 0 over the run. It
+(sources.py's module docstring): one `Sample` per prompt, `group_index` counting up by one from 0 over the run. It
 saves the user's `state_dict()` inside its own, so a resumed run continues with the same prompts and seeds.
 """
 

@@ -3,10 +3,10 @@
 - Built-ins, by name: `exact_match` (normalized string compare), `math` (`math-verify`), `task` (the built-in
   arithmetic task's verifier), `env` (the reward an agentic rollout's environment gave the episode). Anything else
   is a `module:function` `RewardFn` (or `GroupRewardFn` with `is_group`), checked at start-up with
-  `miles_contracts.load_plugin`. `http` asks a reward server instead (http_reward.py: no worker processes, the
+  `miles_contracts.load_plugin`. `http` asks a reward server instead (http.py: no worker processes, the
   same failure semantics).
-- `RewardPool` runs the reward in spawned worker processes (sandbox.py), one call per sample (or per prompt group),
-  each with a timeout; a step's calls reach each worker as one chunk and the replies stream back one by one.
+- `RewardPool` runs the reward in spawned worker processes (rollout/sandbox.py), one call per sample (or per prompt
+  group), each with a timeout; a step's calls reach each worker as one chunk and the replies stream back one by one.
   Samples cross to a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as pickles. A
   call that raises, returns a non-finite or non-numeric value, kills its worker, or runs past the timeout marks its
   sample(s) `failed` (`status=FAILED`, `error` says why) with `reward = 0.0`, so a group's advantages stay
@@ -32,10 +32,10 @@ from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
-from miles_orchestrator import task
 from miles_orchestrator.config import HTTP_REWARD, RewardSection
-from miles_orchestrator.http_reward import CallResult, HttpReward
-from miles_orchestrator.sandbox import Worker, exit_code, spawn_worker, stop_worker, wait_ready
+from miles_orchestrator.data import task
+from miles_orchestrator.reward.http import CallResult, HttpReward
+from miles_orchestrator.rollout.sandbox import Worker, exit_code, spawn_worker, stop_worker, wait_ready
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -88,7 +88,7 @@ def task_reward(sample: Sample) -> float:
 
 def env_reward(sample: Sample) -> float:
     """The reward an agentic rollout's environment gave the episode: the sum of its steps' rewards
-    (`sample.metadata["agent"]["reward"]`, written by miles_orchestrator.agentic)."""
+    (`sample.metadata["agent"]["reward"]`, written by miles_orchestrator.rollout.agentic)."""
     agent = sample.metadata.get("agent")
     if not isinstance(agent, dict) or not isinstance(agent.get("reward"), int | float):
         raise ValueError(
@@ -98,8 +98,8 @@ def env_reward(sample: Sample) -> float:
     return float(agent["reward"])  # type: ignore[arg-type]
 
 
-# Named in the run config (`reward.name`); the keys are config.py's names (checked there without importing rewards);
-# a test holds the two equal.
+# Named in the run config (`reward.name`); the keys are the config's names (config/sections.py, checked there without
+# importing rewards); a test holds the two equal.
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "math": math_reward,

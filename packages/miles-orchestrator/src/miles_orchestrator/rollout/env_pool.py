@@ -1,6 +1,6 @@
 """The sandbox of agentic rollouts' environments: `EnvPool` runs every episode's environment in one of
 `rollout.agent.num_workers` worker processes (sandbox.py, `spawn_sandboxed`), each call (`reset`, `step`) under
-`rollout.agent.timeout_s`, as rewards run (rewards.py). A worker sees an allow-listed environment (none of the
+`rollout.agent.timeout_s`, as rewards run (reward/pool.py). A worker sees an allow-listed environment (none of the
 driver's keys and tokens) and runs under rlimits (`Limits`: CPU seconds per call, address space, open files, no core
 dumps); it leads its own process group, which is killed whole, so what a tool started dies with its worker.
 
@@ -26,8 +26,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from miles_contracts import AgentMessage, ChatMessage, Environment, Sample, StepResult, load_plugin
-from miles_orchestrator.environments import BUILTIN_ENVS
-from miles_orchestrator.sandbox import (
+from miles_orchestrator.rollout.environments import BUILTIN_ENVS
+from miles_orchestrator.rollout.sandbox import (
     Limits,
     Worker,
     exit_code,

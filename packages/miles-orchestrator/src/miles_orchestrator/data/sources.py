@@ -6,7 +6,7 @@ equals its `group_index` until then. With `apply_chat_template` a text prompt be
 the rollout renders with the tokenizer's chat template; otherwise the text goes to the engine as it is.
 
 - `FileSource`: rows of a local .jsonl or .parquet file, or of a local Hugging Face dataset ('hf:PATH', read by
-  hf_data.py), shuffled per epoch from a seed, for `num_epochs` passes. When the passes are used up it returns
+  hf.py), shuffled per epoch from a seed, for `num_epochs` passes. When the passes are used up it returns
   fewer prompts than asked (then none): the loop ends the run there.
 - `BuiltinTaskSource`: the built-in arithmetic task's train split, never exhausted.
 - `PluginSource` (plugin_source.py): a user's 'module:Class' DataSource, built from the `data` section, whose
@@ -28,9 +28,9 @@ from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from miles_contracts import ChatMessage, DataSource, Sample
 from miles_orchestrator.config import HF_PREFIX, DataSection, data_source_kind
-from miles_orchestrator.hf_data import hf_records, import_datasets, local_dataset_path
-from miles_orchestrator.plugin_source import PluginSource, load_source_class
-from miles_orchestrator.task import BuiltinTask
+from miles_orchestrator.data.hf import hf_records, import_datasets, local_dataset_path
+from miles_orchestrator.data.plugin_source import PluginSource, load_source_class
+from miles_orchestrator.data.task import BuiltinTask
 
 __all__ = [
     "BuiltinTaskSource",

@@ -24,9 +24,10 @@ import torch
 
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, WeightUpdateGroup, rendezvous_store
-from miles_orchestrator.cluster import CriticTargets, TrainerSettings
-from miles_orchestrator.trainer_rank import TrainerRank
-from miles_orchestrator.weight_transport import broadcast_buckets, post_buckets, write_shared_file
+from miles_orchestrator.cluster.protocol import CriticTargets
+from miles_orchestrator.cluster.settings import TrainerSettings
+from miles_orchestrator.cluster.trainer_rank import TrainerRank
+from miles_orchestrator.cluster.weight_transport import broadcast_buckets, post_buckets, write_shared_file
 from miles_rollout import Client, EngineConfig
 
 

@@ -1,4 +1,4 @@
-"""Worker processes for user code: the reward functions (rewards.py) and the environments of agentic rollouts
+"""Worker processes for user code: the reward functions (reward/pool.py) and the environments of agentic rollouts
 (env_pool.py) run in processes the orchestrator can kill, so a crash or a hang costs one call, never the run.
 Messages cross the pipe as JSON bytes (`send_bytes` / `recv_bytes`), never as pickles.
 
@@ -200,7 +200,7 @@ from multiprocessing.connection import Connection
 conn = Connection(int(sys.argv[1]))
 start = json.loads(conn.recv_bytes())
 sys.path[:] = start["sys_path"]
-from miles_orchestrator.sandbox import _sandboxed_main
+from miles_orchestrator.rollout.sandbox import _sandboxed_main
 _sandboxed_main(conn, start)
 """
 

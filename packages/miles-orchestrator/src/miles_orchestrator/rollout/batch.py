@@ -13,30 +13,27 @@ run regenerate exactly the same batch.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles_contracts import (
     GenerateClient,
-    GenerateRequest,
     RolloutFn,
     Sample,
     SampleStatus,
     SamplingParams,
-    load_plugin,
 )
-from miles_orchestrator.agent_metrics import agent_metrics
+from miles_orchestrator.cluster import EngineFailed
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.engine_health import EngineFailed
-from miles_orchestrator.filters import apply_filters
+from miles_orchestrator.rollout.agent_metrics import agent_metrics
+from miles_orchestrator.rollout.filters import apply_filters
 from miles_orchestrator.run_dir import RunDir
 from miles_rollout import CoalescingClient
 
 if TYPE_CHECKING:
-    from miles_orchestrator.partial import Aborted
     from miles_orchestrator.parts import RunParts
+    from miles_orchestrator.rollout.partial import Aborted
 
 SEED_STRIDE = 2**32
 
@@ -44,18 +41,6 @@ SEED_STRIDE = 2**32
 def sample_seed(run_seed: int, sample_index: int) -> int:
     """The sampling seed of one sample, from the run seed and its index only."""
     return run_seed * SEED_STRIDE + sample_index
-
-
-async def single_turn(
-    client: GenerateClient, group: list[Sample], sampling_params: SamplingParams, *, routed_experts: bool = False
-) -> list[Sample]:
-    """The default `RolloutFn`: one request for the whole group (prefilled once, forked n ways), log-probs on;
-    `routed_experts`: the engine's MoE routing of every token too (`Sample.routed_experts`, for routing replay)."""
-    params = sampling_params.model_copy(update={"n": len(group)})
-    request = GenerateRequest(input_ids=group[0].prompt_tokens, sampling_params=params, return_logprob=True,
-                              return_routed_experts=routed_experts)  # fmt: skip
-    responses = await client.generate(request)
-    return [sample.extended(response) for sample, response in zip(group, responses, strict=True)]
 
 
 def spec_metrics(samples: Sequence[Sample]) -> dict[str, float]:
@@ -79,13 +64,6 @@ def spec_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     for j in range(1, len(histogram)):
         out[f"spec_accept_rate_pos{j}"] = sum(histogram[j:]) / verify
     return out
-
-
-def resolve_rollout_fn(path: str | None, routed_experts: bool = False) -> RolloutFn:
-    """The run's rollout function: a plug-in, or `single_turn` (asking for the routed experts if `routed_experts`)."""
-    if path is not None:
-        return load_plugin(path, RolloutFn)  # type: ignore[type-abstract]
-    return functools.partial(single_turn, routed_experts=True) if routed_experts else single_turn
 
 
 def expand_groups(prompts: Sequence[Sample], n: int, encode: Callable[[Sample], list[int]]) -> list[list[Sample]]:
@@ -125,7 +103,7 @@ async def run_groups(
                 raise ValueError(f"the rollout function returned {len(result)} samples for a group of {len(group)}")
             if aborted is not None:
                 result = await aborted.complete(client, group, result, seeded, rollout_fn)
-        except EngineFailed:  # the engines failed beyond what the run allows: it stops (engine_health.py)
+        except EngineFailed:  # the engines failed beyond what the run allows: it stops (cluster/ray/engine_health.py)
             raise
         except Exception as error:  # user code or the engine: record it on the samples, keep the run going
             message = f"rollout failed: {type(error).__name__}: {error}"

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from miles_kernels import WeightUpdateGroup, broadcast_tensors, dtype_name
-from miles_orchestrator.trainer_rank import TrainerRank
+from miles_orchestrator.cluster.trainer_rank import TrainerRank
 from miles_rollout import Client, Engine
 
 T = TypeVar("T")

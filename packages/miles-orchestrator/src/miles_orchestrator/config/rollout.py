@@ -10,10 +10,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from miles_contracts import MAX_NEW_TOKENS_LIMIT, PluginPath, is_plugin_path
-from miles_orchestrator.config_sections import RayResources, Section
+from miles_orchestrator.config.sections import RayResources, Section
 from miles_rollout.config import EngineConfig, SGLangConfig
 
-BUILTIN_ENV_NAMES = ("calculator",)  # miles_orchestrator.environments.BUILTIN_ENVS
+BUILTIN_ENV_NAMES = ("calculator",)  # miles_orchestrator.rollout.environments.BUILTIN_ENVS
 
 
 class AgentSection(Section):

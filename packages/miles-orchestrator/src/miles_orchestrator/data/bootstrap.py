@@ -28,9 +28,9 @@ from typing import Any
 from miles_contracts import ToolCall
 from miles_kernels import KernelConfig, ModelConfig
 from miles_kernels.testing import build_tokenizer, greedy_generate, save_random_model, tiny_config
-from miles_orchestrator import task as task_module
-from miles_orchestrator import tool_calls
 from miles_orchestrator.config import RunConfig
+from miles_orchestrator.data import task as task_module
+from miles_orchestrator.rollout import tool_calls
 from miles_spec import MTPLoss
 from miles_trainer import SFTConfig, load_sft_samples, pack_samples, run_sft
 

@@ -2,8 +2,8 @@
 run) or an existing cluster (`run.ray_address`). Colocated, all in one placement group; disaggregated
 (`run.colocate=false`), the ranks in one and the engines in another, each bundle with the resources the config
 gives (`trainer.rank_resources`, `rollout.engine_resources`). The loop's one client of the engines is an
-`EngineFleet` (engines.py): generation through sglang-router when there are several, admin calls to each engine
-over HTTP, exactly as it would talk to `miles-rollout serve` or SGLang servers. See cluster.py for the interface.
+`EngineFleet` (fleet.py): generation through sglang-router when there are several, admin calls to each engine over
+HTTP, exactly as it would talk to `miles-rollout serve` or SGLang servers. See cluster/protocol.py for the interface.
 
 Engine failures (`rollout.fault_tolerance`, docs/fault-tolerance.md): an `EngineSupervisor` (engine_health.py)
 watches the engines; `restart_engine` replaces a dead or hung one on its bundle, loads the last synced weights (from
@@ -21,31 +21,25 @@ import contextlib
 import ipaddress
 import json
 import math
-import os
 import secrets
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-# Under `uv run`, Ray would rebuild the uv environment for every worker from the current directory (and refuse to
-# start outside the project). Workers run the driver's own interpreter and venv instead. Read when ray is imported.
-os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
 from miles_contracts import Sample
-from miles_orchestrator.actors import RolloutEngineActor, TrainerRankActor
-from miles_orchestrator.cluster import CriticTargets, num_threads, trainer_settings
-from miles_orchestrator.config import RunConfig
-from miles_orchestrator.engine_health import EngineSupervisor
-from miles_orchestrator.engines import EngineFleet, Router
-from miles_orchestrator.rank_health import HEALTH_GROUP, collective
-from miles_orchestrator.sglang_engine import SGLangEngineActor
-from miles_orchestrator.weight_transport import (
+from miles_orchestrator.cluster.protocol import CriticTargets
+from miles_orchestrator.cluster.ray.actors import RolloutEngineActor, TrainerRankActor
+from miles_orchestrator.cluster.ray.engine_health import EngineSupervisor
+from miles_orchestrator.cluster.ray.fleet import EngineFleet, Router
+from miles_orchestrator.cluster.ray.placement import actor_class, cpu_sets, place, start_ray, where
+from miles_orchestrator.cluster.ray.rank_health import HEALTH_GROUP, collective
+from miles_orchestrator.cluster.ray.sglang import SGLangEngineActor
+from miles_orchestrator.cluster.settings import num_threads, trainer_settings
+from miles_orchestrator.cluster.weight_transport import (
     NETWORK,
     WEIGHT_GROUP,
     SharedMemoryDir,
@@ -55,47 +49,11 @@ from miles_orchestrator.weight_transport import (
     sync_directory,
     weight_group_backend,
 )
+from miles_orchestrator.config import RunConfig
 from miles_rollout import Client, RolloutClientError
 
-RAY_TEMP_MAX_CHARS = 40
 ENGINE_START_S = 300.0  # a restarted engine's actor must be placed and serving within this
 SYNC_ATTEMPTS = 3  # a weight sync interrupted by engine failures is sent this many times at most
-
-
-def start_ray(address: str | None, run_dir: Path, num_cpus: int, bind_host: str = "127.0.0.1") -> None:
-    """Connect to `address`, or start a local Ray for this run (dashboard off, temp files in a short dir) whose head,
-    raylet and workers listen on `bind_host` (run.bind_host) only."""
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        return
-    # Ray's unix sockets (TEMP/session_<date>_<time>_<us>_<pid>/sockets/plasma_store, at most 107 bytes) need a
-    # short path: keep its temp dir under the run dir only when that leaves room for the ~62 bytes Ray appends.
-    temp = run_dir.resolve() / "ray"
-    if len(str(temp)) > RAY_TEMP_MAX_CHARS:
-        temp = Path(tempfile.mkdtemp(prefix="miles-ray-"))
-    with _loopback_allowed(ipaddress.ip_address(bind_host).is_loopback):
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False,
-                 configure_logging=False, _node_ip_address=bind_host)  # fmt: skip
-
-
-@contextlib.contextmanager
-def _loopback_allowed(is_loopback: bool) -> Iterator[None]:
-    """Let ray.init keep a loopback node address. Ray replaces one by the node's routable IP unless it runs as a
-    one-machine cluster (`ray_constants.ENABLE_RAY_CLUSTER` false: its default on macOS and Windows); that is read
-    while the node starts, and its processes are then given the address, so the switch is needed only meanwhile."""
-    if not is_loopback:
-        yield
-        return
-    from ray._private import ray_constants
-
-    enabled = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
 class RayCluster:
@@ -148,18 +106,20 @@ class RayCluster:
         # The run's key: embedded engines require it on every route but health, generation included (the router
         # passes a client's Authorization on); held in memory and given to the actors, never on a command line.
         self.admin_key = secrets.token_hex(16)
-        strategies = await self._place(cfg.run.colocate, [rank_bundle] * num_ranks, [engine_bundle] * num_engines)
+        strategies = await place(
+            self.groups, cfg.run.colocate, [rank_bundle] * num_ranks, [engine_bundle] * num_engines
+        )
         cpus = cpu_sets(cfg, threads) if cfg.run.pin_cpus else None
         engine_threads = threads if num_engines == 1 else max(1, threads // num_engines)
 
         def new_engine(i: int) -> Any:
             rollout = cfg.rollout
             if rollout.backend == "sglang":
-                return _actor(SGLangEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
+                return actor_class(SGLangEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
                     model_dir, cfg.kernel, rollout.engine, rollout.sglang, self.admin_key, rollout.engine_host,
                     cfg.run.colocate, str(run_dir),
                 )  # fmt: skip
-            return _actor(RolloutEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
+            return actor_class(RolloutEngineActor, engine_bundle, strategies[num_ranks + i]).remote(
                 model_dir, cfg.kernel, rollout.engine, self.admin_key, engine_threads, rollout.engine_host,
                 None if cpus is None else cpus[num_ranks + i],
             )  # fmt: skip
@@ -171,7 +131,7 @@ class RayCluster:
         self.engine_actors = [new_engine(i) for i in range(num_engines)]
         self.hang_timeout_s = cfg.trainer.hang_timeout_s
         self.trainers = [
-            _actor(TrainerRankActor, rank_bundle, strategies[rank], {HEALTH_GROUP: 1}).remote(
+            actor_class(TrainerRankActor, rank_bundle, strategies[rank], {HEALTH_GROUP: 1}).remote(
                 rank, num_ranks, max(1, threads // num_ranks), None if cpus is None else cpus[rank]
             )
             for rank in range(num_ranks)
@@ -185,8 +145,8 @@ class RayCluster:
         self.trainer_fingerprint = fingerprints[0]
         self.data_parallel = [tuple(dp) for dp in await self._all("data_parallel")]
         self.urls = [str(url) for url in await asyncio.gather(*(a.get_url.remote() for a in self.engine_actors))]
-        self.engine_where = list(await asyncio.gather(*(_where(a) for a in self.engine_actors)))
-        self.rank_where = list(await asyncio.gather(*(_where(t) for t in self.trainers)))
+        self.engine_where = list(await asyncio.gather(*(where(a) for a in self.engine_actors)))
+        self.rank_where = list(await asyncio.gather(*(where(t) for t in self.trainers)))
         self._write_actor_list()
         members = [Client(url, api_key=self.admin_key, admin_key=self.admin_key, timeout=600) for url in self.urls]
         generator = members[0]
@@ -221,7 +181,7 @@ class RayCluster:
         if self.engine.paused is not None:
             await client.pause_generation(self.engine.paused)
         self.engine_actors[engine], self.urls[engine] = actor, url
-        self.engine_where[engine] = await _where(actor)
+        self.engine_where[engine] = await where(actor)
         self.engine.replace(engine, client)
         self._write_actor_list()
         if self.router is not None:
@@ -319,29 +279,6 @@ class RayCluster:
             "trainer_ranks": [{"rank": rank, **info} for rank, info in enumerate(ranks)],
         }
         (self.run_dir / "actors.json").write_text(json.dumps(listing, indent=2) + "\n")
-
-    async def _place(
-        self, colocate: bool, rank_bundles: list[dict[str, float]], engine_bundles: list[dict[str, float]]
-    ) -> list[PlacementGroupSchedulingStrategy]:
-        """Placement groups, and the scheduling strategy of each actor (ranks first, then engines): colocated, all
-        bundles in one group; disaggregated, the ranks in one and the engines in another, so that they can land on
-        different nodes (`trainer.rank_resources`, `rollout.engine_resources`)."""
-        parts = [rank_bundles + engine_bundles] if colocate else [rank_bundles, engine_bundles]
-        self.groups = [placement_group(bundles, strategy="PACK") for bundles in parts]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(group.ready() for group in self.groups)), timeout=120)
-        except TimeoutError:
-            offered = ray.cluster_resources()  # type: ignore[no-untyped-call]
-            raise RuntimeError(
-                f"Ray could not place the trainer ranks {rank_bundles} and engines {engine_bundles} within 120 s: the "
-                f"cluster offers {offered}; lower trainer.rank_resources / rollout.engine_resources "
-                "or the counts, or add nodes"
-            ) from None
-        strategies = []
-        for group, bundles in zip(self.groups, parts, strict=True):
-            strategies += [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-                           for i in range(len(bundles))]  # fmt: skip
-        return strategies
 
     async def _setup_sync(self, cfg: RunConfig, model_dir: str, run_dir: Path) -> None:
         """Pick the weight transport (`run.sync_transport`) from where the engines landed, and set it up."""
@@ -539,39 +476,3 @@ class RayCluster:
                 remove_placement_group(group)
         if self.shared_memory is not None:
             self.shared_memory.remove()
-
-
-async def _where(actor: Any) -> dict[str, Any]:
-    """A live actor's process id and Ray node."""
-    return {"pid": await actor.pid.remote(), "node": await actor.node_id.remote()}
-
-
-def _actor(
-    cls: type, bundle: dict[str, float], strategy: Any, concurrency_groups: dict[str, int] | None = None
-) -> Any:
-    """`cls` as a Ray actor class placed by `strategy` with `bundle`'s resources (and `concurrency_groups`: threads
-    for methods called beside the others, e.g. a heartbeat)."""
-    remote: Any = ray.remote(cls)
-    if concurrency_groups:
-        remote = ray.remote(concurrency_groups=concurrency_groups)(cls)  # type: ignore[call-overload]
-    return remote.options(
-        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-        resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-    )  # fmt: skip
-
-
-def cpu_sets(cfg: RunConfig, threads: int) -> list[list[int]]:
-    """`run.pin_cpus`: the CPUs of each actor, ranks first then engines, each its own consecutive block of the
-    cores this process may use (a block of `run.num_threads`, or of one core each when they are not enough)."""
-    if hasattr(os, "sched_getaffinity"):
-        available = sorted(os.sched_getaffinity(0))
-    else:
-        available = list(range(os.cpu_count() or 1))
-    num_actors = cfg.trainer.num_ranks + cfg.rollout.num_engines
-    if len(available) < num_actors:
-        raise ValueError(
-            f"run.pin_cpus gives each of {num_actors} actors (trainer ranks and engines) cores of its own, but only "
-            f"{len(available)} are available; set run.pin_cpus=false or use fewer ranks / engines"
-        )
-    width = max(1, min(threads, len(available) // num_actors))
-    return [available[i * width : (i + 1) * width] for i in range(num_actors)]

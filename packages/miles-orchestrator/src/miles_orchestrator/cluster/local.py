@@ -5,7 +5,7 @@ engine's own thread, between engine steps (`Engine.control`): every torch op of 
 because a second thread that has run parallel ops keeps an OpenMP team of its own, and two teams on the same cores
 slowed both sides ~1.5-2x (measured). A weight sync is one in-memory copy of the trainer's weights into the
 engine's (`weight_transport.copy_in_process`), with no file or bucket in between. More trainer ranks need `run.cluster=
-ray`; the run config says so at start-up. See cluster.py for the interface.
+ray`; the run config says so at start-up. See protocol.py for the interface.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any, TypeVar, cast
 import torch
 
 from miles_contracts import Sample
-from miles_orchestrator.cluster import CriticTargets, num_threads, trainer_settings
+from miles_orchestrator.cluster.protocol import CriticTargets
+from miles_orchestrator.cluster.settings import num_threads, trainer_settings
+from miles_orchestrator.cluster.trainer_rank import TrainerRank
+from miles_orchestrator.cluster.weight_transport import copy_in_process
 from miles_orchestrator.config import RunConfig
-from miles_orchestrator.trainer_rank import TrainerRank
-from miles_orchestrator.weight_transport import copy_in_process
 from miles_rollout import Engine, InProcessClient
 from miles_trainer import ensure_process_group
 

@@ -1,0 +1,53 @@
+"""What a trainer rank is built from and how many threads each actor runs, resolved from the run config the same way
+on every cluster."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles_kernels.config import KernelConfig
+from miles_memory.config import MemoryConfig
+from miles_orchestrator.config import RunConfig
+from miles_spec.config import SpecConfig
+from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Everything a trainer rank is built from, resolved from the run config (the same on every cluster)."""
+
+    kernel: KernelConfig
+    optimizer: OptimizerConfig
+    loss: PolicyLossConfig
+    backend: BackendConfig
+    offload_dir: str
+    critic: CriticConfig | None = None
+    spec: SpecConfig | None = None  # the MTP draft trains online (spec.mode=online)
+    keep_reference: bool = False  # trainer.log_kl: the initial policy stays, for the kl metric
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # offload target, budget, OOM handling
+    routing_replay: bool = False  # trainer.routing_replay=rollout: MoE layers route as the engine recorded
+
+
+def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
+    """The trainer's models from the run config; an optimizer with no `total_steps` spans the whole run."""
+    total = cfg.run.num_steps * cfg.trainer.steps_per_rollout
+
+    def spanning(optimizer: OptimizerConfig) -> OptimizerConfig:
+        return optimizer if optimizer.total_steps is not None else optimizer.model_copy(update={"total_steps": total})
+
+    critic = None
+    if cfg.trainer.uses_critic:
+        critic = cfg.trainer.critic.model_copy(update={"optimizer": spanning(cfg.trainer.critic.optimizer)})
+    spec = None
+    if cfg.spec.mode == "online":
+        spec = cfg.spec.model_copy(update={"optimizer": spanning(cfg.spec.optimizer)})
+    return TrainerSettings(cfg.kernel, spanning(cfg.trainer.optimizer), cfg.trainer.loss, cfg.trainer.backend,
+                           str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory,
+                           cfg.trainer.routing_replay == "rollout")  # fmt: skip
+
+
+def num_threads(cfg: RunConfig) -> int:
+    """torch threads of the engine and of the trainer (`run.num_threads`, else the machine's CPU count)."""
+    return cfg.run.num_threads or os.cpu_count() or 1

@@ -1,0 +1,22 @@
+"""The run config (docs/architecture.md, "Config"): `RunConfig` and its loading (run.py), the sections only the loop
+has (sections.py), the rollout section (rollout/batch.py)."""
+
+from miles_orchestrator.config.run import (
+    BUILTIN_REWARD_NAMES,
+    HF_PREFIX,
+    HTTP_REWARD,
+    DataSection,
+    FilterSection,
+    RewardSection,
+    RunConfig,
+    check_batch_identity,
+    config_help,
+    data_source_kind,
+    dump_config,
+    load_config,
+)
+
+__all__ = [
+    "BUILTIN_REWARD_NAMES", "HF_PREFIX", "HTTP_REWARD", "DataSection", "FilterSection", "RewardSection", "RunConfig",
+    "check_batch_identity", "config_help", "data_source_kind", "dump_config", "load_config",
+]  # fmt: skip
