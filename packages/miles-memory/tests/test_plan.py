@@ -77,9 +77,21 @@ def test_engine_and_kv_bytes_by_hand() -> None:
     assert kv_bytes_per_token(qwen, 2, tp=8) == 2 * 1 * 128 * 48 * 2  # 4 KV heads over tp 8: one per GPU
 
 
-def _run(**plan: object) -> dict[str, object]:
-    base = {"trainer_backend": "megatron", "hardware": "h100", "rollout_engine": "sglang", "rollout_tp": 8}
-    return {"model": {"path": "Qwen/Qwen3-30B-A3B"}, "kernel": {"dtype": "bfloat16"}, "memory": {"plan": base | plan}}
+MEGATRON = ("tp", "pp", "ep", "etp", "cp")
+SGLANG = {"rollout_tp": "tp_size", "rollout_ep": "ep_size", "mem_fraction_static": "mem_fraction_static"}
+
+
+def _run(trainer_backend: str = "megatron", rollout_engine: str = "sglang", **plan: object) -> dict[str, object]:
+    """A Qwen3-30B-A3B run config on h100: the layout in the run's own sections, the rest in memory.plan."""
+    plan = {"rollout_tp": 8} | plan
+    megatron = {key: plan.pop(key) for key in MEGATRON if key in plan}
+    sglang = {name: plan.pop(key) for key, name in SGLANG.items() if key in plan}
+    return {
+        "model": {"path": "Qwen/Qwen3-30B-A3B"}, "kernel": {"dtype": "bfloat16"},
+        "trainer": {"backend": {"name": trainer_backend, "megatron": megatron}},
+        "rollout": {"backend": rollout_engine, "sglang": sglang},
+        "memory": {"plan": {"hardware": "h100"} | plan},
+    }  # fmt: skip
 
 
 def test_megatron_bytes_per_param_follow_the_distributed_optimizer_table() -> None:
@@ -100,13 +112,26 @@ def test_megatron_bytes_per_param_follow_the_distributed_optimizer_table() -> No
         ({"tp": 3}, "tp*pp*cp = 3 does not divide"),
         ({"ep": 3}, "ep=3 does not divide the model's 128 experts"),
         ({"tp": 8}, "tp=8 does not divide num_key_value_heads=4"),
-        ({"trainer_backend": "fsdp2", "ep": 2}, "trainer_backend fsdp2 shards over data parallel only"),
         ({"rollout_tp": 3}, "rollout_tp=3 does not divide"),
     ],
 )
 def test_impossible_layouts_are_clear_errors(plan: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         plan_memory(_run(**plan))
+
+
+def test_the_layout_is_read_from_the_runs_own_sections() -> None:
+    run = read_run(_run(tp=2, ep=4, rollout_ep=4, mem_fraction_static=0.6))
+    assert (run.plan.trainer_backend, run.plan.tp, run.plan.ep, run.plan.etp) == ("megatron", 2, 4, 1)
+    assert (run.plan.rollout_engine, run.plan.rollout_tp, run.plan.rollout_ep) == ("sglang", 8, 4)
+    assert run.plan.mem_fraction_static == 0.6
+    fsdp2 = read_run(_run(trainer_backend="fsdp2", rollout_engine="embedded", tp=2, rollout_tp=4))
+    assert (fsdp2.plan.tp, fsdp2.plan.rollout_tp) == (1, 1)  # the sections of another backend are not read
+    old = _run()
+    old["memory"]["plan"] |= {"tp": 4, "rollout_engine": "sglang"}  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"memory\.plan\.tp is now trainer\.backend\.megatron\.tp, memory\.plan\."
+                       r"rollout_engine is now rollout\.backend"):  # fmt: skip
+        read_run(old)
 
 
 def test_unknown_hardware_and_model_list_the_known_ones() -> None:

@@ -8,9 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
+from miles_memory import read_run
 from miles_orchestrator.config import RunConfig, check_batch_identity, config_help, dump_config, load_config
+from miles_orchestrator.config.resolve import DERIVED
+from miles_orchestrator.config.show import show_config
 
 
 def test_defaults_are_valid() -> None:
@@ -213,6 +217,62 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path, []) == cfg
+    # derived settings are not saved: they follow their sources again (a resumed run's overrides, say)
+    assert "temperature" not in yaml.safe_load(path.read_text())["trainer"]["loss"]
+    resumed = load_config(path, ["rollout.temperature=0.5", "run.num_steps=50"])
+    assert resumed.trainer.loss.temperature == 0.5 and resumed.trainer.optimizer.total_steps == 50
+
+
+def test_every_derived_setting_names_real_fields() -> None:
+    cfg = load_config(None, [])
+    for row in DERIVED:
+        node: object = cfg
+        for part in row.field.split("."):
+            assert isinstance(node, BaseModel) and part in type(node).model_fields, row.field
+            node = getattr(node, part)
+        if row.owned:  # an owned setting's source is one field: the knob the error names
+            source: object = cfg
+            for part in row.source.split("."):
+                assert isinstance(source, BaseModel) and part in type(source).model_fields, row.source
+                source = getattr(source, part)
+
+
+def test_derived_defaults_yield_to_a_value_given_and_owned_ones_refuse_a_contradiction() -> None:
+    cfg = load_config(None, ["run.num_steps=30", "trainer.steps_per_rollout=2", "trainer.global_batch_size=128"])
+    assert cfg.trainer.optimizer.total_steps == 60 and cfg.spec.optimizer.total_steps == 60
+    assert "trainer.optimizer.total_steps" in cfg.derived and "trainer.loss.temperature" in cfg.derived
+    given = load_config(None, ["trainer.optimizer.total_steps=500", "trainer.loss.max_response_len=4"])
+    assert given.trainer.optimizer.total_steps == 500 and given.trainer.loss.max_response_len == 4
+    assert "trainer.optimizer.total_steps" not in given.derived
+    with pytest.raises(
+        ValueError, match=r"return_routed_experts=False disagrees with trainer\.routing_replay=rollout"
+    ):
+        load_config(None, ["trainer.routing_replay=rollout", "model.bootstrap_architecture=glm4_moe",
+                           "rollout.return_routed_experts=false"])  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"drop rollout\.engine\.enable_return_routed_experts and set rollout\.return"
+    ):
+        load_config(None, ["rollout.engine.enable_return_routed_experts=true"])
+    megatron = ["trainer.backend.name=megatron", "trainer.backend.device=cuda", "kernel.mode=fast",
+                "trainer.rank_resources={CPU: 1, GPU: 1}"]  # fmt: skip
+    assert load_config(None, megatron).memory.plan.distributed_optimizer is False  # AdamW replicated over DP
+    given = load_config(None, [*megatron, "memory.plan.distributed_optimizer=true"])
+    assert given.memory.plan.distributed_optimizer and "memory.plan.distributed_optimizer" not in given.derived
+
+
+def test_config_show_says_where_each_value_came_from(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("rollout:\n  temperature: 0.8\nrun:\n  num_steps: 7\n")
+    shown = show_config(path, ["trainer.optimizer.lr=2e-6"])
+    lines = {line.strip().split(":")[0]: line for line in shown.splitlines() if "#" in line and ":" in line}
+    assert lines["temperature"].count("#") == 1
+    assert f"num_steps: 7  # from {path}" in shown and "lr: 2.0e-06  # from the command line" in shown
+    assert "temperature: 0.8  # from rollout.temperature: the log-prob contract" in shown
+    assert "total_steps: 7  # from run.num_steps x trainer.steps_per_rollout" in shown
+    assert "seed: 0\n" in shown  # a default carries no comment
+    again = tmp_path / "shown.yaml"
+    again.write_text(shown)
+    assert load_config(again, []).model_dump() == load_config(path, ["trainer.optimizer.lr=2e-6"]).model_dump()
 
 
 def test_every_field_is_documented_in_help(leaf_fields) -> None:
@@ -276,7 +336,7 @@ def test_loss_temperature_follows_the_rollout() -> None:
     assert load_config(None, ["rollout.temperature=0.7"]).trainer.loss.temperature == 0.7
     both = load_config(None, ["rollout.temperature=0.7", "trainer.loss.temperature=0.7"])
     assert both.trainer.loss.temperature == 0.7
-    with pytest.raises(ValueError, match=r"trainer\.loss\.temperature=0\.5 differs from rollout\.temperature=1\.0"):
+    with pytest.raises(ValueError, match=r"trainer\.loss\.temperature=0\.5 disagrees with rollout\.temperature=1\.0"):
         load_config(None, ["trainer.loss.temperature=0.5"])
 
 
@@ -296,10 +356,8 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
     fast = [*gpus, "kernel.mode=fast"]
     cfg = load_config(None, [*fast, "trainer.num_ranks=4", "trainer.backend.megatron.tp=2"])
     assert cfg.trainer.backend.megatron.tp == 2 and cfg.trainer.backend.name == "megatron"
-    plan = cfg.memory.plan  # the planner plans the run's layout
+    plan = read_run(cfg.model_dump(mode="json")).plan  # the planner plans the run's own layout
     assert (plan.trainer_backend, plan.tp, plan.distributed_optimizer) == ("megatron", 2, False)
-    explicit = load_config(None, [*fast, "trainer.num_ranks=4", "trainer.backend.megatron.tp=2", "memory.plan.tp=4"])
-    assert explicit.memory.plan.tp == 4
     with pytest.raises(ValueError, match=r"needs trainer\.backend\.device=cuda .* use trainer\.backend\.name=fsdp2"):
         load_config(None, ["trainer.backend.name=megatron", "kernel.mode=fast"])
     with pytest.raises(
@@ -312,7 +370,7 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
         load_config(None, [*fast, "trainer.num_ranks=2", "trainer.backend.megatron.cp=2"])
     piped = load_config(None, [*fast, "trainer.num_ranks=6", "trainer.backend.megatron.pp=3",
                                "trainer.backend.megatron.vpp=2"])  # fmt: skip
-    assert (piped.trainer.backend.megatron.pp, piped.memory.plan.pp) == (3, 3)
+    assert (piped.trainer.backend.megatron.pp, read_run(piped.model_dump(mode="json")).plan.pp) == (3, 3)
     with pytest.raises(ValueError, match=r"num_ranks=3 is not a multiple of megatron tp \* pp \* cp = 2"):
         load_config(None, [*fast, "trainer.num_ranks=3", "trainer.backend.megatron.tp=2"])
     with pytest.raises(ValueError, match=r"does not split over the 3 data-parallel ranks"):
@@ -374,7 +432,9 @@ def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:
 def test_the_spec_section_turns_the_engines_draft_on_and_refuses_what_cannot_run() -> None:
     assert load_config(None, ["spec.mode=online"]).rollout.engine.speculative_algorithm == "NEXTN"  # built-in policy
     assert load_config(None, ["spec.mode=off"]).spec.mode == "off"  # YAML's bare off is false
-    with pytest.raises(ValueError, match=r"set spec\.mode=frozen"):
+    with pytest.raises(
+        ValueError, match=r"speculative_algorithm=NEXTN disagrees with spec\.mode=off.*set spec\.mode instead"
+    ):
         load_config(None, ["model.path=/m", "rollout.engine.speculative_algorithm=NEXTN"])
     cfg = load_config(None, ["spec.mode=online", "model.path=/models/with-mtp", "spec.mtp_loss_coef=0.3"])
     assert cfg.spec.mode == "online" and cfg.spec.optimizer.lr == 1e-4 and cfg.spec.mtp_loss_coef == 0.3
@@ -382,9 +442,15 @@ def test_the_spec_section_turns_the_engines_draft_on_and_refuses_what_cannot_run
     assert (engine.speculative_algorithm, engine.num_draft_steps, engine.max_running_requests) == ("NEXTN", 3, 64)
     cfg = load_config(None, ["spec.mode=frozen", "model.path=/m", "spec.num_steps=2"])
     assert cfg.rollout.engine.num_draft_steps == 2
+    # spec owns the speculative settings: the engine's may repeat them, not contradict them
     cfg = load_config(None, ["spec.mode=frozen", "model.path=/m", "rollout.engine.speculative_algorithm=EAGLE",
-                             "rollout.engine.speculative_num_steps=5"])  # fmt: skip
-    assert cfg.rollout.engine.num_draft_steps == 5  # the engine's own settings win
+                             "spec.num_steps=5", "rollout.engine.speculative_num_steps=5"])  # fmt: skip
+    assert cfg.rollout.engine.speculative_algorithm == "EAGLE" and cfg.rollout.engine.num_draft_steps == 5
+    with pytest.raises(
+        ValueError, match=r"speculative_num_steps=5 disagrees with spec\.num_steps=3.*set spec\.num_steps"
+    ):
+        load_config(None, ["spec.mode=frozen", "model.path=/m", "rollout.engine.speculative_algorithm=NEXTN",
+                           "rollout.engine.speculative_num_steps=5"])  # fmt: skip
 
 
 def test_routing_replay_asks_the_rollout_and_the_engine_for_routed_experts() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles_kernels.testing import save_random_model, tiny_config
-from miles_memory import OOMReport, out_of_memory
+from miles_memory import RUN_KEYS, OOMReport, out_of_memory, read_run
 from miles_orchestrator.config import load_config
 from miles_orchestrator.memory_check import PlanRefused, check_plan, oom_report, run_hardware, write_oom_report
 
@@ -56,3 +56,25 @@ def test_an_oom_in_an_error_chain_becomes_a_report_file(tmp_path) -> None:
     saved = json.loads((tmp_path / "oom_report.json").read_text())
     assert saved["report"]["held_bytes"] == {"weights": 900} and saved["planned"] is None
     assert "--resume" in advice and "max_tokens_per_micro_batch" in advice
+
+
+def test_the_planner_reads_run_config_keys_with_their_defaults() -> None:
+    """`miles_memory.RUN_KEYS` (the planner's one reading of a run config, a run's own or a YAML file) names real
+    fields, and a key absent from a YAML file means what RunConfig's default means."""
+    defaults = load_config(None, []).model_dump(mode="json")
+    for name, (dotted, default) in RUN_KEYS.items():
+        node = defaults
+        for key in dotted.split("."):
+            assert isinstance(node, dict) and key in node, f"{name}: {dotted} is not a run config field"
+            node = node[key]
+        assert node == default, f"{name}: {dotted} defaults to {node!r} in a run, {default!r} in the planner"
+
+
+def test_a_run_is_planned_with_its_own_layout() -> None:
+    cfg = load_config(None, ["trainer.backend.name=megatron", "trainer.backend.device=cuda", "kernel.mode=fast",
+                             "trainer.backend.megatron.tp=2", "trainer.num_ranks=2", "memory.plan.hardware=h100",
+                             "trainer.rank_resources={CPU: 1, GPU: 1}"])  # fmt: skip
+    run = read_run(cfg.model_dump(mode="json"))
+    assert (run.plan.trainer_backend, run.plan.tp, run.plan.distributed_optimizer) == ("megatron", 2, False)
+    with pytest.raises(ValueError, match=r"unknown key 'memory\.plan\.tp' \(now trainer\.backend\.megatron\.tp\)"):
+        load_config(None, ["memory.plan.tp=2"])

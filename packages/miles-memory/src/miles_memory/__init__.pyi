@@ -7,13 +7,14 @@ from .memory_plan import Component, Lever, MemoryPlan
 from .model_shape import MODELS, ModelShape, load_model_profile
 from .offload import OffloadManager, OffloadPlan, storage_bytes, unique_storages
 from .plan_formulas import blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes
-from .planner import plan_memory, read_run
+from .planner import RUN_KEYS, plan_memory, read_run
 from .stores import CHUNK_BYTES, FileStore, HostStore, OffloadStore, default_store
 
 __all__ = [
     "CHUNK_BYTES",
     "HARDWARE",
     "MODELS",
+    "RUN_KEYS",
     "ActivationMeter",
     "Component",
     "FileStore",

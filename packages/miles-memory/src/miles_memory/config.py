@@ -1,6 +1,6 @@
 """The typed config of miles-memory (torch-free, docs/architecture.md "Config"): `MemoryConfig`, a run config's
-`memory` section, read by the trainer, the engine and the orchestrator; its `plan` part (`PlanConfig`, the
-hardware and parallel layout the memory planner assumes) lives in `plan_config.py`.
+`memory` section, read by the trainer, the engine and the orchestrator; its `plan` part (`PlanSettings`, the
+hardware the memory planner plans for) lives in `plan_config.py`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from miles_memory.plan_config import PlanConfig
+from miles_memory.plan_config import PlanConfig, PlanSettings
 
-__all__ = ["MEMORY_TAGS", "MemoryConfig", "PlanConfig"]
+__all__ = ["MEMORY_TAGS", "MemoryConfig", "PlanConfig", "PlanSettings"]
 
 # What the offload manager moves, by tag: the trainer's parameters, gradients and optimizer state, the engine's
 # KV cache, and the MTP draft modules (weights and optimizer state of the parameters an auxiliary loss trains).
@@ -50,7 +50,10 @@ class MemoryConfig(BaseModel):
     collective_timeout_s: float = Field(
         default=120.0, gt=0, description="Timeout of the trainer's process groups: a lost rank surfaces this fast."
     )
-    plan: PlanConfig = Field(default_factory=PlanConfig, description="What the memory planner assumes.")
+    plan: PlanSettings = Field(
+        default_factory=PlanSettings,
+        description="What the memory planner assumes beyond the run's own settings: the hardware, the node count.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MemoryConfig:

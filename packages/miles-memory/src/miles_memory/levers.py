@@ -34,31 +34,33 @@ def candidates(run: RunInputs, hw: HardwareProfile, plan: MemoryPlan) -> list[tu
     is_train_peak = plan.peak_phase == "train"
     if is_train_peak or plan.host_bytes_per_node > plan.host_capacity_bytes > 0:
         if run.recompute != "full":
-            run_change("turn on activation checkpointing (recompute: full)", recompute="full")
+            run_change("trainer.backend.activation_checkpointing: true (recompute: full)", recompute="full")
         if run.tokens >= 512:
             run_change(
                 f"trainer.backend.max_tokens_per_micro_batch {run.tokens} -> {run.tokens // 2}", tokens=run.tokens // 2
             )
         if p.trainer_backend == "megatron":
             if not p.distributed_optimizer:
-                plan_change("distributed_optimizer: true", distributed_optimizer=True)
+                plan_change("memory.plan.distributed_optimizer: true", distributed_optimizer=True)
             if shape.is_moe and shape.num_experts % (2 * p.ep) == 0:
-                plan_change(f"raise ep from {p.ep} to {2 * p.ep}", ep=2 * p.ep)
+                plan_change(f"trainer.backend.megatron.ep {p.ep} -> {2 * p.ep}", ep=2 * p.ep)
             if shape.num_attention_heads % (2 * p.tp) == 0:
-                plan_change(f"raise tp from {p.tp} to {2 * p.tp}", tp=2 * p.tp)
+                plan_change(f"trainer.backend.megatron.tp {p.tp} -> {2 * p.tp}", tp=2 * p.tp)
             if 2 * p.pp <= shape.num_hidden_layers:
-                plan_change(f"raise pp from {p.pp} to {2 * p.pp}", pp=2 * p.pp)
+                plan_change(f"trainer.backend.megatron.pp {p.pp} -> {2 * p.pp}", pp=2 * p.pp)
         if not p.cpu_adam and not hw.is_cpu:
-            plan_change("cpu_adam: true (optimizer state in host memory)", cpu_adam=True)
+            plan_change("memory.plan.cpu_adam: true (optimizer state in host memory)", cpu_adam=True)
     if not is_train_peak:
         if p.rollout_engine == "sglang":
             if p.mem_fraction_static > 0.55:
                 mfs = round(p.mem_fraction_static - 0.1, 2)
                 plan_change(
-                    f"lower mem_fraction_static from {p.mem_fraction_static} to {mfs}", mem_fraction_static=mfs
+                    f"rollout.sglang.mem_fraction_static {p.mem_fraction_static} -> {mfs}", mem_fraction_static=mfs
                 )
             if shape.num_attention_heads % (2 * p.rollout_tp) == 0:
-                plan_change(f"raise rollout_tp from {p.rollout_tp} to {2 * p.rollout_tp}", rollout_tp=2 * p.rollout_tp)
+                plan_change(
+                    f"rollout.sglang.tp_size {p.rollout_tp} -> {2 * p.rollout_tp}", rollout_tp=2 * p.rollout_tp
+                )
         elif run.num_kv_pages >= 2:
             run_change(
                 f"rollout.engine.num_kv_pages {run.num_kv_pages} -> {run.num_kv_pages // 2}",
@@ -66,10 +68,12 @@ def candidates(run: RunInputs, hw: HardwareProfile, plan: MemoryPlan) -> list[tu
             )
         if p.rollout_engine == "embedded" and not hw.is_cpu:
             tp = min(hw.gpus_per_node, 8)
-            plan_change(f"rollout_engine: sglang with rollout_tp {tp}", rollout_engine="sglang", rollout_tp=tp)
+            plan_change(
+                f"rollout.backend: sglang with rollout.sglang.tp_size {tp}", rollout_engine="sglang", rollout_tp=tp
+            )
     if not hw.is_cpu:
         for factor in (2, 4, 8, 16):
-            plan_change(f"more nodes: {p.nodes * factor}", nodes=p.nodes * factor)
+            plan_change(f"more nodes: memory.plan.nodes {p.nodes * factor}", nodes=p.nodes * factor)
     return out
 
 

@@ -275,7 +275,7 @@ def engine_terms(
         out.is_ok = False
         notes.append(
             f"sglang: the weights ({weight_bytes / GIB:.1f} GiB) leave no KV pool within mem_fraction_static "
-            f"{p.mem_fraction_static}: raise rollout_tp or mem_fraction_static"
+            f"{p.mem_fraction_static}: raise rollout.sglang.tp_size or mem_fraction_static"
         )
     elif out.kv_tokens < run.max_running_requests * run.max_new_tokens:
         notes.append(

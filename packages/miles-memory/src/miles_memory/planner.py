@@ -12,16 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles_memory.hardware import HardwareProfile, load_hardware
 from miles_memory.memory_plan import Component, MemoryPlan
 from miles_memory.model_shape import ModelShape, resolve_model
-from miles_memory.plan_config import PlanConfig
+from miles_memory.plan_config import PlanConfig, PlanSettings
 from miles_memory.plan_formulas import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, DTYPE_BYTES, nccl_bytes
 from miles_memory.plan_terms import engine_terms, trainer_terms
 
-__all__ = ["RunInputs", "load_run_config", "plan_memory", "read_run"]
+__all__ = ["LAYOUT_KEYS", "RUN_KEYS", "RunInputs", "load_run_config", "plan_memory", "read_run"]
 
 GIB = 2**30
 
@@ -54,7 +54,57 @@ class RunInputs(BaseModel):
     plan: PlanConfig = PlanConfig()
 
 
-def _get(config: dict[str, Any], dotted: str, default: Any) -> Any:
+# Where each planner input comes from in a run config, with the run config's default (the orchestrator's tests hold
+# every key and default to RunConfig's). A run reads its own resolved config through this table, a YAML file through
+# the same table; no other key of a run config is read.
+RUN_KEYS: dict[str, tuple[str, Any]] = {
+    "model_path": ("model.path", None),
+    "dtype": ("kernel.dtype", "float32"),
+    "tokens": ("trainer.backend.max_tokens_per_micro_batch", 4096),
+    "activation_checkpointing": ("trainer.backend.activation_checkpointing", False),
+    "num_ranks": ("trainer.num_ranks", 1),
+    "kl_coef": ("trainer.loss.kl_coef", 0.0),
+    "log_kl": ("trainer.log_kl", False),
+    "advantage_estimator": ("trainer.advantage_estimator", "grpo"),
+    "critic_kind": ("trainer.critic.kind", "separate"),
+    "spec_mode": ("spec.mode", "off"),
+    "num_kv_pages": ("rollout.engine.num_kv_pages", 1024),
+    "page_size": ("kernel.page_size", 16),
+    "max_running_requests": ("rollout.engine.max_running_requests", 64),
+    "max_prefill_tokens": ("rollout.engine.max_prefill_tokens", 2048),
+    "max_new_tokens": ("rollout.max_new_tokens", 16),
+    "kernel_mode": ("kernel.mode", "deterministic"),
+    "query_tile": ("kernel.attention_query_tile", 4),
+    "colocate": ("run.colocate", True),
+    "offload_to": ("memory.offload_to", "auto"),
+    "limit_bytes": ("memory.limit_bytes", None),
+    "comm_headroom_bytes": ("memory.comm_headroom_bytes", 0),
+    # the parallel layout: the run's own settings (megatron's read when trainer.backend.name is megatron)
+    "trainer_backend": ("trainer.backend.name", "fsdp2"),
+    "tp": ("trainer.backend.megatron.tp", 1),
+    "pp": ("trainer.backend.megatron.pp", 1),
+    "ep": ("trainer.backend.megatron.ep", 1),
+    "etp": ("trainer.backend.megatron.etp", None),
+    "cp": ("trainer.backend.megatron.cp", 1),
+    "megatron_recompute": ("trainer.backend.megatron.recompute", "none"),
+    "rollout_engine": ("rollout.backend", "embedded"),
+    "rollout_tp": ("rollout.sglang.tp_size", 1),
+    "rollout_ep": ("rollout.sglang.ep_size", 1),
+    "mem_fraction_static": ("rollout.sglang.mem_fraction_static", None),
+}
+# `PlanConfig`'s layout fields and the run keys they are read from (a run config's memory.plan no longer holds them)
+LAYOUT_KEYS = {
+    "trainer_backend": "trainer.backend.name", "tp": "trainer.backend.megatron.tp",
+    "pp": "trainer.backend.megatron.pp", "ep": "trainer.backend.megatron.ep", "etp": "trainer.backend.megatron.etp",
+    "cp": "trainer.backend.megatron.cp", "recompute": "trainer.backend.megatron.recompute",
+    "rollout_engine": "rollout.backend", "rollout_tp": "rollout.sglang.tp_size",
+    "rollout_ep": "rollout.sglang.ep_size", "mem_fraction_static": "rollout.sglang.mem_fraction_static",
+}  # fmt: skip
+
+
+def _get(config: dict[str, Any], name: str) -> Any:
+    """Input `name` of `RUN_KEYS` from a run config dict: its key's value, or the default when absent or null."""
+    dotted, default = RUN_KEYS[name]
     node: Any = config
     for key in dotted.split("."):
         if not isinstance(node, dict) or node.get(key) is None:
@@ -63,33 +113,73 @@ def _get(config: dict[str, Any], dotted: str, default: Any) -> Any:
     return node
 
 
+def _plan_settings(config: dict[str, Any]) -> PlanSettings:
+    settings = _get_section(config)
+    moved = [key for key in settings if key in LAYOUT_KEYS]
+    if moved:
+        now = ", ".join(f"memory.plan.{key} is now {LAYOUT_KEYS[key]}" for key in moved)
+        raise ValueError(
+            f"{now}: the layout is the run's own setting, which the planner reads (docs/memory-planner.md)"
+        )
+    try:
+        return PlanSettings.model_validate(settings)
+    except ValidationError as error:
+        problems = "; ".join(f"memory.plan.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise ValueError(problems) from None
+
+
+def _get_section(config: dict[str, Any]) -> dict[str, Any]:
+    section = config.get("memory") or {}
+    plan = section.get("plan") if isinstance(section, dict) else None
+    if plan is not None and not isinstance(plan, dict):
+        raise ValueError("memory.plan must be a mapping of planner settings")
+    return dict(plan or {})
+
+
 def read_run(config: dict[str, Any]) -> RunInputs:
-    """The keys the planner reads from a run config dict (the orchestrator's defaults where a key is absent)."""
-    plan = PlanConfig.model_validate(_get(config, "memory.plan", {}))
-    checkpointing = bool(_get(config, "trainer.backend.activation_checkpointing", False))
-    is_gae = _get(config, "trainer.advantage_estimator", "grpo") == "gae"
-    spec_mode = _get(config, "spec.mode", "off")
+    """The planner's inputs from a run config dict (a run's own resolved config, or a YAML file: `RUN_KEYS`'s
+    defaults where a key is absent), with the layout the run trains and rolls out with."""
+    settings = _plan_settings(config)
+    megatron = _get(config, "trainer_backend") == "megatron"
+    checkpointing = bool(_get(config, "activation_checkpointing"))
+    recompute = _get(config, "megatron_recompute") if megatron else "none"
+    if recompute == "none":
+        recompute = "full" if checkpointing else "none"
+    sglang = _get(config, "rollout_engine") == "sglang"
+    layout = {
+        "trainer_backend": "megatron" if megatron else "fsdp2",
+        **{dim: int(_get(config, dim) or 1) if megatron else 1 for dim in ("tp", "pp", "ep", "etp", "cp")},
+        "recompute": recompute,
+        "rollout_engine": "sglang" if sglang else "embedded",
+        "rollout_tp": int(_get(config, "rollout_tp")) if sglang else 1,
+        "rollout_ep": int(_get(config, "rollout_ep")) if sglang else 1,
+    }
+    if sglang and _get(config, "mem_fraction_static") is not None:
+        layout["mem_fraction_static"] = float(_get(config, "mem_fraction_static"))
+    plan = PlanConfig.model_validate({**settings.model_dump(exclude_unset=True), **layout})
+    spec_mode = _get(config, "spec_mode")
+    is_gae = _get(config, "advantage_estimator") == "gae"
     return RunInputs(
-        model_path=_get(config, "model.path", None),
-        dtype=_get(config, "kernel.dtype", "float32"),
-        tokens=int(_get(config, "trainer.backend.max_tokens_per_micro_batch", 4096)),
-        recompute=plan.recompute or ("full" if checkpointing else "none"),
-        num_ranks=int(_get(config, "trainer.num_ranks", 1)),
-        keep_reference=float(_get(config, "trainer.loss.kl_coef", 0.0)) > 0 or bool(_get(config, "trainer.log_kl", 0)),
-        critic=_get(config, "trainer.critic.kind", "separate") if is_gae else None,
+        model_path=_get(config, "model_path"),
+        dtype=_get(config, "dtype"),
+        tokens=int(_get(config, "tokens")),
+        recompute=recompute,
+        num_ranks=int(_get(config, "num_ranks")),
+        keep_reference=float(_get(config, "kl_coef")) > 0 or bool(_get(config, "log_kl")),
+        critic=_get(config, "critic_kind") if is_gae else None,
         spec_mode="off" if spec_mode is False else str(spec_mode),
-        num_kv_pages=int(_get(config, "rollout.engine.num_kv_pages", 1024)),
-        page_size=int(_get(config, "kernel.page_size", _get(config, "rollout.engine.page_size", 16))),
-        max_running_requests=int(_get(config, "rollout.engine.max_running_requests", 64)),
-        max_prefill_tokens=int(_get(config, "rollout.engine.max_prefill_tokens", 2048)),
-        max_new_tokens=int(_get(config, "rollout.max_new_tokens", 16)),
-        is_deterministic=_get(config, "kernel.mode", "deterministic") == "deterministic",
-        query_tile=int(_get(config, "kernel.attention_query_tile", 4)),
+        num_kv_pages=int(_get(config, "num_kv_pages")),
+        page_size=int(_get(config, "page_size")),
+        max_running_requests=int(_get(config, "max_running_requests")),
+        max_prefill_tokens=int(_get(config, "max_prefill_tokens")),
+        max_new_tokens=int(_get(config, "max_new_tokens")),
+        is_deterministic=_get(config, "kernel_mode") == "deterministic",
+        query_tile=int(_get(config, "query_tile")),
         sequence_length=plan.sequence_length,
-        colocate=bool(_get(config, "run.colocate", True)),
-        offload_to=str(_get(config, "memory.offload_to", "auto")),
-        limit_bytes=_get(config, "memory.limit_bytes", None),
-        comm_headroom_bytes=int(_get(config, "memory.comm_headroom_bytes", 0)),
+        colocate=bool(_get(config, "colocate")),
+        offload_to=str(_get(config, "offload_to")),
+        limit_bytes=_get(config, "limit_bytes"),
+        comm_headroom_bytes=int(_get(config, "comm_headroom_bytes")),
         plan=plan,
     )
 
@@ -111,7 +201,9 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
     if run.dtype not in DTYPE_BYTES:
         raise ValueError(f"kernel.dtype {run.dtype!r} is not one of float32, bfloat16, float16")
     if hw.is_cpu and (p.trainer_backend == "megatron" or p.rollout_engine == "sglang"):
-        raise ValueError("cpu plans Miles' own backends only: set trainer_backend: fsdp2 and rollout_engine: embedded")
+        raise ValueError(
+            "cpu plans Miles' own backends only: set trainer.backend.name=fsdp2 and rollout.backend=embedded"
+        )
     for name, size in (("ep", p.ep), ("rollout_ep", p.rollout_ep)):
         if size > 1 and (not shape.is_moe or shape.num_experts % size):
             raise ValueError(f"{name}={size} does not divide the model's {shape.num_experts} experts: lower {name}")
@@ -120,7 +212,7 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
         if dims:
             raise ValueError(
                 f"trainer_backend fsdp2 shards over data parallel only, but the plan sets {dims}: set them to 1, "
-                "or trainer_backend: megatron"
+                "or trainer.backend.name=megatron"
             )
     else:
         if train_gpus % (p.tp * p.pp * p.cp):
@@ -225,7 +317,7 @@ def _plan(run: RunInputs, hw: HardwareProfile) -> MemoryPlan:
     if p.trainer_backend == "fsdp2" and p.cpu_adam:
         notes.append("cpu_adam: Miles' FSDP2 backend keeps AdamW on the device; the plan assumes a CPU optimizer")
     if p.trainer_backend == "megatron" or p.cpu_adam:
-        supported.append("megatron (miles-trainer[megatron]; not in this repository yet)")
+        supported.append("megatron (miles-trainer[megatron], trainer.backend.name=megatron; docs/megatron.md)")
     return MemoryPlan(
         model=f"{shape.model_type} from {source}",
         hardware=hw.key,

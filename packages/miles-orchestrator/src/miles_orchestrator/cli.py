@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_orchestrator.config import RunConfig, config_help, dump_config, load_config
+from miles_orchestrator.config.show import show_config
 
 CONFIG_FILE = "config.yaml"
 
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     config = subcommands.add_parser("config", help="Show the resolved run config")
     config.add_argument("action", choices=["show", "reference"],
-                        help="show: the resolved config (YAML); reference: all fields (Markdown)")  # fmt: skip
+                        help="show: the resolved config (YAML; where each value that is not a default came from); "
+                        "reference: all fields (Markdown)")  # fmt: skip
     config.add_argument("--config", help="YAML run config")
     config.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     return parser
@@ -141,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "config":
-            print(config_reference() if args.action == "reference" else dump_config(resolve(args)), end="")
+            print(
+                config_reference() if args.action == "reference" else show_config(args.config, args.overrides), end=""
+            )
             return 0
         return _run(args)
     except RunFailed as failure:

@@ -31,19 +31,10 @@ class TrainerSettings:
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
-    """The trainer's models from the run config; an optimizer with no `total_steps` spans the whole run."""
-    total = cfg.run.num_steps * cfg.trainer.steps_per_rollout
-
-    def spanning(optimizer: OptimizerConfig) -> OptimizerConfig:
-        return optimizer if optimizer.total_steps is not None else optimizer.model_copy(update={"total_steps": total})
-
-    critic = None
-    if cfg.trainer.uses_critic:
-        critic = cfg.trainer.critic.model_copy(update={"optimizer": spanning(cfg.trainer.critic.optimizer)})
-    spec = None
-    if cfg.spec.mode == "online":
-        spec = cfg.spec.model_copy(update={"optimizer": spanning(cfg.spec.optimizer)})
-    return TrainerSettings(cfg.kernel, spanning(cfg.trainer.optimizer), cfg.trainer.loss, cfg.trainer.backend,
+    """The trainer's models from the (resolved) run config: the critic for GAE, the MTP draft for spec.mode=online."""
+    critic = cfg.trainer.critic if cfg.trainer.uses_critic else None
+    spec = cfg.spec if cfg.spec.mode == "online" else None
+    return TrainerSettings(cfg.kernel, cfg.trainer.optimizer, cfg.trainer.loss, cfg.trainer.backend,
                            str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory,
                            cfg.trainer.routing_replay == "rollout")  # fmt: skip
 

@@ -21,10 +21,11 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from miles_kernels.config import KernelConfig
 from miles_memory.config import MemoryConfig
+from miles_orchestrator.config.resolve import Derived, resolve
 from miles_orchestrator.config.rollout import RolloutSection
 from miles_orchestrator.config.sections import (
     BUILTIN_REWARD_NAMES,
@@ -71,20 +72,12 @@ class RunConfig(Section):
         description="Offload, the memory budget, OOM handling and the memory planner (miles_memory.config).",
     )
     run: RunSection = Field(default_factory=RunSection, description="Steps, seeds, outputs and logging.")
+    _derived: dict[str, Derived] = PrivateAttr(default_factory=dict)
 
-    def _speculative_engine(self) -> None:
-        """spec.mode frozen / online turns the engine's speculative decoding on (SGLang's NEXTN, spec.num_steps
-        drafts per step) unless rollout.engine already sets it; off leaves it off."""
-        engine, spec = self.rollout.engine, self.spec
-        if not spec.drafts and engine.speculative_algorithm is not None:
-            raise ValueError(
-                f"rollout.engine.speculative_algorithm={engine.speculative_algorithm} with spec.mode=off: set "
-                "spec.mode=frozen (draft with the MTP modules as loaded) or online (and train them) instead"
-            )
-        if spec.drafts and engine.speculative_algorithm is None:
-            self.rollout.engine = engine.model_copy(
-                update={"speculative_algorithm": "NEXTN", "speculative_num_steps": spec.num_steps}
-            )
+    @property
+    def derived(self) -> dict[str, Derived]:
+        """The fields this config derived from others (dotted name → its row of resolve.DERIVED)."""
+        return dict(self._derived)
 
     def _megatron_backend(self) -> None:
         """trainer.backend.name=megatron: what the Megatron backend needs and what it does not support yet
@@ -114,16 +107,6 @@ class RunConfig(Section):
         named = [name for name, used in unsupported.items() if used]
         if named:
             raise ValueError(f"trainer.backend.name=megatron does not support {', '.join(named)} yet; use fsdp2")
-        # the memory planner plans this layout unless memory.plan says otherwise (AdamW is replicated over DP here)
-        layout, plan = backend.megatron, self.memory.plan
-        derived: dict[str, object] = {
-            "trainer_backend": "megatron", "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp or 1,
-            "cp": layout.cp, "distributed_optimizer": False,
-        }  # fmt: skip
-        if layout.recompute != "none":
-            derived["recompute"] = layout.recompute
-        update = {key: value for key, value in derived.items() if key not in plan.model_fields_set}
-        self.memory = self.memory.model_copy(update={"plan": plan.model_copy(update=update)})
 
     def _sglang_backend(self) -> None:
         """rollout.backend=sglang: what SGLang engines need (docs/laptop-to-cluster.md)."""
@@ -167,31 +150,13 @@ class RunConfig(Section):
                 f"as many: e.g. rollout.engine_resources={{CPU: 8, GPU: {gpus}}}"
             )
 
-    def _routed_experts(self) -> None:
-        """Routing replay needs the engine's routed experts: the rollout requests them and the engine records them."""
-        if self.trainer.routing_replay == "rollout":
-            self.rollout.return_routed_experts = True
-        engine = self.rollout.engine
-        if self.rollout.return_routed_experts and not engine.enable_return_routed_experts:
-            self.rollout.engine = engine.model_copy(update={"enable_return_routed_experts": True})
-
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
+        """The derived settings (resolve.py), then the checks across sections, which only read the config."""
+        self._derived = resolve(self)
         check_batch_identity(self)
-        self._routed_experts()
         self._megatron_backend()
         self._sglang_backend()
-        loss = self.trainer.loss
-        if "max_response_len" not in loss.model_fields_set:  # Dr.GRPO's constant L: the longest response
-            self.trainer.loss = loss = loss.model_copy(update={"max_response_len": self.rollout.max_new_tokens})
-        if "temperature" not in loss.model_fields_set:  # the log-prob contract: the rollout's temperature
-            self.trainer.loss = loss.model_copy(update={"temperature": self.rollout.temperature})
-        elif loss.temperature != self.rollout.temperature:
-            raise ValueError(
-                f"trainer.loss.temperature={loss.temperature} differs from rollout.temperature="
-                f"{self.rollout.temperature}: the trainer's log-probs must use the rollout's temperature; drop "
-                "trainer.loss.temperature (it follows rollout.temperature) or set both"
-            )
         if self.kernel.is_deterministic and self.rollout.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p={self.rollout.top_p} samples from a truncated distribution, while true on-policy "
@@ -199,7 +164,6 @@ class RunConfig(Section):
                 "the samples would not follow the log-probs the trainer uses; set rollout.top_p=1, or run "
                 "kernel.mode=fast"
             )
-        self._speculative_engine()
         if self.run.cluster == "local" and self.trainer.num_ranks > 1:
             raise ValueError(
                 f"run.cluster=local runs one trainer rank in this process, not trainer.num_ranks="
@@ -270,12 +234,6 @@ def check_scale_out(cfg: RunConfig) -> None:
             "new tokens only, so routing replay would not match the sample; use rollout.pause_mode=retract (the "
             "engine keeps each token's routing with its KV) or rollout.partial_rollout=false"
         )
-    loss = cfg.trainer.loss
-    if run.mode != "sync" and "is_mode" not in loss.model_fields_set:
-        # stale tokens: weight each by pi_old / pi_behaviour, truncated (TIS), unless the config says otherwise
-        cfg.trainer.loss = loss.model_copy(update={"is_mode": "truncate"})
-    if rollout.num_engines > 1 and "batch_requests" not in rollout.model_fields_set:
-        rollout.batch_requests = False  # one batched request would go to one engine: let the router spread them
 
 
 def check_batch_identity(cfg: RunConfig) -> None:
@@ -308,18 +266,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     An override's value is parsed as YAML (`trainer.lr=1e-6` is a float, `model.path=null` is None, `x=[1, 2]` a
     list). Unknown keys, malformed overrides and invalid values raise ValueError naming the dotted field.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as error:
-            raise ValueError(f"cannot read config file {str(path)!r}: {error}") from error
-        except yaml.YAMLError as error:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML: {error}") from error
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, data:, ...)")
-        data = loaded or {}
-        _check_keys(data, RunConfig, "", source=f"config file {str(path)!r}")
+    data = {} if path is None else read_config_file(path)
     for override in overrides:
         _apply_override(data, override)
     try:
@@ -328,9 +275,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ValueError(_describe(error)) from error
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML run config file's settings as nested dicts, every key checked (ValueError naming a wrong one)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read config file {str(path)!r}: {error}") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, data:, ...)")
+    data: dict[str, Any] = loaded or {}
+    _check_keys(data, RunConfig, "", source=f"config file {str(path)!r}")
+    return data
+
+
 def dump_config(cfg: RunConfig) -> str:
-    """The config as YAML that `load_config` reads back to an equal config."""
-    return str(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """The config as YAML that `load_config` reads back to an equal config: every setting but the derived ones,
+    which the reading derives again from their sources (resolve.py)."""
+    data = cfg.model_dump(mode="json")
+    for dotted in cfg.derived:
+        *path, name = dotted.split(".")
+        node = data
+        for part in path:
+            node = node[part]
+        del node[name]
+    return str(yaml.safe_dump(data, sort_keys=False))
 
 
 def config_help(model: type[BaseModel] = RunConfig) -> str:
@@ -345,7 +315,7 @@ def _help_lines(model: type[BaseModel], prefix: str, lines: list[str], defaults:
     for name, info in model.model_fields.items():
         dotted = f"{prefix}{name}"
         default = getattr(defaults, name)
-        section = _section_model(info.annotation)
+        section = section_model(info.annotation)
         if section is not None:
             lines += ["", f"{dotted}: {' '.join((section.__doc__ or '').split())}"]
             _help_lines(section, f"{dotted}.", lines, default)
@@ -371,14 +341,14 @@ def type_text(annotation: Any) -> str:
     return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def _check_keys(data: dict[str, Any], model: type[BaseModel], prefix: str, *, source: str) -> None:
     for key, value in data.items():
         _check_key(model, prefix, str(key), source=source)
-        section = _section_model(model.model_fields[str(key)].annotation)
+        section = section_model(model.model_fields[str(key)].annotation)
         if section is not None and isinstance(value, dict):
             _check_keys(value, section, f"{prefix}{key}.", source=source)
 
@@ -404,6 +374,13 @@ MOVED = {
     "rollout.deterministic": "kernel.mode (deterministic or fast)",
     "trainer.dtype": "kernel.dtype",
     "trainer.lr_schedule": "trainer.optimizer.schedule",
+    # the memory planner reads the run's own layout
+    "memory.plan.trainer_backend": "trainer.backend.name",
+    **{f"memory.plan.{k}": f"trainer.backend.megatron.{k}" for k in ("tp", "pp", "ep", "etp", "cp", "recompute")},
+    "memory.plan.rollout_engine": "rollout.backend",
+    "memory.plan.rollout_tp": "rollout.sglang.tp_size",
+    "memory.plan.rollout_ep": "rollout.sglang.ep_size",
+    "memory.plan.mem_fraction_static": "rollout.sglang.mem_fraction_static",
 }
 
 
@@ -411,7 +388,7 @@ def _fields_named(model: type[BaseModel], name: str, prefix: str = "") -> list[s
     """The dotted paths of every field called `name` in `model`'s sections."""
     found = []
     for field, info in model.model_fields.items():
-        section = _section_model(info.annotation)
+        section = section_model(info.annotation)
         if section is not None:
             found += _fields_named(section, name, f"{prefix}{field}.")
         elif field == name:
@@ -431,7 +408,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     for depth, key in enumerate(parts[:-1]):
         prefix = "".join(f"{p}." for p in parts[:depth])
         _check_key(model, prefix, key, source=source)
-        section = _section_model(model.model_fields[key].annotation)
+        section = section_model(model.model_fields[key].annotation)
         if section is None:
             raise ValueError(f"{source}: {prefix}{key} is a value, not a section; drop what follows it")
         child = node.setdefault(key, {})
