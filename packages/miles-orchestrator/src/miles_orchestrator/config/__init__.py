@@ -1,19 +1,15 @@
 """The run config (docs/architecture.md, "Config"): `RunConfig` and its loading (run.py), the sections only the loop
 has (sections.py), the rollout section (rollout/batch.py)."""
 
-from miles_orchestrator.config.run import (
+from miles_orchestrator.config.run import RunConfig, check_batch_identity, config_help, dump_config, load_config
+from miles_orchestrator.config.sections import (
     BUILTIN_REWARD_NAMES,
     HF_PREFIX,
     HTTP_REWARD,
     DataSection,
     FilterSection,
     RewardSection,
-    RunConfig,
-    check_batch_identity,
-    config_help,
     data_source_kind,
-    dump_config,
-    load_config,
 )
 
 __all__ = [

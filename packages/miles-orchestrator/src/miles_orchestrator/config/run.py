@@ -29,8 +29,6 @@ from miles_orchestrator.config.resolve import Derived, resolve
 from miles_orchestrator.config.rollout import RolloutSection
 from miles_orchestrator.config.sections import (
     BUILTIN_REWARD_NAMES,
-    HF_PREFIX,
-    HTTP_REWARD,
     DataSection,
     FilterSection,
     ModelSection,
@@ -38,15 +36,9 @@ from miles_orchestrator.config.sections import (
     RunSection,
     Section,
     TrainerSection,
-    data_source_kind,
 )
 from miles_rollout.config import SGLangConfig
 from miles_spec.config import SpecConfig
-
-__all__ = [
-    "BUILTIN_REWARD_NAMES", "HF_PREFIX", "HTTP_REWARD", "DataSection", "FilterSection", "RewardSection", "RunConfig",
-    "check_batch_identity", "config_help", "data_source_kind", "dump_config", "load_config",
-]  # fmt: skip
 
 
 class RunConfig(Section):
