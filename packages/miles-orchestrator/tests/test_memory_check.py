@@ -27,9 +27,21 @@ def test_a_config_that_fits_is_planned_and_kept(model_dir: str, tmp_path) -> Non
     assert run_hardware(cfg) == "cpu"
     lines: list[str] = []
     plan = check_plan(cfg, model_dir, tmp_path, lines.append, force=False)
-    assert plan.fits and plan.hardware == "cpu"
+    assert plan is not None and plan.fits and plan.hardware == "cpu"
     assert lines[0].startswith("memory plan: ") and "fits" in lines[0]
     assert json.loads((tmp_path / "memory_plan.json").read_text())["peak_bytes"] == plan.peak_bytes
+
+
+def test_sglang_engines_on_the_cpu_profile_are_not_planned_and_say_so(model_dir: str, tmp_path) -> None:
+    sglang = [f"model.path={model_dir}", "rollout.backend=sglang", "kernel.mode=fast",
+              "rollout.sglang.launch_command=[python, stand_in.py]"]  # fmt: skip
+    lines: list[str] = []
+    assert check_plan(load_config(None, sglang), model_dir, tmp_path, lines.append, force=False) is None
+    assert lines == [lines[0]] and "not made" in lines[0] and "memory.plan.hardware" in lines[0]
+    assert not (tmp_path / "memory_plan.json").exists()
+    on_gpus = check_plan(load_config(None, [*sglang, "memory.plan.hardware=h100"]), model_dir, tmp_path,
+                         lines.append, force=False)  # fmt: skip
+    assert on_gpus is not None and on_gpus.layout["rollout_engine"] == "sglang"
 
 
 def test_a_config_that_does_not_fit_is_refused_unless_forced(model_dir: str, tmp_path) -> None:

@@ -40,12 +40,21 @@ def run_hardware(cfg: RunConfig) -> str:
     return found
 
 
-def check_plan(cfg: RunConfig, model_dir: str, run_dir: Path, log: Callable[[str], None], force: bool) -> MemoryPlan:
+def check_plan(
+    cfg: RunConfig, model_dir: str, run_dir: Path, log: Callable[[str], None], force: bool
+) -> MemoryPlan | None:
     """Plan the run on its device, log the verdict, keep the plan; PlanRefused when it does not fit and not
-    `force`."""
+    `force`. None, said in the log, for SGLang engines on the cpu profile, which the planner does not plan (a CPU
+    machine runs them only through a stand-in `rollout.sglang.launch_command`; `memory.plan.hardware` plans the
+    GPUs the config is for)."""
+    hardware = run_hardware(cfg)
+    if hardware == "cpu" and cfg.rollout.backend == "sglang":
+        log("memory plan: not made: the planner plans SGLang engines for GPU profiles only (set memory.plan.hardware "
+            "to plan the GPUs this config is for)")  # fmt: skip
+        return None
     data = cfg.model_dump(mode="json")
     data["model"]["path"] = model_dir
-    plan = plan_memory(data, hardware=run_hardware(cfg))
+    plan = plan_memory(data, hardware=hardware)
     (run_dir / PLAN_FILE).write_text(plan.model_dump_json(indent=2))
     log(f"memory plan: {plan.summary()}")
     if not plan.fits:
