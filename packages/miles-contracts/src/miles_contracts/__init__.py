@@ -23,10 +23,6 @@ from miles_contracts.generate import (
     LogprobEntry,
     MetaInfo,
     SamplingParams,
-    WeightVersion,
-    reported_weight_version,
-    version_string,
-    weight_version_value,
 )
 from miles_contracts.plugins import (
     DataSource,
@@ -40,6 +36,12 @@ from miles_contracts.plugins import (
     load_plugin,
 )
 from miles_contracts.sample import STATUS_OF_FINISH, ChatMessage, FinishReasonType, Sample, SampleStatus
+from miles_contracts.weight_version import (
+    WeightVersion,
+    reported_weight_version,
+    version_string,
+    weight_version_value,
+)
 
 __version__ = "0.1.0"
 

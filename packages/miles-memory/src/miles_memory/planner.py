@@ -114,7 +114,7 @@ def _get(config: dict[str, Any], name: str) -> Any:
 
 
 def _plan_settings(config: dict[str, Any]) -> PlanSettings:
-    settings = _get_section(config)
+    settings = _plan_section(config)
     moved = [key for key in settings if key in LAYOUT_KEYS]
     if moved:
         now = ", ".join(f"memory.plan.{key} is now {LAYOUT_KEYS[key]}" for key in moved)
@@ -128,7 +128,7 @@ def _plan_settings(config: dict[str, Any]) -> PlanSettings:
         raise ValueError(problems) from None
 
 
-def _get_section(config: dict[str, Any]) -> dict[str, Any]:
+def _plan_section(config: dict[str, Any]) -> dict[str, Any]:
     section = config.get("memory") or {}
     plan = section.get("plan") if isinstance(section, dict) else None
     if plan is not None and not isinstance(plan, dict):

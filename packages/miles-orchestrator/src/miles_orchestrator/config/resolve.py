@@ -99,6 +99,12 @@ def _parent(cfg: BaseModel, dotted: str) -> tuple[BaseModel, str]:
     return node, name
 
 
+def value_at(cfg: BaseModel, dotted: str) -> Any:
+    """The value of the dotted field `dotted` of `cfg`."""
+    parent, name = _parent(cfg, dotted)
+    return getattr(parent, name)
+
+
 def is_set(cfg: BaseModel, dotted: str) -> bool:
     """Whether the config gave `dotted` a value (a file or an override), rather than its default."""
     node: BaseModel = cfg
@@ -128,13 +134,11 @@ def resolve(cfg: RunConfig) -> dict[str, Derived]:
         value = row.value(cfg)
         if value is KEEP:
             continue
-        parent, name = _parent(cfg, row.field)
-        current = getattr(parent, name)
+        current = value_at(cfg, row.field)
         if is_set(cfg, row.field):
             if row.owned and current != value:
-                source, source_name = _parent(cfg, row.source)
                 raise ValueError(
-                    f"{row.field}={current} disagrees with {row.source}={getattr(source, source_name)} ({row.why}); "
+                    f"{row.field}={current} disagrees with {row.source}={value_at(cfg, row.source)} ({row.why}); "
                     f"it follows {row.source}: drop {row.field} and set {row.source} instead"
                 )
             continue

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from miles_orchestrator.config.resolve import value_at
 from miles_orchestrator.config.run import RunConfig, load_config, read_config_file, section_model
 
 
@@ -23,13 +24,6 @@ def _leaves(data: dict[str, Any], model: type[BaseModel], prefix: str = "") -> s
         else:
             out.add(f"{prefix}{key}")
     return out
-
-
-def _value(cfg: BaseModel, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
 
 
 def _scalar(value: Any) -> str:
@@ -51,7 +45,7 @@ def show_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if dotted in from_file:
             return f"  # from {path}"
         row = cfg.derived.get(dotted)
-        if row is None or _value(cfg, dotted) is None:  # a derived "off" (None) is the default
+        if row is None or value_at(cfg, dotted) is None:  # a derived "off" (None) is the default
             return ""
         return f"  # from {row.source}: {row.why}"
 
