@@ -6,7 +6,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from miles_kernels import KernelConfig, available_backends, register_backend
+from miles_kernels import (
+    KernelConfig,
+    available_backends,
+    describe_kernel,
+    kernel_fingerprint,
+    register_backend,
+    resolved_backends,
+)
 from miles_kernels import registry as registry_module
 from miles_kernels.ops.attention import _sdpa_attention
 from miles_kernels.testing import packed_logits, random_model, tiny_config
@@ -14,16 +21,16 @@ from miles_kernels.testing import packed_logits, random_model, tiny_config
 
 def test_fingerprint_tracks_every_field() -> None:
     base = KernelConfig()
-    assert base.fingerprint() == KernelConfig().fingerprint()
+    assert kernel_fingerprint(base) == kernel_fingerprint(KernelConfig())
     for change in ({"dtype": "bfloat16"}, {"mode": "fast"}, {"linear_tile": 32}, {"page_size": 128},
                    {"attention_query_tile": 16}, {"moe_tile": 8}):  # fmt: skip
-        assert KernelConfig(**change).fingerprint() != base.fingerprint(), change
-    described = base.describe()
-    assert described["fingerprint"] == base.fingerprint() and described["torch"] == torch.__version__
+        assert kernel_fingerprint(KernelConfig(**change)) != kernel_fingerprint(base), change
+    described = describe_kernel(base)
+    assert described["fingerprint"] == kernel_fingerprint(base) and described["torch"] == torch.__version__
     # The kind of device is part of the identity (CUDA runs other code paths); the CPU's is the default.
-    assert described["device_type"] == "cpu" and base.fingerprint("cpu") == base.fingerprint()
-    assert base.fingerprint("cuda") != base.fingerprint()
-    assert base.describe("cuda")["fingerprint"] == base.fingerprint("cuda")
+    assert described["device_type"] == "cpu" and kernel_fingerprint(base, "cpu") == kernel_fingerprint(base)
+    assert kernel_fingerprint(base, "cuda") != kernel_fingerprint(base)
+    assert describe_kernel(base, "cuda")["fingerprint"] == kernel_fingerprint(base, "cuda")
     assert described["attention"] == "torch-blocked" and described["linear"] == "torch-tiled"
 
 
@@ -60,6 +67,6 @@ def test_model_uses_a_registered_backend_and_auto_prefers_it(clean_registry) -> 
     seq = [torch.arange(12)]
     assert torch.equal(packed_logits(model, seq)[0], packed_logits(reference, seq)[0])
     assert len(calls) == model.config.num_hidden_layers  # auto picked fake-fused, once per layer
-    assert kernel.resolved_backends()["attention"] == "fake-fused"
+    assert resolved_backends(kernel)["attention"] == "fake-fused"
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        KernelConfig(mode="fast", attention_backend="fake-gpu").fingerprint()
+        kernel_fingerprint(KernelConfig(mode="fast", attention_backend="fake-gpu"))

@@ -19,6 +19,7 @@ from miles_kernels import (
     experts_forward,
     inv_frequencies,
     linear,
+    resolved_backends,
     rope_cos_sin,
     select_experts,
 )
@@ -274,7 +275,7 @@ def test_fast_mode_attention_picks_blocked_for_short_chunks_and_sdpa_for_long(
     ran = []
     sdpa = attention_module._sdpa_attention
     monkeypatch.setattr(attention_module, "_sdpa_attention", lambda *args: ran.append("sdpa") or sdpa(*args))
-    assert FAST.resolved_backends()["attention"] == "torch-hybrid"
+    assert resolved_backends(FAST)["attention"] == "torch-hybrid"
     generator = torch.Generator().manual_seed(len(lens))
     q, k, v = (torch.randn(sum(lens), 2, 16, generator=generator) for _ in range(3))
     batch = build_packed_batch(lens, FAST.page_size, FAST.attention_query_tile)

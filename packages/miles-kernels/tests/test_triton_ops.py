@@ -130,13 +130,13 @@ def test_the_kernels_say_where_they_run() -> None:
 def test_a_deterministic_linear_layer_can_run_the_triton_matmul() -> None:
     """`kernel.linear_backend=triton` runs this kernel behind the linear op (and names it in the fingerprint);
     `auto` keeps torch-tiled until the kernel's GPU speed is measured."""
-    from miles_kernels import KernelConfig
+    from miles_kernels import KernelConfig, kernel_fingerprint, resolved_backends
     from miles_kernels.ops.linear import linear
 
     config = KernelConfig(linear_backend="triton", linear_tile=16)
-    assert config.resolved_backends()["linear"] == "triton"
-    assert KernelConfig().resolved_backends()["linear"] == "torch-tiled"
-    assert config.fingerprint() != KernelConfig(linear_tile=16).fingerprint()
+    assert resolved_backends(config)["linear"] == "triton"
+    assert resolved_backends(KernelConfig())["linear"] == "torch-tiled"
+    assert kernel_fingerprint(config) != kernel_fingerprint(KernelConfig(linear_tile=16))
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(2, 5, 48, generator=generator, device=DEVICE)
     weight, bias = torch.randn(24, 48, generator=generator, device=DEVICE), torch.randn(24, device=DEVICE)
@@ -294,12 +294,12 @@ def test_the_grouped_expert_gemm_has_each_experts_gradient() -> None:
 
 
 def test_a_deterministic_rms_norm_can_run_the_triton_kernel_with_the_torch_ops_gradient() -> None:
-    from miles_kernels import KernelConfig
+    from miles_kernels import KernelConfig, resolved_backends
     from miles_kernels.ops.norm import rms_norm
 
     config = KernelConfig(norm_backend="triton")
-    assert config.resolved_backends()["rms_norm"] == "triton"
-    assert KernelConfig().resolved_backends()["rms_norm"] == "torch"
+    assert resolved_backends(config)["rms_norm"] == "triton"
+    assert resolved_backends(KernelConfig())["rms_norm"] == "torch"
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(5, 96, generator=generator), torch.randn(96, generator=generator)
     assert torch.equal(rms_norm(x, weight, 1e-6, config), norm.rms_norm(x, weight, 1e-6))

@@ -153,7 +153,7 @@ def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:
     differs from the trainer's (here: the same config on a CUDA engine) or whose weights differ; equal ones pass."""
     import asyncio
 
-    from miles_kernels import KernelConfig
+    from miles_kernels import KernelConfig, describe_kernel, kernel_fingerprint
     from miles_orchestrator import preflight
     from miles_orchestrator.config import RunConfig
 
@@ -170,7 +170,7 @@ def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:
             return self.checksum
 
     class FakeCluster:
-        trainer_fingerprint = kernel.fingerprint()
+        trainer_fingerprint = kernel_fingerprint(kernel)
         sync_method = "a fake"
 
         def __init__(self, engine: FakeEngine) -> None:
@@ -190,12 +190,12 @@ def test_the_on_policy_guard_compares_kernels_device_kind_and_weights() -> None:
         asyncio.run(preflight.check_on_policy(cfg, cluster, version=0, log=logs.append))  # type: ignore[arg-type]
 
     with pytest.raises(RuntimeError, match=r"true on-policy refused.*same kind of device"):
-        guard(FakeCluster(FakeEngine(kernel.describe("cuda"))))
+        guard(FakeCluster(FakeEngine(describe_kernel(kernel, "cuda"))))
     with pytest.raises(RuntimeError, match="weight sync check failed"):
-        guard(FakeCluster(FakeEngine(kernel.describe(), checksum="b" * 64)))
-    cluster = FakeCluster(FakeEngine(kernel.describe()))
+        guard(FakeCluster(FakeEngine(describe_kernel(kernel), checksum="b" * 64)))
+    cluster = FakeCluster(FakeEngine(describe_kernel(kernel)))
     guard(cluster)
-    assert cluster.synced == [0] and logs and "verified" in logs[-1] and kernel.fingerprint() in logs[-1]
+    assert cluster.synced == [0] and logs and "verified" in logs[-1] and kernel_fingerprint(kernel) in logs[-1]
 
 
 def test_colocated_turns_switch_once_each_way() -> None:

@@ -1,6 +1,7 @@
 """Types of the lazily loaded public API (lazy_loader reads the imports below; see __init__.py)."""
 
 from .config import KernelConfig
+from .fingerprint import describe_kernel, kernel_fingerprint, resolved_backends
 from .hf_io import (
     checkpoint_tensors,
     iter_checkpoint,
@@ -83,6 +84,7 @@ __all__ = [
     "build_packed_batch",
     "checkpoint_tensors",
     "decode_bucket",
+    "describe_kernel",
     "destroy_weight_update_group",
     "dtype_name",
     "encode_bucket",
@@ -94,6 +96,7 @@ __all__ = [
     "inv_frequencies",
     "iter_buckets",
     "iter_checkpoint",
+    "kernel_fingerprint",
     "linear",
     "load_mapped",
     "load_model",
@@ -106,6 +109,7 @@ __all__ = [
     "register_backend",
     "registered_ops",
     "rendezvous_store",
+    "resolved_backends",
     "rms_norm",
     "rope_cos_sin",
     "route_grouped_sigmoid",

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, version_string
-from miles_kernels import KernelConfig, load_model
+from miles_kernels import KernelConfig, describe_kernel, load_model
 from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_error import EngineError
@@ -446,7 +446,7 @@ class Engine:
             "speculative_eagle_topk": 1 if self.config.num_draft_steps else None,
             "speculative_num_draft_tokens": self.config.num_draft_steps + 1 if self.config.num_draft_steps else None,
             "enable_return_routed_experts": self.config.enable_return_routed_experts,
-            "kernel_config": self.kernel.describe(torch.device(self.config.device).type),
+            "kernel_config": describe_kernel(self.kernel, torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
             "weight_version": version_string(self.weight_version),
             "released_memory": sorted(self.released),

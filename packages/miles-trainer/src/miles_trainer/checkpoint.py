@@ -26,7 +26,15 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from miles_kernels import CausalLM, KernelConfig, load_model, load_state, read_model_config, save_model
+from miles_kernels import (
+    CausalLM,
+    KernelConfig,
+    kernel_fingerprint,
+    load_model,
+    load_state,
+    read_model_config,
+    save_model,
+)
 from miles_trainer.megatron_backend import MegatronBackend  # megatron-core itself is imported only when used
 
 if TYPE_CHECKING:
@@ -92,7 +100,7 @@ def save_checkpoint(backend: Backend, directory: str | os.PathLike[str], extra: 
     if rank == 0:
         state = {
             "step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {},
-            "world_size": dist.get_world_size(), "kernel": backend.kernel.fingerprint(), **backend_state,
+            "world_size": dist.get_world_size(), "kernel": kernel_fingerprint(backend.kernel), **backend_state,
         }  # fmt: skip
         if not isinstance(backend, MegatronBackend) and backend.critic_config is not None:
             state["critic"] = {"kind": backend.critic_config.kind, "scheduler": backend.critic_scheduler.state_dict()}

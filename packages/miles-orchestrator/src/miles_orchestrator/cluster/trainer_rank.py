@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_contracts import Sample
+from miles_kernels import kernel_fingerprint
 from miles_orchestrator.cluster.protocol import CriticTargets
 from miles_orchestrator.cluster.settings import TrainerSettings
 from miles_spec import MTPLoss
@@ -45,7 +46,7 @@ class TrainerRank:
         device = next(self.backend.model.parameters()).device.type
         if isinstance(self.backend, MegatronBackend):
             return f"megatron-core:{device}"
-        return self.kernel.fingerprint(device)
+        return kernel_fingerprint(self.kernel, device)
 
     def data_parallel(self) -> tuple[int, int]:
         """(rank, size) of this rank's share of a batch: Megatron's TP / PP / CP peers train the same samples."""
