@@ -91,6 +91,7 @@ def main() -> None:
 
     import miles_kernels.model as model_module
     import miles_kernels.ops.moe as moe_module
+    import miles_rollout.model_runner as runner_module
     import miles_rollout.scheduler as scheduler_module
     import miles_trainer.fsdp as fsdp_module
     from miles_orchestrator.cli import main as cli_main
@@ -133,7 +134,7 @@ def main() -> None:
         for name in names:
             module = moe_module if part == "moe" else model_module
             setattr(module, name, _wrap(getattr(module, name), part))
-    scheduler_module.sample_rows = _wrap(scheduler_module.sample_rows, "sampling")
+    runner_module.sample_rows = _wrap(runner_module.sample_rows, "sampling")
     fsdp_module.FSDP2Backend._finish_step = _wrap(fsdp_module.FSDP2Backend._finish_step, "optimizer")
     scheduler_module.Scheduler._step = timed_engine_step  # type: ignore[method-assign]
     fsdp_module.FSDP2Backend.train_step = profiled_train_step  # type: ignore[method-assign]

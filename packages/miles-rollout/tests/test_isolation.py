@@ -14,7 +14,8 @@ import torch
 from miles_contracts import GenerateRequest, SamplingParams
 from miles_kernels import KernelConfig
 from miles_rollout import Engine, EngineConfig
-from miles_rollout import scheduler as scheduler_module
+from miles_rollout import model_runner as runner_module
+from miles_rollout import output as output_module
 from miles_rollout.config import RequestLimits
 from miles_rollout.engine_error import EngineError
 
@@ -100,19 +101,19 @@ async def test_request_size_limits(dense_dir: Any) -> None:
 
 async def test_a_request_whose_sampling_fails_fails_alone(engine: Engine, monkeypatch) -> None:
     alone = bits((await engine.generate(VICTIM))[0])
-    real = scheduler_module.sample_rows
+    real = runner_module.sample_rows
 
     def failing(logits: torch.Tensor, rows: list[Any], *args: Any) -> Any:
         if any(row.seq.group.rid == "poison" for row in rows):
             raise IndexError("index 100000 is out of bounds for dimension 0 with size 512")
         return real(logits, rows, *args)
 
-    monkeypatch.setattr(scheduler_module, "sample_rows", failing)
+    monkeypatch.setattr(runner_module, "sample_rows", failing)
     victim, error = await victim_beside(engine, poison())
     assert isinstance(error, EngineError) and error.status_code == 500 and "IndexError" in error.message
     assert bits(victim) == alone  # all its tokens, the same bits
     assert engine.scheduler.stats()["num_cached_pages"] > 0  # the prefix cache was not thrown away
-    monkeypatch.setattr(scheduler_module, "sample_rows", real)
+    monkeypatch.setattr(runner_module, "sample_rows", real)
     assert bits((await engine.generate(VICTIM))[0]) == alone  # and the engine keeps serving
 
 
@@ -135,14 +136,14 @@ async def test_a_request_whose_forward_fails_fails_alone(engine: Engine, monkeyp
 
 async def test_a_request_whose_stop_handling_fails_fails_alone(engine: Engine, monkeypatch) -> None:
     alone = bits((await engine.generate(VICTIM))[0])
-    real = scheduler_module.Scheduler._append_token
+    real = output_module.OutputStage.append_token
 
-    def failing(self: Any, seq: Any, *args: Any) -> None:
+    def failing(self: Any, seq: Any, *args: Any) -> Any:
         if seq.group.rid == "poison" and len(seq.output_ids) >= 3:
             raise RecursionError("maximum recursion depth exceeded")
-        real(self, seq, *args)
+        return real(self, seq, *args)
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_append_token", failing)
+    monkeypatch.setattr(output_module.OutputStage, "append_token", failing)
     victim, error = await victim_beside(engine, poison())
     assert isinstance(error, EngineError) and "RecursionError" in error.message
     assert bits(victim) == alone

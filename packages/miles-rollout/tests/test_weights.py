@@ -115,7 +115,7 @@ def test_release_frees_storage_in_process(dense_dir) -> None:
     engine = Engine(str(dense_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=64))
     client = InProcessClient(engine)
     try:
-        kv_bytes = sum(t.untyped_storage().nbytes() for t in engine.scheduler.store.k + engine.scheduler.store.v)
+        kv_bytes = sum(t.untyped_storage().nbytes() for t in engine.runner.store.k + engine.runner.store.v)
         weight_bytes = storage_bytes(engine.model.parameters())
         assert kv_bytes > 0 and weight_bytes > 0
         reported = asyncio.run(client.get_server_info())["memory_bytes"]
@@ -123,12 +123,12 @@ def test_release_frees_storage_in_process(dense_dir) -> None:
         shape = ModelShape.from_hf(json.loads((dense_dir / "config.json").read_text()))
         assert embedded_engine_bytes(shape, "float32", 64, 16) == reported
         asyncio.run(client.release_memory_occupation())
-        assert sum(t.untyped_storage().nbytes() for t in engine.scheduler.store.k + engine.scheduler.store.v) == 0
+        assert sum(t.untyped_storage().nbytes() for t in engine.runner.store.k + engine.runner.store.v) == 0
         assert sum(p.untyped_storage().nbytes() for p in engine.model.parameters()) == 0
         assert asyncio.run(client.get_server_info())["memory_bytes"] == {"weights": 0, "kv_cache": 0}
         asyncio.run(client.resume_memory_occupation())
         assert asyncio.run(client.get_server_info())["memory_bytes"] == reported
-        assert all(not t.any() for t in engine.scheduler.store.k + engine.scheduler.store.v)
+        assert all(not t.any() for t in engine.runner.store.k + engine.runner.store.v)
         with pytest.raises(RolloutClientError, match="unknown memory tag 'gpu'"):
             asyncio.run(client.release_memory_occupation(["gpu"]))
     finally:

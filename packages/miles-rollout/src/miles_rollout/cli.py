@@ -1,5 +1,5 @@
 """`miles-rollout` command line: `miles-rollout serve --model-path DIR` runs the embedded engine behind the
-SGLang-compatible HTTP server.
+SGLang-compatible HTTP server. The CLI only parses (flags, keys) and dispatches to `server.serve`.
 
 The flags are generated (tyro) from `miles_rollout.config.ServeConfig` and the models it nests (`KernelConfig`,
 `EngineConfig`): each setting is defined once, with its description, default and allowed values, and a run config
@@ -21,8 +21,8 @@ from typing import Annotated
 import tyro
 
 from miles_rollout.config import ServeConfig
-from miles_rollout.serve_many import serve_behind_router
-from miles_rollout.serve_one import PROG, serve_one
+
+PROG = "miles-rollout"
 
 ServeArgs = Annotated[ServeConfig, tyro.conf.OmitArgPrefixes]
 # Short forms kept from the hand-written flags: `--model DIR` is `--model-path DIR` (SGLang's name) and
@@ -80,18 +80,6 @@ def parse_serve(argv: list[str]) -> ServeConfig:
     return config
 
 
-def serve(config: ServeConfig) -> int:
-    """`miles-rollout serve`: one engine, or `--dp-size` engines behind sglang-router; the exit status."""
-    try:
-        config = resolve_keys(config)
-    except ValueError as error:
-        print(f"{PROG} serve: {error}", file=sys.stderr)
-        return 2
-    if config.dp_size > 1:
-        return serve_behind_router(config)
-    return serve_one(config)
-
-
 USAGE = f"""usage: {PROG} COMMAND ...
 
 Miles rollout engine: serve a policy over SGLang's HTTP API.
@@ -113,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_serve(args[1:])
     except SystemExit as exit_:  # tyro printed the problem (or the help)
         return int(exit_.code or 0)
+    try:
+        config = resolve_keys(config)
+    except ValueError as error:
+        print(f"{PROG} serve: {error}", file=sys.stderr)
+        return 2
+    from miles_rollout.server import serve  # torch and the engine load here, not for --help or a bad flag
+
     return serve(config)
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from miles_contracts import LogprobEntry
 from miles_rollout.engine_error import EngineError
+from miles_rollout.intake import check_token_rows
 
 if TYPE_CHECKING:
     from miles_rollout.engine import Engine
@@ -74,7 +75,7 @@ async def echo_texts(engine: Engine, prompt: Prompt, skip_special_tokens: bool) 
             "echo: this model directory has no tokenizer, so a token-id prompt's text cannot be echoed; remove echo, "
             "or use /generate with return_logprob and logprob_start_len 0 for the prompt's log-probs"
         )
-    engine.intake.check_token_rows(rows, "prompt")
+    check_token_rows(rows, "prompt", engine.limits.vocab_size)
 
     def decode(tokenizer: Any) -> list[str]:
         return [str(tokenizer.decode(row, skip_special_tokens=skip_special_tokens)) for row in rows]

@@ -1,5 +1,5 @@
 """Incremental detokenization: a sample's text grows by the text of its new tokens without decoding all of its
-output ids again, on the engine thread (scheduler.py). It feeds stop matching (stops.py) and streaming.
+output ids again, on the engine thread (output.py). It feeds stop matching (stops.py) and streaming.
 
 The algorithm is the prefix-offset / read-offset one of vLLM, TGI and SGLang's detokenizer: decode a short window
 of trailing ids twice, with and without the new ones, and hand out what the new ones added. The window starts a
@@ -9,10 +9,9 @@ come with the next tokens, so up to `MAX_HELD_CHARS` trailing U+FFFD are held ba
 them. A run of tokens that add no settled text (invalid bytes, skipped special tokens) would make the window grow;
 past `MAX_WINDOW_TOKENS` its start moves up to a settled boundary. Each token costs two decodes of a bounded window.
 
-The sample's final text is still one full decode of its ids when it finishes (scheduler.py `_finish`), so a
-tokenizer whose decoder rewrites earlier text can only move where a stop is found or what streams, never what the
-response returns.
-"""
+The sample's final text is still one full decode of its ids when it finishes (`OutputStage.final_text`, output.py), so
+a tokenizer whose decoder rewrites earlier text can only move where a stop is found or what streams, never what the
+response returns."""
 
 from __future__ import annotations
 

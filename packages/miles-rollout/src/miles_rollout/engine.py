@@ -1,6 +1,13 @@
-"""The embedded rollout engine: the model, its weights and memory, and the thread that runs the scheduler
-(scheduler.py: continuous batching, paged KV + radix cache, sampling, stops). Requests become the scheduler's groups
-through `Engine.intake` (intake.py); new weights arrive through `Engine.weights` (weight_receiver.py).
+"""The embedded rollout engine: the model, its weights and memory, and the thread that runs the scheduler. Its stages,
+as SGLang splits its own (docs/architecture.md, "The rollout engine"):
+
+- intake (intake.py, SGLang's tokenizer manager): a request becomes the scheduler's groups, or a 4xx;
+- the scheduler (scheduler.py, batch_results.py): admission, KV pages, radix cache, batch building, the served
+  weight version;
+- the model runner (model_runner.py): the model, its KV store, the forward and the sampling of a step;
+- the output stage (output.py, SGLang's detokenizer manager): text, stop rules, stream deltas, responses handed back
+  to asyncio;
+- the weight receiver (weight_receiver.py): every way new weights arrive (`Engine.weights`).
 
 One background thread owns the model and runs scheduler steps in a loop; the asyncio side (server, in-process
 client) submits work and awaits futures. Control operations (weight updates, memory release) wait until no
@@ -28,17 +35,20 @@ from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, ve
 from miles_kernels import KernelConfig, describe_kernel, load_model
 from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig
+from miles_rollout.engine_controls import EngineControls
 from miles_rollout.engine_error import EngineError
-from miles_rollout.intake import Intake
-from miles_rollout.scheduler import Scheduler, deliver, set_exception, set_result
+from miles_rollout.grammar import Grammars
+from miles_rollout.intake import EngineLimits, Intake
+from miles_rollout.model_runner import ModelRunner
+from miles_rollout.output import OutputStage, deliver, set_exception, set_result
+from miles_rollout.scheduler import Scheduler
 from miles_rollout.sequence import Group
+from miles_rollout.speculative import Drafter
 from miles_rollout.streaming import StreamChannel, StreamEvent
 from miles_rollout.weight_receiver import WeightReceiver
 
 logger = logging.getLogger("miles_rollout.engine")
 
-MEMORY_TAGS = ("weights", "kv_cache")
-PAUSE_MODES = ("abort", "retract", "in_place")
 ControlItem = tuple[Callable[[], Any], bool, "asyncio.Future[Any]", asyncio.AbstractEventLoop]
 Watcher = tuple[Callable[[dict[str, int]], bool], "asyncio.Future[dict[str, int]]", asyncio.AbstractEventLoop]
 
@@ -56,7 +66,7 @@ def _push_failure(channel: StreamChannel, future: asyncio.Future[Any]) -> None:
         channel.fail(error)
 
 
-class Engine:
+class Engine(EngineControls):
     """Owns the model, the KV store and the scheduler thread: serves the Hugging Face directory `model_path` with
     the ops `kernel` selects, run as `config` says."""
 
@@ -68,15 +78,14 @@ class Engine:
         self.config = config or EngineConfig()
         self.page_size = self.kernel.page_size
         self.tokenizer = _load_tokenizer(self.model_path)
-        self.weight_version: WeightVersion = None  # SGLang's "default" until an update names a version
         self.released: set[str] = set()
         self.weights_stale = False
         # Nothing is generated while paused (`/pause_generation`: the mode) or inside a weight-update bracket
         # (`/begin_weight_update` .. `/end_weight_update`); requests that arrive meanwhile wait.
         self.paused: str | None = None
         self.updating_weights = False
-        self.weights = WeightReceiver(self)  # every way new weights arrive (weight_receiver.py)
-        self.intake = Intake(self)  # requests -> the scheduler's groups, or a 4xx (intake.py)
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self._incoming: list[Group] = []
         self._controls: deque[ControlItem] = deque()
         self._aborts: deque[str | None] = deque()
@@ -99,16 +108,49 @@ class Engine:
             raise self._setup_error
 
     def _setup(self) -> None:
-        config = self.config
-        self.model = load_model(self.model_path, self.kernel, config.device)
-        self.model_config = self.model.config
+        config, kernel, tokenizer = self.config, self.kernel, self.tokenizer
+        self.model = model = load_model(self.model_path, kernel, config.device)
+        self.model_config = model.config
         self.context_length = config.context_length or self.model_config.max_position_embeddings
-        self.scheduler = Scheduler(self.model, config, self.kernel, self.tokenizer, self.context_length)
+        self.eos_ids = set(model.config.eos_token_ids())
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(tokenizer.eos_token_id))
+        drafter = None
+        if config.num_draft_steps:
+            tile = kernel.attention_query_tile
+            drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids)
+        self.runner = ModelRunner(model, config, kernel, self.eos_ids, self.grammars, drafter is not None)
+        output = OutputStage(tokenizer, self.eos_ids, self.context_length, config.limits.stop_regex_window_chars)
+        self.scheduler = Scheduler(self.runner, output, config, self.context_length, drafter)
         # Released memory is dropped, not saved, as SGLang drops it: the KV cache is recomputed, the weights come
         # back with the next weight update (`weights_stale` until then). Both return zeroed.
         self.memory = OffloadManager(HostStore(), name="engine")
-        self.memory.add("weights", self.model.parameters, keep_contents=False)
-        self.memory.add("kv_cache", self.scheduler.kv_tensors, keep_contents=False)
+        self.memory.add("weights", model.parameters, keep_contents=False)
+        self.memory.add("kv_cache", self.runner.kv_tensors, keep_contents=False)
+        # every way new weights arrive (weight_receiver.py)
+        self.weights = WeightReceiver(model, self.commit_weights, version=lambda: self.weight_version,
+                                      check_resident=self.require_weights_resident, device=config.device)  # fmt: skip
+        self.limits = EngineLimits(
+            vocab_size=self.model_config.vocab_size, context_length=self.context_length, page_size=self.page_size,
+            num_kv_pages=config.num_kv_pages, max_running_requests=config.max_running_requests, seed=config.seed,
+            model_type=self.model_config.model_type, is_moe=self.model_config.is_moe, has_draft=drafter is not None,
+            returns_routed_experts=self.runner.routed_experts is not None, has_tokenizer=tokenizer is not None,
+            requests=config.limits,
+        )  # fmt: skip
+        self.intake = Intake(self.limits, tokenizer, self.grammars)  # requests -> groups, or a 4xx (intake.py)
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The served weights' version (the scheduler's: it stamps each admitted request with it)."""
+        return self.scheduler.weight_version
+
+    def grammars(self) -> Grammars:
+        """The structured-output backend (xgrammar over the tokenizer), made at the first request with a grammar
+        (from an intake thread, which compiles it, or the engine thread)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            return self._grammars
 
     def _run(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)  # the creator's setting (OpenMP keeps it per thread)
@@ -127,7 +169,7 @@ class Engine:
         """Run a generate request; returns one response per prompt and sample, prompt-major."""
         if request.stream:
             raise EngineError("stream=true: call Engine.generate_stream (or POST /generate), which streams")
-        groups = await self.intake.make_groups(request)
+        groups = await self._accept(request)
         self._submit(groups)
         try:
             results = await asyncio.gather(*(g.future for g in groups if g.future is not None))
@@ -143,7 +185,7 @@ class Engine:
         log-prob entries, new text: concatenated, a prefix of its final text), its last one the final response. A
         reader that lags gets fewer, merged events; the engine never waits for it. Leaving the iterator early (a
         client that disconnects) aborts the request, which frees its KV pages."""
-        groups = await self.intake.make_groups(request)
+        groups = await self._accept(request)
         channel = StreamChannel(asyncio.get_running_loop())
         base = 0
         for group in groups:
@@ -153,6 +195,14 @@ class Engine:
             group.future.add_done_callback(functools.partial(_push_failure, channel))
         self._submit(groups)
         return self._stream(groups, channel, base)
+
+    async def _accept(self, request: GenerateRequest) -> list[Group]:
+        """The request's groups (intake.py), each with its caller's future and the version it would be served now."""
+        groups = await self.intake.make_groups(request)
+        loop = asyncio.get_running_loop()
+        for group in groups:
+            group.future, group.loop, group.weight_version = loop.create_future(), loop, self.weight_version
+        return groups
 
     async def _stream(self, groups: list[Group], channel: StreamChannel, total: int) -> AsyncIterator[StreamEvent]:
         remaining = total
@@ -225,99 +275,18 @@ class Engine:
         self._thread.join(timeout=10)
         self.intake.shutdown()
 
-    # ------------------------------------------------------------------ control operations (engine thread)
-
-    def commit_weights(self, version: WeightVersion) -> WeightVersion:
-        """New weights are loaded (by `self.weights`): serve them as `version` (None: the version stays, as SGLang
-        keeps it when an update names none)."""
-        if version is not None:
-            self.weight_version = self.scheduler.weight_version = version
-        self.weights_stale = False
-        self.scheduler.radix.reset()  # cached K/V were computed with the old weights
-        return self.weight_version
-
-    def require_weights_resident(self) -> None:
-        """An EngineError (409) while the weights are released."""
-        if "weights" in self.released:
-            raise EngineError("weights are released; call /resume_memory_occupation first", status_code=409)
-
-    def flush_cache(self) -> None:
-        """Empty the radix cache; refused (409) while requests are queued or running, as SGLang refuses it."""
-        if self.scheduler.has_work:
-            raise EngineError("the cache is in use by queued or running requests; flush it when they are done")
-        self.scheduler.radix.reset()
-
-    def pause_generation(self, mode: str) -> int:
-        """Stop generating until `continue_generation` (SGLang's `/pause_generation`): `abort` finishes every
-        request in flight with `abort`; `retract` takes them out of the batch and frees their KV (they recompute
-        it and continue after `continue_generation`); `in_place` keeps them, KV and all, where they are. Returns
-        the number of requests paused (aborted for `abort`)."""
-        if mode not in PAUSE_MODES:
-            raise EngineError(f"unknown pause mode {mode!r}; use one of {list(PAUSE_MODES)}")
-        scheduler = self.scheduler
-        if mode == "abort":
-            count = scheduler.num_in_flight
-            scheduler.process_aborts([None])
-        elif mode == "retract":
-            count = scheduler.retract()
-        else:
-            count = scheduler.num_in_flight
-        self.paused = mode
-        return count
-
-    def continue_generation(self) -> None:
-        """Generate again after `pause_generation`."""
-        self.paused = None
-
-    def begin_weight_update(self) -> None:
-        """Open a weight update made of several calls (SGLang's `/begin_weight_update`): no request runs until
-        `end_weight_update`, so none sees a half-updated model. The weights are updated in place: no second copy
-        is held."""
-        self.require_weights_resident()
-        self.updating_weights = True
-
-    def end_weight_update(self, version: WeightVersion) -> WeightVersion:
-        """Close the weight update: serve the new weights (as `version` when given)."""
-        if not self.updating_weights:
-            raise EngineError("no weight update is open; call /begin_weight_update first", 409)
-        self.updating_weights = False
-        return self.commit_weights(version)
-
-    def _memory_tags(self, tags: list[str] | None) -> list[str]:
-        for tag in tags or MEMORY_TAGS:
-            if tag not in MEMORY_TAGS:
-                raise EngineError(f"unknown memory tag {tag!r}; use one of {list(MEMORY_TAGS)}")
-        return list(tags or MEMORY_TAGS)
-
-    def release_memory(self, tags: list[str] | None) -> list[str]:
-        """Drop the memory of `tags` (None: all; SGLang's `/release_memory_occupation`); returns what is released."""
-        for tag in self._memory_tags(tags):
-            if tag in self.released:
-                continue
-            if tag == "kv_cache":
-                self.scheduler.forget_kv()
-            self.memory.offload([tag])
-            self.released.add(tag)
-        return sorted(self.released)
-
-    def resume_memory(self, tags: list[str] | None) -> list[str]:
-        """Take back what `release_memory` dropped, zeroed; released weights wait for a weight update."""
-        for tag in self._memory_tags(tags):
-            if tag not in self.released:
-                continue
-            self.memory.onload([tag])
-            if tag == "weights":
-                self.weights_stale = True  # contents were dropped: a weight update must come first
-            self.released.discard(tag)
-        return sorted(self.released)
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes the engine holds now, by tag (`/get_server_info`'s `memory_bytes`), and the routed-experts host
-        buffer's (`routed_experts`; never released, as SGLang keeps it)."""
-        held = self.memory.resident_bytes()
-        if self.scheduler.routed_experts is not None:
-            held["routed_experts"] = self.scheduler.routed_experts.num_bytes
-        return held
+    async def update_weights_from_distributed(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], version: WeightVersion
+    ) -> WeightVersion:
+        """Receive one broadcast of `names` off the engine thread, then load it between engine steps; returns the
+        weight version. As in SGLang, a call may carry any subset of the weights (one bucket of a larger update):
+        bracket a multi-call update with `/begin_weight_update` and `/end_weight_update` so that no request runs on
+        a half-updated model."""
+        tensors = await self.weights.receive_broadcast(group_name, names, dtypes, shapes)
+        applied: WeightVersion = await self.control(
+            lambda: self.weights.load_tensors(tensors, version, partial=True), needs_idle=True
+        )
+        return applied
 
     # ------------------------------------------------------------------ request intake
 

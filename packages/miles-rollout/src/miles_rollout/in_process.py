@@ -90,7 +90,7 @@ class InProcessClient:
     ) -> dict[str, Any]:  # fmt: skip
         version = await self._call(
             "/update_weights_from_distributed",
-            lambda: self.engine.weights.receive_distributed(group_name, names, dtypes, shapes, weight_version),
+            lambda: self.engine.update_weights_from_distributed(group_name, names, dtypes, shapes, weight_version),
         )
         return {"success": True, "message": f"received {len(names)} tensors", "weight_version": version}
 

@@ -10,6 +10,16 @@ from __future__ import annotations
 from miles_kernels import NULL_PAGE
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_shared_pages(prompt_length: int, page_size: int, has_draft: bool) -> int:
+    """Prompt pages a group's samples share; the rest is copied per sample. With a draft model, the page of the last
+    prompt position is always copied: each sample writes its own draft row there (speculative.py)."""
+    return (prompt_length - has_draft) // page_size
+
+
 class OutOfPages(RuntimeError):
     """Raised when an allocation needs more free pages than there are (callers evict or wait first)."""
 

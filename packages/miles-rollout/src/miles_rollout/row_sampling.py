@@ -2,11 +2,10 @@
 then the kernel's sampler (`miles_kernels.sample`, reproducible per (seed, position)), and the log-probs and top
 log-probs a response returns, taken from the unmodified logits (the log-prob contract, docs/architecture.md).
 
-A row is one sequence at one position: its output so far plus `drafted`, the tokens between its last output and
-this row (speculative decoding's draft tokens before a verify row, or the draft's own earlier tokens; empty for a
-plain decode row). Everything is computed row by row (batch-invariant). Called by the scheduler (scheduler.py) and
-the draft (speculative.py). A prompt's own log-probs (`input_token_logprobs`) are `record_input_logprobs`'.
-"""
+A row is one sequence at one position: its output so far plus `drafted`, the tokens between its last output and this
+row (speculative decoding's draft tokens before a verify row, or the draft's own earlier tokens; empty for a plain
+decode row). Everything is computed row by row (batch-invariant). Called by the model runner (model_runner.py) and the
+draft (speculative.py). A prompt's own log-probs (`input_token_logprobs`) are `record_input_logprobs`'."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -29,12 +30,11 @@ import httpx
 from miles_rollout.config import ServeConfig
 from miles_rollout.http_guards import is_loopback
 from miles_rollout.launch import free_port, router_command
-from miles_rollout.serve_one import serve_one
 
 STARTUP_TIMEOUT_S = 300.0
 
 
-def _serve_one(config: ServeConfig) -> None:
+def _exit_with(serve_one: Callable[[ServeConfig], int], config: ServeConfig) -> None:
     sys.exit(serve_one(config))
 
 
@@ -51,9 +51,10 @@ def _wait_healthy(url: str, alive: Any, what: str) -> None:
         time.sleep(0.3)
 
 
-def serve_behind_router(config: ServeConfig) -> int:
-    """Start `config.dp_size` engines and sglang-router in front of them; return when one of them exits. `config`'s
-    keys are resolved already (`cli.resolve_keys`): they travel to the engines inside their configs."""
+def serve_behind_router(config: ServeConfig, serve_one: Callable[[ServeConfig], int]) -> int:
+    """Start `config.dp_size` engines (each a process running `serve_one`, `server.serve_one`) and sglang-router in
+    front of them; return when one of them exits. `config`'s keys are resolved already (`cli.resolve_keys`): they
+    travel to the engines inside their configs."""
     try:
         import sglang_router  # noqa: F401  (checked here, run as a subprocess below)
     except ImportError:
@@ -68,7 +69,7 @@ def serve_behind_router(config: ServeConfig) -> int:
     engines = []
     for _ in range(config.dp_size):
         engine_config = config.model_copy(update={"host": "127.0.0.1", "port": free_port(), "dp_size": 1})
-        process = spawn.Process(target=_serve_one, args=(engine_config,), daemon=False)
+        process = spawn.Process(target=_exit_with, args=(serve_one, engine_config), daemon=False)
         process.start()
         engines.append((process, f"http://127.0.0.1:{engine_config.port}"))
     router: subprocess.Popen[bytes] | None = None

@@ -3,9 +3,9 @@ sequence, the trunk verifies them in the scheduler's step (k + 1 rows per sequen
 and `accept_drafts` keeps the drafts that equal the target's own samples (docs/architecture.md, "Speculative
 decoding").
 
-Where it sits in a scheduler step (scheduler.py): `Drafter.propose` runs before the batch is built (a sequence's
-draft tokens become its verify rows), `Drafter.extend` after the forward for prompt and recomputed chunks, and
-`accept_drafts` when the verify rows are sampled.
+Where it sits in a scheduler step (scheduler.py, batch_results.py): `Drafter.propose` runs before the batch is built (a
+sequence's draft tokens become its verify rows), `Drafter.extend` after the forward for prompt and recomputed chunks,
+and `accept_drafts` when the verify rows are sampled.
 
 The draft (SGLang's NEXTN, EAGLE's chain with topk 1): MTP module 0, applied recursively on its own output. Its
 row t combines the trunk's hidden state at t with token t + 1 (`CausalLM.mtp_hidden`), and its K/V sits in the KV
@@ -21,7 +21,7 @@ next token (`pending`). One step of a sequence with n computed tokens and last s
    emitted one are rolled back by setting num_computed (their pages stay reserved to the sequence, and the radix
    cache only ever takes full pages of computed tokens); their hidden states become the new pending rows.
 A prompt's n samples share its full pages but each copies the page of the last prompt position, where it writes
-its own draft row (`Scheduler.num_shared_pages`). Where the draft's K/V is approximate — acceptance only, never
+its own draft row (`page_allocator.num_shared_pages`). Where the draft's K/V is approximate — acceptance only, never
 the output: the last slot of a prefix reused from the radix cache keeps the draft row its writer computed, with
 that writer's next token.
 """

@@ -1,6 +1,6 @@
 """Stop strings and stop regexes (SGLang's `stop` and `stop_regex`): refused at intake when a request asks for more
 than the server's limits allow (`check_stop_patterns`), then matched on each sample's text as it grows, on the
-engine thread (`StopMatcher`, called by scheduler.py after every token).
+engine thread (`StopMatcher`, called by the output stage, output.py, after every token).
 
 Matching costs the same after every token however long the output is:
 - a stop string can only newly appear in the token's new text or in the (longest stop - 1) characters before it,

@@ -5,26 +5,29 @@ sync"), each applied between engine steps once no request is running, so no requ
   through a mapping kept between syncs;
 - `add_bucket` (`/update_weights_from_tensor`): one bucket of a version (the `miles_kernels` codec); the version is
   applied when its last bucket arrives;
-- `init_group`, `receive_distributed` (`/init_weights_update_group`, `/update_weights_from_distributed`): tensors
+- `init_group`, `receive_broadcast` (`/init_weights_update_group`, `/update_weights_from_distributed`): tensors
   the trainer broadcasts as rank 0 of a `torch.distributed` group of their own, received off the engine thread;
 - `load_tensors` (no endpoint: the local cluster): a complete set of tensors from this process.
 
-Each path loads Hugging Face names into the served model and then commits the version (`Engine.commit_weights`:
-the radix cache is flushed, since cached K/V came from the old weights). `checksum` is what the orchestrator
+Each path loads Hugging Face names into the served model and then calls `commit(version)` (the engine's
+`commit_weights`: the scheduler serves the new version and flushes its radix cache, since cached K/V came from the old
+weights). The receiver holds the model and that callback, not the engine. `checksum` is what the orchestrator
 compares with the trainer's after the version-0 sync. The trainer's side is `miles_trainer/weight_sender.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from miles_contracts import WeightVersion
 from miles_kernels import (
     BucketAssembler,
+    CausalLM,
     MappedSafetensors,
     broadcast_tensors,
     checkpoint_tensors,
@@ -43,16 +46,22 @@ from miles_kernels import (
 )
 from miles_rollout.engine_error import EngineError
 
-if TYPE_CHECKING:
-    from miles_rollout.engine import Engine
-
 
 class WeightReceiver:
-    """Receives weights for one `Engine` (its `weights` attribute). The loading methods run on the engine thread
-    (call them through `Engine.control(..., needs_idle=True)`); the `torch.distributed` ones are coroutines."""
+    """Receives weights into `model` and hands each new set to `commit(version) -> served version`; `version()` is the
+    served version, `check_resident()` raises (a 409) while the weights' memory is released, `device` is where
+    broadcast tensors land. An engine's `weights` attribute: the loading methods run on the engine thread (call them
+    through `Engine.control(..., needs_idle=True)`); the `torch.distributed` ones are coroutines."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(
+        self, model: CausalLM, commit: Callable[[WeightVersion], WeightVersion], *,
+        version: Callable[[], WeightVersion], check_resident: Callable[[], None], device: str,
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.commit = commit
+        self.version = version
+        self.check_resident = check_resident
+        self.device = device
         self._assemblers: dict[int, BucketAssembler] = {}
         self._groups: dict[str, Any] = {}
         # The weight file a trainer on this node rewrites in place before every `/update_weights_from_disk` (in
@@ -64,7 +73,7 @@ class WeightReceiver:
 
     def load_from_disk(self, model_path: str, version: WeightVersion) -> WeightVersion:
         """Load a Hugging Face checkpoint directory of the served architecture; returns the weight version."""
-        engine, path = self.engine, Path(model_path)
+        path = Path(model_path)
         if not path.is_dir():
             raise EngineError(f"model_path {model_path!r} is not a directory on the server: give a Hugging Face "
                               "checkpoint directory (config.json + safetensors) the server can read")  # fmt: skip
@@ -72,18 +81,18 @@ class WeightReceiver:
             new_config = read_model_config(path)
         except (FileNotFoundError, ValueError) as error:
             raise EngineError(f"model_path {model_path!r}: {error}") from error
-        if new_config.to_hf() != engine.model_config.to_hf():
+        if new_config.to_hf() != self.model.config.to_hf():
             raise EngineError(f"{model_path} holds a different architecture than the served model; cannot update")
-        engine.require_weights_resident()
-        if not load_mapped(engine.model, self._weights_file, path):
+        self.check_resident()
+        if not load_mapped(self.model, self._weights_file, path):
             self._weights_file.close()  # not a file laid out like the model: read it the general way
             try:
-                load_state(engine.model, dict(iter_checkpoint(path)))
+                load_state(self.model, dict(iter_checkpoint(path)))
             except (FileNotFoundError, ValueError) as error:
                 raise EngineError(f"model_path {model_path!r}: {error}") from error
         if not in_shared_memory(path):
             self._weights_file.close()
-        return engine.commit_weights(version)
+        return self.commit(version)
 
     def add_bucket(self, data: bytes) -> dict[str, Any]:
         """Take one weight bucket; apply its version when the last bucket arrives."""
@@ -102,7 +111,7 @@ class WeightReceiver:
         if not assembler.is_complete:
             return {
                 "complete": False,
-                "weight_version": self.engine.weight_version,
+                "weight_version": self.version(),
                 "missing": sorted(assembler.missing),
             }
         del self._assemblers[bucket.version]
@@ -113,27 +122,25 @@ class WeightReceiver:
     ) -> WeightVersion:
         """Load a complete set of HF-named tensors (`partial`: any subset, one bucket of a larger update); returns
         the weight version."""
-        engine = self.engine
-        engine.require_weights_resident()
+        self.check_resident()
         try:
-            load_state(engine.model, iter(tensors.items()) if partial else tensors)
+            load_state(self.model, iter(tensors.items()) if partial else tensors)
         except ValueError as error:
             raise EngineError(f"weight update rejected: {error}") from error
-        return engine.commit_weights(version)
+        return self.commit(version)
 
     def bucket(self, index: int, bucket_bytes: int) -> tuple[bytes, int]:
         """Bucket `index` of the served weights (HF names, every tensor once, as weight sync sends them) under the
         served version, and how many buckets there are: what a restarted engine copies from a healthy one
         (`GET /weight_buckets`). The plan depends only on the model's tensors and `bucket_bytes`, so the buckets of
         one version fit together whichever call encodes them."""
-        engine = self.engine
-        engine.require_weights_resident()
-        version = engine.weight_version
+        self.check_resident()
+        version = self.version()
         if version is None:
             raise EngineError("the served weights have no version yet (no weight update so far): nothing to copy", 409)
         if isinstance(version, str):  # the bucket format carries the orchestrator's integer steps
             raise EngineError(f"the served weights are labelled {version!r}, not a policy step: nothing to copy", 409)
-        tensors = checkpoint_tensors(engine.model, mtp_copies=False)
+        tensors = checkpoint_tensors(self.model, mtp_copies=False)
         try:
             plan = plan_buckets([(name, t.numel() * t.element_size()) for name, t in tensors.items()], bucket_bytes)
         except ValueError as error:
@@ -147,8 +154,8 @@ class WeightReceiver:
     def checksum(self) -> str:
         """`miles_kernels.weights_checksum` of the served weights (HF names, the engine's dtype; every tensor once,
         as weight sync sends them: an MTP module's copies of the trunk's tensors are not counted twice)."""
-        self.engine.require_weights_resident()
-        return weights_checksum(checkpoint_tensors(self.engine.model, mtp_copies=False).items())
+        self.check_resident()
+        return weights_checksum(checkpoint_tensors(self.model, mtp_copies=False).items())
 
     # ------------------------------------------------------------------ torch.distributed (asyncio side)
 
@@ -172,26 +179,20 @@ class WeightReceiver:
             raise EngineError(f"no weight update group {group_name!r} on this server")
         await asyncio.to_thread(destroy_weight_update_group, group)
 
-    async def receive_distributed(
-        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], version: WeightVersion
-    ) -> int | None:
-        """Receive one broadcast of `names` into fresh buffers off the engine thread, then load them between
-        engine steps; returns the weight version. As in SGLang, a call may carry any subset of the weights (one
-        bucket of a larger update): bracket a multi-call update with `/begin_weight_update` and
-        `/end_weight_update` so that no request runs on a half-updated model."""
+    async def receive_broadcast(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> dict[str, torch.Tensor]:
+        """Receive one broadcast of `names` into fresh buffers, off the engine thread; the engine then loads them
+        between steps (`Engine.update_weights_from_distributed`)."""
         group = self._groups.get(group_name)
         if group is None:
             raise EngineError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
         try:
             buffers = [
-                torch.empty(shape, dtype=parse_dtype(dtype), device=self.engine.config.device)
+                torch.empty(shape, dtype=parse_dtype(dtype), device=self.device)
                 for dtype, shape in zip(dtypes, shapes, strict=True)
             ]
         except ValueError as error:
             raise EngineError(str(error)) from error
         await asyncio.to_thread(broadcast_tensors, group, buffers, 0)
-        tensors = dict(zip(names, buffers, strict=True))
-        applied: int | None = await self.engine.control(
-            lambda: self.load_tensors(tensors, version, partial=True), needs_idle=True
-        )
-        return applied
+        return dict(zip(names, buffers, strict=True))

@@ -1,0 +1,173 @@
+"""What the scheduler does with a step's forward (scheduler.py), SGLang's scheduler output processor: prompts whose
+last chunk was computed fork into their samples (full pages shared, the partial one copied), the rows to sample are
+sampled by the model runner, speculative drafts are accepted or rolled back, each emitted token goes to the output
+stage, and a sample it ends is finished: its text and routing, its pages to the radix cache, its group completed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from miles_contracts import FinishReason
+from miles_rollout.model_runner import Entry, ModelRunner
+from miles_rollout.output import OutputStage
+from miles_rollout.page_allocator import PageAllocator, num_shared_pages
+from miles_rollout.radix_cache import RadixCache
+from miles_rollout.row_sampling import record_input_logprobs
+from miles_rollout.sequence import DraftState, Group, Sequence, finish_reason
+from miles_rollout.speculative import Drafter, accept_drafts, add_pending
+
+
+class BatchResults:
+    """The `Scheduler`'s handling of a forward's results (a mixin: it works on the scheduler's queues and pages)."""
+
+    runner: ModelRunner
+    output: OutputStage
+    drafter: Drafter | None
+    allocator: PageAllocator
+    radix: RadixCache
+    page_size: int
+    _prefilling: list[Group]
+    _running: list[Sequence]
+    _refilling: list[Sequence]
+    _reserved: int
+
+    if TYPE_CHECKING:
+
+        def _take_pages(self, count: int) -> list[int]: ...
+        def _fail_groups(self, failed: dict[int, tuple[Group, BaseException]]) -> None: ...
+
+    def _after_forward(
+        self, hidden: torch.Tensor, owners: list[tuple[str, Any, int, list[int]]], query_lens: list[int]
+    ) -> None:
+        # Rows whose logits are needed: every decode / verify row, the last row of a finished prompt.
+        to_sample: list[tuple[Sequence | Group, int, list[int]]] = []  # (owner, first row, its draft tokens)
+        extended: list[Sequence | Group] = []  # prompt / recomputed chunks: their draft rows (speculative.py)
+        for (kind, owner, start, chunk), length in zip(owners, query_lens, strict=True):
+            if kind == "decode":  # its last token, then its draft tokens (rolled back in `_sample` if rejected)
+                owner.num_computed += length
+                to_sample.append((owner, start, chunk[1:]))
+                continue
+            if self.drafter is not None:
+                add_pending(owner.draft, hidden[start : start + length])
+                extended.append(owner)
+            if kind == "refill":  # a retracted sequence's KV recomputed: it decodes again from the next step
+                owner.num_computed += length
+                if owner.num_computed == owner.resume_at:
+                    self._refilling.remove(owner)
+                    self._running.append(owner)
+                continue
+            group: Group = owner
+            first_position = group.num_computed
+            group.num_computed += length
+            if group.needs_input_logprobs:
+                record_input_logprobs(self.runner.model, group, hidden[start : start + length], first_position)
+            if group.is_prefilled:
+                to_sample.append((group, start + length - 1, []))
+        if self.drafter is not None and extended:
+            self.drafter.extend(self.runner.store, [
+                (o.draft, o.prompt_ids if isinstance(o, Group) else o.tokens,
+                 o.prefill_pages if isinstance(o, Group) else o.pages, o.num_computed) for o in extended
+            ])  # fmt: skip
+        if to_sample:
+            self._sample(hidden, to_sample)
+
+    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence | Group, int, list[int]]]) -> None:
+        """Sample every row; a sequence appends one token, or what `accept_drafts` emits from its verify rows."""
+        index = [start + i for _, start, drafts in to_sample for i in range(len(drafts) + 1)]
+        logits = self.runner.logits(hidden, index)
+        entries: list[Entry] = []
+        first = 0
+        for owner, _, drafts in to_sample:
+            if isinstance(owner, Group):  # its samples start, with the prompt's draft state (`_fork`)
+                entries += [(seq, first, drafts, False) for seq in self._fork(owner)]
+            else:
+                entries.append((owner, first, drafts, True))
+            first += len(drafts) + 1
+        for seq, *_ in entries:
+            if seq.group.params.max_new_tokens == 0:
+                self._finish(seq, finish_reason("length", length=0))
+        entries = [entry for entry in entries if entry[0].group.params.max_new_tokens > 0]
+        if not entries:
+            return
+        failed: dict[int, tuple[Group, BaseException]] = {}
+        per_entry = self.runner.sample(logits, entries, failed)
+        for (seq, first, drafts, is_decoding), sampled in zip(entries, per_entry, strict=True):
+            if sampled is None or id(seq.group) in failed:
+                continue
+            try:
+                emitted = accept_drafts(drafts, sampled.tokens)
+                computed = seq.num_computed - len(drafts)  # with the row that samples the first token
+                for i, token in enumerate(emitted):
+                    seq.num_computed = computed + i  # the rows up to the one that sampled `token` are kept
+                    reason = self.output.append_token(seq, token, sampled.logprobs[i], sampled.top[i])
+                    if reason is not None:
+                        self._finish(seq, reason)
+                        break
+                if self.drafter is not None and is_decoding:
+                    kept = hidden[torch.tensor(index[first : first + len(emitted)], device=hidden.device)]
+                    self.drafter.verified(seq, len(drafts), len(emitted), kept)
+            except Exception as error:  # one sample's stop, detokenization or grammar: its request alone fails
+                failed[id(seq.group)] = (seq.group, error)
+        self._fail_groups(failed)
+
+    def _fork(self, group: Group) -> list[Sequence]:
+        """The prompt is computed: start its n samples on its pages (full pages shared, the partial one copied)."""
+        self._prefilling.remove(group)
+        length = len(group.prompt_ids)
+        num_full = num_shared_pages(length, self.page_size, self.drafter is not None)
+        self.radix.insert(group.prompt_ids, group.prefill_pages[:num_full])
+        partial = group.prefill_pages[num_full:]
+        children = []
+        copies: list[int] = []  # pages that receive a copy of the partial page
+        for i in range(group.params.n):
+            seq = Sequence(group=group, sample_index=i, seed=group.seed + i, num_computed=length,
+                           version_starts=[(group.weight_version, 0)],
+                           draft=DraftState(group.draft.computed, group.draft.pending))  # fmt: skip
+            shared = group.prefill_pages[:num_full]
+            self.allocator.retain(shared)
+            if partial and i == 0:
+                own = list(partial)
+                self.allocator.retain(own)
+            elif partial:
+                own = self._take_pages(1)
+                group.reserved_pages -= 1
+                copies += own
+            else:
+                own = []
+            seq.pages = shared + own
+            if group.grammar is not None:
+                seq.matcher = self.runner.grammars().matcher(group.grammar)
+            share = group.reserved_pages // (group.params.n - i)
+            seq.reserved_pages, group.reserved_pages = share, group.reserved_pages - share
+            children.append(seq)
+        if copies:
+            self.runner.copy_page(partial[0], copies)
+        self.allocator.release(group.prefill_pages)
+        group.prefill_pages = []
+        group.sequences = children
+        self._running += children
+        return children
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """`seq` ends with `reason`: its text, its routing, its pages to the radix cache; its group completes when it
+        was the last sample."""
+        seq.text = self.output.final_text(seq)
+        seq.finish = reason
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq.group.return_routed_experts and self.runner.routed_experts is not None:
+            seq.routed_experts = self.runner.routing_of(seq)
+        if seq.pages:
+            self.radix.insert(seq.tokens[: seq.num_computed], seq.pages)
+            self.allocator.release(seq.pages)
+            seq.pages = []
+        self._reserved -= seq.reserved_pages
+        seq.reserved_pages = 0
+        group = seq.group
+        if all(s.finish is not None for s in group.sequences):
+            self._reserved -= group.reserved_pages
+            group.reserved_pages = 0
+            self.output.complete(group)

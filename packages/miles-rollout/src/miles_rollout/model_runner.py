@@ -1,0 +1,141 @@
+"""The engine's model runner, SGLang's `ModelRunner`: the served model and the memory its forwards use, the KV store
+(and, with `enable_return_routed_experts`, the per-slot record of MoE routing: routed_experts.py), and the calls one
+engine step makes on them: the trunk's forward over the step's rows (`forward`), the logits of the rows to sample, and
+their sampling (`sample`: row_sampling.py, with a structured-output sample's grammar mask).
+
+It decides nothing about requests: the scheduler (scheduler.py) picks the rows and the pages they read and write, and
+hands what was sampled to the output stage (output.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch
+from miles_rollout.config import EngineConfig
+from miles_rollout.routed_experts import RoutedExperts
+from miles_rollout.row_sampling import Row, SampledRows, sample_rows
+
+if TYPE_CHECKING:
+    from miles_rollout.grammar import Grammars
+    from miles_rollout.sequence import Sequence
+
+# (sequence, its first row in the step's sampled rows, its draft tokens, whether it was decoding)
+Entry = tuple["Sequence", int, list[int], bool]
+
+
+class ModelRunner:
+    """`model` with its KV store of `config.num_kv_pages` pages (and one draft layer's when `has_draft`)."""
+
+    def __init__(
+        self, model: CausalLM, config: EngineConfig, kernel: KernelConfig, eos_ids: set[int],
+        grammars: Callable[[], Grammars], has_draft: bool,
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.device = config.device
+        self.page_size = kernel.page_size
+        self.query_tile = kernel.attention_query_tile
+        self.eos_ids = eos_ids
+        self.grammars = grammars
+        self.store = KVStore.allocate(
+            model.config, config.num_kv_pages, self.page_size, kernel.torch_dtype, config.device,
+            num_draft_layers=1 if has_draft else 0,
+        )  # fmt: skip
+        self.routed_experts: RoutedExperts | None = None
+        if config.enable_return_routed_experts:
+            self.routed_experts = RoutedExperts(model, config.num_kv_pages, self.page_size, config.device)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The KV store's tensors (the trunk's layers, then the draft's)."""
+        return [*self.store.k, *self.store.v]
+
+    def forward(
+        self, ids: list[int], query_lens: list[int], prefix_lens: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        """The trunk's forward over a step's rows (their K/V written to the store); the hidden states (rows, H)."""
+        batch = build_attention_batch(query_lens, prefix_lens, tables, self.page_size, self.query_tile, self.device)
+        hidden = self.model.forward_hidden(torch.tensor(ids, device=self.device), batch, self.store)
+        if self.routed_experts is not None:  # before the draft's forwards (their MoE layers are not the trunk's)
+            self.routed_experts.record(batch, self.model.last_routing())
+        return hidden
+
+    def forward_each(
+        self, chunks: list[tuple[int, list[int], int, list[int]]]
+    ) -> tuple[dict[int, BaseException], list[tuple[int, torch.Tensor]]]:
+        """A failed step's forward again, one chunk at a time (`chunks`: its request's key, token ids, prefix length
+        and page table): the requests whose own forward fails (key -> error; their later chunks are skipped), and each
+        other chunk's hidden states by index (the same bits in deterministic mode: every op is batch-invariant)."""
+        failed: dict[int, BaseException] = {}
+        kept: list[tuple[int, torch.Tensor]] = []
+        for k, (key, chunk, prefix_len, table) in enumerate(chunks):
+            if key in failed:
+                continue
+            try:
+                kept.append((k, self.forward(chunk, [len(chunk)], [prefix_len], [table])))
+            except Exception as error:
+                failed[key] = error
+        return failed, [(k, hidden) for k, hidden in kept if chunks[k][0] not in failed]
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The LM head's logits of `rows` of a step's hidden states."""
+        return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
+
+    def copy_page(self, source: int, targets: list[int]) -> None:
+        """Copy page `source`'s K/V (and recorded routing) into each page of `targets`: one copy per layer and K/V for
+        all of them."""
+        index = torch.tensor(targets, device=self.store.k[0].device)
+        for pages in (*self.store.k, *self.store.v):
+            pages[index] = pages[source].clone()
+        if self.routed_experts is not None:
+            self.routed_experts.copy_page(source, targets)
+
+    def sample(
+        self, logits: torch.Tensor, entries: list[Entry], failed: dict[int, tuple[Any, BaseException]]
+    ) -> list[SampledRows | None]:
+        """Each entry's sampled rows (its decode or verify rows), sampled as one batch; if that fails, entry by entry,
+        so that a request whose own sampling fails is failed alone (`failed`, by group id: its entries None) and the
+        others keep their tokens (the same bits: sampling is row by row)."""
+
+        def sample(chosen: list[Entry]) -> SampledRows:
+            row_index = [first + i for _, first, drafts, _ in chosen for i in range(len(drafts) + 1)]
+            rows = [Row(seq, drafts[:i]) for seq, _, drafts, _ in chosen for i in range(len(drafts) + 1)]
+            constrain = self.grammars().mask if any(row.seq.matcher is not None for row in rows) else None
+            return sample_rows(logits[torch.tensor(row_index, device=logits.device)], rows, self.eos_ids, constrain)
+
+        try:
+            whole = sample(entries)
+        except Exception as error:
+            if len({id(seq.group) for seq, *_ in entries}) == 1:
+                failed[id(entries[0][0].group)] = (entries[0][0].group, error)
+                return [None] * len(entries)
+            out: list[SampledRows | None] = []
+            for entry in entries:
+                try:
+                    out.append(sample([entry]))
+                except Exception as entry_error:
+                    failed[id(entry[0].group)] = (entry[0].group, entry_error)
+                    out.append(None)
+            return out
+        per_entry: list[SampledRows | None] = []
+        at = 0
+        for _, _, drafts, _ in entries:
+            end = at + len(drafts) + 1
+            per_entry.append(SampledRows(whole.tokens[at:end], whole.logprobs[at:end], whole.top[at:end]))
+            at = end
+        return per_entry
+
+    def routing_of(self, seq: Sequence) -> str | None:
+        """A finished sequence's recorded routing of positions [routed_experts_start_len, seqlen - 1) (SGLang's
+        range: the last token never went through a forward); None when the sequence no longer holds all of them
+        (aborted while it waited to be admitted again or recomputed its KV, as SGLang returns none for a request
+        aborted in its waiting queue)."""
+        assert self.routed_experts is not None
+        end = len(seq.tokens) - 1
+        if seq.num_computed < end:
+            return None
+        assert len(seq.pages) * self.page_size >= end
+        start = min(seq.group.routed_experts_start_len, end)
+        return self.routed_experts.gather(seq.pages, start, end)
