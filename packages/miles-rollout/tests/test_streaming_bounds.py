@@ -15,6 +15,7 @@ from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
 from miles_kernels import KernelConfig
 from miles_rollout import Engine, EngineConfig, InProcessClient, openai_api, streaming
 from miles_rollout import server as server_module
+from miles_rollout.openai_requests import CompletionRequest
 from miles_rollout.sequence import StreamDelta
 
 PROMPT = [4, 8, 15, 16, 23, 42]
@@ -158,7 +159,7 @@ def test_a_lagging_openai_stream_still_sends_every_token(engine) -> None:
     """The OpenAI stream of a reader that lagged (its events merged): the chunks' texts join into the final text,
     and every token's log-prob and text offset is sent once, in order."""
     n, length = 2, 120
-    body = openai_api.CompletionRequest(model="default", prompt=PROMPT, max_tokens=length, logprobs=1, n=n)
+    body = CompletionRequest(model="default", prompt=PROMPT, max_tokens=length, logprobs=1, n=n)
 
     async def lagging() -> tuple[list[dict], list[GenerateResponse]]:
         events = await engine.generate_stream(request(n, length, stop=["QQQQ"]))
