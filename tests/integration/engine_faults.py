@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample, SamplingParams
-from miles_orchestrator.cluster.ray import actors
+from miles_orchestrator.cluster.transport import file, http
 from miles_orchestrator.data.task import verify
 from miles_orchestrator.rollout.single_turn import single_turn
 from miles_trainer.losses import policy_loss
@@ -92,5 +92,5 @@ def _killing_after(write: Any) -> Any:
 
 # In the trainer ranks (which import the loss): the weight file is written, then the engine dies before it loads it
 # (shm, disk); the buckets start going out to an engine that dies (http).
-actors.write_shared_file = _killing_after(actors.write_shared_file)
-actors.post_buckets = _killing_first(actors.post_buckets)
+file.write_weight_file = _killing_after(file.write_weight_file)
+http.HttpRankSide.send_weight_buckets = _killing_first(http.HttpRankSide.send_weight_buckets)

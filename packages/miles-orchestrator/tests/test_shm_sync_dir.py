@@ -1,5 +1,5 @@
-"""Pure-logic tier (torch imported with weight_transport, never run; one plain Python subprocess): the shm
-transport's directory in /dev/shm is the driver's own.
+"""Pure-logic tier (torch imported with the transports, never run; one plain Python subprocess): the shm
+transport's directory in /dev/shm is the driver's own (cluster/transport/file.py).
 
 It is made 0700 whatever the umask, under a name with the driver's pid and 16 random hex digits, and refused when
 anything (a directory, a symlink) is there already; the kernel lock it holds tells a live run's directory from a
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_orchestrator.cluster import weight_transport
-from miles_orchestrator.cluster.weight_transport import SYNC_DIR_NAME, SharedMemoryDir, remove_stale_sync_dirs
+from miles_orchestrator.cluster.transport import file
+from miles_orchestrator.cluster.transport.file import SYNC_DIR_NAME, SharedMemoryDir, remove_stale_sync_dirs
 
 
 def test_the_directory_is_private_and_unpredictable(tmp_path: Path) -> None:
@@ -43,7 +43,7 @@ def test_the_directory_is_private_and_unpredictable(tmp_path: Path) -> None:
 def test_a_directory_or_symlink_planted_at_the_name_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
 ) -> None:
-    monkeypatch.setattr(weight_transport.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name guessed right
+    monkeypatch.setattr(file.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name guessed right
     path = tmp_path / f"miles-sync-{os.getpid()}-{'0' * 16}"
     elsewhere = tmp_path / "attacker"
     elsewhere.mkdir(mode=0o777)

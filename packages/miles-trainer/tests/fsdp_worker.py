@@ -267,15 +267,15 @@ def measure_host_peaks(backend: FSDP2Backend, out_dir: Path, checkpoint: Path) -
 
     file = out_dir / "weights.safetensors"
     is_writer = dist.get_rank() == 0
-    measured("weights_file_first", lambda: backend.write_weights(file, write=is_writer), sampling_gather)
-    measured("weights_file_streamed", lambda: backend.write_weights(file, write=is_writer), sampling_gather)
+    measured("weights_file_first", lambda: backend.weights.write_weights(file, write=is_writer), sampling_gather)
+    measured("weights_file_streamed", lambda: backend.weights.write_weights(file, write=is_writer), sampling_gather)
     miles_trainer.weight_sender._gathered = real_gathered
     bucket_bytes = 1 << 16
 
     held = [0]  # the encoded bucket the caller holds (Python bytes, which the census does not see)
     meter = PeakMeter(extra=lambda: held[0])
     longest = 0
-    for data in backend.iter_weight_buckets(version=1, bucket_bytes=bucket_bytes):
+    for data in backend.weights.iter_weight_buckets(version=1, bucket_bytes=bucket_bytes):
         held[0] = len(data)
         longest = max(longest, len(data))
         meter.sample()
@@ -305,18 +305,18 @@ def measure_host_peaks(backend: FSDP2Backend, out_dir: Path, checkpoint: Path) -
 def measure_buckets(backend: FSDP2Backend) -> dict[str, float]:
     bucket_bytes = 1 << 20
     model_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
-    for _ in backend.iter_weight_buckets(version=2, bucket_bytes=bucket_bytes):
+    for _ in backend.weights.iter_weight_buckets(version=2, bucket_bytes=bucket_bytes):
         pass  # warm-up: first-call allocations (lazy imports, caches) are not the sync's working memory
     baseline = rss_bytes()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
     sizes = []
 
-    for data in backend.iter_weight_buckets(version=3, bucket_bytes=bucket_bytes):
+    for data in backend.weights.iter_weight_buckets(version=3, bucket_bytes=bucket_bytes):
         sizes.append(len(data))
     peak_growth = rss_bytes("VmHWM") - baseline
     # Correctness, after the measurement: the decoded buckets hold exactly the full weights.
     assembler = BucketAssembler()
-    for data in backend.iter_weight_buckets(version=3, bucket_bytes=bucket_bytes):
+    for data in backend.weights.iter_weight_buckets(version=3, bucket_bytes=bucket_bytes):
         assembler.add(data)
     full = backend.full_state_dict()
     received = assembler.tensors

@@ -64,7 +64,7 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         if mode == "two-steps":
             export_hf(backend, os.path.join(out_dir, "hf"))
         state = backend.full_state_dict()
-        checksum = backend.weights_checksum()
+        checksum = backend.weights.checksum()
     gathered: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (rank, logprobs))
     if dist.get_rank() == 0:

@@ -1,5 +1,6 @@
-"""`write_weights_file`: the engine's weight file, created whole, then overwritten in place while its layout holds
-(checked against safetensors' own reader), and rewritten whole when the layout changes."""
+"""CPU numerics tier (one process): `write_weights_file`, the engine's weight file, created whole, then overwritten in
+place while its layout holds (checked against safetensors' own reader), and rewritten whole when the layout changes;
+`WeightSender`, a backend's weights as the engine receives them, from an FSDP2 model or Megatron's full tensors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from miles_kernels import KernelConfig, safetensors_layout
 from miles_kernels.testing import random_model, tiny_config
-from miles_trainer.weight_sender import export_tensors, write_weights_file
+from miles_trainer.weight_sender import WeightSender, export_tensors, write_weights_file
 
 
 def expected(model) -> dict[str, torch.Tensor]:
@@ -119,3 +120,60 @@ def test_glm_router_bias_is_sent_in_float32_and_the_engine_loads_it(tmp_path) ->
     assert torch.equal(engine.get_buffer(bias), tensors[bias])
     engine_side = weights_checksum(checkpoint_tensors(engine, mtp_copies=False).items())
     assert engine_side == weights_checksum(export_tensors(trainer))
+
+
+def test_the_sender_sends_what_the_export_model_holds_and_asks_for_it_every_call(tmp_path) -> None:
+    """Over a `CausalLM` (FSDP2's export model): the buckets, the file, the tensors and the checksum are the free
+    functions' own; the model is asked for on every call (an offloaded trainer refuses at once, not mid-stream)."""
+    from miles_kernels import decode_bucket, weights_checksum
+    from miles_trainer.weight_sender import iter_tensor_buckets, iter_weight_buckets
+
+    model = random_model(tiny_config("moe"), KernelConfig(dtype="bfloat16"), seed=5)
+    is_offloaded = [False]
+
+    def export_model():  # type: ignore[no-untyped-def]
+        if is_offloaded[0]:
+            raise RuntimeError("the trainer is offloaded")
+        return model
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    sender = WeightSender(export_model)
+    sent, want = sender.iter_weight_buckets(3, 4096), iter_weight_buckets(model, version=3, bucket_bytes=4096)
+    for data, expected_data in zip(sent, want, strict=True):  # the header's key order is the encoder's own
+        got, bucket = decode_bucket(data), decode_bucket(expected_data)
+        assert (got.version, got.index, got.count) == (bucket.version, bucket.index, bucket.count)
+        assert same(got.tensors, bucket.tensors)
+    pairs = zip(sender.iter_tensor_buckets(4096), iter_tensor_buckets(model, bucket_bytes=4096), strict=True)
+    assert all(same(a, b) for a, b in pairs)
+    tensors = sender.export_weights()
+    assert tensors.keys() == expected(model).keys()
+    assert all(torch.equal(tensors[k], v) for k, v in expected(model).items())
+    assert sender.checksum() == weights_checksum(expected(model).items())
+    file = tmp_path / "model.safetensors"
+    assert sender.write_weights(file) == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert_file_holds(file, expected(model))
+    is_offloaded[0] = True
+    with pytest.raises(RuntimeError, match="offloaded"):
+        sender.iter_weight_buckets(4, 4096)  # before any bucket is gathered
+
+
+def test_megatron_full_tensors_are_sent_each_in_its_dtype_of() -> None:
+    """Over Megatron's `ExportedWeights` (full float32 tensors): every tensor in `dtype_of` its name (the kernel dtype,
+    float32 for GLM-4.5's router bias), whichever way it is sent."""
+    from miles_kernels import checkpoint_tensors, decode_bucket, weights_checksum
+    from miles_trainer.megatron_state import ExportedWeights
+
+    model = random_model(tiny_config("glm"), KernelConfig(), seed=6)
+    exported = ExportedWeights(checkpoint_tensors(model, mtp_copies=False), KernelConfig(dtype="bfloat16"))
+    want = {name: tensor.detach().to(exported.dtype_of(name)) for name, tensor in exported.tensors.items()}
+    assert {t.dtype for t in want.values()} == {torch.bfloat16, torch.float32}
+    sender = WeightSender(lambda: exported)
+    tensors = sender.export_weights()
+    assert tensors.keys() == want.keys() and all(torch.equal(tensors[k], v) for k, v in want.items())
+    assert sender.checksum() == weights_checksum(want.items())
+    buckets = {}
+    for data in sender.iter_weight_buckets(1, 4096):
+        buckets |= decode_bucket(data).tensors
+    assert buckets.keys() == want.keys() and all(torch.equal(buckets[k], v) for k, v in want.items())

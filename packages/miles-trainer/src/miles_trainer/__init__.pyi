@@ -73,7 +73,7 @@ from .step import (
     resolve_loss_fn,
     token_advantages,
 )
-from .weight_sender import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+from .weight_sender import DEFAULT_BUCKET_BYTES, WeightSender, iter_weight_buckets
 
 __version__: str
 
@@ -102,6 +102,7 @@ __all__ = [
     "StepStats",
     "ValueHead",
     "ValueModel",
+    "WeightSender",
     "accumulate_policy_gradients",
     "accumulate_value_gradients",
     "add_is_metrics",

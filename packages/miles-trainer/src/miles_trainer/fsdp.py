@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, MappedSafetensors, MTPLayer, load_model, weights_checksum
+from miles_kernels import CausalLM, KernelConfig, MTPLayer, load_model
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
@@ -49,13 +49,7 @@ from miles_trainer.step import (
     has_update_signal,
     resolve_loss_fn,
 )
-from miles_trainer.weight_sender import (
-    DEFAULT_BUCKET_BYTES,
-    export_tensors,
-    iter_tensor_buckets,
-    iter_weight_buckets,
-    write_weights_file,
-)
+from miles_trainer.weight_sender import WeightSender
 
 
 def apply_activation_checkpointing(model: CausalLM) -> None:
@@ -199,7 +193,7 @@ class FSDP2Backend:
             grads=lambda: (p.grad for m in self._models() for p in m.parameters() if p.grad is not None),
         )  # fmt: skip
         self.memory.check_fits()
-        self._weights_file = MappedSafetensors()  # the engine's weight file, kept mapped between syncs
+        self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
 
     def _num_passes(self, samples: Sequence[Sample]) -> int:
         """Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank."""
@@ -418,39 +412,10 @@ class FSDP2Backend:
         })  # fmt: skip
         return metrics
 
-    def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
-        """The full weights as weight buckets (docs/architecture.md, "Weight sync"), a few buckets of extra host
-        memory at a time (every rank iterates to the end)."""
+    def _export_model(self) -> CausalLM:
+        """The model `self.weights` gathers the engine's weights from (the trainer must be onloaded)."""
         self._check_onloaded()
-        return iter_weight_buckets(self.model, version=version, bucket_bytes=bucket_bytes)
-
-    def iter_tensor_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
-        """The full weights bucket by bucket as {HF name: full CPU tensor in the kernel dtype}, for a broadcast to
-        engines over a weight-update group (every rank iterates to the end)."""
-        self._check_onloaded()
-        return iter_tensor_buckets(self.model, bucket_bytes=bucket_bytes)
-
-    def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
-        """Write the weights an engine loads (kernel dtype, HF names) as one safetensors file (created atomically,
-        then overwritten in place: `weight_sender.write_weights_file`); returns its tensor bytes. Every rank calls
-        it (the gathers are collectives); ranks with `write=False` only join them. The first write holds one full
-        copy of the weights in host memory; later ones stream one gathered tensor at a time into the file. A file
-        in /dev/shm stays mapped between calls (no page faults)."""
-        self._check_onloaded()
-        return write_weights_file(self.model, file, write, self._weights_file)
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The weights an engine receives (HF names, kernel dtype, full tensors on the CPU), for an engine in this
-        process to copy (`miles_rollout.Engine.weights.load_tensors`): no file, no bucket, one copy. A parameter
-        that needs no gather or cast comes back as itself: read it, never write it. Every rank calls it."""
-        self._check_onloaded()
-        return dict(export_tensors(self.model, fresh=False))
-
-    def weights_checksum(self) -> str:
-        """`miles_kernels.weights_checksum` of the weights an engine would receive (kernel dtype, HF names);
-        equal to the engine's after a sync when the bits match. Every rank calls it (the gathers are collectives)."""
-        self._check_onloaded()
-        return weights_checksum(export_tensors(self.model, fresh=False))
+        return self.model
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU under HF checkpoint names (tied embeddings once, an MTP module's copies of

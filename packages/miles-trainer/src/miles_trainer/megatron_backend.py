@@ -29,13 +29,7 @@ import torch
 import torch.distributed as dist
 
 from miles_contracts import Sample
-from miles_kernels import (
-    KernelConfig,
-    MappedSafetensors,
-    iter_checkpoint,
-    read_model_config,
-    weights_checksum,
-)
+from miles_kernels import KernelConfig, iter_checkpoint, read_model_config
 from miles_memory.config import MemoryConfig
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.logprobs import response_logprobs
@@ -63,12 +57,7 @@ from miles_trainer.step import (
     has_update_signal,
     resolve_loss_fn,
 )
-from miles_trainer.weight_sender import (
-    DEFAULT_BUCKET_BYTES,
-    iter_tensor_buckets,
-    iter_weight_buckets,
-    write_weights_file,
-)
+from miles_trainer.weight_sender import WeightSender
 
 
 def _check_device(device: str) -> None:
@@ -167,7 +156,7 @@ class MegatronBackend:
         self.step_count = 0
         self.critic_config: CriticConfig | None = None  # checkpoint.py reads these of either backend
         self.aux_params: list[torch.nn.Parameter] = []
-        self._weights_file = MappedSafetensors()
+        self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
         self._offloaded = False
 
     def _build(
@@ -402,25 +391,9 @@ class MegatronBackend:
         return full_hf_state(self.chunks, self.layouts, self.params, self.masters, self.device)
 
     def _export_model(self) -> ExportedWeights:
+        """The full HF tensors `self.weights` sends (gathered on every rank; the trainer must be onloaded)."""
         self._check_onloaded()
         return ExportedWeights(self.full_state_dict(), self.kernel)
-
-    def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
-        """The full weights as weight buckets (HF names, kernel dtype); every rank iterates to the end."""
-        return iter_weight_buckets(self._export_model(), version=version, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
-
-    def iter_tensor_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
-        return iter_tensor_buckets(self._export_model(), bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
-
-    def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
-        return write_weights_file(self._export_model(), file, write, self._weights_file)  # type: ignore[arg-type]
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        exported = self._export_model()
-        return {name: tensor.detach().to(exported.dtype_of(name)) for name, tensor in exported.tensors.items()}
-
-    def weights_checksum(self) -> str:
-        return weights_checksum(self.export_weights().items())
 
     # -- memory --------------------------------------------------------------------------------------------------
 

@@ -166,8 +166,9 @@ def _gather_stages(local: dict[str, torch.Tensor], device: torch.device) -> dict
 
 
 class ExportedWeights:
-    """Full HF tensors in the shape `weight_sender` reads from a model: parameters (cast to the kernel dtype) and
-    the float32 buffers an HF checkpoint holds (GLM-4.5's router bias)."""
+    """Full HF tensors in the shape `weight_sender` reads from a model (its `ExportModel`): parameters (cast to the
+    kernel dtype) and the buffers an HF checkpoint holds (GLM-4.5's router bias), in float32: every tensor is sent
+    in `dtype_of` its name."""
 
     BUFFERS = ("e_score_correction_bias",)
 
@@ -184,4 +185,6 @@ class ExportedWeights:
                 yield name, torch.nn.Parameter(tensor, requires_grad=False)
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from ((name, t) for name, t in self.tensors.items() if name.endswith(self.BUFFERS))
+        for name, tensor in self.tensors.items():
+            if name.endswith(self.BUFFERS):
+                yield name, tensor.to(self.dtype_of(name))

@@ -11,23 +11,45 @@ tensors, and its encoding (safetensors' buffer plus the Python `bytes` copied fr
 times the largest bucket in `tests/test_fsdp.py`. For an engine on the same node, `write_weights_file` writes the
 whole model as one safetensors file instead (the orchestrator puts it in /dev/shm): serialized whole the first time,
 then streamed into the same file one gathered tensor at a time.
+
+A backend exposes all of this as one `WeightSender` (`backend.weights`), built from its export model: FSDP2's
+`CausalLM` (its sharded parameters), Megatron's `ExportedWeights` (full tensors gathered over its model-parallel
+groups). The orchestrator's weight transports (`miles_orchestrator/cluster/transport/`) call nothing else.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import save_file
 
-from miles_kernels import CausalLM, MappedSafetensors, encode_bucket, in_shared_memory, plan_buckets
+from miles_kernels import (
+    KernelConfig,
+    MappedSafetensors,
+    encode_bucket,
+    in_shared_memory,
+    plan_buckets,
+    weights_checksum,
+)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
 
-def export_names(model: CausalLM) -> list[tuple[str, torch.Tensor]]:
+class ExportModel(Protocol):
+    """What the sender reads from a model: its kernel config (the engine's dtype), its parameters (sharded or whole)
+    and buffers under HF names. `miles_kernels.CausalLM` is one; Megatron's `ExportedWeights` another."""
+
+    @property
+    def kernel(self) -> KernelConfig: ...
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+def export_names(model: ExportModel) -> list[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, tensor) for every weight to send: the parameters (tied ones once, under the embedding's
     name, as the HF checkpoint stores them), then the buffers the checkpoint holds (GLM-4.5's float32
     `e_score_correction_bias`: frozen, but synced, saved and checksummed like a weight)."""
@@ -55,7 +77,7 @@ def _gathered(param: torch.Tensor, dtype: torch.dtype, fresh: bool = True) -> to
 
 
 def export_tensors(
-    model: CausalLM, dtype: torch.dtype | None = None, fresh: bool = True
+    model: ExportModel, dtype: torch.dtype | None = None, fresh: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor on CPU in the engine's dtype), gathered one tensor at a time (every rank iterates).
     `fresh=False`: a CPU parameter already in `dtype` comes back as itself, for a caller that only reads it."""
@@ -65,7 +87,7 @@ def export_tensors(
 
 
 def iter_weight_buckets(
-    model: CausalLM, *, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+    model: ExportModel, *, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
 ) -> Iterator[bytes]:
     """Yield the model's full weights as encoded buckets of about `bucket_bytes` each (a tensor larger than that
     gets a bucket of its own). `dtype`: what the engine runs in (default: the model's kernel dtype).
@@ -80,7 +102,7 @@ def iter_weight_buckets(
         yield data
 
 
-def bucket_plan(model: CausalLM, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
+def bucket_plan(model: ExportModel, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
     """The HF names of each bucket of a weight sync (`miles_kernels.plan_buckets` over the export sizes)."""
     dtype = dtype or model.kernel.torch_dtype
     sizes = [(name, param.numel() * export_dtype(param, dtype).itemsize) for name, param in export_names(model)]
@@ -88,7 +110,7 @@ def bucket_plan(model: CausalLM, bucket_bytes: int, dtype: torch.dtype | None = 
 
 
 def iter_tensor_buckets(
-    model: CausalLM, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+    model: ExportModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The model's full weights bucket by bucket (`bucket_plan`), each as {HF name: full CPU tensor in the engine's
     dtype}: what a broadcast over a weight-update group sends, one bucket gathered at a time. Every rank of a
@@ -100,7 +122,7 @@ def iter_tensor_buckets(
 
 
 def write_weights_file(
-    model: CausalLM, file: str | os.PathLike[str], write: bool = True, mapping: MappedSafetensors | None = None
+    model: ExportModel, file: str | os.PathLike[str], write: bool = True, mapping: MappedSafetensors | None = None
 ) -> int:
     """The model's full weights (HF names, kernel dtype) as one safetensors file: what an engine on the same node
     loads with `/update_weights_from_disk`. Every rank of a sharded model calls it (the gathers are collectives);
@@ -150,3 +172,42 @@ def _in_place_views(
     except (ValueError, OSError):  # not a readable safetensors file: rewrite it whole
         mapping.close()
         return None
+
+
+class WeightSender:
+    """A backend's weights as an engine receives them (HF names, kernel dtype; `backend.weights`): buckets, tensor
+    buckets for a broadcast, the engine's weight file, plain tensors, their checksum. `model` returns the export
+    model when asked (and raises while the trainer is offloaded). Every call is collective: every rank makes it and
+    consumes an iterator to the end (the gathers)."""
+
+    def __init__(self, model: Callable[[], ExportModel]) -> None:
+        self._model = model
+        self._weights_file = MappedSafetensors()  # the engine's weight file, kept mapped between syncs
+
+    def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
+        """The full weights as weight buckets (docs/architecture.md, "Weight sync"), a few buckets of extra host
+        memory at a time."""
+        return iter_weight_buckets(self._model(), version=version, bucket_bytes=bucket_bytes)
+
+    def iter_tensor_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+        """The full weights bucket by bucket as {HF name: full CPU tensor in the kernel dtype}, for a broadcast to
+        engines over a weight-update group."""
+        return iter_tensor_buckets(self._model(), bucket_bytes=bucket_bytes)
+
+    def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
+        """Write the weights an engine loads as one safetensors file (created atomically, then overwritten in place:
+        `write_weights_file`); returns its tensor bytes. Ranks with `write=False` only join the gathers. The first
+        write holds one full copy of the weights in host memory; later ones stream one gathered tensor at a time
+        into the file. A file in /dev/shm stays mapped between calls (no page faults)."""
+        return write_weights_file(self._model(), file, write, self._weights_file)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The weights an engine receives, full tensors on the CPU, for an engine in this process to copy
+        (`miles_rollout.Engine.weights.load_tensors`): no file, no bucket, one copy. A tensor that needs no gather
+        or cast comes back as itself: read it, never write it."""
+        return dict(export_tensors(self._model(), fresh=False))
+
+    def checksum(self) -> str:
+        """`miles_kernels.weights_checksum` of the weights an engine would receive; equal to the engine's after a
+        sync when the bits match."""
+        return weights_checksum(export_tensors(self._model(), fresh=False))

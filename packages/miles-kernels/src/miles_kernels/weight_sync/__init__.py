@@ -11,5 +11,5 @@ Every path carries Hugging Face names (tied embeddings once) in the engine's dty
 - `checksum`: the sha256 both sides report, compared after the version-0 sync.
 
 The sending side is `miles_trainer/weight_sender.py`, the receiving side `miles_rollout/weight_receiver.py`, and
-the choice of path for a run `miles_orchestrator/weight_transport.py`.
+the transports that join them, one file each, `miles_orchestrator/cluster/transport/`.
 """

@@ -7,6 +7,9 @@
 - `LocalCluster` (local.py, `run.cluster=local`): the engine and one trainer rank in the driver process,
   no Ray and no HTTP; the loop reaches the engine with `miles_rollout.InProcessClient`.
 
+Either cluster moves the weights through one `WeightTransport` (transport/: a file, HTTP buckets or a broadcast on
+Ray, `run.sync_transport`; an in-memory copy on the local cluster) and never asks which one it is.
+
 Colocated (`run.colocate`, the default): engine and trainer take turns. While the trainer works the engine has
 released its KV cache and weights (`release_memory_occupation`); while the engine works the trainer has offloaded
 parameters and optimizer state (`FSDP2Backend.offload`). Every trainer call goes to all ranks at once.

@@ -4,8 +4,8 @@ The loop's client of the engine is a `miles_rollout.InProcessClient`; trainer ca
 engine's own thread, between engine steps (`Engine.control`): every torch op of the run then runs on one thread,
 because a second thread that has run parallel ops keeps an OpenMP team of its own, and two teams on the same cores
 slowed both sides ~1.5-2x (measured). A weight sync is one in-memory copy of the trainer's weights into the
-engine's (`weight_transport.copy_in_process`), with no file or bucket in between. More trainer ranks need `run.cluster=
-ray`; the run config says so at start-up. See protocol.py for the interface.
+engine's (`transport/in_process.py`), with no file or bucket in between. More trainer ranks need `run.cluster=ray`;
+the run config says so at start-up. See protocol.py for the interface.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from miles_contracts import Sample
 from miles_orchestrator.cluster.protocol import CriticTargets
 from miles_orchestrator.cluster.settings import num_threads, trainer_settings
 from miles_orchestrator.cluster.trainer_rank import TrainerRank
-from miles_orchestrator.cluster.weight_transport import copy_in_process
+from miles_orchestrator.cluster.transport import InProcessTransport, WeightTransport
 from miles_orchestrator.config import RunConfig
 from miles_rollout import Engine, InProcessClient
 from miles_trainer import ensure_process_group
@@ -32,14 +32,13 @@ T = TypeVar("T")
 class LocalCluster:
     """An in-process `Engine` and `TrainerRank`; every call runs on the engine's thread."""
 
-    sync_method = "an in-process copy"
-
     def __init__(self, engine: Engine, owns_process_group: bool) -> None:
         self._engine = engine
         self.engine = InProcessClient(engine)
         self._owns_process_group = owns_process_group
         self.trainer: TrainerRank | None = None
         self.trainer_fingerprint = ""
+        self.transport: WeightTransport | None = None
 
     @classmethod
     async def start(cls, cfg: RunConfig, model_dir: str, run_dir: Path) -> LocalCluster:
@@ -51,6 +50,8 @@ class LocalCluster:
             settings = trainer_settings(cfg, run_dir)
             self.trainer = await self._on_engine(lambda: TrainerRank(model_dir, settings))
             self.trainer_fingerprint = await self._on_engine(self._trainer.fingerprint)
+            self.transport = InProcessTransport(engine, self._trainer.backend.weights, self._on_engine)
+            await self.transport.prepare()
         except BaseException:
             await self.shutdown()
             raise
@@ -60,6 +61,16 @@ class LocalCluster:
     def _trainer(self) -> TrainerRank:
         assert self.trainer is not None, "start() first"
         return self.trainer
+
+    @property
+    def _transport(self) -> WeightTransport:
+        assert self.transport is not None, "start() first"
+        return self.transport
+
+    @property
+    def sync_method(self) -> str:
+        """How weights reach the engine, for the log: the transport's description."""
+        return self._transport.description
 
     async def _on_engine(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread once no request is running; its exception comes back as raised (with
@@ -89,7 +100,7 @@ class LocalCluster:
         return await self._on_engine(lambda: self._trainer.compute_values(samples))
 
     async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        return await self._on_engine(lambda: copy_in_process(self._trainer, self._engine, version))
+        return await self._transport.send(version, bucket_bytes)
 
     async def trainer_checksum(self) -> str:
         return await self._on_engine(self._trainer.weights_checksum)
@@ -114,6 +125,8 @@ class LocalCluster:
         return {}
 
     async def shutdown(self) -> None:
+        if self.transport is not None:
+            await self.transport.close()
         self._engine.shutdown()
         if self._owns_process_group:
             import torch.distributed as dist

@@ -33,7 +33,7 @@ class Cluster(Protocol):
 
     @property
     def sync_method(self) -> str:
-        """How weights reach the engine, for the log."""
+        """How weights reach the engine, for the log: its `WeightTransport`'s description (transport/)."""
 
     async def train(
         self, samples: list[Sample], advantages: list[list[float]], old_logprobs: list[list[float]] | None,

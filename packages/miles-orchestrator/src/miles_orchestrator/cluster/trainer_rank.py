@@ -1,9 +1,9 @@
 """One trainer rank's share of the job: its backend (FSDP2 or Megatron, `trainer.backend.name`) and the calls the
 loop makes on it.
 
-The Ray cluster runs one per actor (ray/actors.py: `TrainerRankActor`, which adds the process group and the weight
-transfer to the engine); the local cluster runs one in the driver, on the engine's thread. Every call is collective:
-each rank makes it with its own share of the batch.
+The Ray cluster runs one per actor (ray/actors.py: `TrainerRankActor`, which adds the process group and this rank's
+part in the weight transport, transport/); the local cluster runs one in the driver, on the engine's thread. Every
+call is collective: each rank makes it with its own share of the batch.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class TrainerRank:
         return self.backend.compute_values(samples)
 
     def weights_checksum(self) -> str:
-        return self.backend.weights_checksum()
+        return self.backend.weights.checksum()
 
     def offload(self, room_for: int | None = None) -> int:
         return int(self.backend.offload(room_for=room_for))

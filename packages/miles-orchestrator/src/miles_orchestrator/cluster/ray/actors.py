@@ -3,10 +3,9 @@
 Each actor holds one process's share of the job; the driver (`loop.py`) talks to the engine over HTTP with
 `miles_rollout.Client`, exactly as it would talk to a standalone `miles-rollout serve` or an SGLang server, and to
 the trainer ranks through Ray calls that every rank receives together (their work is collective). Samples cross
-to the trainer as JSON dicts (`Sample.model_dump(mode="json")`); weights go from trainer rank 0 to the engine as a
-safetensors file in a shared-memory directory that the driver then tells the engine to load, when both are on one
-node (`run.sync_transport`), else as DESIGN.md buckets that rank 0 posts with its own `miles_rollout.Client`;
-never pickled by Miles.
+to the trainer as JSON dicts (`Sample.model_dump(mode="json")`); weights go from trainer rank 0 to the engines by the
+run's transport (cluster/transport/, `run.sync_transport`), whose part in each rank `weight_sync` calls: a file the
+engines load, buckets rank 0 posts with its own `miles_rollout.Client`s, or a broadcast; never pickled by Miles.
 """
 
 from __future__ import annotations
@@ -17,17 +16,16 @@ import ipaddress
 import os
 import socket
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig, WeightUpdateGroup, rendezvous_store
+from miles_kernels import KernelConfig, rendezvous_store
 from miles_orchestrator.cluster.protocol import CriticTargets
 from miles_orchestrator.cluster.settings import TrainerSettings
 from miles_orchestrator.cluster.trainer_rank import TrainerRank
-from miles_orchestrator.cluster.weight_transport import broadcast_buckets, post_buckets, write_shared_file
+from miles_orchestrator.cluster.transport import RankSide, rank_side
 from miles_rollout import Client, EngineConfig
 
 
@@ -117,11 +115,7 @@ class TrainerRankActor:
         set_threads(num_threads)
         self.rank, self.world_size = rank, world_size
         self.trainer: TrainerRank | None = None
-        # Rank 0's clients of the engines for bucket and broadcast syncs, kept across syncs on one event loop of
-        # this actor's thread (a new connection per sync costs ~30 ms).
-        self._loop = asyncio.new_event_loop()
-        self._clients: list[Client] = []
-        self._group: WeightUpdateGroup | None = None  # rank 0: the weight-update group it hosts (distributed)
+        self._weight_sync: RankSide | None = None  # this rank's part in the run's weight transport
 
     def node_id(self) -> str:
         return ray_node_id()
@@ -182,40 +176,25 @@ class TrainerRankActor:
     def compute_values(self, samples: list[dict[str, Any]]) -> list[list[float]]:
         return self._trainer.compute_values([Sample.model_validate(s) for s in samples])
 
-    def write_weights(self, directory: str) -> int:
-        """`weight_transport.write_shared_file` on this rank (rank 0 writes)."""
-        return write_shared_file(self._trainer, Path(directory), is_writer=self.rank == 0)
+    def open_weight_sync(self, transport: str) -> None:
+        """This rank's part in the run's weight transport (`run.sync_transport`, resolved; cluster/transport/), which
+        `weight_sync` calls from then on."""
+        trainer = self._trainer
+        self._weight_sync = rank_side(transport)(trainer.backend.weights, trainer.model_dir, self.rank)
 
-    def connect_engines(self, urls: list[str], admin_key: str) -> None:
-        """Rank 0 keeps a client of every engine (http and distributed syncs); other ranks only join the gathers."""
-        if self.rank == 0:
-            self._clients = [Client(url, api_key=admin_key, admin_key=admin_key, timeout=600) for url in urls]
-
-    def host_weight_group(self, address: str, port: int, world_size: int, group_name: str, backend: str) -> None:
-        """Rank 0: host the weight-update group at address:port as its rank 0 (blocks until every engine joined)."""
-        from miles_kernels import init_weight_update_group
-
-        self._group = init_weight_update_group(address, port, 0, world_size, group_name, backend)
-
-    def leave_weight_group(self) -> None:
-        """Rank 0: leave the weight-update group it hosts (an engine of it was restarted; a new group follows)."""
-        from miles_kernels import destroy_weight_update_group
-
-        if self._group is not None:
-            destroy_weight_update_group(self._group)
-            self._group = None
+    def weight_sync(self, call: str, *args: Any) -> Any:
+        """`call` on this rank's part in the weight transport: one of the calls its class declares (`CALLS`)."""
+        side = self._weight_sync
+        assert side is not None, "open_weight_sync() first"
+        if call not in side.CALLS:
+            raise ValueError(
+                f"{type(side).__name__} takes no weight-sync call {call!r}: it takes {', '.join(side.CALLS)}"
+            )
+        return getattr(side, call)(*args)
 
     def reachable_address(self, host: str) -> str:
         """The address the engines reach this rank at: loopback when they bind loopback, else this node's IP."""
         return node_address("0.0.0.0" if host != "127.0.0.1" else host)
-
-    def send_weight_buckets(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        """`weight_transport.post_buckets` on this rank (rank 0 posts to every engine)."""
-        return post_buckets(self._trainer, self._clients, self._loop, version, bucket_bytes)
-
-    def broadcast_weights(self, version: int, bucket_bytes: int, sglang: bool) -> dict[str, Any]:
-        """`weight_transport.broadcast_buckets` on this rank (rank 0 broadcasts to every engine)."""
-        return broadcast_buckets(self._trainer, self._group, self._clients, self._loop, version, bucket_bytes, sglang)
 
     def weights_checksum(self) -> str:
         return self._trainer.weights_checksum()

@@ -5,10 +5,14 @@ gives (`trainer.rank_resources`, `rollout.engine_resources`). The loop's one cli
 `EngineFleet` (fleet.py): generation through sglang-router when there are several, admin calls to each engine over
 HTTP, exactly as it would talk to `miles-rollout serve` or SGLang servers. See cluster/protocol.py for the interface.
 
+Weight sync is the run's one `WeightTransport` (cluster/transport/, `run.sync_transport` resolved from where the
+engines landed): the cluster prepares it, sends through it, retrying a sync an engine failure interrupted, and
+never asks which one it is.
+
 Engine failures (`rollout.fault_tolerance`, docs/fault-tolerance.md): an `EngineSupervisor` (engine_health.py)
-watches the engines; `restart_engine` replaces a dead or hung one on its bundle, loads the last synced weights (from
-the weight file for shm / disk, else copied from a healthy engine, the next sync reconnecting rank 0 and rebuilding
-the weight-update group), checks them against a healthy engine, brings it to the fleet's state (memory released,
+watches the engines; `restart_engine` replaces a dead or hung one on its bundle, has the transport load it with the
+last synced weights (`after_restart`: from the weight file, or copied from a healthy engine, the next sync
+reconnecting to it), checks them against a healthy engine, brings it to the fleet's state (memory released,
 generation paused) and re-adds it to the router. Trainer ranks that die or hang stop the run naming them
 (rank_health.py). `RUN_DIR/actors.json` lists each engine's URL, process id and node, and each trainer rank's process
 id and node.
@@ -22,7 +26,8 @@ import ipaddress
 import json
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -39,16 +44,7 @@ from miles_orchestrator.cluster.ray.placement import actor_class, cpu_sets, plac
 from miles_orchestrator.cluster.ray.rank_health import HEALTH_GROUP, collective
 from miles_orchestrator.cluster.ray.sglang import SGLangEngineActor
 from miles_orchestrator.cluster.settings import num_threads, trainer_settings
-from miles_orchestrator.cluster.weight_transport import (
-    NETWORK,
-    WEIGHT_GROUP,
-    SharedMemoryDir,
-    checkpoint_bytes,
-    remove_stale_sync_dirs,
-    resolve_transport,
-    sync_directory,
-    weight_group_backend,
-)
+from miles_orchestrator.cluster.transport import SyncContext, WeightTransport, make_transport
 from miles_orchestrator.config import RunConfig
 from miles_rollout import Client, RolloutClientError
 
@@ -63,27 +59,24 @@ class RayCluster:
         self.engine: EngineFleet
         self.trainer_fingerprint = ""
         self.data_parallel: list[tuple[int, int]] = []  # each rank's (data-parallel rank, size)
-        self.sync_method = ""
-        self.transport = ""
-        self.sync_dir: Path | None = None
-        self.shared_memory: SharedMemoryDir | None = None  # shm: the driver's private directory, sync_dir
-        self.group_backend = "gloo"  # the weight-update group's (distributed)
-        # distributed to SGLang engines with fault tolerance: each sync also writes the weights here, for a restarted
-        # engine to load (SGLang has no route to copy a peer's weights)
-        self.restart_dir: Path | None = None
+        self.transport: WeightTransport | None = None
         self.groups: list[Any] = []
         self.engine_actors: list[Any] = []
         self.trainers: list[Any] = []
         self.router: Router | None = None
         self.supervisor: EngineSupervisor | None = None
         self.last_version: int | None = None  # the weights the engines hold
-        # the weights the weight file holds (shm, disk; restart_dir): it moves ahead of last_version while a sync's
-        # engines load it
-        self.file_version: int | None = None
-        self._writing_file = asyncio.Lock()  # held while rank 0 writes the weight file: a restart waits to load it
-        self.bucket_bytes = 512 << 20  # the last sync's bucket size (a restarted engine copies a peer's in these)
-        self._restarted_since_sync: set[int] = set()
         self.log: Callable[[str], None] = print
+
+    @property
+    def sync_method(self) -> str:
+        """How weights reach the engines, for the log: the transport's description."""
+        return self._transport.description
+
+    @property
+    def _transport(self) -> WeightTransport:
+        assert self.transport is not None, "start() first"
+        return self.transport
 
     @classmethod
     async def start(
@@ -174,7 +167,7 @@ class RayCluster:
         actor = self.new_engine(engine)
         url = str(await asyncio.wait_for(actor.get_url.remote(), timeout=self.engine_start_s))
         client = Client(url, api_key=self.admin_key, admin_key=self.admin_key, timeout=600)
-        if self.last_version is None or await self._resync(engine, client):
+        if self.last_version is None or await self._transport.after_restart(engine, client):
             await self._check_restarted_weights(engine, client)
         if self.engine.released:
             await client.release_memory_occupation()
@@ -186,45 +179,6 @@ class RayCluster:
         self._write_actor_list()
         if self.router is not None:
             await self.router.add_worker(url)
-
-    async def _resync(self, engine: int, client: Client) -> bool:
-        """The restarted engine gets the version the others serve: from the weight file (shm, disk; distributed to
-        SGLang engines: the copy each sync writes to `restart_dir`), or copied bucket by bucket from a healthy engine
-        (http, distributed); with http and distributed the next sync then reconnects rank 0 to it, and rebuilds the
-        weight-update group. False when there was nothing to copy (the others' memory released, or being released
-        mid-copy): the next sync, right after training, sends it the weights."""
-        if self.transport in ("shm", "disk"):
-            weight_file = self.sync_dir
-        else:
-            self._restarted_since_sync.add(engine)
-            weight_file = self.restart_dir
-        if weight_file is not None:
-            async with self._writing_file:  # not a file half written by a sync under way
-                await client.update_weights_from_disk(str(weight_file), self.file_version)
-            return True
-        if self.engine.released:  # the others hold no weights now; the next sync (right after training) sends them
-            return False
-        peer = self._healthy_peer(engine)
-        if peer is None:
-            raise RuntimeError(
-                f"no healthy engine to copy the weights from: with run.sync_transport={self.transport} a restarted "
-                "engine copies them from another engine; use run.sync_transport=shm (one node) or disk (a shared "
-                "run.sync_dir), whose weight file re-syncs a lone engine"
-            )
-        index, count = 0, 1
-        while index < count:
-            try:
-                data, count = await peer.get_weight_bucket(index, self.bucket_bytes)
-            except RolloutClientError as error:
-                if error.status_code != HTTPStatus.CONFLICT:
-                    raise
-                # the peer released its weights since (the fleet is releasing for the trainer's turn): this engine
-                # is released with the others, and the next sync sends it the weights
-                self.log(f"rollout engine {engine}: its peer released its weights mid-copy; the next sync sends them")
-                return False
-            await client.update_weights_from_tensor(data)
-            index += 1
-        return True
 
     def _healthy_peer(self, engine: int) -> Client | None:
         """An engine other than `engine` that is not being restarted (None: there is none)."""
@@ -281,64 +235,17 @@ class RayCluster:
         (self.run_dir / "actors.json").write_text(json.dumps(listing, indent=2) + "\n")
 
     async def _setup_sync(self, cfg: RunConfig, model_dir: str, run_dir: Path) -> None:
-        """Pick the weight transport (`run.sync_transport`) from where the engines landed, and set it up."""
+        """Pick the weight transport (`run.sync_transport`) from where the engines landed, open its side on every
+        trainer rank, and set it up."""
         rank0_node = await self.trainers[0].node_id.remote()
         engine_nodes = await asyncio.gather(*(a.node_id.remote() for a in self.engine_actors))
-        same_node = all(node == rank0_node for node in engine_nodes)
-        num_engines = len(self.engine_actors)
-        sglang = cfg.rollout.backend == "sglang"
-        network = cfg.rollout.sglang.network_transports(cfg.run.colocate) if sglang else NETWORK
-        self.transport = resolve_transport(cfg.run.sync_transport, same_node, checkpoint_bytes(model_dir), num_engines,
-                                           network)  # fmt: skip
-        for stale in remove_stale_sync_dirs():
-            self.log(f"removed {stale}: the shm weight-sync directory of a run that died")
-        if self.transport == "shm":
-            self.shared_memory = SharedMemoryDir()
-            self.sync_dir = self.shared_memory.path
-        else:
-            self.sync_dir = sync_directory(self.transport, run_dir, cfg.run.sync_dir)
-        self.engine_host = cfg.rollout.engine_host
-        await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)
-        if self.transport == "distributed":
-            self.group_backend = weight_group_backend(sglang, cfg.trainer.backend.device)
-            if sglang and cfg.rollout.fault_tolerance.enabled:
-                self.restart_dir = sync_directory("disk", run_dir, cfg.run.sync_dir)
-            await self._join_weight_group()
-        where = {
-            "shm": f"shared memory ({self.sync_dir})",
-            "disk": f"a file in {self.sync_dir}",
-            "http": "HTTP buckets",
-            "distributed": f"a {self.group_backend} broadcast from trainer rank 0",
-        }[self.transport]
-        engines = "1 engine" if num_engines == 1 else f"{num_engines} engines"
-        nodes = ", ".join(node[:8] for node in engine_nodes)
-        self.sync_method = f"{where} (Ray node {rank0_node[:8]}) to {engines} (Ray nodes {nodes})"
-
-    async def _join_weight_group(self) -> None:
-        """Trainer rank 0 hosts the weight-update group (its rank 0); engine i joins it as rank i + 1."""
-        num_engines = len(self.engine.members)
-        address = await self.trainers[0].reachable_address.remote(self.engine_host)
-        port = await self.trainers[0].free_port.remote()
-        joins = [
-            member.init_weights_update_group(address, port, rank_offset=i + 1, world_size=num_engines + 1,
-                                             group_name=WEIGHT_GROUP, backend=self.group_backend)
-            for i, member in enumerate(self.engine.members)
-        ]  # fmt: skip
-        host = self.trainers[0].host_weight_group.remote(address, port, num_engines + 1, WEIGHT_GROUP,
-                                                         self.group_backend)  # fmt: skip
-        await asyncio.gather(host, *joins)
-
-    async def _reconnect_engines(self) -> None:
-        """After engine restarts, before the next sync: rank 0 gets clients of the new URLs, and (distributed) the
-        weight-update group, whose restarted members died with it, is rebuilt: the others leave it, rank 0 drops it,
-        everyone joins a new one."""
-        await self.trainers[0].connect_engines.remote(self.urls, self.admin_key)
-        if self.transport == "distributed":
-            leaving = [m for i, m in enumerate(self.engine.members) if i not in self._restarted_since_sync]
-            await asyncio.gather(*(m.destroy_weights_update_group(WEIGHT_GROUP) for m in leaving))
-            await self.trainers[0].leave_weight_group.remote()
-            await self._join_weight_group()
-        self._restarted_since_sync.clear()
+        context = SyncContext(
+            cfg, run_dir, RankCalls(self.trainers, self._collective), self.engine, lambda: list(self.urls),
+            self.admin_key, self._healthy_peer, self.log, rank0_node, list(engine_nodes),
+        )  # fmt: skip
+        self.transport = make_transport(context, model_dir)
+        await self._all("open_weight_sync", self.transport.name)
+        await self.transport.prepare()
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
         return await self._collective(method, [getattr(t, method).remote(*args) for t in self.trainers])
@@ -397,7 +304,6 @@ class RayCluster:
     async def _sync_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
         """Send the weights; a sync that fails while an engine fails is sent again once the engines are back (up to
         `SYNC_ATTEMPTS` times; an engine restarted meanwhile already holds the previous version)."""
-        self.bucket_bytes = bucket_bytes
         for attempt in range(1, SYNC_ATTEMPTS + 1):
             restarts = 0 if self.supervisor is None else len(self.supervisor.restarts)
             try:
@@ -405,9 +311,7 @@ class RayCluster:
                     # An engine that died since the last check (the router may have hidden it, retrying its
                     # requests on the others) is restarted now, not found halfway through a sync.
                     await self.supervisor.check_now()
-                if self._restarted_since_sync and self.transport in ("http", "distributed"):
-                    await self._reconnect_engines()
-                return await self._send_weights(version, bucket_bytes)
+                return await self._transport.send(version, bucket_bytes)
             except Exception as error:
                 if self.supervisor is None or attempt == SYNC_ATTEMPTS:
                     raise
@@ -417,25 +321,6 @@ class RayCluster:
                 self.log(f"weight sync v{version} failed while an engine failed ({type(error).__name__}); the engines "
                          f"are back, sending again (attempt {attempt + 1})")  # fmt: skip
         raise AssertionError("unreachable")
-
-    async def _send_weights(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        result: dict[str, Any]
-        if self.transport == "http":
-            result = (await self._all("send_weight_buckets", version, bucket_bytes))[0]
-        elif self.transport == "distributed":
-            result = (await self._all("broadcast_weights", version, bucket_bytes, self.backend == "sglang"))[0]
-            if self.restart_dir is not None:
-                async with self._writing_file:
-                    await self._all("write_weights", str(self.restart_dir))
-                    self.file_version = version
-        else:
-            assert self.sync_dir is not None
-            async with self._writing_file:
-                num_bytes = (await self._all("write_weights", str(self.sync_dir)))[0]
-                self.file_version = version
-            reply = await self.engine.update_weights_from_disk(str(self.sync_dir), version)
-            result = {**reply, "num_buckets": 1, "num_bytes": num_bytes}
-        return result
 
     async def trainer_checksum(self) -> str:
         result: str = (await self._all("weights_checksum"))[0]
@@ -474,5 +359,25 @@ class RayCluster:
         for group in self.groups:
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
-        if self.shared_memory is not None:
-            self.shared_memory.remove()
+        if self.transport is not None:
+            await self.transport.close()
+
+
+@dataclass(frozen=True)
+class RankCalls:
+    """The trainer rank actors as a transport calls them (`TrainerRanks`): `TrainerRankActor.weight_sync` on every
+    rank through `collective` (a rank that dies or hangs stops the run naming it), or on rank 0."""
+
+    trainers: list[Any]
+    collective: Callable[[str, list[Any]], Awaitable[list[Any]]]
+
+    async def all(self, call: str, *args: Any) -> list[Any]:
+        return await self.collective(call, [t.weight_sync.remote(call, *args) for t in self.trainers])
+
+    async def first(self, call: str, *args: Any) -> Any:
+        return await self.trainers[0].weight_sync.remote(call, *args)
+
+    async def rank0_address(self, engine_host: str) -> tuple[str, int]:
+        address = await self.trainers[0].reachable_address.remote(engine_host)
+        port = await self.trainers[0].free_port.remote()
+        return str(address), int(port)
