@@ -304,8 +304,8 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
     assert cfg.trainer.backend.megatron.tp == 2 and cfg.trainer.backend.name == "megatron"
     plan = read_run(cfg.model_dump(mode="json")).plan  # the planner plans the run's own layout
     assert (plan.trainer_backend, plan.tp, plan.distributed_optimizer) == ("megatron", 2, False)
-    with pytest.raises(ValueError, match=r"needs trainer\.backend\.device=cuda .* use trainer\.backend\.name=fsdp2"):
-        load_config(None, ["trainer.backend.name=megatron", "kernel.mode=fast"])
+    on_cpu = load_config(None, ["trainer.backend.name=megatron", "kernel.mode=fast"])  # the CPU device mode
+    assert (on_cpu.trainer.backend.device, on_cpu.run.cluster) == ("cpu", "ray")
     with pytest.raises(
         ValueError, match=r"kernel\.mode=deterministic: megatron-core's kernels .* set kernel\.mode=fast"
     ):

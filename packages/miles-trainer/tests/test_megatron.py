@@ -164,17 +164,25 @@ def test_the_backend_config_checks_the_layout() -> None:
 def test_megatron_refuses_the_pipeline_layouts_it_cannot_run() -> None:
     """The layer count must split into pp * vpp equal model chunks, and an MoE model's pipeline needs the alltoall
     token dispatcher (the allgather one takes no micro-batches of varying shapes)."""
-    from miles_trainer.megatron_model import transformer_config
+    from miles_trainer.megatron_model import stage_layers, transformer_config
 
-    with pytest.raises(ValueError, match="pp \\* vpp = 4 must divide the 2 decoder layers"):
+    with pytest.raises(ValueError, match="other 4 stage\\(s\\) cannot split the remaining 2 of 2 decoder layers"):
         transformer_config(tiny_config("dense"), MegatronConfig(pp=4))
-    with pytest.raises(ValueError, match="pp \\* vpp = 6 must divide the 4 decoder layers"):
-        transformer_config(tiny_config("dense", num_hidden_layers=4), MegatronConfig(pp=3, vpp=2))
+    with pytest.raises(ValueError, match="layers \\[1, 1, 1\\] do not each split into 2 model chunks"):
+        transformer_config(tiny_config("dense", num_hidden_layers=3), MegatronConfig(pp=3, vpp=2))
+    # uneven stages (Megatron-LM's --decoder-first / --decoder-last-pipeline-num-layers): the rest split evenly
+    assert stage_layers(7, MegatronConfig(pp=3, decoder_first_pipeline_num_layers=1,
+                                          decoder_last_pipeline_num_layers=2)) == [1, 4, 2]  # fmt: skip
+    assert stage_layers(6, MegatronConfig(pp=2, decoder_last_pipeline_num_layers=2)) == [4, 2]
+    with pytest.raises(ValueError, match="cannot split the remaining 5 of 6 decoder layers"):
+        stage_layers(6, MegatronConfig(pp=3, decoder_first_pipeline_num_layers=1))
+    with pytest.raises(ValueError, match="uneven stages need pp >= 2"):
+        BackendConfig(name="megatron", megatron=MegatronConfig(decoder_last_pipeline_num_layers=1))
     with pytest.raises(ValueError, match="needs moe_token_dispatcher=alltoall"):
         transformer_config(tiny_config("moe"), MegatronConfig(pp=2, moe_token_dispatcher="allgather"))
 
 
-def test_a_missing_extra_and_a_cpu_device_get_clear_errors(monkeypatch, tmp_path) -> None:
+def test_a_missing_extra_and_an_unknown_device_get_clear_errors(monkeypatch, tmp_path) -> None:
     import importlib.util
 
     from miles_kernels import KernelConfig
@@ -190,8 +198,8 @@ def test_a_missing_extra_and_a_cpu_device_get_clear_errors(monkeypatch, tmp_path
     monkeypatch.setattr(importlib.util, "find_spec", real)
     save_model(random_model(tiny_config("dense")), tmp_path / "model")
     with one_rank_group(tmp_path / "pg"):
-        with pytest.raises(RuntimeError, match="needs CUDA"):
-            MegatronBackend(tmp_path / "model", KernelConfig(), config=BackendConfig(name="megatron"))
+        with pytest.raises(RuntimeError, match="runs on cuda, or on cpu"):
+            MegatronBackend(tmp_path / "model", KernelConfig(), config=BackendConfig(name="megatron", device="mps"))
         with pytest.raises(NotImplementedError, match="context parallelism"):
             MegatronBackend(tmp_path / "model", KernelConfig(),
                             config=BackendConfig(name="megatron", megatron=MegatronConfig(cp=2)))  # fmt: skip
@@ -257,9 +265,10 @@ def fsdp_steps(tmp_path_factory) -> dict:
     ("kind", "world", "layout"),
     [("dense", 1, {}), ("dense", 2, {"tp": 2}), ("dense", 2, {}), ("moe", 2, {"ep": 2}),
      ("glm", 4, {"ep": 2, "etp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
+     ("dense6", 3, {"pp": 3, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}),
      ("moe", 4, {"pp": 2, "ep": 2, "moe_token_dispatcher": "alltoall"})],
     ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense6-pp3-vpp2",
-         "moe-pp2-ep2-dp2-tied"],
+         "dense6-pp3-uneven-1-4-1", "moe-pp2-ep2-dp2-tied"],
 )  # fmt: skip
 def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: dict, fsdp_steps, tmp_path) -> None:
     from test_fsdp import run_ranks

@@ -56,8 +56,8 @@ def _c(tag: str, name: str, value: float, formula: str = "") -> Component:
 def trainer_terms(
     shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_gpus: int, notes: list[str]
 ) -> TrainerTerms:
-    if run.plan.trainer_backend == "megatron":
-        return _megatron(shape, run, train_gpus, hw.nccl_channels, notes)
+    if run.plan.trainer_backend == "megatron":  # on a CPU: num_ranks gloo ranks (the backend's CPU device mode)
+        return _megatron(shape, run, run.num_ranks if hw.is_cpu else train_gpus, hw.nccl_channels, notes)
     return _fsdp2(shape, run, train_gpus)
 
 
@@ -192,6 +192,7 @@ def _megatron(shape: ModelShape, run: RunInputs, gpus: int, channels: int, notes
         if run.critic == "separate":
             acts += activation_bytes(shape, tokens, act_b, run.recompute, in_flight, p.tp, has_logits=False)
         groups = [p.tp, p.pp, dp, p.ep, p.etp, edp]
+        a2a_peers = p.ep - 1 if channels else 0
         terms.train = [
             *state,
             _c(
@@ -200,7 +201,8 @@ def _megatron(shape: ModelShape, run: RunInputs, gpus: int, channels: int, notes
                 acts,
             ),
             _c("comm", "MoE dispatch buffers", dispatch_bytes(shape, tokens / p.tp, act_b)),
-            _c("comm", "NCCL buffers of tp/pp/dp/ep/etp/edp groups", nccl_bytes(groups, channels, p.ep - 1)),
+            # gloo (channels 0 on a CPU) keeps no buffers of its own
+            _c("comm", "NCCL buffers of tp/pp/dp/ep/etp/edp groups", nccl_bytes(groups, channels, a2a_peers)),
         ]
         total = sum(c.bytes for c in terms.train)
         if total > best_bytes:

@@ -200,10 +200,8 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
     p = run.plan
     if run.dtype not in DTYPE_BYTES:
         raise ValueError(f"kernel.dtype {run.dtype!r} is not one of float32, bfloat16, float16")
-    if hw.is_cpu and (p.trainer_backend == "megatron" or p.rollout_engine == "sglang"):
-        raise ValueError(
-            "cpu plans Miles' own backends only: set trainer.backend.name=fsdp2 and rollout.backend=embedded"
-        )
+    if hw.is_cpu and p.rollout_engine == "sglang":
+        raise ValueError("cpu plans the embedded engine only (SGLang runs on GPUs): set rollout.backend=embedded")
     for name, size in (("ep", p.ep), ("rollout_ep", p.rollout_ep)):
         if size > 1 and (not shape.is_moe or shape.num_experts % size):
             raise ValueError(f"{name}={size} does not divide the model's {shape.num_experts} experts: lower {name}")

@@ -155,6 +155,13 @@ class PolicyLossConfig(_Config):
         "sample (DeepSeek-V3, GLM-4.5), 'none' (the RL default: the router moves with the policy loss only).",
     )
     moe_aux_loss_coef: float = Field(default=1e-3, ge=0, description="Weight of moe_aux_loss when it is on.")
+    moe_z_loss_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the MoE router z-loss (ST-MoE; Megatron-Core's moe_z_loss_coeff): per MoE layer the "
+        "mean over tokens of logsumexp(router logits)^2, summed over MoE layers, reported as moe_z_loss; it keeps "
+        "the router logits small. 0: off.",
+    )
 
     @model_validator(mode="after")
     def _is_bounds(self) -> PolicyLossConfig:
@@ -231,6 +238,19 @@ class MegatronConfig(_Config):
         description="Virtual pipeline stages (model chunks) per PP rank, for the interleaved "
         "schedule (needs pp >= 3); null: one.",
     )
+    decoder_first_pipeline_num_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Decoder layers of the first pipeline stage (it also holds the embedding), for uneven stages "
+        "(Megatron-LM's --decoder-first-pipeline-num-layers); null: the even share. The other stages split the "
+        "rest evenly.",
+    )
+    decoder_last_pipeline_num_layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Decoder layers of the last pipeline stage (it also holds the output layer, the loss and the "
+        "MTP modules), for uneven stages (Megatron-LM's --decoder-last-pipeline-num-layers); null: the even share.",
+    )
     ep: int = Field(default=1, ge=1, description="Expert-parallel size (divides the number of experts).")
     etp: int | None = Field(
         default=None, ge=1, description="Expert tensor-parallel size; null: 1 (experts whole on each EP rank)."
@@ -281,6 +301,16 @@ class BackendConfig(_Config):
             raise ValueError(
                 "megatron.etp > 1 needs ep > 1: with ep = 1 megatron-core reduces the experts' gradients as dense "
                 "parameters over the data-parallel ranks, which hold different expert shards"
+            )
+        uneven = {k: v for k, v in (("decoder_first_pipeline_num_layers", layout.decoder_first_pipeline_num_layers),
+                                    ("decoder_last_pipeline_num_layers", layout.decoder_last_pipeline_num_layers))
+                  if v is not None}  # fmt: skip
+        if uneven and layout.pp < 2:
+            raise ValueError(f"megatron.{' and '.join(uneven)} set with pp={layout.pp}: uneven stages need pp >= 2")
+        if len(uneven) == 2 and layout.pp == 2:
+            raise ValueError(
+                "megatron.decoder_first_pipeline_num_layers and decoder_last_pipeline_num_layers with pp=2: the two "
+                "stages are the first and the last, so set one of them (the other stage holds the rest)"
             )
         if (layout.vpp or 1) > 1 and layout.pp < 3:
             raise ValueError(

@@ -13,8 +13,8 @@ global batch's token counts, as in FSDP2), then `finalize_model_grads` (sequence
 two pipeline copies). The optimizer is torch's fused AdamW over float32 masters of each rank's shards, with the
 global gradient norm computed over the model-parallel ranks (each TP-replicated tensor counted once).
 
-Checkpoints and the full HF tensors engines get are `megatron_state.py`'s. Megatron-core's forward needs CUDA: on a
-CPU the backend runs only inside `megatron_on_cpu()` (the tests).
+Checkpoints and the full HF tensors engines get are `megatron_state.py`'s. On a CPU device (gloo groups) every call
+runs in `megatron_cpu.device_mode`, which stands in for megatron-core's CUDA-only bookkeeping (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from miles_memory.config import MemoryConfig
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.logprobs import response_logprobs
 from miles_trainer.megatron_convert import RankLayout, hf_to_megatron, rank_entries
-from miles_trainer.megatron_cpu import cpu_emulation_active
+from miles_trainer.megatron_cpu import device_mode, in_device_mode
 from miles_trainer.megatron_model import (
     MegatronCausalLM,
     build_gpt_model,
@@ -61,15 +61,13 @@ from miles_trainer.weight_sender import WeightSender
 
 
 def _check_device(device: str) -> None:
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise RuntimeError("trainer.backend.device=cuda but CUDA is not available on this machine")
-        return
-    if not cpu_emulation_active():
+    kind = device.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.backend.device=cuda but CUDA is not available on this machine")
+    if kind not in ("cuda", "cpu"):
         raise RuntimeError(
-            f"trainer.backend.name=megatron needs CUDA (megatron-core's forward runs on CUDA devices), and "
-            f"trainer.backend.device={device!r}: set device=cuda on a GPU machine, or use trainer.backend.name=fsdp2, "
-            "which trains on CPUs too"
+            f"trainer.backend.device={device!r}: the Megatron backend runs on cuda, or on cpu (its CPU device mode, "
+            "gloo groups: development and CI)"
         )
 
 
@@ -125,6 +123,14 @@ class MegatronBackend:
         self.device = torch.device(self.config.device)
         self.max_tokens = self.config.max_tokens_per_micro_batch
         self.model_config = read_model_config(model_dir)
+        with device_mode(self.device):
+            self._build_chunks(model_dir, layout, keep_reference)
+        self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
+        self._offloaded = False
+
+    def _build_chunks(self, model_dir: str | os.PathLike[str], layout: Any, keep_reference: bool | None) -> None:
+        """Megatron's process groups, this rank's model chunks (and their frozen reference copies), the float32
+        masters and AdamW."""
         init_parallel(layout)
         chunks = virtual_stages(layout)
         # this rank's layout of each of its model chunks (one per virtual pipeline stage; one without)
@@ -156,8 +162,6 @@ class MegatronBackend:
         self.step_count = 0
         self.critic_config: CriticConfig | None = None  # checkpoint.py reads these of either backend
         self.aux_params: list[torch.nn.Parameter] = []
-        self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
-        self._offloaded = False
 
     def _build(
         self, model_dir: str | os.PathLike[str], chunk: int, train: bool
@@ -225,6 +229,7 @@ class MegatronBackend:
     # -- the step --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
+    @in_device_mode
     def compute_logprobs(self, samples: Sequence[Sample], reference: bool = False) -> list[list[float]]:
         """Log-probs of each sample's response tokens under the current (or the reference) weights, on every rank
         (computed on the last pipeline stage, sent to the others)."""
@@ -250,6 +255,7 @@ class MegatronBackend:
     def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
         raise ValueError("the Megatron backend has no critic yet (PPO with a value model runs on fsdp2)")
 
+    @in_device_mode
     def train_step(
         self,
         samples: Sequence[Sample],
@@ -359,6 +365,7 @@ class MegatronBackend:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
+    @in_device_mode
     def write_checkpoint(self, directory: Path) -> dict[str, Any]:
         """Model and optimizer with megatron-core's `dist_checkpointing` into `directory` (every rank calls it);
         returns what `trainer_state.json` records of them (`checkpoint.save_checkpoint` does the rest)."""
@@ -373,6 +380,7 @@ class MegatronBackend:
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         return {"backend": "megatron", "megatron": layout, "adam_step": step, "adam_lrs": lrs}
 
+    @in_device_mode
     def read_checkpoint(self, path: Path, saved: dict[str, Any]) -> None:
         """Load what `write_checkpoint` wrote (any TP / PP / EP / ETP / DP layout: dist_checkpointing reshards)."""
         if saved.get("backend") != "megatron":
@@ -384,6 +392,7 @@ class MegatronBackend:
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
+    @in_device_mode
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full float32 tensors on the CPU under HF checkpoint names (tied embeddings once), identical on every rank:
         each tensor's shards gathered over its TP / ETP group, experts over the EP group, then the pipeline stages'
@@ -411,6 +420,7 @@ class MegatronBackend:
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     yield state, key
 
+    @in_device_mode
     def offload(self, room_for: int | None = None) -> int:
         """Free the device memory of the weights, the reference copy, AdamW's state and the gradient buffers while
         the engine works (to pinned host memory on CUDA); returns the bytes freed on this rank. Everything moves
@@ -440,6 +450,7 @@ class MegatronBackend:
         buffers = [b for chunk in self.chunks for b in chunk.gpt_ddp.buffers + chunk.gpt_ddp.expert_parallel_buffers]
         return int(sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers))
 
+    @in_device_mode
     def onload(self) -> int:
         """Bring back what `offload()` freed; returns the bytes restored on this rank."""
         if not self._offloaded:

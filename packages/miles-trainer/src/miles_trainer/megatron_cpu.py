@@ -1,31 +1,36 @@
-"""`megatron_on_cpu()`: run megatron-core's local-implementation modules on the CPU, for the CPU tests of the
-Megatron backend (docs/megatron.md, "Testing on a CPU"). Not a training path: the backend refuses a CPU device
-outside this context.
+"""The Megatron backend's CPU device mode (`trainer.backend.device=cpu`, docs/megatron.md "On a CPU"): megatron-core's
+local-implementation modules, its schedules, dispatchers and `dist_checkpointing` run on the CPU over gloo, for
+development, CI and a laptop-sized rehearsal of a cluster layout. The arithmetic is megatron-core's own, unchanged.
 
 megatron-core 0.16 assumes CUDA in places that are not arithmetic: RoPE moves its frequencies to
 `torch.cuda.current_device()`, attention enters the CUDA RNG tracker's fork (for dropout, 0 here), the MoE router
 tests a Transformer Engine symbol that is undefined without Transformer Engine (a NameError), a checkpoint save and
 the pipeline's send / receive call `torch.cuda.synchronize()`, the pipeline schedules count tokens in a
 `torch.zeros(..., device="cuda")`, a tied model's last pipeline stage moves its copy of the embedding with
-`.cuda()`, and the alltoall token dispatcher copies its split sizes to the host on a side CUDA stream. Inside the
-context the device lookup answers "cpu", the fork and the synchronize are no-ops, the symbol is None, a tensor
-asked for on "cuda" is made on the CPU, `.cuda()` leaves a CPU tensor where it is, streams and their events are
-stand-ins that do nothing, and the dispatcher's host copy is the identity (as a NumPy array where it asks for one);
-the modules' arithmetic is megatron-core's own, unchanged.
+`.cuda()`, and the alltoall token dispatcher copies its split sizes to the host on a side CUDA stream. Inside
+`megatron_on_cpu()` the device lookup answers "cpu", the fork and the synchronize are no-ops, the symbol is None, a
+tensor asked for on "cuda" is made on the CPU, `.cuda()` leaves a CPU tensor where it is, streams and their events
+are stand-ins that do nothing, and the dispatcher's host copy is the identity (as a NumPy array where it asks for
+one).
+
+`MegatronBackend` on a CPU device enters the context around each of its calls (building the model, a step, the
+log-probs, a checkpoint, a weight export, offload / onload) and leaves it after, so nothing outside the backend
+sees the stand-ins; the context nests (a call inside a call, or a test that holds it around the backend).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
-_ACTIVE = [False]
+_DEPTH = [0]  # how many `megatron_on_cpu()` contexts are open (the outermost one installs and restores)
 
 
 def cpu_emulation_active() -> bool:
     """Whether `megatron_on_cpu()` is in force."""
-    return _ACTIVE[0]
+    return _DEPTH[0] > 0
 
 
 class _Stream:
@@ -49,7 +54,15 @@ _CURRENT_STREAM = _Stream()
 
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
-    """Let megatron-core modules run forward and backward on the CPU until the context exits."""
+    """Let megatron-core modules run forward and backward on the CPU until the context exits (nested contexts are
+    one: the outermost restores torch)."""
+    if _DEPTH[0]:
+        _DEPTH[0] += 1
+        try:
+            yield
+        finally:
+            _DEPTH[0] -= 1
+        return
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import torch
@@ -81,10 +94,29 @@ def megatron_on_cpu() -> Iterator[None]:
     saved = [(owner, name, getattr(owner, name, None)) for owner, name, _ in replacements]
     for owner, name, value in replacements:
         setattr(owner, name, value)
-    _ACTIVE[0] = True
+    _DEPTH[0] = 1
     try:
         yield
     finally:
-        _ACTIVE[0] = False
+        _DEPTH[0] = 0
         for owner, name, value in saved:
             setattr(owner, name, value)
+
+
+def device_mode(device: str | Any) -> contextlib.AbstractContextManager[None]:
+    """The context a Megatron backend on `device` runs its calls in: `megatron_on_cpu()` on a CPU, none on CUDA."""
+    return megatron_on_cpu() if str(device).split(":")[0] == "cpu" else contextlib.nullcontext()
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def in_device_mode(method: Method) -> Method:
+    """Run a backend method (of an object with `.device`) in `device_mode(self.device)`."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with device_mode(self.device):
+            return method(self, *args, **kwargs)
+
+    return cast(Method, call)

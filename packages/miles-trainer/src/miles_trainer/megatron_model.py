@@ -68,15 +68,44 @@ def init_parallel(config: MegatronConfig) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
+def stage_layers(num_layers: int, config: MegatronConfig) -> list[int]:
+    """The decoder layers of each pipeline stage: `decoder_first_pipeline_num_layers` / `..._last_...` where set,
+    the rest split evenly over the other stages (megatron-core's uneven split); ValueError naming what does not
+    divide (each stage's layers must also split into `vpp` equal model chunks)."""
+    first, last = config.decoder_first_pipeline_num_layers, config.decoder_last_pipeline_num_layers
+    chunks = virtual_stages(config) or 1
+    middle_stages = config.pp - (first is not None) - (last is not None)
+    middle = num_layers - (first or 0) - (last or 0)
+    if middle < 0 or (middle_stages == 0 and middle) or (middle_stages and (middle % middle_stages or not middle)):
+        raise ValueError(
+            f"megatron pp={config.pp} with decoder_first_pipeline_num_layers={first}, "
+            f"decoder_last_pipeline_num_layers={last}: the other {middle_stages} stage(s) cannot split the remaining "
+            f"{middle} of {num_layers} decoder layers evenly (each needs at least one)"
+        )
+    per_stage = middle // middle_stages if middle_stages else 0
+    layers = [per_stage] * config.pp
+    if first is not None:
+        layers[0] = first
+    if last is not None:
+        layers[-1] = last
+    if any(count % chunks for count in layers):
+        raise ValueError(
+            f"megatron pp * vpp = {config.pp} * {chunks}: the stages' decoder layers {layers} do not each split into "
+            f"{chunks} model chunks of equal size; change vpp, the stage sizes, or pp"
+        )
+    return layers
+
+
 def rank_layout(model: ModelConfig, config: MegatronConfig, vp_stage: int | None = None) -> RankLayout:
     """This rank's place in the layout, for its model chunk `vp_stage` (0 .. vpp - 1 with virtual pipeline stages;
     Megatron's process groups must be initialized: `init_parallel`)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     transformer = transformer_config(model, config)
     chunks = virtual_stages(config) or 1
-    per_chunk = model.num_hidden_layers // (config.pp * chunks)
+    per_chunk = get_num_layers_to_build(transformer, vp_stage=vp_stage) if config.pp > 1 else model.num_hidden_layers
     first = get_transformer_layer_offset(transformer, vp_stage=vp_stage) if config.pp > 1 else 0
     virtual = {"ignore_virtual": chunks == 1, "vp_stage": vp_stage}
     return RankLayout(
@@ -113,12 +142,7 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
             "an MoE model with megatron.pp > 1 needs moe_token_dispatcher=alltoall: the pipeline sends packed "
             "micro-batches of varying shapes, which megatron-core's allgather dispatcher does not take"
         )
-    chunks = config.pp * (virtual_stages(config) or 1)
-    if model.num_hidden_layers % chunks:
-        raise ValueError(
-            f"pp * vpp = {chunks} must divide the {model.num_hidden_layers} decoder layers (each model chunk holds "
-            "as many)"
-        )
+    stage_layers(model.num_hidden_layers, config)  # a clear error for a split megatron-core would refuse
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_hidden_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_key_value_heads,
@@ -129,6 +153,8 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
         virtual_pipeline_model_parallel_size=virtual_stages(config), context_parallel_size=config.cp,
+        num_layers_in_first_pipeline_stage=config.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=config.decoder_last_pipeline_num_layers,
         expert_model_parallel_size=config.ep, expert_tensor_parallel_size=config.etp or 1,
         sequence_parallel=config.sequence_parallel, use_cpu_initialization=True,
         variable_seq_lengths=config.pp > 1,  # packed micro-batches differ in shape: stages send theirs first

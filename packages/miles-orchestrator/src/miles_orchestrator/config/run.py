@@ -77,11 +77,6 @@ class RunConfig(Section):
         if self.trainer.backend.name != "megatron":
             return
         backend = self.trainer.backend
-        if not backend.device.startswith("cuda"):
-            raise ValueError(
-                "trainer.backend.name=megatron needs trainer.backend.device=cuda (megatron-core's forward runs on "
-                "CUDA); on a CPU use trainer.backend.name=fsdp2"
-            )
         if self.kernel.is_deterministic:
             raise ValueError(
                 "trainer.backend.name=megatron with kernel.mode=deterministic: megatron-core's kernels are not the "
