@@ -77,8 +77,9 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(python=PYTHON)
 def integration(session: nox.Session) -> None:
-    """Cross-package tests under tests/integration (real servers, a real Ray cluster on this machine)."""
-    _sync(session, "--all-packages", "--group", "test")
+    """Cross-package tests under tests/integration (real servers, a real Ray cluster on this machine; the Megatron
+    trainer's run on CPU ranks, hence the megatron extra)."""
+    _sync(session, "--all-packages", "--group", "test", "--extra", "megatron")
     _pytest(session, "tests/integration", "-m", "not gpu")
 
 

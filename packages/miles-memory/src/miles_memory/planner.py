@@ -257,7 +257,8 @@ def _plan(run: RunInputs, hw: HardwareProfile) -> MemoryPlan:
     """The plan without levers."""
     shape, source = resolve_model(run.model_path, run.plan.model)
     gpus, train_gpus, rollout_gpus = _gpus(run, hw)
-    _check_layout(shape, run, hw, train_gpus, rollout_gpus)
+    # a CPU host runs trainer.num_ranks gloo ranks: Megatron's layout splits those
+    _check_layout(shape, run, hw, run.num_ranks if hw.is_cpu else train_gpus, rollout_gpus)
     p = run.plan
     notes: list[str] = []
     capacity = hw.capacity_bytes if run.limit_bytes is None else min(hw.capacity_bytes, run.limit_bytes)
@@ -346,9 +347,10 @@ def _layout(run: RunInputs, gpus: int, train_gpus: int, rollout_gpus: int) -> di
     p = run.plan
     out: dict[str, Any] = {"trainer_backend": p.trainer_backend, "colocate": run.colocate}
     if p.trainer_backend == "megatron":
-        dp = train_gpus // (p.tp * p.pp * p.cp)
+        ranks = run.num_ranks if gpus == 1 else train_gpus  # a CPU host: trainer.num_ranks gloo ranks
+        dp = ranks // (p.tp * p.pp * p.cp)
         out |= {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, "ep": p.ep, "etp": p.etp}
-        out["edp"] = train_gpus // (p.etp * p.ep * p.pp)
+        out["edp"] = ranks // (p.etp * p.ep * p.pp)
         out["distributed_optimizer"] = p.distributed_optimizer
     else:
         out["fsdp"] = run.num_ranks if gpus == 1 else train_gpus
