@@ -310,8 +310,14 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
         ValueError, match=r"kernel\.mode=deterministic: megatron-core's kernels .* set kernel\.mode=fast"
     ):
         load_config(None, gpus)
-    with pytest.raises(ValueError, match=r"does not support trainer\.routing_replay=rollout yet"):
-        load_config(None, [*fast, "trainer.routing_replay=rollout"])
+    replayed = load_config(None, [*fast, "trainer.routing_replay=rollout", "trainer.loss.moe_aux_loss=seq_aux_loss"])
+    assert replayed.trainer.routing_replay == "rollout"  # megatron-core's routers replay and train the balance
+    ppo = load_config(None, [*fast, "trainer.advantage_estimator=gae", "spec.mode=online"])  # critic, MTP online
+    assert ppo.trainer.uses_critic and ppo.spec.mode == "online"
+    with pytest.raises(ValueError, match=r"routing replay or the MoE losses with .*sequence_parallel yet"):
+        load_config(None, [*fast, "trainer.routing_replay=rollout", "trainer.num_ranks=2",
+                           "trainer.backend.megatron.tp=2", "trainer.backend.megatron.sequence_parallel=true",
+                           "trainer.backend.megatron.transformer_impl=transformer_engine"])  # fmt: skip
     with pytest.raises(ValueError, match=r"does not support trainer\.backend\.megatron\.cp > 1 \(context"):
         load_config(None, [*fast, "trainer.num_ranks=2", "trainer.backend.megatron.cp=2"])
     piped = load_config(None, [*fast, "trainer.num_ranks=6", "trainer.backend.megatron.pp=3",
@@ -417,6 +423,23 @@ def test_the_moe_examples_load(name: str) -> None:
     cfg = load_config(Path(__file__).parents[3] / "examples" / name, [])
     assert cfg.model.bootstrap_architecture in ("qwen3_moe", "glm4_moe") and cfg.trainer.routing_replay == "rollout"
     assert cfg.rollout.engine.enable_return_routed_experts and cfg.kernel.mode == "deterministic"
+
+
+def test_the_megatron_examples_load_with_their_layouts() -> None:
+    examples = Path(__file__).parents[3] / "examples"
+    dense = load_config(examples / "megatron_dense_tp2.yaml", [])
+    backend = dense.trainer.backend
+    assert (backend.name, dense.trainer.num_ranks, backend.megatron.tp, dense.kernel.mode) == (
+        "megatron",
+        2,
+        2,
+        "fast",
+    )
+    glm = load_config(examples / "glm4moe_megatron.yaml", [])
+    layout = glm.trainer.backend.megatron
+    assert (glm.trainer.num_ranks, layout.pp, layout.ep, glm.spec.mode) == (4, 2, 2, "online")
+    assert glm.trainer.routing_replay == "rollout" and glm.trainer.loss.is_mode == "truncate"
+    assert read_run(glm.model_dump(mode="json")).plan.trainer_backend == "megatron"
 
 
 @pytest.mark.parametrize(

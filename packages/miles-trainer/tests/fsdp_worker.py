@@ -19,11 +19,18 @@ parameters and the last step's metrics to OUT_DIR. Modes:
 
 MILES_TEST_DEVICE=cuda runs the rank on the GPU (NCCL for device tensors, gloo for host ones).
 MILES_TEST_CRITIC=separate|value_head adds PPO's critic: every step also trains it on fixed returns, and the
-metrics carry the sum of its values over the whole batch afterwards (`critic_values_sum`).
+metrics carry the sum of its values over the whole batch afterwards (`critic_values_sum`); MILES_TEST_CRITIC_WARMUP:
+its warm-up steps (default 0). Rank 0 also writes the critic's tensors (`critic.safetensors`: a separate critic's
+model under HF names, the head as `value_head.score.*`) and the last step's values before and after it
+(`critic.json`); megatron_worker.py does the same.
+MILES_TEST_MOE (JSON: PolicyLossConfig's MoE fields and `routing_replay`) gives the samples recorded experts
+(`recorded_experts`) and trains an MoE step with those settings (megatron_worker.py reads it too).
+MILES_TEST_MTP=1 trains the model's MTP modules online beside the policy (miles-spec's `MTPLoss`, an import only then).
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
@@ -36,12 +43,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import miles_trainer.checkpoint
 import miles_trainer.memory
 import miles_trainer.weight_sender
 from miles_contracts import Sample
-from miles_kernels import BucketAssembler, KernelConfig, load_model
+from miles_kernels import BucketAssembler, KernelConfig, ModelConfig, load_model, read_model_config
 from miles_memory import OOMReport, PeakMeter
 from miles_memory.config import MemoryConfig
 from miles_trainer import (
@@ -73,6 +81,31 @@ def batch() -> tuple[list[Sample], list[float]]:
         ))  # fmt: skip
         advantages.append(float(torch.randn(1, generator=generator)))
     return samples, advantages
+
+
+def moe_options(model_dir: str) -> tuple[dict[str, object], bool, ModelConfig | None]:
+    """MILES_TEST_MOE: (PolicyLossConfig fields, routing_replay, the model config whose routing the samples record;
+    None without the variable)."""
+    if "MILES_TEST_MOE" not in os.environ:
+        return {}, False, None
+    options = json.loads(os.environ["MILES_TEST_MOE"])
+    return options, bool(options.pop("routing_replay", False)), read_model_config(model_dir)
+
+
+def recorded_experts(samples: list[Sample], config: ModelConfig | None) -> list[Sample]:
+    """The samples with the routing an engine would record (SGLang's base64 int32, (tokens - 1, layers, top_k),
+    dense layers 0): random distinct experts, mostly not those the trainer's router picks (replay must show)."""
+    if config is None:
+        return samples
+    generator = torch.Generator().manual_seed(1)
+    dense = [i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)]
+    out = []
+    for sample in samples:
+        scores = torch.rand(sample.num_tokens - 1, config.num_hidden_layers, config.num_experts, generator=generator)
+        ids = scores.argsort(dim=-1)[..., : config.num_experts_per_tok].to(torch.int32).contiguous()
+        ids[:, dense] = 0
+        out.append(sample.model_copy(update={"routed_experts": base64.b64encode(ids.numpy().tobytes()).decode()}))
+    return out
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -127,6 +160,15 @@ def inject_oom(mode: str, rank: int) -> None:
 INJECT = {"max_tokens": 0}
 
 
+def mtp_losses() -> list:
+    """MILES_TEST_MTP=1: the online MTP draft's loss, trained with the policy's optimizer settings; else none."""
+    if os.environ.get("MILES_TEST_MTP") != "1":
+        return []
+    from miles_spec import MTPLoss
+
+    return [MTPLoss()]
+
+
 def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
     device = os.environ.get("MILES_TEST_DEVICE", "cpu")
@@ -138,29 +180,26 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     if mode.startswith("oom-"):
         inject_oom(mode, rank)
     critic_kind = os.environ.get("MILES_TEST_CRITIC")
+    moe, routing_replay, recording = moe_options(model_dir)
     kernel = KernelConfig(**{**KERNEL.model_dump(), "dtype": "bfloat16"}) if mode == "bf16-logprobs" else KERNEL
     backend = FSDP2Backend(
         model_dir, kernel, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
-        PolicyLossConfig(agg_mode="seq-mean-token-mean"),
+        PolicyLossConfig(agg_mode="seq-mean-token-mean", **moe),  # type: ignore[arg-type]
         BackendConfig(max_tokens_per_micro_batch=24, device=device), offload_dir=out_dir,
-        critic=CriticConfig(kind=critic_kind, optimizer=OptimizerConfig(lr=1e-2)) if critic_kind else None,
+        routing_replay=routing_replay,
+        critic=critic_config(),
         # OOM modes: a budget no step reaches (ranks agree on OOMs only under one), and room to halve 24 tokens to 12
         memory=MemoryConfig(limit_bytes=1 << 40, min_tokens_per_micro_batch=4) if mode.startswith("oom-") else None,
+        aux_losses=mtp_losses(),
     )  # fmt: skip
     samples, advantages = batch()
+    samples = recorded_experts(samples, recording)
     mine, my_advantages = samples[rank::world], advantages[rank::world]
 
+    values: dict[str, list[list[float]]] = {}
+
     def train_step(advantages: list[float], **kwargs) -> dict[str, float]:
-        if critic_kind:  # returns: the sample's reward on every token, discounted from the end
-            kwargs["old_values"] = backend.compute_values(mine)
-            kwargs["returns"] = [[s.reward * 0.9 ** (len(s.response_tokens) - 1 - t)
-                                  for t in range(len(s.response_tokens))] for s in mine]  # fmt: skip
-        step_metrics = backend.train_step(mine, advantages, **kwargs)
-        if critic_kind:
-            total = torch.tensor([sum(sum(row) for row in backend.compute_values(mine))], dtype=torch.float64)
-            dist.all_reduce(total)
-            step_metrics["critic_values_sum"] = float(total)
-        return step_metrics
+        return critic_step(backend, mine, advantages, values, **kwargs)
 
     metrics: dict[str, float] = {}
     torch.manual_seed(1000 + rank)
@@ -209,11 +248,65 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         ]
         metrics = {"equal": float(sharded == expected), "num_tokens": float(sum(len(r) for r in sharded))}
     state = backend.full_state_dict()
+    if critic_kind:
+        write_critic(out_dir, fsdp_critic_state(backend), values)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "params.safetensors"))
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
     leave_together()
+
+
+def critic_config() -> CriticConfig | None:
+    """MILES_TEST_CRITIC's critic (None without it), with MILES_TEST_CRITIC_WARMUP warm-up steps."""
+    kind = os.environ.get("MILES_TEST_CRITIC")
+    warmup = int(os.environ.get("MILES_TEST_CRITIC_WARMUP", "0"))
+    return CriticConfig(kind=kind, optimizer=OptimizerConfig(lr=1e-2), warmup_steps=warmup) if kind else None
+
+
+def critic_step(backend, mine: list[Sample], advantages: list[float], values: dict, **kwargs) -> dict[str, float]:
+    """One train step of `backend` (either backend) on this rank's samples. With a critic it also trains on fixed
+    returns (the sample's reward on every token, discounted from the end); `values` then takes the whole batch's
+    values before and after the step, and the metrics their sum after it (`critic_values_sum`)."""
+    if backend.critic_config is None:
+        return backend.train_step(mine, advantages, **kwargs)
+    kwargs["old_values"] = backend.compute_values(mine)
+    kwargs["returns"] = [[s.reward * 0.9 ** (len(s.response_tokens) - 1 - t) for t in range(len(s.response_tokens))]
+                         for s in mine]  # fmt: skip
+    metrics = backend.train_step(mine, advantages, **kwargs)
+    values["before"] = gathered_rows(mine, kwargs["old_values"])
+    values["after"] = gathered_rows(mine, backend.compute_values(mine))
+    metrics["critic_values_sum"] = float(sum(sum(row) for row in values["after"]))
+    return metrics
+
+
+def gathered_rows(mine: list[Sample], rows: list[list[float]]) -> list[list[float]]:
+    """Every rank's per-sample rows in the batch's order (ranks holding the same samples give the same rows)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [(sample.index, row) for sample, row in zip(mine, rows, strict=True)])
+    by_index = {index: row for part in everyone for index, row in part}
+    return [by_index[index] for index in sorted(by_index)]
+
+
+def fsdp_critic_state(backend: FSDP2Backend) -> dict[str, torch.Tensor]:
+    """The critic's full tensors: a separate critic's model under HF names, the head as value_head.score.*."""
+    if backend.critic_model is None:
+        assert backend.value_head is not None
+        return {f"value_head.{name}": t.detach().clone() for name, t in backend.value_head.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(backend.critic_model, options=options)
+    out = {name.removeprefix("backbone."): tensor for name, tensor in state.items()}
+    if backend.model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def write_critic(out_dir: str, state: dict[str, torch.Tensor], values: dict[str, list[list[float]]]) -> None:
+    """Rank 0 writes the critic's tensors (`critic.safetensors`) and the last step's values (`critic.json`)."""
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "critic.safetensors"))
+        with open(os.path.join(out_dir, "critic.json"), "w") as f:
+            json.dump(values, f)
 
 
 def leave_together() -> None:

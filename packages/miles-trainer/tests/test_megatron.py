@@ -136,7 +136,6 @@ def test_expert_parallel_ranks_hold_contiguous_expert_blocks() -> None:
         ("dense", {"attention_bias": True}, RankLayout(), "add_bias_linear"),
         ("dense", {"sliding_window": 8, "layer_types": ("full_attention", "sliding_attention")}, RankLayout(),
          "sliding-window"),
-        ("dense", {"num_nextn_predict_layers": 1}, RankLayout(), "MTP"),
         ("dense", {}, RankLayout(tp_size=4), "num_key_value_heads=2"),
         ("moe", {}, RankLayout(ep_size=3), "must divide the 8 experts"),
         ("dense", {}, RankLayout(first_layer=1, num_layers=2), "outside the model's 2"),
@@ -203,9 +202,10 @@ def test_a_missing_extra_and_an_unknown_device_get_clear_errors(monkeypatch, tmp
         with pytest.raises(NotImplementedError, match="context parallelism"):
             MegatronBackend(tmp_path / "model", KernelConfig(),
                             config=BackendConfig(name="megatron", megatron=MegatronConfig(cp=2)))  # fmt: skip
-        with pytest.raises(ValueError, match="routing_replay"):
-            MegatronBackend(tmp_path / "model", KernelConfig(), config=BackendConfig(name="megatron"),
-                            routing_replay=True)  # fmt: skip
+        sequence_parallel = MegatronConfig(tp=2, sequence_parallel=True, transformer_impl="transformer_engine")
+        with pytest.raises(ValueError, match=r"routing_replay with megatron\.sequence_parallel"):  # megatron_moe.py
+            MegatronBackend(tmp_path / "model", KernelConfig(), routing_replay=True,
+                            config=BackendConfig(name="megatron", megatron=sequence_parallel))  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -265,10 +265,11 @@ def fsdp_steps(tmp_path_factory) -> dict:
     ("kind", "world", "layout"),
     [("dense", 1, {}), ("dense", 2, {"tp": 2}), ("dense", 2, {}), ("moe", 2, {"ep": 2}),
      ("glm", 4, {"ep": 2, "etp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
-     ("dense6", 3, {"pp": 3, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1}),
+     ("dense6", 3, {"pp": 3, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1,
+                    "recompute": "full"}),
      ("moe", 4, {"pp": 2, "ep": 2, "moe_token_dispatcher": "alltoall"})],
     ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense6-pp3-vpp2",
-         "dense6-pp3-uneven-1-4-1", "moe-pp2-ep2-dp2-tied"],
+         "dense6-pp3-uneven-1-4-1-recompute", "moe-pp2-ep2-dp2-tied"],
 )  # fmt: skip
 def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: dict, fsdp_steps, tmp_path) -> None:
     from test_fsdp import run_ranks

@@ -1,7 +1,8 @@
 """MoE in the trainer: the engine's recorded routing laid out on packed rows (shared prompts included), routing
 replay (replaying the recorded choice of the same weights changes no bit; another choice changes the log-probs and
 shows as routing flips), the routing metrics, and the load-balancing losses against independent references
-(transformers' Qwen3-MoE `load_balancing_loss_func`, and DeepSeek-V3's sequence-wise formula written out)."""
+(transformers' Qwen3-MoE `load_balancing_loss_func`, and DeepSeek-V3's sequence-wise formula written out), and the
+router z-loss against megatron-core's `z_loss_func`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from miles_kernels import KernelConfig
 from miles_kernels.testing import random_model, tiny_config
 from miles_trainer import PolicyLossConfig, accumulate_policy_gradients, pack_samples
 from miles_trainer.logprobs import micro_batch_forward
-from miles_trainer.moe import balance_loss, decode_routed_experts, moe_shape
+from miles_trainer.moe import balance_loss, decode_routed_experts, moe_shape, z_loss
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 
@@ -173,3 +174,31 @@ def test_an_aborted_sample_without_routing_routes_by_itself() -> None:
     micro = pack_samples([*samples[:4], aborted], KERNEL, 10_000, routing_shape=moe_shape(model), require_routing=True)
     rows = micro[0].sequence_rows[4]
     assert (micro[0].routing_NLK[rows] == -1).all() and (micro[0].routing_NLK[micro[0].sequence_rows[0]] >= 0).all()
+
+
+@pytest.mark.parametrize("kind", ["moe", "glm"])
+def test_z_loss_is_megatron_cores_z_loss_func_and_trains_the_router(kind: str) -> None:
+    """The router z-loss (ST-MoE) against megatron-core's own `z_loss_func` on each MoE layer's router logits (from
+    the layer's input and its gate weights); as a step's term it moves the gates and is reported."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils", reason="the megatron extra")
+    model = random_model(tiny_config(kind), KERNEL, seed=8).train()
+    samples = make_samples(model.config.vocab_size, 8)
+    micro = pack_samples(samples, KERNEL, 10_000)[0]
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, args, index=index: inputs.__setitem__(index, args[0]))
+             for index, layer in model.moe_layers().items()]  # fmt: skip
+    with torch.no_grad():
+        micro_batch_forward(model, micro)
+    for hook in hooks:
+        hook.remove()
+    want = sum(float(moe_utils.z_loss_func(inputs[index].float() @ layer.gate.weight.float().t(), 1.0))
+               for index, layer in model.moe_layers().items())  # fmt: skip
+    assert float(z_loss(model)) == pytest.approx(want, rel=1e-5)
+    _, base_grads = step(model, samples)
+    stats, grads = step(model, samples, PolicyLossConfig(moe_z_loss_coef=0.01))
+    assert stats["moe_z_loss"] == pytest.approx(want, rel=1e-5)  # one micro-batch: the step's whole forward
+    assert stats["moe_z_loss_term"] == pytest.approx(0.01 * want, rel=1e-5)
+    gate = f"model.layers.{max(model.moe_layers())}.mlp.gate.weight"
+    assert not torch.allclose(grads[gate], base_grads[gate], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="moe_z_loss_coef > 0 needs an MoE policy"):
+        step(random_model(tiny_config("dense"), KERNEL, seed=8), samples, PolicyLossConfig(moe_z_loss_coef=0.01))

@@ -6,7 +6,8 @@ An auxiliary loss runs on every micro-batch of the policy's step, on the trunk's
 (one forward for both), and must keep to gradient isolation: whatever it reads of the policy (hidden states,
 embedding, LM head) enters detached, so the policy's gradients are bitwise those of a step without it. The
 parameters it trains (`parameters`) leave the policy's optimizer and gradient clipping and get their own AdamW and
-clipping (`FSDP2Backend(aux_losses=..., aux_optimizer=...)`).
+clipping (`FSDP2Backend(aux_losses=..., aux_optimizer=...)`; `MegatronBackend`'s likewise, where they train the MTP
+modules beside the last pipeline stage: megatron_mtp.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ the guide). Logits are gathered over the TP ranks, so every TP rank computes the
 over the data-parallel ranks by Megatron-core's `DistributedDataParallel` (summed: the losses are normalized by the
 global batch's token counts, as in FSDP2), then `finalize_model_grads` (sequence-parallel norms, a tied embedding's
 two pipeline copies). The optimizer is torch's fused AdamW over float32 masters of each rank's shards, with the
-global gradient norm computed over the model-parallel ranks (each TP-replicated tensor counted once).
+global gradient norm computed over the model-parallel ranks (each TP-replicated tensor counted once;
+`megatron_optimizer.py`). The policy's MTP modules sit beside the last stage with their own DDP and AdamW, trained
+by the auxiliary losses (miles-spec's MTP loss) on detached trunk inputs (`megatron_mtp.py`). PPO's critic (its own
+model chunks, or a value head on the policy's last stage) has its own pass, DDP and AdamW (`megatron_critic.py`).
 
 Checkpoints and the full HF tensors engines get are `megatron_state.py`'s. On a CPU device (gloo groups) every call
 runs in `megatron_cpu.device_mode`, which stands in for megatron-core's CUDA-only bookkeeping (docs/megatron.md).
@@ -19,6 +22,7 @@ runs in `megatron_cpu.device_mode`, which stands in for megatron-core's CUDA-onl
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -31,10 +35,12 @@ import torch.distributed as dist
 from miles_contracts import Sample
 from miles_kernels import KernelConfig, iter_checkpoint, read_model_config
 from miles_memory.config import MemoryConfig
+from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.logprobs import response_logprobs
-from miles_trainer.megatron_convert import RankLayout, hf_to_megatron, rank_entries
+from miles_trainer.megatron_convert import MTP_PREFIX, RankLayout, hf_to_megatron, rank_entries
 from miles_trainer.megatron_cpu import device_mode, in_device_mode
+from miles_trainer.megatron_critic import MegatronCritic
 from miles_trainer.megatron_model import (
     MegatronCausalLM,
     build_gpt_model,
@@ -43,8 +49,12 @@ from miles_trainer.megatron_model import (
     require_megatron,
     virtual_stages,
 )
+from miles_trainer.megatron_moe import StagePasses, check_moe_layout
+from miles_trainer.megatron_mtp import MegatronMTP
+from miles_trainer.megatron_optimizer import adamw, adamw_step, trained_params
 from miles_trainer.megatron_schedule import LastStageOutput, from_last_stage, run_schedule
 from miles_trainer.megatron_state import ExportedWeights, full_hf_state, load_sharded_state, sharded_state
+from miles_trainer.moe import moe_shape
 from miles_trainer.packing import MicroBatch, pack_samples, padded_passes, plan_samples
 from miles_trainer.policy_step import PolicyStep
 from miles_trainer.step import (
@@ -86,19 +96,19 @@ class MegatronBackend:
         *,
         keep_reference: bool | None = None,
         critic: CriticConfig | None = None,
-        aux_losses: Sequence[Any] = (),
+        aux_losses: Sequence[AuxLoss] = (),
+        aux_optimizer: OptimizerConfig | None = None,
         memory: MemoryConfig | None = None,
         routing_replay: bool = False,
     ) -> None:
-        """As `FSDP2Backend`; the critic, auxiliary (MTP) losses, routing replay, the MoE load-balancing loss and
-        memory budgets (partial offload, OOM retries) are FSDP2-only for now and refused by name."""
+        """As `FSDP2Backend`; memory budgets (partial offload, OOM retries) are FSDP2-only for now and refused by
+        name. `critic`: PPO's, with its own AdamW (megatron_critic). Routing replay and the MoE losses run in the
+        routers (megatron_moe); `aux_losses` train the policy's MTP modules, with their own AdamW (`aux_optimizer`,
+        default: the policy's settings; megatron_mtp)."""
         require_megatron()
         if not dist.is_initialized():
             raise RuntimeError("MegatronBackend needs torch.distributed initialized (torchrun, or init_process_group)")
-        refused = [name for name, value in (("critic", critic), ("aux_losses (MTP)", list(aux_losses)),
-                                            ("routing_replay", routing_replay)) if value]  # fmt: skip
-        if loss is not None and loss.moe_aux_loss != "none":
-            refused.append(f"loss.moe_aux_loss={loss.moe_aux_loss}")
+        refused: list[str] = []
         if memory is not None and memory != MemoryConfig():
             refused.append("memory (budgets, partial offload, OOM retries)")
         if refused:
@@ -111,6 +121,9 @@ class MegatronBackend:
             full = self.config.megatron.model_copy(update={"recompute": "full"})  # the FSDP2 switch means the same
             self.config = self.config.model_copy(update={"megatron": full})
         layout = self.config.megatron
+        check_moe_layout(layout, routing_replay, self.loss_config)
+        self.routing_replay = routing_replay
+        self.aux_losses, self.aux_optimizer_config = list(aux_losses), aux_optimizer or self.optimizer_config
         if layout.cp > 1:
             raise NotImplementedError(
                 f"megatron cp={layout.cp}: context parallelism is not wired into the Megatron backend yet (it needs "
@@ -125,6 +138,9 @@ class MegatronBackend:
         self.model_config = read_model_config(model_dir)
         with device_mode(self.device):
             self._build_chunks(model_dir, layout, keep_reference)
+            build = functools.partial(self._build, model_dir, train=True)  # the separate critic's chunks
+            self.critic = MegatronCritic(critic, self.chunks, self.layouts, build, self.kernel, self.device)
+        self.critic_config = critic  # checkpoint.py reads it of either backend
         self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
         self._offloaded = False
 
@@ -143,25 +159,12 @@ class MegatronBackend:
         self.reference_chunks: list[MegatronCausalLM] | None = None
         if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
             self.reference_chunks = [self._build(model_dir, chunk, train=False)[0] for chunk in range(len(built))]
-        self.params, self.masters = [], []
-        for chunk, loaded in built:
-            named = [(name, p) for name, p in chunk.gpt.named_parameters() if p.requires_grad]
-            self.params += [p for _, p in named]
-            # float32 masters the optimizer steps: the parameters themselves when the model is float32; for a bf16
-            # / fp16 model the checkpoint's float32 values (its parameters are their round-to-nearest casts, as
-            # the engine's weights are)
-            if self.kernel.torch_dtype != torch.float32:
-                self.masters += [loaded[name].to(self.device, torch.float32) for name, _ in named]
-        if self.kernel.torch_dtype == torch.float32:
-            self.masters = self.params
-        self.optimizer = torch.optim.AdamW(
-            self.masters, lr=self.optimizer_config.lr, betas=self.optimizer_config.betas,
-            eps=self.optimizer_config.eps, weight_decay=self.optimizer_config.weight_decay, fused=True,
-        )  # fmt: skip
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optimizer_config.lr_factor)
+        self.params, self.masters = trained_params(built, self.kernel.torch_dtype, self.device)  # masters: float32
+        self.optimizer, self.scheduler = adamw(self.masters, self.optimizer_config)
+        self.mtp = MegatronMTP(self.model_config, layout, self.kernel, self.chunks, built[-1][1], self.device,
+                               self.aux_losses, self.aux_optimizer_config)  # fmt: skip
         self.step_count = 0
-        self.critic_config: CriticConfig | None = None  # checkpoint.py reads these of either backend
-        self.aux_params: list[torch.nn.Parameter] = []
+        self.aux_params: list[torch.nn.Parameter] = []  # checkpoint.py reads it of either backend
 
     def _build(
         self, model_dir: str | os.PathLike[str], chunk: int, train: bool
@@ -176,7 +179,8 @@ class MegatronBackend:
         wanted = {name for entry in rank_entries(self.model_config, layout) for name in entry.hf_names}
         hf = {name: tensor for name, tensor in iter_checkpoint(model_dir) if name in wanted}
         state = hf_to_megatron(hf.__getitem__, self.model_config, layout)
-        missing, unexpected = gpt.load_state_dict(state, strict=False)
+        trunk = {name: tensor for name, tensor in state.items() if not name.startswith(MTP_PREFIX)}  # MTP: beside
+        missing, unexpected = gpt.load_state_dict(trunk, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(
@@ -237,7 +241,9 @@ class MegatronBackend:
         if chunks is None:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
         self._check_onloaded()
-        micro_batches = pack_samples(samples, self.kernel, self.max_tokens, share_prompts=False)
+        replay = self.routing_replay and not reference
+        shape = moe_shape(self.model) if replay else None  # type: ignore[arg-type]
+        micro_batches = pack_samples(samples, self.kernel, self.max_tokens, False, shape, require_routing=replay)
         passes = padded_passes(micro_batches, self._num_passes(samples))
         out: list[list[float]] = [[0.0] * len(sample.response_tokens) for sample in samples]
         temperature = self.loss_config.temperature
@@ -249,11 +255,16 @@ class MegatronBackend:
                     out[index] = row.tolist()
             return torch.zeros((), device=self.device)
 
-        run_schedule(chunks, passes, last_stage, forward_only=True)
+        run_schedule(chunks, passes, last_stage, forward_only=True, stage_pass=StagePasses(self.model_config, replay))
         return from_last_stage(out, self.device)
 
+    @torch.no_grad()
+    @in_device_mode
     def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
-        raise ValueError("the Megatron backend has no critic yet (PPO with a value model runs on fsdp2)")
+        """The critic's V(s_t) of each response token, on every rank (computed on the last pipeline stage, sent to
+        the others); see `FSDP2Backend.compute_values`."""
+        self._check_onloaded()
+        return self.critic.values(samples, self.max_tokens, self._num_passes(samples))
 
     @in_device_mode
     def train_step(
@@ -272,9 +283,10 @@ class MegatronBackend:
 
         if not samples:
             raise ValueError("every rank needs at least one sample per step")
-        if returns is not None or old_values is not None:
-            raise ValueError("the Megatron backend has no critic yet: returns / old_values are FSDP2-only")
+        self.critic.check_targets(returns, old_values)
         self._check_onloaded()
+        is_warmup = self.critic.is_warmup(self.step_count)
+        runs_policy = not (is_warmup and self.critic.is_separate)  # a separate critic warms up alone
         start = time.perf_counter()
         loss = self.loss_config
         if self.reference_chunks is not None and ref_logprobs is None:
@@ -283,10 +295,14 @@ class MegatronBackend:
             samples, old_logprobs, loss, self._sum_dp
         )
         self._zero_grad()
+        aux_counts = self.mtp.counts(samples, self._sum_dp)
         step = PolicyStep(
             self.model, samples, advantages, self.kernel, loss, self.max_tokens,  # type: ignore[arg-type]
             global_num_tokens=global_tokens, global_num_seqs=global_seqs, old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs, is_weights=is_weights, measure_mismatch=measure_mismatch, share_prompts=False,
+            aux_losses=self.aux_losses, aux_counts=aux_counts,
+            joint_value=self.critic.joint_value(returns, old_values),  # a value head's loss joins the policy's
+            routing_replay=self.routing_replay, computes_moe_terms=False,  # the routers add them: megatron_moe.py
         )  # fmt: skip
         stats = StepStats()
 
@@ -295,60 +311,37 @@ class MegatronBackend:
             finish(stats)
             return total * weight
 
-        if step.trains:
-            run_schedule(self.chunks, step.passes(self._num_passes(samples)), last_stage, forward_only=False)
+        self.mtp.begin_step()
+        passes = self._num_passes(samples)
+        self.critic.accumulate(samples, returns, old_values, self.max_tokens, passes, self._sum_dp,
+                               loss.max_response_len, stats)  # fmt: skip
+        if step.trains and runs_policy:
+            dp = self.data_parallel[1]
+            moe = StagePasses(self.model_config, self.routing_replay, loss, stats, step.total_rows, dp)
+            run_schedule(self.chunks, step.passes(passes), last_stage, False, stage_pass=moe)
         finalize_model_grads([chunk.gpt_ddp for chunk in self.chunks])
+        self.mtp.finalize_grads()
         if self._last_stage:  # the other stages' stats are empty: the all-reduce over the pipeline takes these
-            add_is_metrics(stats, is_metrics, samples)
+            if runs_policy:
+                add_is_metrics(stats, is_metrics, samples)
             add_batch_stats(stats, samples, advantages)
-        return self._finish_step(stats, start, skip_update=not has_update_signal(advantages, loss))
+        critic_metrics = self.critic.step()  # the critic's own AdamW
+        skip_update = is_warmup or not has_update_signal(advantages, loss)
+        metrics = self._finish_step(stats, start, skip_update=skip_update)
+        return metrics | self.mtp.step(skip_update=not (step.trains and runs_policy)) | critic_metrics
 
     def _zero_grad(self) -> None:
         for chunk in self.chunks:
             chunk.gpt_ddp.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradients: every tensor's shard once (TP-replicated tensors on TP rank 0
-        only; a tied model's output layer, the last stage's copy of the embedding, not at all), summed over the
-        model-parallel ranks (dense tensors) and the expert-model-parallel ranks (experts)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        dense = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)
-        for param in self.params:
-            grad = param.main_grad
-            if not param_is_not_tensor_parallel_duplicate(param) and getattr(param, "allreduce", True):
-                continue
-            if getattr(param, "shared", False):
-                continue
-            square = grad.detach().double().pow(2).sum().cpu()
-            if getattr(param, "allreduce", True):
-                dense += square
-            else:
-                expert += square
-        dist.all_reduce(dense, group=ps.get_model_parallel_group())
-        dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-        return (dense + expert).sqrt()
+        self.mtp.zero_grad()
+        self.critic.zero_grad()
 
     def _finish_step(self, stats: StepStats, start: float, skip_update: bool = False) -> dict[str, float]:
-        for param, master in zip(self.params, self.masters, strict=True):
-            master.grad = param.main_grad  # float32 (the DDP buffers reduce in float32)
-        grad_norm = self._grad_norm()
         clip = self.optimizer_config.max_grad_norm
-        scale = min(1.0, clip / (float(grad_norm) + 1e-6))
-        if scale < 1.0:
-            for master in self.masters:
-                assert master.grad is not None
-                master.grad.mul_(scale)
+        grad_norm = adamw_step(self.params, self.masters, self.optimizer, clip, skip_update)
         if not skip_update:
-            self.optimizer.step()
             self.scheduler.step()
-            if self.masters is not self.params:
-                with torch.no_grad():
-                    for param, master in zip(self.params, self.masters, strict=True):
-                        param.copy_(master)  # round to nearest: the weights the engine will get
         self.step_count += 1
         if self._last_stage:
             stats.add("skipped_update", float(skip_update) / self.data_parallel[1])
@@ -373,12 +366,14 @@ class MegatronBackend:
 
         state = sharded_state(self.chunks, self.params, self.masters, self.optimizer)
         step = state.pop("adam_step")
+        state |= self.mtp.sharded_state() | self.critic.sharded_state()
         directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(state, str(directory))
         layout = self.config.megatron.model_dump()
         lrs = [group["lr"] for group in self.optimizer.param_groups]
-        return {"backend": "megatron", "megatron": layout, "adam_step": step, "adam_lrs": lrs}
+        record = {"backend": "megatron", "megatron": layout, "adam_step": step, "adam_lrs": lrs}
+        return record | self.mtp.checkpoint_record() | self.critic.checkpoint_record()
 
     @in_device_mode
     def read_checkpoint(self, path: Path, saved: dict[str, Any]) -> None:
@@ -388,7 +383,10 @@ class MegatronBackend:
                 f"{path} was written by the fsdp2 backend: resume it with trainer.backend.name=fsdp2, or convert its "
                 "weights (miles-trainer convert) and start a Megatron run from them"
             )
-        load_sharded_state(self.chunks, self.params, self.masters, self.optimizer, path, saved)
+        extra = self.mtp.sharded_state(saved) | self.critic.sharded_state(saved)
+        loaded = load_sharded_state(self.chunks, self.params, self.masters, self.optimizer, path, saved, extra)
+        self.mtp.load_state(loaded, saved)
+        self.critic.load_state(loaded, saved)
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
@@ -408,7 +406,7 @@ class MegatronBackend:
 
     def _resident(self) -> Iterator[tuple[dict[str, Any], str]]:
         """(owner, key) of every tensor `offload` moves: the policy's and the reference's parameters, the float32
-        masters of a bf16 / fp16 model, AdamW's state."""
+        masters of a bf16 / fp16 model, AdamW's state; the MTP modules' and the critic's likewise."""
         for chunk in [*self.chunks, *(self.reference_chunks or [])]:
             for param in chunk.gpt.parameters():
                 yield {"param": param}, "param"
@@ -419,6 +417,13 @@ class MegatronBackend:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     yield state, key
+        yield from self.mtp.resident()
+        yield from self.critic.resident()
+
+    def _ddp_modules(self) -> list[Any]:
+        """Megatron's DDP wrappers (their gradient buffers): the model chunks', the MTP modules' where they train, the
+        separate critic's."""
+        return [chunk.gpt_ddp for chunk in self.chunks] + self.mtp.ddp_modules + self.critic.ddp_modules
 
     @in_device_mode
     def offload(self, room_for: int | None = None) -> int:
@@ -440,14 +445,14 @@ class MegatronBackend:
                 owner[key] = host
         freed += self.grad_buffer_bytes()
         on_cuda = self.device.type == "cuda"
-        for chunk in self.chunks:
-            chunk.gpt_ddp.offload_grad_buffers(synchronize=on_cuda, empty_cache=on_cuda)
+        for ddp in self._ddp_modules():
+            ddp.offload_grad_buffers(synchronize=on_cuda, empty_cache=on_cuda)
         self._offloaded = True
         return freed
 
     def grad_buffer_bytes(self) -> int:
         """Bytes of megatron-core's DDP gradient buffers (dense and expert)."""
-        buffers = [b for chunk in self.chunks for b in chunk.gpt_ddp.buffers + chunk.gpt_ddp.expert_parallel_buffers]
+        buffers = [b for ddp in self._ddp_modules() for b in ddp.buffers + ddp.expert_parallel_buffers]
         return int(sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers))
 
     @in_device_mode
@@ -464,8 +469,8 @@ class MegatronBackend:
                 tensor.data = device
             else:
                 owner[key] = device
-        for chunk in self.chunks:
-            chunk.gpt_ddp.restore_grad_buffers(synchronize=self.device.type == "cuda")
+        for ddp in self._ddp_modules():
+            ddp.restore_grad_buffers(synchronize=self.device.type == "cuda")
         self._offloaded = False
         return restored
 

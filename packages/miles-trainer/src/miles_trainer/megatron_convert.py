@@ -19,6 +19,11 @@ how it is split over the ranks of its parallel group.
   keeps its own copy of the embedding as `output_layer.weight` when PP > 1, as Megatron does).
 - Layer norms: `transformer_impl="local"` keeps `input_layernorm` / `pre_mlp_layernorm`; Transformer Engine fuses
   them into the next linear (`linear_qkv.layer_norm_weight`, a dense layer's `linear_fc1.layer_norm_weight`).
+- MTP modules (DeepSeek-V3 / GLM-4.5's `model.layers.{L + i}`, L trunk layers) sit on the last stage as
+  megatron-core's `MultiTokenPredictionLayer`s, `mtp.layers.{i}`: `enorm`, `hnorm`, `eh_proj` (split over TP along
+  its output, as a column-parallel linear), `transformer_layer` (decoder layer L + i, split like one) and
+  `final_layernorm` (`shared_head.norm`). Their embedding and LM head are the trunk's: the HF checkpoint's copies
+  (`embed_tokens`, `shared_head.head` under the MTP layer) have no Megatron tensor and are not written back.
 
 `hf_to_megatron` makes one rank's tensors from HF tensors; `merge_shards` puts a tensor's shards from the ranks of
 its group back together and `megatron_to_hf` splits the full tensor into its HF tensors, so HF -> Megatron -> HF is
@@ -109,8 +114,6 @@ def check_convertible(config: ModelConfig, layout: RankLayout) -> None:
         )
     if config.sliding_window is not None:
         raise ValueError("sliding-window attention is not wired into the Megatron backend; use fsdp2")
-    if config.num_nextn_predict_layers:
-        raise ValueError("MTP layers (num_nextn_predict_layers) are not converted for Megatron; use fsdp2")
     if config.num_key_value_heads % layout.tp_size:
         raise ValueError(
             f"tp={layout.tp_size} must divide num_key_value_heads={config.num_key_value_heads} (a TP rank holds "
@@ -140,9 +143,12 @@ def _mlp_entries(prefix: str, hf: str, group: Group) -> list[Entry]:
     ]
 
 
-def layer_entries(config: ModelConfig, layer: int, local: int, layout: RankLayout) -> list[Entry]:
-    """The Megatron tensors of decoder layer `layer` (global index), named with its index `local` on the stage."""
-    meg, hf = f"decoder.layers.{local}", f"model.layers.{layer}"
+def layer_entries(
+    config: ModelConfig, layer: int, local: int, layout: RankLayout, prefix: str | None = None
+) -> list[Entry]:
+    """The Megatron tensors of decoder layer `layer` (global index), named with its index `local` on the stage
+    (`prefix`: the layer's Megatron name instead, an MTP module's `mtp.layers.{i}.transformer_layer`)."""
+    meg, hf = prefix or f"decoder.layers.{local}", f"model.layers.{layer}"
     te = layout.transformer_impl == "transformer_engine"
     attn = f"{meg}.self_attention"
     qkv_names = tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
@@ -190,6 +196,24 @@ def rank_entries(config: ModelConfig, layout: RankLayout) -> list[Entry]:
         if not config.tie_word_embeddings or not layout.is_first_stage:
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
             entries.append(Entry("output_layer.weight", (head,), "none", "tp", 0, vocab=True))
+        entries += mtp_entries(config, layout)
+    return entries
+
+
+MTP_PREFIX = "mtp."  # the MTP modules' Megatron names (not the GPTModel's: megatron_mtp.py builds them beside it)
+
+
+def mtp_entries(config: ModelConfig, layout: RankLayout) -> list[Entry]:
+    """The MTP modules' tensors (`MTP_PREFIX`; on the last stage), in megatron-core's order."""
+    entries: list[Entry] = []
+    for i in range(config.num_nextn_predict_layers):
+        layer = config.num_hidden_layers + i
+        meg, hf = f"{MTP_PREFIX}layers.{i}", f"model.layers.{layer}"
+        entries += [Entry(f"{meg}.enorm.weight", (f"{hf}.enorm.weight",)),
+                    Entry(f"{meg}.hnorm.weight", (f"{hf}.hnorm.weight",)),
+                    Entry(f"{meg}.eh_proj.weight", (f"{hf}.eh_proj.weight",), "none", "tp", 0)]  # fmt: skip
+        entries += layer_entries(config, layer, i, layout, prefix=f"{meg}.transformer_layer")
+        entries.append(Entry(f"{meg}.final_layernorm.weight", (f"{hf}.shared_head.norm.weight",)))
     return entries
 
 

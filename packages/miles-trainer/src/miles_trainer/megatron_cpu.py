@@ -7,7 +7,9 @@ megatron-core 0.16 assumes CUDA in places that are not arithmetic: RoPE moves it
 tests a Transformer Engine symbol that is undefined without Transformer Engine (a NameError), a checkpoint save and
 the pipeline's send / receive call `torch.cuda.synchronize()`, the pipeline schedules count tokens in a
 `torch.zeros(..., device="cuda")`, a tied model's last pipeline stage moves its copy of the embedding with
-`.cuda()`, and the alltoall token dispatcher copies its split sizes to the host on a side CUDA stream. Inside
+`.cuda()`, the alltoall token dispatcher copies its split sizes to the host on a side CUDA stream, and activation
+recompute saves and restores the CUDA generator's state around the recomputed forward (a no-op here: the CPU
+generator's state is saved and restored as on a GPU). Inside
 `megatron_on_cpu()` the device lookup answers "cpu", the fork and the synchronize are no-ops, the symbol is None, a
 tensor asked for on "cuda" is made on the CPU, `.cuda()` leaves a CPU tensor where it is, streams and their events
 are stand-ins that do nothing, and the dispatcher's host copy is the identity (as a NumPy array where it asks for
@@ -63,6 +65,7 @@ def megatron_on_cpu() -> Iterator[None]:
         finally:
             _DEPTH[0] -= 1
         return
+    import megatron.core.tensor_parallel.random as megatron_random
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import torch
@@ -86,6 +89,9 @@ def megatron_on_cpu() -> Iterator[None]:
         (torch.cuda, "current_stream", lambda *args, **kwargs: _CURRENT_STREAM),
         (torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
         (tracker, "fork", lambda *args, **kwargs: contextlib.nullcontext()),
+        # activation recompute saves and restores the CUDA generator's state around the recomputed forward
+        (megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: None),
+        (megatron_random, "_set_cuda_rng_state", lambda *args, **kwargs: None),
         (moe_utils, "te_general_gemm", None),
         (token_dispatcher, "maybe_move_tensor_to_cpu", host_copy),
         (torch, "zeros", cpu_zeros),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from miles_kernels import KernelConfig, ModelConfig
 from miles_trainer.config import MegatronConfig
 from miles_trainer.megatron_convert import RankLayout, check_convertible, padded_vocab_size
+from miles_trainer.megatron_moe import MoEPass, RouterRecord, routed, router_index, router_records
 
 INSTALL_HINT = "uv sync --package miles-trainer --extra megatron (pip install 'miles-trainer[megatron]')"
 
@@ -186,18 +187,20 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(model: ModelConfig, config: MegatronConfig) -> Any:
-    """The decoder layer spec: Megatron-core's local modules, or Transformer Engine's."""
+def layer_spec(model: ModelConfig, config: MegatronConfig, is_moe: bool | None = None) -> Any:
+    """The decoder layer spec: Megatron-core's local modules, or Transformer Engine's (`is_moe`: of a sparse or a
+    dense layer; default: sparse in an MoE model)."""
+    num_experts = (model.num_experts or None) if is_moe is None or is_moe else None
     if config.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=model.num_experts or None, moe_grouped_gemm=False, qk_layernorm=model.use_qk_norm
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=model.use_qk_norm
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(
-        num_experts=model.num_experts or None,
+        num_experts=num_experts,
         moe_grouped_gemm=False,
         qk_layernorm=model.use_qk_norm,
         normalization="RMSNorm",
@@ -257,24 +260,29 @@ class MegatronCausalLM(torch.nn.Module):
         # (the token dispatch gathers equal shapes; padding rows are sequences of their own, invisible to the real
         # ones)
         self.pad_group: Any = None
+        self.mtp: Any = None  # on the last stage's last chunk: the MTP modules beside it (megatron_mtp.MegatronMTP)
         meg = self.gpt.config
         if config.is_moe and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1:
             from megatron.core import parallel_state
 
             self.pad_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        # this chunk's routers, instrumented (megatron_moe.py): replay, their last routing, the MoE losses
+        self.routers: dict[int, RouterRecord] = router_records(self.gpt) if config.is_moe else {}
 
-    def moe_layers(self) -> dict[int, Any]:
-        return {}  # the routing metrics read miles-kernels' routers; Megatron's are not instrumented
+    def moe_layers(self) -> dict[int, RouterRecord]:
+        """This chunk's MoE layers by global index, each with its `last_routing` (miles_trainer.moe reads them)."""
+        return self.routers
 
     def forward_hidden(
         self, input_ids_N: torch.Tensor, batch: Any, routing_NLK: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Final-norm hidden states (N, H) of a micro-batch packed one sequence per sample (no shared prompts), for a
-        model in one piece (no pipeline stages: the Megatron backend's schedule drives those)."""
-        if routing_NLK is not None:
-            raise ValueError("routing replay is not wired into the Megatron backend; use trainer.backend.name=fsdp2")
+        model in one piece (no pipeline stages: the Megatron backend's schedule drives those); `routing_NLK`: the
+        experts to replay (miles_trainer.moe)."""
         padded = self.padded_batch(input_ids_N, batch)
-        return self.hidden_rows(self.stage_forward(padded), padded)
+        with routed(self.routers, MoEPass(router_index(padded), routing_NLK)):
+            hidden_SBH = self.stage_forward(padded)
+        return self.hidden_rows(hidden_SBH, padded)
 
     def padded_batch(self, input_ids_N: torch.Tensor, batch: Any) -> PaddedBatch:
         """The micro-batch's rows laid out as a right-padded (B, S) batch (one sequence per row)."""
@@ -320,13 +328,15 @@ class MegatronCausalLM(torch.nn.Module):
         hidden_NH: torch.Tensor = hidden_SBH.transpose(0, 1).reshape(-1, hidden_SBH.shape[-1])[padded.flat_N]
         return hidden_NH.float()
 
-    def logits(self, hidden_KH: torch.Tensor) -> torch.Tensor:
-        """float32 logits (K, V) over the unpadded vocabulary, gathered over the TP ranks."""
+    def logits(self, hidden_KH: torch.Tensor, detach_weight: bool = False) -> torch.Tensor:
+        """float32 logits (K, V) over the unpadded vocabulary, gathered over the TP ranks (`detach_weight`: the output
+        layer enters detached, as the MTP loss reads it)."""
         from megatron.core import tensor_parallel
 
         gpt = self.gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         weight = gpt.output_layer.weight if weight is None else weight
+        weight = weight.detach() if detach_weight else weight
         if gpt.config.tensor_model_parallel_size > 1 and not gpt.config.sequence_parallel:
             hidden_KH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_KH)
         local = hidden_KH.to(weight.dtype) @ weight.t()  # in the model's dtype, as the engine's LM head

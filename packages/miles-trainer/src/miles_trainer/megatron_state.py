@@ -35,8 +35,21 @@ def sharded_state(
     optimizer: torch.optim.Optimizer,
 ) -> dict[str, Any]:
     """Model and AdamW state as megatron-core sharded tensors (a bf16 / fp16 model's float32 masters with AdamW's
-    state), and "adam_step". AdamW's state is created (zeros) if no step has made it yet, so a save and a load see
-    the same keys."""
+    state), and "adam_step"."""
+    model = model_sharded_state(chunks)
+    optimizer_state, step = adamw_sharded_state(model, params, masters, optimizer)
+    return {**model, "optimizer": optimizer_state, "adam_step": step}
+
+
+def adamw_sharded_state(
+    model: dict[str, Any],
+    params: list[torch.nn.Parameter],
+    masters: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[str, Any], float]:
+    """AdamW's state of `params` (and a bf16 / fp16 model's float32 masters) as sharded tensors laid out like the
+    parameters' own in `model` (their sharded state dict), and AdamW's step. The state is created (zeros) if no step
+    has made it yet, so a save and a load see the same keys."""
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         optim_state_to_sharding_state,
@@ -47,7 +60,6 @@ def sharded_state(
         if not state:
             state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(master),
                          exp_avg_sq=torch.zeros_like(master))  # fmt: skip
-    model = model_sharded_state(chunks)
     optimizer_state = optimizer.state_dict()
     steps = {float(entry["step"]) for entry in optimizer_state["state"].values()}
     if masters is not params:  # a bf16 / fp16 model: its float32 masters are saved too
@@ -55,7 +67,7 @@ def sharded_state(
             optimizer_state["state"][index]["master"] = master
     ids = get_param_id_to_sharded_param_map(model, params)
     optim_state_to_sharding_state(optimizer_state, ids, exclude_keys=("step",))
-    return {**model, "optimizer": optimizer_state, "adam_step": max(steps, default=0.0)}
+    return optimizer_state, max(steps, default=0.0)
 
 
 def load_sharded_state(
@@ -65,18 +77,34 @@ def load_sharded_state(
     optimizer: torch.optim.Optimizer,
     path: Path,
     saved: dict[str, Any],
-) -> None:
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Load what `sharded_state` saved at `path` into the model chunks, their masters and AdamW (`saved`: the
-    `trainer_state.json` record, with AdamW's step and learning rates)."""
+    `trainer_state.json` record, with AdamW's step and learning rates); `extra`: more sharded state to load in the
+    same read (the MTP modules'). Returns what was loaded."""
     from megatron.core import dist_checkpointing
 
     template = sharded_state(chunks, params, masters, optimizer)
     template.pop("adam_step")
-    loaded = dist_checkpointing.load(template, str(path))
+    loaded: dict[str, Any] = dist_checkpointing.load(template | (extra or {}), str(path))
     for i, chunk in enumerate(chunks):
         chunk.gpt.load_state_dict(loaded["model" + (str(i) if i else "")], strict=False)
-    optimizer_state = loaded["optimizer"]
-    step = torch.tensor(float(saved.get("adam_step", 0.0)))
+    load_adamw_state(loaded["optimizer"], params, masters, optimizer, saved.get("adam_step", 0.0),
+                     saved.get("adam_lrs", []))  # fmt: skip
+    return loaded
+
+
+def load_adamw_state(
+    optimizer_state: dict[str, Any],
+    params: list[torch.nn.Parameter],
+    masters: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    adam_step: float,
+    lrs: list[float],
+) -> None:
+    """Load AdamW's state as `adamw_sharded_state` saved it (loaded back): its `adam_step`, a bf16 / fp16 model's
+    masters (the parameters take their casts) and the learning rates `lrs` of its groups."""
+    step = torch.tensor(float(adam_step))
     for index, entry in optimizer_state["state"].items():
         entry["step"] = step.clone()
         master = entry.pop("master", None)
@@ -85,7 +113,7 @@ def load_sharded_state(
                 masters[index].copy_(master)
                 params[index].copy_(master)
     optimizer_state["param_groups"] = optimizer.state_dict()["param_groups"]
-    for group, lr in zip(optimizer_state["param_groups"], saved.get("adam_lrs", []), strict=False):
+    for group, lr in zip(optimizer_state["param_groups"], lrs, strict=False):
         group["lr"] = lr  # the scheduler's state restores its counters, not the rate of the next step
     optimizer.load_state_dict(optimizer_state)
 
@@ -107,6 +135,8 @@ def full_hf_state(
     for chunk, layout in zip(chunks, layouts, strict=True):
         state = {name: by_param.get(id(param), param) for name, param in chunk.gpt.named_parameters()}
         state |= dict(chunk.gpt.named_buffers())
+        if chunk.mtp is not None:  # the MTP modules beside the last stage's GPTModel (megatron_mtp.py)
+            state |= chunk.mtp.hf_source()
         out |= _chunk_hf_tensors(chunk, state, layout)
     return _gather_stages(out, device)
 

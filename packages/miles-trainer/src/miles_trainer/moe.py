@@ -18,6 +18,8 @@ load-balancing auxiliary losses (docs/true-on-policy.md, "MoE and routing replay
   - `seq_aux_loss` (DeepSeek-V3 / GLM-4.5; Megatron `seq_aux_loss`): the same, per sample (its T_s tokens,
     prompt included), averaged over samples.
   The counts c_e carry no gradient; the probabilities do, so the router learns to balance.
+- Router z-loss (`PolicyLossConfig.moe_z_loss_coef`, off by default; ST-MoE, Megatron-Core's `z_loss_func`): per MoE
+  layer the mean over tokens of logsumexp(router logits)^2, summed over MoE layers: it keeps the logits small.
 Shapes: N packed rows, L layers, K experts per token, E experts.
 """
 
@@ -73,11 +75,16 @@ def recorded_routing(
     return out
 
 
+def balance_probs(router: str, scores_NE: torch.Tensor) -> torch.Tensor:
+    """(N, E) routing probabilities: softmax as is, sigmoid scores normalized per token (Megatron's aux-loss input);
+    `router` is `ModelConfig.router`."""
+    if router == "softmax":
+        return scores_NE
+    return scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + 1e-20)
+
+
 def _balance_probs(model: CausalLM, routing: Routing) -> torch.Tensor:
-    """(N, E) routing probabilities: softmax as is, sigmoid scores normalized per token (Megatron's aux-loss input)."""
-    if model.config.router == "softmax":
-        return routing.scores
-    return routing.scores / (routing.scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return balance_probs(model.config.router, routing.scores)
 
 
 def _balance(probs_NE: torch.Tensor, expert_ids_NK: torch.Tensor) -> torch.Tensor:
@@ -95,18 +102,40 @@ def balance_loss(model: CausalLM, kind: str, sequence_rows: Sequence[Sequence[in
     for moe in model.moe_layers().values():
         assert moe.last_routing is not None
         routing = moe.last_routing
-        probs = _balance_probs(model, routing)
-        if kind == "aux_loss":
-            loss = _balance(probs, routing.expert_ids)
-        else:
-            parts = []
-            for rows in sequence_rows:
-                index = torch.tensor(list(rows), dtype=torch.int64, device=probs.device)
-                parts.append(_balance(probs[index], routing.expert_ids[index]))
-            loss = torch.stack(parts).mean()
+        loss = layer_balance(kind, _balance_probs(model, routing), routing.expert_ids, sequence_rows)
         total = loss if total is None else total + loss
     if total is None:
         raise ValueError(f"moe_aux_loss={kind!r} needs an MoE policy; {model.config.model_type} has no MoE layer")
+    return total
+
+
+def layer_balance(
+    kind: str, probs_NE: torch.Tensor, expert_ids_NK: torch.Tensor, sequence_rows: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """One MoE layer's load-balancing loss `kind` over the micro-batch's N rows (`balance_probs`)."""
+    if kind == "aux_loss":
+        return _balance(probs_NE, expert_ids_NK)
+    parts = []
+    for rows in sequence_rows:
+        index = torch.tensor(list(rows), dtype=torch.int64, device=probs_NE.device)
+        parts.append(_balance(probs_NE[index], expert_ids_NK[index]))
+    return torch.stack(parts).mean()
+
+
+def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
+    """One MoE layer's z-loss: the mean over its N tokens of logsumexp(router logits)^2."""
+    return torch.logsumexp(logits_NE.float(), dim=-1).square().mean()
+
+
+def z_loss(model: CausalLM) -> torch.Tensor:
+    """The router z-loss of the model's last forward, summed over MoE layers (see the module docstring)."""
+    total: torch.Tensor | None = None
+    for moe in model.moe_layers().values():
+        assert moe.last_routing is not None and moe.last_routing.logits is not None
+        loss = router_z_loss(moe.last_routing.logits)
+        total = loss if total is None else total + loss
+    if total is None:
+        raise ValueError(f"moe_z_loss_coef > 0 needs an MoE policy; {model.config.model_type} has no MoE layer")
     return total
 
 

@@ -20,7 +20,7 @@ from miles_trainer.config import PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, value_loss_part
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import aggregate_loss, entropy_bonus_loss, kl_estimate, train_rollout_logprob_abs_diff
-from miles_trainer.moe import balance_loss, moe_shape, routing_metrics
+from miles_trainer.moe import balance_loss, moe_shape, routing_metrics, z_loss
 from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, padded_passes, rows_to_padded
 from miles_trainer.step import (
     PerSample,
@@ -65,7 +65,11 @@ class PolicyStep:
         measure_mismatch: bool = False,
         routing_replay: bool = False,
         share_prompts: bool = True,
+        computes_moe_terms: bool = True,
     ) -> None:
+        """`computes_moe_terms` False: the model's routers add the routing metrics and the load-balancing and z losses
+        themselves (the Megatron backend's pipeline stages: miles_trainer.megatron_moe); the rest is as
+        `accumulate_policy_gradients`'s arguments."""
         self.samples, self.config = samples, config
         self.per_token_adv = token_advantages(samples, advantages)
         missing = [s.index for s in samples if s.rollout_logprobs is None]
@@ -98,8 +102,10 @@ class PolicyStep:
         self.counts = {"global_num_tokens": self.global_tokens, "global_num_seqs": global_seqs,
                        "max_response_len": config.max_response_len}  # fmt: skip
         self.routing_shape = moe_shape(model)
-        if (routing_replay or config.moe_aux_loss != "none") and self.routing_shape is None:
-            wants = "routing replay" if routing_replay else f"moe_aux_loss={config.moe_aux_loss}"
+        wanted = {"routing replay": routing_replay, "moe_z_loss_coef > 0": config.moe_z_loss_coef > 0,
+                  f"moe_aux_loss={config.moe_aux_loss}": config.moe_aux_loss != "none"}  # fmt: skip
+        if any(wanted.values()) and self.routing_shape is None:
+            wants = next(name for name, on in wanted.items() if on)
             raise ValueError(f"{wants} needs an MoE policy; {model.config.model_type} has no MoE layer")
         self.micro_batches = pack_samples(
             samples, kernel, max_tokens_per_micro_batch, share_prompts, self.routing_shape,
@@ -108,6 +114,7 @@ class PolicyStep:
         self.total_rows = sum(m.num_tokens for m in self.micro_batches)
         self.loss_scale, self.joint_value = loss_scale, joint_value
         self.measure_mismatch, self.routing_replay = measure_mismatch, routing_replay
+        self.computes_moe_terms = computes_moe_terms and self.routing_shape is not None
 
     @property
     def trains(self) -> bool:
@@ -170,12 +177,16 @@ class PolicyStep:
             )  # fmt: skip
             parts["vf_loss_term"] = joint.config.vf_coef * vf_loss
             vf_metrics["vf_loss"] = vf_loss
-        if self.routing_shape is not None and config.moe_aux_loss != "none":
-            # a token-weighted share of the batch's mean, averaged over ranks (FSDP2 averages their gradients)
-            share = micro.num_tokens / self.total_rows / self.loss_scale
+        # a token-weighted share of the batch's mean, averaged over ranks (FSDP2 averages their gradients)
+        share = micro.num_tokens / self.total_rows / self.loss_scale
+        if self.computes_moe_terms and config.moe_aux_loss != "none":
             balance = balance_loss(model, config.moe_aux_loss, micro.sequence_rows)
             parts["moe_aux_loss_term"] = config.moe_aux_loss_coef * balance * share
             stats.add_mean("moe_aux_loss", float(balance.detach()), micro.num_tokens * weight)
+        if self.computes_moe_terms and config.moe_z_loss_coef > 0:
+            z = z_loss(model)
+            parts["moe_z_loss_term"] = config.moe_z_loss_coef * z * share
+            stats.add_mean("moe_z_loss", float(z.detach()), micro.num_tokens * weight)
         loss = torch.stack(list(parts.values())).sum()
         aux_parts = aux_parts_of(model, micro, hidden_NH, self.samples, self.aux_losses, self.aux_counts)
         total = loss
@@ -195,7 +206,7 @@ class PolicyStep:
                     stats.add_mean(name, float(value), num_valid)
             for name, part in parts.items():
                 stats.add(name, float(part.detach()))
-            if self.routing_shape is not None:
+            if self.computes_moe_terms:
                 for name, (mean, count) in routing_metrics(model, micro.routing_NLK).items():
                     stats.add_mean(name, mean, count)
             with torch.no_grad():
@@ -261,7 +272,8 @@ def accumulate_policy_gradients(
     `<name>_loss` and not added to `loss`.
     `routing_replay`: the MoE layers use the experts the engine recorded for each token (the samples'
     `routed_experts`, miles_trainer.moe), not their router's choice. An MoE policy's step also reports the routing
-    metrics of miles_trainer.moe and, with `config.moe_aux_loss`, trains its load-balancing loss.
+    metrics of miles_trainer.moe and, with `config.moe_aux_loss` / `moe_z_loss_coef`, trains its load-balancing loss /
+    router z-loss.
     `measure_mismatch`: report
     `train_rollout_logprob_abs_diff` (the recomputed old log-probs, else this forward's, against the rollout's —
     meaningful while the weights are still those that generated the samples). `share_prompts=False` packs every

@@ -16,6 +16,8 @@
   the replayed ids, so the router still learns: the gradient reaches the gate weights through the replayed
   experts' scores (softmax: every logit of the token, through the normalization; sigmoid: the replayed experts'
   logits). Replaying the router's own choice changes no bit.
+- `Routing` keeps the scores and the float32 router logits with the choice, for the trainer's routing metrics and
+  its load-balancing and z losses (miles_trainer/moe.py).
 - Experts: each expert's tokens go through tiled (fixed-shape) matmuls, so a token's expert output does not depend
   on how many or which other tokens chose the same expert.
 - Combine: outputs are added in top-k rank order, one rank at a time, so the sum order is fixed per token.
@@ -40,6 +42,7 @@ class Routing(NamedTuple):
     weights: torch.Tensor  # (N, K) their combine weights, in the model dtype
     router_ids: torch.Tensor  # (N, K) the router's own choice (equal to expert_ids without replay)
     scores: torch.Tensor  # (N, E) float32: softmax probabilities or sigmoid scores (metrics, auxiliary losses)
+    logits: torch.Tensor | None = None  # (N, E) float32 router logits (the router z-loss)
 
 
 def _descending(values: torch.Tensor, count: int) -> torch.Tensor:
@@ -82,10 +85,11 @@ def route_softmax(
     replay_NK: torch.Tensor | None = None,
 ) -> Routing:
     """Qwen3-MoE routing (see the module docstring)."""
-    probs = torch.softmax(router_logits_NE.to(torch.float32), dim=-1)
+    logits = router_logits_NE.to(torch.float32)
+    probs = torch.softmax(logits, dim=-1)
     router_ids = _descending(probs, top_k)
     expert_ids = _replayed(router_ids, replay_NK, probs.shape[-1])
-    return Routing(expert_ids, _weights(probs, expert_ids, normalize, 0.0, 1.0, dtype), router_ids, probs)
+    return Routing(expert_ids, _weights(probs, expert_ids, normalize, 0.0, 1.0, dtype), router_ids, probs, logits)
 
 
 def route_grouped_sigmoid(
@@ -100,7 +104,8 @@ def route_grouped_sigmoid(
     replay_NK: torch.Tensor | None = None,
 ) -> Routing:
     """GLM-4.5 / DeepSeek-V3 routing (see the module docstring)."""
-    scores = sigmoid(router_logits_NE.to(torch.float32))
+    logits = router_logits_NE.to(torch.float32)
+    scores = sigmoid(logits)
     choice = scores + correction_bias_E.to(torch.float32)
     num_tokens, num_experts = choice.shape
     if topk_group < n_group:
@@ -110,7 +115,8 @@ def route_grouped_sigmoid(
         choice = choice.masked_fill(~kept.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
     router_ids = _descending(choice, top_k)
     expert_ids = _replayed(router_ids, replay_NK, num_experts)
-    return Routing(expert_ids, _weights(scores, expert_ids, normalize, 1e-20, scaling, dtype), router_ids, scores)
+    weights = _weights(scores, expert_ids, normalize, 1e-20, scaling, dtype)
+    return Routing(expert_ids, weights, router_ids, scores, logits)
 
 
 def select_experts(

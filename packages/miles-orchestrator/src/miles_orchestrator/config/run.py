@@ -73,7 +73,8 @@ class RunConfig(Section):
 
     def _megatron_backend(self) -> None:
         """trainer.backend.name=megatron: what the Megatron backend needs and what it does not support yet
-        (docs/megatron.md)."""
+        (docs/megatron.md): the critic, the online MTP draft, routing replay, the MoE losses and memory budgets run
+        on it as on FSDP2."""
         if self.trainer.backend.name != "megatron":
             return
         backend = self.trainer.backend
@@ -84,11 +85,13 @@ class RunConfig(Section):
                 "(the old log-probs are recomputed and trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the "
                 "mismatch)"
             )
+        loss, replays = self.trainer.loss, self.trainer.routing_replay == "rollout"
+        in_routers = replays or loss.moe_aux_loss != "none" or loss.moe_z_loss_coef > 0
         unsupported = {
-            "a critic (advantage.estimator=gae)": self.trainer.uses_critic,
-            "spec.mode=online (the MTP draft's loss)": self.spec.mode == "online",
-            "trainer.routing_replay=rollout": self.trainer.routing_replay == "rollout",
-            f"trainer.loss.moe_aux_loss={self.trainer.loss.moe_aux_loss}": self.trainer.loss.moe_aux_loss != "none",
+            # each TP rank's router sees its share of the tokens: not instrumented (miles_trainer.megatron_moe)
+            "routing replay or the MoE losses with trainer.backend.megatron.sequence_parallel": (
+                in_routers and backend.megatron.sequence_parallel
+            ),
             "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
         }
         named = [name for name, used in unsupported.items() if used]

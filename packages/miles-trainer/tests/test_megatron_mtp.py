@@ -1,0 +1,193 @@
+"""The online MTP draft on the Megatron backend (docs/megatron.md, "Online MTP draft").
+
+- Conversion (torch only): a model's MTP modules (`model.layers.{L + i}`) to megatron-core's `mtp.layers.{i}` on the
+  last stage and back is bit-exact over TP / EP / ETP / PP layouts; the HF checkpoint's copies of the embedding and
+  the LM head under an MTP layer are the trunk's tensors, not converted.
+- Against megatron-core (CPU numerics, one process): its `MultiTokenPredictionBlock`, built from the HF config, has
+  the conversion's names and shapes, and on converted weights gives the miles model's `mtp_hidden` / `mtp_logits`
+  (float32, to 2e-6) in the trunk's right-padded (B, S) layout: two sequences of different lengths, chained modules,
+  GLM-4.5's MoE MTP layer with partial RoPE, QK-norm and biases.
+- Training (multi-process, gloo; needs miles-spec's `MTPLoss`, so it runs where the workspace is installed, skipped in
+  a venv of miles-trainer alone): a GLM-4.5 with an MTP layer on PP 2 x EP 2 x DP 2 (four ranks, untied embeddings:
+  the first stage sends the embedding to the MTP modules) against one FSDP2 rank with the same MTP loss: the policy's
+  loss, gradient norm, MTP loss, accuracy and gradient norm, and every parameter after the step (trunk and MTP) within
+  the MoE tolerances of test_megatron.py; gradient isolation: the trunk after a step with the MTP loss is bitwise the
+  trunk after a step without it; a checkpoint with the MTP modules' AdamW state resumes bit-exact (the straight run
+  offloads and onloads between the steps, the resumed one does not). Three rank runs: 1, 4 and 4 processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_kernels import KernelConfig, build_packed_batch, save_model
+from miles_kernels.testing import random_model, tiny_config
+from miles_trainer import RankLayout, hf_from_megatron, hf_to_megatron, rank_entries
+from miles_trainer.config import MegatronConfig, OptimizerConfig
+
+megatron = pytest.importorskip("megatron.core", reason="the megatron extra (uv sync --extra megatron)")
+
+WORKER = Path(__file__).with_name("megatron_worker.py")
+KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
+
+
+def mtp_state(config) -> dict[str, torch.Tensor]:
+    """A random model's HF tensors, each once: tied LM head and the MTP layers' copies of trunk tensors left out."""
+    model = random_model(config, seed=3)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    for name in ["lm_head.weight"] * config.tie_word_embeddings + list(model.mtp_copy_names()):
+        state.pop(name)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides", "sizes"),
+    [("glm", {}, {"tp": 2, "ep": 2}), ("glm", {}, {"etp": 2, "ep": 8, "stages": 3, "impl": "transformer_engine"}),
+     ("dense", {"num_nextn_predict_layers": 2, "tie_word_embeddings": False, "vocab_size": 255},
+      {"tp": 2, "stages": 2})],
+)  # fmt: skip
+def test_mtp_modules_convert_bit_exact(kind: str, overrides: dict, sizes: dict) -> None:
+    from test_megatron import grid
+
+    config = tiny_config(kind, **{"num_nextn_predict_layers": 1} | overrides)
+    state = mtp_state(config)
+    layouts = grid(**sizes, layers=config.num_hidden_layers)
+    shards = {layout: hf_to_megatron(state.__getitem__, config, layout) for layout in layouts}
+    for layout, tensors in shards.items():  # on the last stage only
+        assert any(name.startswith("mtp.") for name in tensors) == layout.is_last_stage
+    back = dict(hf_from_megatron(config, layouts, lambda layout, name: shards[layout][name]))
+    assert back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+    eh_proj = shards[layouts[-1]]["mtp.layers.0.eh_proj.weight"]  # column-parallel: its output rows split over TP
+    assert eh_proj.shape == (config.hidden_size // sizes.get("tp", 1), 2 * config.hidden_size)
+
+
+@contextlib.contextmanager
+def one_rank(path: Path, layout: MegatronConfig) -> Iterator[None]:
+    from test_megatron import one_rank_group
+
+    from miles_trainer import megatron_on_cpu
+    from miles_trainer.megatron_model import init_parallel
+
+    with one_rank_group(path):
+        init_parallel(layout)
+        try:
+            with megatron_on_cpu():
+                yield
+        finally:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize(("kind", "num_mtp"), [("glm", 1), ("dense", 2)])
+def test_megatron_mtp_modules_give_the_miles_mtp_outputs(kind: str, num_mtp: int, tmp_path) -> None:
+    """megatron-core's MTP block beside a GPTModel, both on converted weights, against `CausalLM.mtp_hidden` /
+    `mtp_logits` of the miles model (each sequence on its own rows; chained modules read the previous output)."""
+    from miles_trainer.megatron_model import MegatronCausalLM, build_gpt_model, rank_layout
+    from miles_trainer.megatron_mtp import MegatronMTP, build_mtp_block
+
+    config = tiny_config(kind, num_nextn_predict_layers=num_mtp, tie_word_embeddings=kind == "glm")
+    reference = random_model(config, KERNEL, seed=5)
+    layout = MegatronConfig(moe_token_dispatcher="allgather")
+    lens = [11, 6]
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, config.vocab_size, (n + num_mtp,), generator=generator) for n in lens]
+    with one_rank(tmp_path / "pg", layout):
+        state = hf_to_megatron(dict(reference.state_dict()).__getitem__, config, rank_layout(config, layout))
+        block = build_mtp_block(config, layout, torch.float32, None)
+        expected = {n: t.shape for n, t in block.state_dict().items() if not n.endswith("_extra_state")}
+        assert {n.removeprefix("mtp."): t.shape for n, t in state.items() if n.startswith("mtp.")} == expected
+        gpt = build_gpt_model(config, layout)
+        gpt.load_state_dict({n: t for n, t in state.items() if not n.startswith("mtp.")}, strict=False)
+        chunk = MegatronCausalLM(gpt, config, KERNEL)
+        mtp = MegatronMTP(config, layout, KERNEL, [chunk], state, torch.device("cpu"), (), OptimizerConfig())
+        assert chunk.mtp is mtp and len(mtp.mtp_layers) == num_mtp
+        batch = build_packed_batch(lens, KERNEL.page_size, KERNEL.attention_query_tile)
+        inputs = torch.cat([seq[:n] for seq, n in zip(ids, lens, strict=True)])
+        with torch.no_grad():
+            padded = chunk.padded_batch(inputs, batch)
+            hidden = chunk.hidden_rows(chunk.stage_forward(padded), padded)
+            mtp.embedding = mtp.trunk_embedding()
+            got = []
+            for module in range(num_mtp):
+                next_ids = torch.cat([seq[module + 1 : module + 1 + n] for seq, n in zip(ids, lens, strict=True)])
+                hidden = mtp.hidden(chunk, padded, hidden, next_ids, batch, module, detach_trunk=True)
+                got.append((hidden, chunk.logits(hidden, detach_weight=True)))
+    with torch.no_grad():
+        hidden = reference.forward_hidden(inputs, batch)
+        for module in range(num_mtp):
+            next_ids = torch.cat([seq[module + 1 : module + 1 + n] for seq, n in zip(ids, lens, strict=True)])
+            hidden = reference.mtp_hidden(hidden, next_ids, batch, module)
+            torch.testing.assert_close(got[module][0], hidden, rtol=0, atol=2e-6)
+            torch.testing.assert_close(got[module][1], reference.mtp_logits(hidden), rtol=0, atol=2e-6)
+
+
+def test_the_conversion_takes_mtp_modules_on_the_last_stage_only() -> None:
+    config = tiny_config("glm", num_nextn_predict_layers=1)
+    last = {e.name: e.hf_names for e in rank_entries(config, RankLayout(first_layer=2, num_layers=1,
+                                                                        is_first_stage=False))}  # fmt: skip
+    first = rank_entries(config, RankLayout(first_layer=0, num_layers=2, is_last_stage=False))
+    assert not any(e.name.startswith("mtp.") for e in first)
+    assert last["mtp.layers.0.final_layernorm.weight"] == ("model.layers.3.shared_head.norm.weight",)
+    assert last["mtp.layers.0.transformer_layer.mlp.router.expert_bias"] == (
+        "model.layers.3.mlp.gate.e_score_correction_bias",
+    )  # GLM-4.5's MTP layer is an MoE layer, as its layer index says
+    hf = {name for names in last.values() for name in names}
+    assert "model.layers.3.embed_tokens.weight" not in hf and "model.layers.3.shared_head.head.weight" not in hf
+
+
+def test_online_mtp_on_megatron_matches_fsdp2_is_isolated_and_resumes(tmp_path) -> None:
+    """One GLM-4.5 (2 layers, MoE MTP layer, untied) step with the MTP loss on PP 2 x EP 2 x DP 2 against FSDP2's on
+    one rank; the trunk of that step bitwise the trunk of a step without the MTP loss; a second step after a
+    checkpoint, and the same second step resumed from it in fresh processes, bit for bit (the MTP modules' AdamW
+    state and schedule included); the HF export holds the trained draft."""
+    pytest.importorskip("miles_spec", reason="the MTP loss is miles-spec's (a workspace install has it)")
+    from safetensors.torch import load_file
+    from test_fsdp import TIMING, run_ranks
+
+    from miles_kernels import load_model
+
+    config = tiny_config("glm", num_hidden_layers=2, num_nextn_predict_layers=1, tie_word_embeddings=False)
+    model_dir = tmp_path / "model"
+    save_model(random_model(config, seed=4), model_dir)
+    mtp = "model.layers.2."
+    env = {"MILES_TEST_MTP": "1"}
+    fsdp, fsdp_metrics = run_ranks(model_dir, tmp_path / "fsdp", world=1, extra_env=env)
+    env |= {"MILES_TEST_MEGATRON": json.dumps({"pp": 2, "ep": 2, "moe_token_dispatcher": "alltoall"})}
+    straight, metrics_straight = run_ranks(model_dir, tmp_path / "two", 4, "two-steps", extra_env=env, worker=WORKER)
+
+    def step(name: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:  # what the worker wrote of a step
+        metrics = json.loads((tmp_path / "two" / f"{name}_metrics.json").read_text())
+        params = load_file(tmp_path / "two" / f"{name}.safetensors")
+        return params, {key: value for key, value in metrics.items() if key not in TIMING}
+
+    first, metrics = step("step1")
+    for key in ("loss", "pg_loss", "entropy", "num_tokens", "grad_norm", "mtp_loss", "mtp_accuracy_0", "aux_grad_norm",
+                "aux_lr"):  # fmt: skip
+        assert metrics[key] == pytest.approx(fsdp_metrics[key], rel=1e-6, abs=1e-7), key
+    assert metrics["mtp_loss"] > 0 and metrics["aux_grad_norm"] > 0
+    assert first.keys() == fsdp.keys() and any(name.startswith(mtp) for name in fsdp)
+    for name, tensor in fsdp.items():  # the MoE tolerance of test_megatron.py
+        torch.testing.assert_close(first[name], tensor, rtol=0, atol=5e-5, msg=name)
+    plain, plain_metrics = step("plain")  # gradient isolation: the trunk moved by the same bits without the MTP loss
+    assert (plain_metrics["loss"], plain_metrics["grad_norm"]) == (metrics["loss"], metrics["grad_norm"])
+    initial = load_file(model_dir / "model.safetensors")
+    for name, tensor in plain.items():
+        assert torch.equal(first[name], tensor) or name.startswith(mtp), name
+        assert torch.equal(tensor, initial[name]) or not name.startswith(mtp), name  # without the loss: as loaded
+    assert any(not torch.equal(first[name], plain[name]) for name in plain if name.startswith(mtp))
+    resumed, metrics_resumed = run_ranks(model_dir, tmp_path / "resume", 4, "resume", extra_env=env, worker=WORKER)
+    assert metrics_resumed == metrics_straight and metrics_straight["checksum_matches"] == 1.0
+    for name, tensor in straight.items():
+        assert torch.equal(resumed[name], tensor), name
+    exported = load_model(tmp_path / "two" / "hf", KernelConfig()).state_dict()
+    for name, tensor in straight.items():
+        assert torch.equal(exported[name], tensor), name
