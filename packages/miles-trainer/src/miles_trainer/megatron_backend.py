@@ -41,6 +41,7 @@ from miles_trainer.logprobs import response_logprobs
 from miles_trainer.megatron_convert import MTP_PREFIX, RankLayout, hf_to_megatron, rank_entries
 from miles_trainer.megatron_cpu import device_mode, in_device_mode
 from miles_trainer.megatron_critic import MegatronCritic
+from miles_trainer.megatron_memory import megatron_memory
 from miles_trainer.megatron_model import (
     MegatronCausalLM,
     build_gpt_model,
@@ -100,19 +101,15 @@ class MegatronBackend:
         aux_optimizer: OptimizerConfig | None = None,
         memory: MemoryConfig | None = None,
         routing_replay: bool = False,
+        offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        """As `FSDP2Backend`; memory budgets (partial offload, OOM retries) are FSDP2-only for now and refused by
-        name. `critic`: PPO's, with its own AdamW (megatron_critic). Routing replay and the MoE losses run in the
-        routers (megatron_moe); `aux_losses` train the policy's MTP modules, with their own AdamW (`aux_optimizer`,
-        default: the policy's settings; megatron_mtp)."""
+        """As `FSDP2Backend`. `critic`: PPO's, with its own AdamW (megatron_critic). Routing replay and the MoE losses
+        run in the routers (megatron_moe); `aux_losses` train the policy's MTP modules, with their own AdamW
+        (`aux_optimizer`, default: the policy's settings; megatron_mtp). `memory`: offload target, budget, partial
+        offload and OOM handling, FSDP2's (megatron_memory; `offload_dir`: where a CPU run offloads)."""
         require_megatron()
         if not dist.is_initialized():
             raise RuntimeError("MegatronBackend needs torch.distributed initialized (torchrun, or init_process_group)")
-        refused: list[str] = []
-        if memory is not None and memory != MemoryConfig():
-            refused.append("memory (budgets, partial offload, OOM retries)")
-        if refused:
-            raise ValueError(f"the Megatron backend does not support {', '.join(refused)} yet; use fsdp2")
         self.kernel = kernel
         self.optimizer_config = optimizer or OptimizerConfig()
         self.loss_config = loss or PolicyLossConfig()
@@ -142,7 +139,14 @@ class MegatronBackend:
             self.critic = MegatronCritic(critic, self.chunks, self.layouts, build, self.kernel, self.device)
         self.critic_config = critic  # checkpoint.py reads it of either backend
         self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
-        self._offloaded = False
+        trunk = [*self.chunks, *(self.reference_chunks or [])]
+        self.memory = megatron_memory(
+            memory or MemoryConfig(), self.device, offload_dir=offload_dir,
+            weights=lambda: [*(p for chunk in trunk for p in chunk.gpt.parameters()), *self.critic.parameters()],
+            mtp=self.mtp.mtp_parameters, resident=self._resident, ddp_modules=self._ddp_modules,
+            trained=lambda: [*self.masters, *self.mtp.masters, *self.critic.masters],
+        )  # fmt: skip
+        self.memory.check_fits()
 
     def _build_chunks(self, model_dir: str | os.PathLike[str], layout: Any, keep_reference: bool | None) -> None:
         """Megatron's process groups, this rank's model chunks (and their frozen reference copies), the float32
@@ -294,31 +298,38 @@ class MegatronBackend:
         is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(
             samples, old_logprobs, loss, self._sum_dp
         )
-        self._zero_grad()
         aux_counts = self.mtp.counts(samples, self._sum_dp)
-        step = PolicyStep(
-            self.model, samples, advantages, self.kernel, loss, self.max_tokens,  # type: ignore[arg-type]
-            global_num_tokens=global_tokens, global_num_seqs=global_seqs, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, is_weights=is_weights, measure_mismatch=measure_mismatch, share_prompts=False,
-            aux_losses=self.aux_losses, aux_counts=aux_counts,
-            joint_value=self.critic.joint_value(returns, old_values),  # a value head's loss joins the policy's
-            routing_replay=self.routing_replay, computes_moe_terms=False,  # the routers add them: megatron_moe.py
-        )  # fmt: skip
-        stats = StepStats()
+        joint_value = self.critic.joint_value(returns, old_values)  # a value head's loss joins the policy's
 
-        def last_stage(output: LastStageOutput, micro: MicroBatch, weight: float) -> torch.Tensor:
-            total, finish = step.loss(output, micro, weight, stats)  # type: ignore[arg-type]
-            finish(stats)
-            return total * weight
+        def accumulate(max_tokens: int) -> tuple[StepStats, bool]:
+            """The step's passes with `max_tokens` per micro-batch (an OOM retry halves it); (stats, whether the
+            policy had tokens to train)."""
+            self.max_tokens = max_tokens
+            stats = StepStats()
+            step = PolicyStep(
+                self.model, samples, advantages, self.kernel, loss, max_tokens,  # type: ignore[arg-type]
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs, old_logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs, is_weights=is_weights, measure_mismatch=measure_mismatch,
+                share_prompts=False, aux_losses=self.aux_losses, aux_counts=aux_counts, joint_value=joint_value,
+                routing_replay=self.routing_replay, computes_moe_terms=False,  # the routers add them: megatron_moe
+            )  # fmt: skip
 
-        self.mtp.begin_step()
-        passes = self._num_passes(samples)
-        self.critic.accumulate(samples, returns, old_values, self.max_tokens, passes, self._sum_dp,
-                               loss.max_response_len, stats)  # fmt: skip
-        if step.trains and runs_policy:
-            dp = self.data_parallel[1]
-            moe = StagePasses(self.model_config, self.routing_replay, loss, stats, step.total_rows, dp)
-            run_schedule(self.chunks, step.passes(passes), last_stage, False, stage_pass=moe)
+            def last_stage(output: LastStageOutput, micro: MicroBatch, weight: float) -> torch.Tensor:
+                total, finish = step.loss(output, micro, weight, stats)  # type: ignore[arg-type]
+                finish(stats)
+                return total * weight
+
+            self.mtp.begin_step()
+            passes = self._num_passes(samples)
+            self.critic.accumulate(samples, returns, old_values, max_tokens, passes, self._sum_dp,
+                                   loss.max_response_len, stats)  # fmt: skip
+            if step.trains and runs_policy:
+                dp = self.data_parallel[1]
+                moe = StagePasses(self.model_config, self.routing_replay, loss, stats, step.total_rows, dp)
+                run_schedule(self.chunks, step.passes(passes), last_stage, False, stage_pass=moe)
+            return stats, step.trains
+
+        (stats, trains), self.max_tokens = self.memory.with_oom_retry(self.max_tokens, accumulate, self._zero_grad)
         finalize_model_grads([chunk.gpt_ddp for chunk in self.chunks])
         self.mtp.finalize_grads()
         if self._last_stage:  # the other stages' stats are empty: the all-reduce over the pipeline takes these
@@ -328,7 +339,7 @@ class MegatronBackend:
         critic_metrics = self.critic.step()  # the critic's own AdamW
         skip_update = is_warmup or not has_update_signal(advantages, loss)
         metrics = self._finish_step(stats, start, skip_update=skip_update)
-        return metrics | self.mtp.step(skip_update=not (step.trains and runs_policy)) | critic_metrics
+        return metrics | self.mtp.step(skip_update=not (trains and runs_policy)) | critic_metrics
 
     def _zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -345,6 +356,8 @@ class MegatronBackend:
         self.step_count += 1
         if self._last_stage:
             stats.add("skipped_update", float(skip_update) / self.data_parallel[1])
+        for name, value in self.memory.step_metrics().items():  # the busiest rank's
+            stats.add_max(name, value)
         stats.all_reduce(self._dp_group())
         stats.all_reduce(self._pp_group())  # from the last stage to the others
         metrics = stats.summary()
@@ -405,7 +418,7 @@ class MegatronBackend:
     # -- memory --------------------------------------------------------------------------------------------------
 
     def _resident(self) -> Iterator[tuple[dict[str, Any], str]]:
-        """(owner, key) of every tensor `offload` moves: the policy's and the reference's parameters, the float32
+        """(owner, key) of every tensor the memory holds: the policy's and the reference's parameters, the float32
         masters of a bf16 / fp16 model, AdamW's state; the MTP modules' and the critic's likewise."""
         for chunk in [*self.chunks, *(self.reference_chunks or [])]:
             for param in chunk.gpt.parameters():
@@ -427,57 +440,24 @@ class MegatronBackend:
 
     @in_device_mode
     def offload(self, room_for: int | None = None) -> int:
-        """Free the device memory of the weights, the reference copy, AdamW's state and the gradient buffers while
-        the engine works (to pinned host memory on CUDA); returns the bytes freed on this rank. Everything moves
-        (`room_for` is FSDP2's partial offload, not implemented here); `onload()` brings it back bit for bit."""
-        if self._offloaded:
-            return 0
+        """Free the weights, the reference copy, the MTP modules, the critic, AdamW's state and the gradient buffers
+        while the engine works (to host memory on CUDA, a file on a CPU: `memory.offload_to`); returns the bytes
+        freed on this rank. `room_for`: the bytes the engine takes back beside this rank; with
+        `memory.partial_offload` only what makes them fit within the budget moves, largest tensors first.
+        `onload()` brings everything back bit for bit (the gradient buffers as zeros)."""
         self._zero_grad()
-        freed = 0
-        for owner, key in self._resident():
-            tensor = owner[key]
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
-            host.copy_(tensor.detach())
-            freed += tensor.numel() * tensor.element_size()
-            if key == "param":
-                tensor.data = host
-            else:
-                owner[key] = host
-        freed += self.grad_buffer_bytes()
-        on_cuda = self.device.type == "cuda"
-        for ddp in self._ddp_modules():
-            ddp.offload_grad_buffers(synchronize=on_cuda, empty_cache=on_cuda)
-        self._offloaded = True
-        return freed
-
-    def grad_buffer_bytes(self) -> int:
-        """Bytes of megatron-core's DDP gradient buffers (dense and expert)."""
-        buffers = [b for ddp in self._ddp_modules() for b in ddp.buffers + ddp.expert_parallel_buffers]
-        return int(sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers))
+        return self.memory.offload(room_for).freed_bytes
 
     @in_device_mode
     def onload(self) -> int:
-        """Bring back what `offload()` freed; returns the bytes restored on this rank."""
-        if not self._offloaded:
-            return 0
-        restored = 0
-        for owner, key in self._resident():
-            tensor = owner[key]
-            device = tensor.to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor.clone()
-            restored += tensor.numel() * tensor.element_size()
-            if key == "param":
-                tensor.data = device
-            else:
-                owner[key] = device
-        for ddp in self._ddp_modules():
-            ddp.restore_grad_buffers(synchronize=self.device.type == "cuda")
-        self._offloaded = False
-        return restored
+        """Bring back what `offload()` freed; returns the bytes restored on this rank. With `memory.limit_bytes`,
+        a `torch.OutOfMemoryError` (with a report by tag) when it would not fit."""
+        return self.memory.manager.onload()
 
     @property
     def is_offloaded(self) -> bool:
-        return self._offloaded
+        return self.memory.manager.is_offloaded()
 
     def _check_onloaded(self) -> None:
-        if self._offloaded:
+        if self.memory.manager.is_offloaded():
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")

@@ -336,8 +336,13 @@ class MegatronCritic:
             out[f"value_head.score.{name}"] = tensor.cpu()
         return out
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The critic's weights: its model chunks' (a separate critic) and the value head's (on the last stage)."""
+        head = list(self.head.parameters()) if self.head is not None else []
+        return [*(p for chunk in self.chunks for p in chunk.gpt.parameters()), *head]
+
     def resident(self) -> Iterator[tuple[dict[str, Any], str]]:
-        """(owner, key) of the tensors `MegatronBackend.offload` moves: the chunks' and the head's parameters, the
+        """(owner, key) of the tensors the backend's memory holds: the chunks' and the head's parameters, the
         float32 masters of a bf16 / fp16 model, AdamW's state."""
         seen: set[int] = set()
         for param in [*(p for chunk in self.chunks for p in chunk.gpt.parameters()), *self.params, *self.masters]:

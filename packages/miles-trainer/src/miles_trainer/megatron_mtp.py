@@ -335,7 +335,7 @@ class MegatronMTP:
         return state | {MTP_PREFIX + n: b for n, b in self.block.named_buffers()}
 
     def resident(self) -> Iterator[tuple[dict[str, Any], str]]:
-        """(owner, key) of the tensors `MegatronBackend.offload` moves: weights, masters, AdamW's state."""
+        """(owner, key) of the tensors the backend's memory holds: weights, masters, AdamW's state."""
         for param in self.mtp_parameters():
             yield {"param": param}, "param"
         if self.masters is not self.params:

@@ -26,19 +26,15 @@ class TrainerRank:
         self.model_dir = model_dir
         self.kernel = settings.kernel
         self.backend: FSDP2Backend | MegatronBackend
-        if settings.backend.name == "megatron":  # the run config refused what it does not support
-            self.backend = MegatronBackend(
-                model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
-                keep_reference=settings.keep_reference or None,
-            )  # fmt: skip
-            return
         spec = settings.spec
-        aux_losses = [] if spec is None else [MTPLoss(spec.mtp_loss_coef)]
-        self.backend = FSDP2Backend(model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
-                                    offload_dir=settings.offload_dir, critic=settings.critic, aux_losses=aux_losses,
-                                    aux_optimizer=None if spec is None else spec.optimizer,
-                                    keep_reference=settings.keep_reference or None,
-                                    memory=settings.memory, routing_replay=settings.routing_replay)  # fmt: skip
+        backend = MegatronBackend if settings.backend.name == "megatron" else FSDP2Backend
+        self.backend = backend(
+            model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
+            offload_dir=settings.offload_dir, critic=settings.critic,
+            aux_losses=[] if spec is None else [MTPLoss(spec.mtp_loss_coef)],
+            aux_optimizer=None if spec is None else spec.optimizer, keep_reference=settings.keep_reference or None,
+            memory=settings.memory, routing_replay=settings.routing_replay,
+        )  # fmt: skip
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's); the
@@ -77,9 +73,7 @@ class TrainerRank:
         return int(self.backend.offload(room_for=room_for))
 
     def memory_bytes(self) -> dict[str, int]:
-        """What this rank holds now, by tag (the FSDP2 backend's memory manager; none for Megatron)."""
-        if isinstance(self.backend, MegatronBackend):
-            return {}
+        """What this rank holds now, by tag (either backend's memory manager)."""
         return self.backend.memory.manager.resident_bytes()
 
     def onload(self) -> int:
