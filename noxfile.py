@@ -24,7 +24,7 @@ PACKAGES = [
 ]
 PYTHON = "3.11"
 # Optional extras a package's tests exercise on this CPU (megatron-core is pure Python: its CPU paths are tested).
-TEST_EXTRAS = {"miles-trainer": ("--extra", "megatron")}
+TEST_EXTRAS = {"miles-trainer": ("--extra", "megatron"), "miles-spec": ("--extra", "megatron")}
 # Two threads match this project's reference machine; determinism tests set their own counts.
 TEST_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
