@@ -3,11 +3,12 @@
 - Conversion (torch only): HF -> Megatron shards of every rank -> HF is bit-exact for Qwen3, Qwen3-MoE and GLM-4.5
   over TP / EP / ETP / PP layouts and both layer-norm namings; what Megatron-core cannot express is refused by name.
 - Against megatron-core: the names and shapes of a CPU-initialized `GPTModel` are exactly the conversion's, and its
-  forward (megatron-core's own modules, inside `megatron_on_cpu()`) on converted weights gives the miles model's
-  logits (float32; the miles model is checked against transformers in miles-kernels' test_hf_parity.py).
+  forward (megatron-core's own modules, in the CPU device mode `megatron_on_cpu()`) on converted weights gives the
+  miles model's logits (float32; the miles model is checked against transformers in miles-kernels' test_hf_parity.py).
 - Training: one optimizer step of the Megatron backend, in real rank processes over gloo (TP=1, TP=2, DP=2, EP=2,
-  EP=2 x ETP=2 on four ranks, and through megatron-core's pipeline schedules: PP=3 x VPP=2 (interleaved), PP=2 x
-  EP=2 x DP=2 (1F1B, tied embeddings, the alltoall dispatcher)), against the FSDP2 backend's step on the same batch
+  EP=2 x ETP=2 on four ranks, and through megatron-core's pipeline schedules: PP=3 x VPP=2 (interleaved), uneven
+  PP=3 (1, 4, 1 layers, with activation recompute); PP=2 x EP=2 x DP=2 (1F1B, tied embeddings, the alltoall
+  dispatcher) is test_megatron_moe.py's, with routing replay), against the FSDP2 backend's step on the same batch
   (fsdp_worker.py's). The loss, entropy and gradient norm agree to float32 rounding; the parameters after one AdamW
   step agree to 2e-6 for the 2-layer dense model, and to 5e-5 for the MoE and 6-layer models (a tenth of the step
   size: weights whose gradients are near AdamW's eps, where the normalized step amplifies float32 rounding), and the
@@ -266,10 +267,9 @@ def fsdp_steps(tmp_path_factory) -> dict:
     [("dense", 1, {}), ("dense", 2, {"tp": 2}), ("dense", 2, {}), ("moe", 2, {"ep": 2}),
      ("glm", 4, {"ep": 2, "etp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
      ("dense6", 3, {"pp": 3, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1,
-                    "recompute": "full"}),
-     ("moe", 4, {"pp": 2, "ep": 2, "moe_token_dispatcher": "alltoall"})],
+                    "recompute": "full"})],
     ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense6-pp3-vpp2",
-         "dense6-pp3-uneven-1-4-1-recompute", "moe-pp2-ep2-dp2-tied"],
+         "dense6-pp3-uneven-1-4-1-recompute"],
 )  # fmt: skip
 def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: dict, fsdp_steps, tmp_path) -> None:
     from test_fsdp import run_ranks

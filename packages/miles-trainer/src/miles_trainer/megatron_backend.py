@@ -52,7 +52,7 @@ from miles_trainer.megatron_model import (
 )
 from miles_trainer.megatron_moe import StagePasses, check_moe_layout
 from miles_trainer.megatron_mtp import MegatronMTP
-from miles_trainer.megatron_optimizer import adamw, adamw_step, trained_params
+from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors, trained_params
 from miles_trainer.megatron_schedule import LastStageOutput, from_last_stage, run_schedule
 from miles_trainer.megatron_state import ExportedWeights, full_hf_state, load_sharded_state, sharded_state
 from miles_trainer.moe import moe_shape
@@ -426,10 +426,7 @@ class MegatronBackend:
         if self.masters is not self.params:
             for master in self.masters:
                 yield {"param": master}, "param"
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    yield state, key
+        yield from state_tensors(self.optimizer)
         yield from self.mtp.resident()
         yield from self.critic.resident()
 

@@ -38,7 +38,7 @@ from miles_trainer.critic import JointValueLoss, ValueHead, _check_rows, value_l
 from miles_trainer.megatron_convert import RankLayout
 from miles_trainer.megatron_model import MegatronCausalLM
 from miles_trainer.megatron_moe import StagePasses
-from miles_trainer.megatron_optimizer import adamw, adamw_step, trained_params
+from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors, trained_params
 from miles_trainer.megatron_schedule import LastStageOutput, from_last_stage, run_schedule
 from miles_trainer.megatron_state import adamw_sharded_state, full_hf_state, load_adamw_state
 from miles_trainer.packing import MicroBatch, pack_samples, padded_passes
@@ -349,10 +349,7 @@ class MegatronCritic:
             if id(param) not in seen:
                 seen.add(id(param))
                 yield {"param": param}, "param"
-        for state in self.optimizer.state.values() if self.optimizer is not None else []:
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    yield state, key
+        yield from state_tensors(self.optimizer)
 
     @property
     def ddp_modules(self) -> list[Any]:

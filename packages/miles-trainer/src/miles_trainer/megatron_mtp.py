@@ -43,7 +43,7 @@ from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import MegatronConfig, OptimizerConfig
 from miles_trainer.megatron_convert import MTP_PREFIX
 from miles_trainer.megatron_model import MegatronCausalLM, PaddedBatch, layer_spec, transformer_config
-from miles_trainer.megatron_optimizer import adamw, adamw_step
+from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors
 from miles_trainer.megatron_state import adamw_sharded_state, load_adamw_state
 
 
@@ -341,10 +341,7 @@ class MegatronMTP:
         if self.masters is not self.params:
             for master in self.masters:
                 yield {"param": master}, "param"
-        for state in self.optimizer.state.values() if self.optimizer is not None else []:
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    yield state, key
+        yield from state_tensors(self.optimizer)
 
     @property
     def ddp_modules(self) -> list[Any]:

@@ -11,7 +11,7 @@ takes part (the sums span the pipeline stages), with or without parameters of it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -97,3 +97,11 @@ def trained_params(
         if dtype != torch.float32:
             masters += [loaded[name].to(device, torch.float32) for name, _ in named]
     return params, (params if dtype == torch.float32 else masters)
+
+
+def state_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[tuple[dict[str, Any], str]]:
+    """(state, key) of every tensor of an optimizer's state but the scalar step counters (AdamW's moments)."""
+    for state in optimizer.state.values() if optimizer is not None else []:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                yield state, key
