@@ -6,16 +6,23 @@ by their global number, experts by their global index) with the offsets of each 
 one TP / PP / VPP / EP / ETP layout wrote loads into any other. Two kinds of directory are read:
 
 - the Megatron backend's trainer checkpoint (a step directory with trainer_state.json, "backend": "megatron"; the
-  model chunks under "model", "model1", ..., AdamW's state beside them), written by any layout;
+  model chunks under "model", "model1", ..., the MTP modules under "mtp", AdamW's states beside them), written by
+  any layout;
 - what `write_megatron_checkpoint` writes: the model under "model" (as Megatron-LM and
-  `megatron_state.model_sharded_state` lay it out), the HF config.json, `megatron_convert.json` (the source, the
-  dtype and the layout it was written from) and the source's tokenizer files.
+  `megatron_state.model_sharded_state` lay it out), the MTP modules under "mtp" (as the backend's checkpoints:
+  `MegatronMTP.sharded_state`), the HF config.json, `megatron_convert.json` (the source, the dtype, the layout it was
+  written from, the MTP layers' copies of trunk tensors the source held) and the source's tokenizer files.
 
-Writing runs the layout's ranks as gloo processes on this machine (a one-rank layout runs in this process): each
-builds its GPTModel chunks (`build_gpt_model`), fills them from the HF tensors (`hf_to_megatron`), and
-`dist_checkpointing.save` writes their shards. Reading builds a one-rank GPTModel (TP = PP = EP = 1) in the saved
-dtype as the template, lets `dist_checkpointing.load` reshard the saved tensors into it, and splits each into its HF
-tensors (`megatron_to_hf`). Both directions copy bits: HF -> Megatron -> HF returns the same tensors.
+A model's MTP modules (`num_nextn_predict_layers`) are megatron-core's `MultiTokenPredictionBlock` beside the last
+stage's GPTModel (megatron_mtp.py's `build_mtp_block`), keyed `mtp.layers.{i}.*` as in a GPTModel built with the
+block. Writing runs the layout's ranks as gloo processes on this machine (a one-rank layout runs in this process):
+each builds its GPTModel chunks (`build_gpt_model`; the last stage the MTP block too), fills them from the HF tensors
+(`hf_to_megatron`), and `dist_checkpointing.save` writes their shards. Reading builds a one-rank GPTModel (TP = PP =
+EP = 1) and MTP block in the saved dtype as the template, lets `dist_checkpointing.load` reshard the saved tensors
+into it, and splits each into its HF tensors (`megatron_to_hf`). Both directions copy bits: HF -> Megatron -> HF
+returns the same tensors. The MTP layers' HF copies of the trunk's embedding and LM head (`CausalLM.mtp_copy_names`)
+have no Megatron tensor: they are written back from the trunk's where the source held them (the record says), and
+for a checkpoint without a record (the backend's) as `export_hf` writes them, all of them.
 """
 
 from __future__ import annotations
@@ -36,9 +43,18 @@ import torch.distributed as dist
 from miles_kernels import CausalLM, KernelConfig, ModelConfig, load_state, save_model
 from miles_trainer.checkpoint import MODEL_CONFIG, TRAINER_STATE
 from miles_trainer.config import MegatronConfig
-from miles_trainer.megatron_convert import RankLayout, check_convertible, hf_to_megatron, megatron_to_hf, rank_entries
+from miles_trainer.megatron_convert import (
+    MTP_PREFIX,
+    RankLayout,
+    check_convertible,
+    hf_to_megatron,
+    megatron_to_hf,
+    rank_entries,
+)
 
 CONVERT_RECORD = "megatron_convert.json"
+HF_MTP_COPIES = "hf_mtp_copies"  # the record's list of the MTP layers' copies of trunk tensors the HF source held
+MTP_KEY = "mtp"  # the MTP modules' sharded tensors, as the backend's checkpoints hold them (MegatronMTP.sharded_state)
 DIST_METADATA = "metadata.json"  # dist_checkpointing's own: {"sharded_backend": "torch_dist", ...}
 EMBEDDING = "embedding.word_embeddings.weight"
 VOCAB_KEYS = (EMBEDDING, "output_layer.weight")  # rows padded to a multiple of the writer's TP size
@@ -95,7 +111,7 @@ def megatron_model_config(path: Path, hf_config: str | None = None) -> ModelConf
     if not (source / MODEL_CONFIG).is_file():
         hint = "" if hf_config else "; give --hf-config DIR (a directory with the model's config.json)"
         raise ValueError(f"{source}: no {MODEL_CONFIG}, so the architecture is unknown{hint}")
-    return convertible(ModelConfig.from_hf(json.loads((source / MODEL_CONFIG).read_text())), source)
+    return convertible(ModelConfig.from_hf(json.loads((source / MODEL_CONFIG).read_text())))
 
 
 def hf_model_config(path: Path) -> ModelConfig:
@@ -104,35 +120,43 @@ def hf_model_config(path: Path) -> ModelConfig:
 
     if not (path / MODEL_CONFIG).is_file():
         raise ValueError(f"{path}: no {MODEL_CONFIG}; give a Hugging Face directory (config.json + safetensors)")
-    return convertible(read_model_config(path), path)
+    return convertible(read_model_config(path))
 
 
-def convertible(config: ModelConfig, path: Path) -> ModelConfig:
+def convertible(config: ModelConfig) -> ModelConfig:
     """`config`, if this command converts it (ValueError naming what it does not)."""
     check_convertible(config, RankLayout())
-    if config.num_nextn_predict_layers:  # the backend builds them beside the GPTModel (megatron_mtp.py), not in it
-        raise ValueError(
-            f"{path}: the model has {config.num_nextn_predict_layers} MTP module(s) (num_nextn_predict_layers), "
-            "which miles-trainer convert does not write or read for Megatron yet"
-        )
     return config
 
 
-def _hf_files(path: Path, names: set[str]) -> dict[Path, list[str]]:
-    """The safetensors files of the HF directory `path` that hold `names`, each with its names among them."""
+def mtp_copy_names(config: ModelConfig) -> dict[str, str]:
+    """Each MTP layer's HF copy of a trunk tensor -> the trunk tensor's name (`CausalLM.mtp_copy_names`)."""
+    if not config.num_nextn_predict_layers:
+        return {}
+    with torch.device("meta"):
+        return CausalLM(config).mtp_copy_names()
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """Each tensor of the HF directory `path` -> the safetensors file (its name) that holds it."""
     from safetensors import safe_open
 
     index, single = path / "model.safetensors.index.json", path / "model.safetensors"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    elif single.is_file():
+        return weight_map
+    if single.is_file():
         with safe_open(str(single), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), single.name)
-    else:
-        raise ValueError(
-            f"{path}: no model.safetensors or model.safetensors.index.json; give a Hugging Face directory (a DCP "
-            "trainer checkpoint becomes one first: miles-trainer convert --src CHECKPOINT --dst HF_DIR)"
-        )
+            return dict.fromkeys(f.keys(), single.name)
+    raise ValueError(
+        f"{path}: no model.safetensors or model.safetensors.index.json; give a Hugging Face directory (a DCP "
+        "trainer checkpoint becomes one first: miles-trainer convert --src CHECKPOINT --dst HF_DIR)"
+    )
+
+
+def _hf_files(path: Path, names: set[str]) -> dict[Path, list[str]]:
+    """The safetensors files of the HF directory `path` that hold `names`, each with its names among them."""
+    weight_map = _weight_map(path)
     missing = sorted(names - weight_map.keys())
     if missing:
         raise ValueError(f"{path} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}")
@@ -248,11 +272,13 @@ def write_megatron_checkpoint(
         source["num_nextn_predict_layers"] = config.num_nextn_predict_layers
     (staging / MODEL_CONFIG).write_text(json.dumps(source, indent=2, sort_keys=True))
     record = {
-        "format": "megatron-core dist_checkpointing, the model under 'model'", "source": str(hf_dir.resolve()),
-        "dtype": dtype_name(dtype), "written_by_layout": layout.model_dump(), "num_ranks": world,
-        "megatron_core": _megatron_version(),
+        "format": "megatron-core dist_checkpointing, the model under 'model', its MTP modules (if any) under 'mtp'",
+        "source": str(hf_dir.resolve()), "dtype": dtype_name(dtype), "written_by_layout": layout.model_dump(),
+        "num_ranks": world, "megatron_core": _megatron_version(),
         "note": "dist_checkpointing reshards on load: any tp / pp / vpp / ep / etp layout reads this checkpoint",
     }  # fmt: skip
+    if config.num_nextn_predict_layers:  # the copies the source held are what Megatron -> HF writes back
+        record[HF_MTP_COPIES] = sorted(mtp_copy_names(config).keys() & _weight_map(hf_dir).keys())
     (staging / CONVERT_RECORD).write_text(json.dumps(record, indent=2))
     copy_tokenizer(tokenizer or hf_dir, staging)
     if out.exists():
@@ -308,48 +334,75 @@ def _write_shards(job: dict[str, Any]) -> None:
     hf_dir, layout = Path(job["hf_dir"]), MegatronConfig(**job["layout"])
     config, dtype = hf_model_config(hf_dir), DTYPES[job["dtype"]]
     stages = virtual_stages(layout)
-    chunks = []
+    chunks, mtp = [], {}
     for vp_stage in range(stages) if stages else [None]:
         gpt = build_gpt_model(config, layout, dtype, vp_stage)
         rank = rank_layout(config, layout, vp_stage)
         hf = read_hf_tensors(hf_dir, {name for entry in rank_entries(config, rank) for name in entry.hf_names})
-        missing_meg, unexpected = gpt.load_state_dict(hf_to_megatron(hf.__getitem__, config, rank), strict=False)
+        tensors = hf_to_megatron(hf.__getitem__, config, rank)
+        trunk = {name: tensor for name, tensor in tensors.items() if not name.startswith(MTP_PREFIX)}
+        missing_meg, unexpected = gpt.load_state_dict(trunk, strict=False)
         missing_meg = [name for name in missing_meg if not name.endswith("_extra_state")]
         assert not missing_meg and not unexpected, (missing_meg[:5], unexpected[:5])  # rank_entries names them all
         chunks.append(MegatronCausalLM(gpt, config, KernelConfig.model_validate({"dtype": job["dtype"]})))
+        if len(trunk) < len(tensors):  # the last stage's MTP modules, as MegatronMTP builds and saves them
+            block = mtp_block(config, layout, dtype, vp_stage, tensors)
+            mtp = {MTP_KEY: block.sharded_state_dict(prefix=MTP_PREFIX)}
     dist.barrier()
-    dist_checkpointing.save(model_sharded_state(chunks), job["out"])
+    dist_checkpointing.save(model_sharded_state(chunks) | mtp, job["out"])
+
+
+def mtp_block(
+    config: ModelConfig, layout: MegatronConfig, dtype: torch.dtype, vp_stage: int | None, tensors: dict[str, Any]
+) -> Any:
+    """megatron-core's MTP block of the last stage (`build_mtp_block`, its model chunk `vp_stage`) holding the
+    `mtp.` tensors of `tensors` (one rank's Megatron tensors, `hf_to_megatron`'s or a loaded checkpoint's)."""
+    from miles_trainer.megatron_mtp import build_mtp_block
+
+    block = build_mtp_block(config, layout, dtype, vp_stage)
+    state = {name.removeprefix(MTP_PREFIX): t for name, t in tensors.items() if name.startswith(MTP_PREFIX)}
+    missing, unexpected = block.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not name.endswith("_extra_state")]
+    assert not missing and not unexpected, (missing[:5], unexpected[:5])  # mtp_entries names them all
+    return block
 
 
 # -- Megatron -> HF ----------------------------------------------------------------------------------------------
 
 
 def load_megatron_model(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The Megatron checkpoint at `path` resharded into one rank's GPTModel (TP = PP = EP = 1): its tensors under
-    the GPTModel's names, in the saved dtype, vocabulary rows as saved (padded to the writer's TP). Inside
-    `one_rank()`."""
+    """The Megatron checkpoint at `path` resharded into one rank's GPTModel (TP = PP = EP = 1) and MTP block: its
+    tensors under their names (the block's `mtp.`-prefixed), in the saved dtype, vocabulary rows as saved (padded to
+    the writer's TP). Inside `one_rank()`."""
     from megatron.core import dist_checkpointing
 
     from miles_trainer.megatron_model import build_gpt_model
+    from miles_trainer.megatron_mtp import build_mtp_block
 
     directory = str(checkpoint_dir(path))
     saved = dist_checkpointing.load_tensors_metadata(directory)
     if EMBEDDING not in saved:
         raise ValueError(f"{path}: no {EMBEDDING} in this dist_checkpointing directory; is it a GPT model?")
-    gpt = build_gpt_model(config, MegatronConfig(moe_token_dispatcher="allgather"), saved[EMBEDDING].dtype)
-    template = {name: value for name, value in gpt.sharded_state_dict().items() if not name.endswith("_extra_state")}
-    wanted = {getattr(value, "key", name) for name, value in template.items()}
-    absent = sorted(key for key in wanted if key not in saved)
-    if absent:
-        raise ValueError(
-            f"{path} does not hold the {config.architecture} model its config.json describes: no "
-            f"{', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''} (keys of megatron-core's local layer spec)"
-        )
+    layout, dtype = MegatronConfig(moe_token_dispatcher="allgather"), saved[EMBEDDING].dtype
+    models = {"model": build_gpt_model(config, layout, dtype).sharded_state_dict()}
+    if config.num_nextn_predict_layers:
+        models[MTP_KEY] = build_mtp_block(config, layout, dtype, None).sharded_state_dict(prefix=MTP_PREFIX)
+    templates = {part: {n: v for n, v in m.items() if not n.endswith("_extra_state")} for part, m in models.items()}
+    for part, template in templates.items():
+        absent = sorted(key for key in (getattr(v, "key", n) for n, v in template.items()) if key not in saved)
+        if absent:
+            what = f"{config.num_nextn_predict_layers} MTP module(s) of the" if part == MTP_KEY else "the"
+            shown = ", ".join(absent[:3]) + (" ..." if len(absent) > 3 else "")
+            raise ValueError(
+                f"{path} does not hold {what} {config.architecture} model its config.json describes: no {shown} "
+                "(keys of megatron-core's local layer spec)"
+            )
+    template = templates["model"]
     for name in VOCAB_KEYS:  # a writer with TP > 1 padded the vocabulary: load its rows as they are
         if name in template and saved[name].global_shape != template[name].global_shape:
             template[name] = _resized(template[name], saved[name].global_shape)
-    loaded: dict[str, torch.Tensor] = dist_checkpointing.load({"model": template}, directory)["model"]
-    return {name: tensor.detach().cpu() for name, tensor in loaded.items()}
+    loaded = dist_checkpointing.load(templates, directory)
+    return {name: tensor.detach().cpu() for part in templates for name, tensor in loaded[part].items()}
 
 
 def _resized(sharded: Any, shape: tuple[int, ...]) -> Any:
@@ -369,16 +422,24 @@ def megatron_hf_tensors(megatron: dict[str, torch.Tensor], config: ModelConfig) 
 
 
 def write_hf(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, out: Path, dtype: torch.dtype, source: Path | None
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    out: Path,
+    dtype: torch.dtype,
+    source: Path | None,
+    mtp_copies: list[str] | None = None,
 ) -> Path:
     """An HF directory of `tensors` in `dtype` (GLM-4.5's router bias stays float32), its config.json the one of
-    `source` (a Megatron directory's copy of the original) with the dtype set to `dtype`."""
+    `source` (a Megatron directory's copy of the original) with the dtype set to `dtype`; of the MTP layers' copies
+    of trunk tensors, `mtp_copies` (default: all of them, as `export_hf` writes)."""
     with torch.device("meta"):
         model = CausalLM(config, KernelConfig.model_validate({"dtype": dtype_name(dtype)}))
     model = model.to_empty(device="cpu").to(dtype)
     model.tie_weights()
     load_state(model, tensors)
     save_model(model, out)
+    if mtp_copies is not None and model.mtp_copy_names().keys() - set(mtp_copies):
+        _drop_tensors(out, model.mtp_copy_names().keys() - set(mtp_copies))
     if source is not None and (source / MODEL_CONFIG).is_file():
         written = json.loads((out / MODEL_CONFIG).read_text())
         original = json.loads((source / MODEL_CONFIG).read_text())
@@ -386,6 +447,25 @@ def write_hf(
         merged = written | kept | ({"torch_dtype": dtype_name(dtype)} if "torch_dtype" in original else {})
         (out / MODEL_CONFIG).write_text(json.dumps(merged, indent=2, sort_keys=True))
     return out
+
+
+def _drop_tensors(directory: Path, names: set[str]) -> None:
+    """Rewrite the safetensors files of the HF directory that hold `names` without them (and its index)."""
+    from safetensors.torch import load_file, save_file
+
+    dropped = 0
+    for file, group in _hf_files(directory, names).items():
+        kept = load_file(file)
+        dropped += sum(kept[name].numel() * kept[name].element_size() for name in group)
+        staged = file.with_name(file.name + ".tmp")  # beside the file, whose tensors `kept` may map
+        save_file({name: t for name, t in kept.items() if name not in group}, str(staged), metadata={"format": "pt"})
+        staged.replace(file)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        content = json.loads(index.read_text())
+        content["weight_map"] = {name: f for name, f in content["weight_map"].items() if name not in names}
+        content["metadata"]["total_size"] -= dropped
+        index.write_text(json.dumps(content, indent=2))
 
 
 def megatron_checkpoint_to_hf(
@@ -399,6 +479,9 @@ def megatron_checkpoint_to_hf(
     with one_rank():
         megatron = load_megatron_model(src, config)
     dtype = dtype or megatron[EMBEDDING].dtype
-    write_hf(megatron_hf_tensors(megatron, config), config, out, dtype, Path(hf_config or checkpoint_dir(src)))
+    record = checkpoint_dir(src) / CONVERT_RECORD
+    copies = json.loads(record.read_text()).get(HF_MTP_COPIES) if record.is_file() else None
+    source = Path(hf_config or checkpoint_dir(src))
+    write_hf(megatron_hf_tensors(megatron, config), config, out, dtype, source, copies)
     copy_tokenizer(tokenizer or checkpoint_dir(src), out)
     return out
