@@ -25,8 +25,13 @@ PACKAGES = [
 PYTHON = "3.11"
 # Optional extras a package's tests exercise on this CPU (megatron-core is pure Python: its CPU paths are tested).
 TEST_EXTRAS = {"miles-trainer": ("--extra", "megatron"), "miles-spec": ("--extra", "megatron")}
-# Two threads match this project's reference machine; determinism tests set their own counts.
-TEST_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+# Two threads match this project's reference machine; determinism tests set their own counts. Bytecode is written
+# even where the environment says not to (PYTHONDONTWRITEBYTECODE=1, as on the CI image): the suite starts hundreds of
+# Python processes (rank workers, Ray actors, CLI runs, megatron-core's checkpoint writers), and each one compiled
+# torch, transformers and megatron-core from source again, about 10 s of CPU apiece; with the bytecode the sessions'
+# venvs keep, an import of them takes about 2 s.
+TEST_ENV = {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+            "PYTHONDONTWRITEBYTECODE": ""}  # fmt: skip
 
 
 def _sync(session: nox.Session, *args: str) -> None:
