@@ -155,6 +155,10 @@ def test_the_backend_config_checks_the_layout() -> None:
         BackendConfig(name="megatron", megatron=MegatronConfig(sequence_parallel=True))
     with pytest.raises(ValueError, match="etp > 1 needs ep > 1"):
         BackendConfig(name="megatron", megatron=MegatronConfig(etp=2))
+    with pytest.raises(ValueError, match="uneven all-gathers, which gloo does not do"):  # the CPU device mode's
+        BackendConfig(name="megatron", megatron=MegatronConfig(ep=2, etp=2))
+    on_gpu = BackendConfig(name="megatron", device="cuda", megatron=MegatronConfig(ep=2, etp=2))
+    assert on_gpu.megatron.moe_token_dispatcher == "alltoall"
     for pp in (1, 2):  # megatron-core's interleaved schedule pairs a two-stage pipeline's sends wrongly
         with pytest.raises(ValueError, match="needs pp >= 3"):
             BackendConfig(name="megatron", megatron=MegatronConfig(pp=pp, vpp=2))

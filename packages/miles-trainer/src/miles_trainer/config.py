@@ -302,6 +302,13 @@ class BackendConfig(_Config):
                 "megatron.etp > 1 needs ep > 1: with ep = 1 megatron-core reduces the experts' gradients as dense "
                 "parameters over the data-parallel ranks, which hold different expert shards"
             )
+        on_gloo = self.name == "megatron" and self.device == "cpu"
+        if on_gloo and (layout.etp or 1) > 1 and layout.moe_token_dispatcher == "alltoall":
+            raise ValueError(
+                "megatron.etp > 1 with moe_token_dispatcher=alltoall on device=cpu: that dispatcher gathers the "
+                "expert tensor-parallel ranks' tokens in uneven all-gathers, which gloo does not do; set "
+                "moe_token_dispatcher=allgather (pp = 1), or etp = 1, on a CPU"
+            )
         uneven = {k: v for k, v in (("decoder_first_pipeline_num_layers", layout.decoder_first_pipeline_num_layers),
                                     ("decoder_last_pipeline_num_layers", layout.decoder_last_pipeline_num_layers))
                   if v is not None}  # fmt: skip
