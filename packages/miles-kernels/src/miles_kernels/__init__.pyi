@@ -10,6 +10,7 @@ from .hf_io import (
     num_absent_mtp_layers,
     read_model_config,
     save_model,
+    tensor_files,
 )
 from .kv_cache import KVStore
 from .model import CausalLM, MTPLayer
@@ -118,6 +119,7 @@ __all__ = [
     "sample",
     "save_model",
     "select_experts",
+    "tensor_files",
     "tiled_matmul",
     "token_logprobs",
     "uniform",

@@ -75,7 +75,7 @@ def _num_absent_mtp_layers(directory: Path, config: ModelConfig) -> int:
     if not declared or not ((directory / INDEX_FILE).is_file() or (directory / SINGLE_FILE).is_file()):
         return 0
     mtp_prefixes = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(declared))
-    holds_mtp = any(name.startswith(mtp_prefixes) for name in _tensor_files(directory))
+    holds_mtp = any(name.startswith(mtp_prefixes) for name in tensor_files(directory))
     return 0 if holds_mtp else declared
 
 
@@ -92,8 +92,10 @@ def checkpoint_tensors(model: CausalLM, mtp_copies: bool = True) -> dict[str, to
     return state
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file that holds it."""
+def tensor_files(model_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Map each tensor name of a model directory to the safetensors file that holds it (FileNotFoundError when the
+    directory has no safetensors)."""
+    model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -108,7 +110,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 def iter_checkpoint(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from a model directory, one file open at a time."""
     by_file: dict[Path, list[str]] = {}
-    for name, file in _tensor_files(Path(model_dir)).items():
+    for name, file in tensor_files(model_dir).items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:

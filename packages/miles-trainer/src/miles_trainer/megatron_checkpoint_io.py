@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_kernels import CausalLM, KernelConfig, ModelConfig, load_state, save_model
-from miles_trainer.checkpoint import MODEL_CONFIG, TRAINER_STATE
+from miles_kernels import CausalLM, KernelConfig, ModelConfig, load_state, save_model, tensor_files
+from miles_trainer.checkpoint import MODEL_CONFIG, TRAINER_STATE, resolve_checkpoint
 from miles_trainer.config import MegatronConfig
 from miles_trainer.megatron_convert import (
     MTP_PREFIX,
@@ -51,6 +51,7 @@ from miles_trainer.megatron_convert import (
     megatron_to_hf,
     rank_entries,
 )
+from miles_trainer.megatron_cpu import device_mode
 
 CONVERT_RECORD = "megatron_convert.json"
 HF_MTP_COPIES = "hf_mtp_copies"  # the record's list of the MTP layers' copies of trunk tensors the HF source held
@@ -84,10 +85,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def trainer_checkpoint(path: Path) -> Path | None:
     """The trainer checkpoint at `path` (or its `.old` twin, left by a crash mid-rename); None if neither is one."""
-    for candidate in (path, path.with_name(path.name + ".old")):
-        if (candidate / TRAINER_STATE).is_file():
-            return candidate
-    return None
+    try:
+        return resolve_checkpoint(path)
+    except FileNotFoundError:
+        return None
 
 
 def is_megatron_checkpoint(path: Path) -> bool:
@@ -137,21 +138,16 @@ def mtp_copy_names(config: ModelConfig) -> dict[str, str]:
         return CausalLM(config).mtp_copy_names()
 
 
-def _weight_map(path: Path) -> dict[str, str]:
-    """Each tensor of the HF directory `path` -> the safetensors file (its name) that holds it."""
-    from safetensors import safe_open
-
-    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return weight_map
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return dict.fromkeys(f.keys(), single.name)
-    raise ValueError(
-        f"{path}: no model.safetensors or model.safetensors.index.json; give a Hugging Face directory (a DCP "
-        "trainer checkpoint becomes one first: miles-trainer convert --src CHECKPOINT --dst HF_DIR)"
-    )
+def _weight_map(path: Path) -> dict[str, Path]:
+    """Each tensor of the HF directory `path` -> the safetensors file that holds it (`miles_kernels.tensor_files`),
+    a ValueError the CLI prints when there is none."""
+    try:
+        return tensor_files(path)
+    except FileNotFoundError as error:
+        raise ValueError(
+            f"{path}: no model.safetensors or model.safetensors.index.json; give a Hugging Face directory (a DCP "
+            "trainer checkpoint becomes one first: miles-trainer convert --src CHECKPOINT --dst HF_DIR)"
+        ) from error
 
 
 def _hf_files(path: Path, names: set[str]) -> dict[Path, list[str]]:
@@ -162,7 +158,7 @@ def _hf_files(path: Path, names: set[str]) -> dict[Path, list[str]]:
         raise ValueError(f"{path} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}")
     files: dict[Path, list[str]] = {}
     for name in sorted(names):
-        files.setdefault(path / weight_map[name], []).append(name)
+        files.setdefault(weight_map[name], []).append(name)
     return files
 
 
@@ -198,10 +194,9 @@ def copy_tokenizer(source: Path, out: Path) -> None:
 
 
 def cpu_context() -> contextlib.AbstractContextManager[None]:
-    """`megatron_on_cpu()` where there is no CUDA (megatron-core's CUDA lookups stubbed), else nothing."""
-    from miles_trainer.megatron_cpu import megatron_on_cpu
-
-    return contextlib.nullcontext() if torch.cuda.is_available() else megatron_on_cpu()
+    """The Megatron backend's device mode where there is no CUDA (megatron-core's CUDA lookups stubbed), else
+    nothing."""
+    return device_mode("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @contextlib.contextmanager

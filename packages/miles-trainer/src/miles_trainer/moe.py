@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from miles_contracts import Sample, SampleStatus
-from miles_kernels import CausalLM, Routing
+from miles_kernels import CausalLM
 
 MOE_AUX_LOSSES = ("none", "aux_loss", "seq_aux_loss")
 
@@ -83,10 +83,6 @@ def balance_probs(router: str, scores_NE: torch.Tensor) -> torch.Tensor:
     return scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def _balance_probs(model: CausalLM, routing: Routing) -> torch.Tensor:
-    return balance_probs(model.config.router, routing.scores)
-
-
 def _balance(probs_NE: torch.Tensor, expert_ids_NK: torch.Tensor) -> torch.Tensor:
     num_tokens, num_experts = probs_NE.shape
     top_k = expert_ids_NK.shape[1]
@@ -102,7 +98,9 @@ def balance_loss(model: CausalLM, kind: str, sequence_rows: Sequence[Sequence[in
     for moe in model.moe_layers().values():
         assert moe.last_routing is not None
         routing = moe.last_routing
-        loss = layer_balance(kind, _balance_probs(model, routing), routing.expert_ids, sequence_rows)
+        loss = layer_balance(
+            kind, balance_probs(model.config.router, routing.scores), routing.expert_ids, sequence_rows
+        )
         total = loss if total is None else total + loss
     if total is None:
         raise ValueError(f"moe_aux_loss={kind!r} needs an MoE policy; {model.config.model_type} has no MoE layer")
@@ -153,7 +151,7 @@ def routing_metrics(model: CausalLM, recorded_NLK: torch.Tensor | None) -> dict[
         num_tokens, num_experts = routing.scores.shape
         counts = torch.bincount(routing.expert_ids.reshape(-1), minlength=num_experts).to(torch.float64)
         imbalance = float(counts.max() / counts.mean()) if num_tokens else 1.0
-        probs = _balance_probs(model, routing)
+        probs = balance_probs(model.config.router, routing.scores)
         entropy = float(-(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()) if num_tokens else 0.0
         out[f"moe_load_imbalance_l{index}"] = (imbalance, float(num_tokens))
         out[f"moe_router_entropy_l{index}"] = (entropy, float(num_tokens))
