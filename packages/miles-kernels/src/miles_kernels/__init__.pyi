@@ -13,9 +13,10 @@ from .hf_io import (
     tensor_files,
 )
 from .kv_cache import KVStore
-from .model import CausalLM, MTPLayer
+from .model import CausalLM, MTPLayer, rotary_cos_sin
 from .model_config import ModelConfig
-from .ops.attention import attention
+from .ops.activation import swiglu
+from .ops.attention import attention, packed_attention
 from .ops.attention_batch import NULL_PAGE, AttentionBatch, build_attention_batch, build_packed_batch
 from .ops.linear import linear, tiled_matmul
 from .ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax, select_experts
@@ -104,6 +105,7 @@ __all__ = [
     "load_state",
     "logprob_temperatures",
     "num_absent_mtp_layers",
+    "packed_attention",
     "parse_dtype",
     "plan_buckets",
     "read_model_config",
@@ -113,12 +115,14 @@ __all__ = [
     "resolved_backends",
     "rms_norm",
     "rope_cos_sin",
+    "rotary_cos_sin",
     "route_grouped_sigmoid",
     "route_softmax",
     "safetensors_layout",
     "sample",
     "save_model",
     "select_experts",
+    "swiglu",
     "tensor_files",
     "tiled_matmul",
     "token_logprobs",

@@ -45,6 +45,18 @@ def _embedding(config: ModelConfig) -> nn.Embedding:
     return nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
 
 
+def rotary_cos_sin(
+    config: ModelConfig, positions_N: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos / sin (N, rotary_dim) of `positions_N` for `config`, in `like`'s dtype on its device; the frequencies
+    are recomputed per call (rotary_dim / 2 values) so they are always float32, whatever the model dtype. Every
+    model running the engine's arithmetic takes its tables here (the trainer's Megatron layers too)."""
+    inv_freq = inv_frequencies(config.rotary_dim, config.rope_theta, like.device)
+    if config.rope_scaling is not None:
+        inv_freq = llama3_inv_frequencies(inv_freq, **config.rope_scaling)
+    return rope_cos_sin(positions_N, inv_freq, like.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, kernel: KernelConfig | None = None) -> None:
         super().__init__()
@@ -408,12 +420,7 @@ class CausalLM(nn.Module):
         return out
 
     def _rope(self, batch: AttentionBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE cos / sin of the batch's positions; the frequencies are recomputed per call (head_dim / 2 values) so
-        they are always float32, whatever the model dtype."""
-        inv_freq = inv_frequencies(self.config.rotary_dim, self.config.rope_theta, like.device)
-        if self.config.rope_scaling is not None:
-            inv_freq = llama3_inv_frequencies(inv_freq, **self.config.rope_scaling)
-        return rope_cos_sin(batch.positions_N, inv_freq, like.dtype)
+        return rotary_cos_sin(self.config, batch.positions_N, like)
 
     def mtp_logits(self, hidden_NH: torch.Tensor, detach_trunk: bool = False) -> torch.Tensor:
         """LM-head logits (N, V, float32) of MTP outputs; `detach_trunk`: the shared LM head enters detached."""

@@ -264,6 +264,13 @@ class MegatronConfig(_Config):
         description="Megatron-core's own PyTorch modules (local), or Transformer Engine's (the transformer-engine "
         "package must be installed; its fused layer norms change the weight names, docs/megatron.md).",
     )
+    layer_spec: Literal["auto", "miles", "megatron"] = Field(
+        default="auto",
+        description="The modules the GPTModel's layers are built from: miles (megatron-core's layers computing "
+        "with the engine's miles-kernels ops: with kernel.mode=deterministic the log-probs equal the rollout's bit "
+        "for bit; tp, etp, cp = 1, transformer_impl=local), megatron (megatron-core's own, transformer_impl's), or "
+        "auto (miles with kernel.mode=deterministic, megatron otherwise).",
+    )
     moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
         default="alltoall", description="How tokens reach their experts' EP ranks."
     )

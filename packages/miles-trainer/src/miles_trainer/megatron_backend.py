@@ -179,7 +179,7 @@ class MegatronBackend:
 
         vp_stage = chunk if len(self.layouts) > 1 else None
         layout = self.layouts[chunk]
-        gpt = build_gpt_model(self.model_config, self.config.megatron, self.kernel.torch_dtype, vp_stage)
+        gpt = build_gpt_model(self.model_config, self.config.megatron, self.kernel.torch_dtype, vp_stage, self.kernel)
         wanted = {name for entry in rank_entries(self.model_config, layout) for name in entry.hf_names}
         hf = {name: tensor for name, tensor in iter_checkpoint(model_dir) if name in wanted}
         state = hf_to_megatron(hf.__getitem__, self.model_config, layout)

@@ -15,9 +15,17 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from miles_kernels import KernelConfig, ModelConfig
+from miles_kernels import KernelConfig, ModelConfig, linear
 from miles_trainer.config import MegatronConfig
 from miles_trainer.megatron_convert import RankLayout, check_convertible, padded_vocab_size
+from miles_trainer.megatron_kernels import (
+    MilesRMSNorm,
+    PackedRows,
+    check_miles_layout,
+    miles_block_spec,
+    miles_spec,
+    uses_miles_layers,
+)
 from miles_trainer.megatron_moe import MoEPass, RouterRecord, routed, router_index, router_records
 
 INSTALL_HINT = "uv sync --package miles-trainer --extra megatron (pip install 'miles-trainer[megatron]')"
@@ -187,10 +195,16 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(model: ModelConfig, config: MegatronConfig, is_moe: bool | None = None) -> Any:
-    """The decoder layer spec: Megatron-core's local modules, or Transformer Engine's (`is_moe`: of a sparse or a
+def layer_spec(
+    model: ModelConfig, config: MegatronConfig, is_moe: bool | None = None, kernel: KernelConfig | None = None
+) -> Any:
+    """The decoder layer spec: Megatron-core's local modules, Transformer Engine's, or the Miles layers running the
+    engine's kernels (`megatron_kernels`; with `kernel`, where `uses_miles_layers`) (`is_moe`: of a sparse or a
     dense layer; default: sparse in an MoE model)."""
     num_experts = (model.num_experts or None) if is_moe is None or is_moe else None
+    if kernel is not None and uses_miles_layers(config, kernel):
+        check_miles_layout(config)
+        return miles_spec(layer_spec(model, config, is_moe), kernel, model)
     if config.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -208,17 +222,22 @@ def layer_spec(model: ModelConfig, config: MegatronConfig, is_moe: bool | None =
 
 
 def build_gpt_model(
-    model: ModelConfig, config: MegatronConfig, dtype: torch.dtype = torch.float32, vp_stage: int | None = None
-) -> Any:
+    model: ModelConfig, config: MegatronConfig, dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
+    kernel: KernelConfig | None = None,
+) -> Any:  # fmt: skip
     """This rank's `GPTModel` (its PP stage, or with virtual stages its model chunk `vp_stage`; its TP / EP
     shards), parameters on the CPU (`use_cpu_initialization`); the caller loads the weights (`hf_to_megatron`) and
-    moves it to its device."""
+    moves it to its device. With `kernel` where `uses_miles_layers`, its layers run the engine's kernels
+    (`megatron_kernels`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     transformer = transformer_config(model, config, dtype)
     spec = layer_spec(model, config)
-    if model.is_moe:  # a spec per layer: the dense ones (GLM-4.5's first layers) get a dense MLP
+    if kernel is not None and uses_miles_layers(config, kernel):
+        check_miles_layout(config)
+        spec = miles_block_spec(model, transformer, kernel, vp_stage)
+    elif model.is_moe:  # a spec per layer: the dense ones (GLM-4.5's first layers) get a dense MLP
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(
@@ -237,12 +256,15 @@ def build_gpt_model(
 
 
 class PaddedBatch(NamedTuple):
-    """A packed micro-batch as Megatron's local attention takes it: token ids (B, S), right-padded; the causal
-    mask (1, 1, S, S), True where attention is masked; each packed row's index in the flattened (B, S) batch."""
+    """A packed micro-batch as the model's layers take it: token ids (B, S); each packed row's index in the
+    flattened (B, S) batch; for megatron-core's local attention the rows right-padded, one sequence per row, with
+    the causal mask (1, 1, S, S), True where attention is masked; for the Miles layers the packed rows themselves
+    (B = 1, S = N) with their packing (`packed`, no mask)."""
 
     ids_BS: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     flat_N: torch.Tensor
+    packed: PackedRows | None = None
 
 
 class MegatronCausalLM(torch.nn.Module):
@@ -261,8 +283,12 @@ class MegatronCausalLM(torch.nn.Module):
         # ones)
         self.pad_group: Any = None
         self.mtp: Any = None  # on the last stage's last chunk: the MTP modules beside it (megatron_mtp.MegatronMTP)
+        # layers built from the Miles spec (megatron_kernels): the engine's packed layout and arithmetic
+        self.is_miles = any(isinstance(module, MilesRMSNorm) for module in self.gpt.modules())
         meg = self.gpt.config
-        if config.is_moe and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1:
+        if self.is_miles:
+            pass  # the Miles MoE layers exchange tokens of any count (no shape to agree on)
+        elif config.is_moe and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1:
             from megatron.core import parallel_state
 
             self.pad_group = parallel_state.get_expert_tensor_and_model_parallel_group()
@@ -285,11 +311,17 @@ class MegatronCausalLM(torch.nn.Module):
         return self.hidden_rows(hidden_SBH, padded)
 
     def padded_batch(self, input_ids_N: torch.Tensor, batch: Any) -> PaddedBatch:
-        """The micro-batch's rows laid out as a right-padded (B, S) batch (one sequence per row)."""
+        """The micro-batch's rows laid out as a right-padded (B, S) batch (one sequence per row), or for the Miles
+        layers packed as they are (B = 1)."""
         lens = batch.query_lens_S.tolist()
         if batch.kv_lens_S.tolist() != lens:
             raise ValueError("the Megatron backend takes micro-batches packed without shared prompts")
         device = input_ids_N.device
+        if self.is_miles:
+            packed = PackedRows.of(self.config, batch, self.gpt.config.params_dtype, device)
+            return PaddedBatch(
+                input_ids_N.view(1, -1), None, torch.arange(input_ids_N.shape[0], device=device), packed
+            )
         tp = self.gpt.config.tensor_model_parallel_size if self.gpt.config.sequence_parallel else 1
         shape = torch.tensor([len(lens), -(-max(lens) // tp) * tp])
         if self.pad_group is not None:  # the EP ranks' token all-gather wants one shape on all of them
@@ -313,6 +345,10 @@ class MegatronCausalLM(torch.nn.Module):
         if gpt.pre_process:
             positions_BS = torch.arange(width, device=padded.ids_BS.device).expand(rows, width)
             hidden_SBH = gpt.embedding(input_ids=padded.ids_BS, position_ids=positions_BS)
+        if padded.packed is not None:  # the Miles layers: RoPE and the packing are in PackedRows
+            miles_out: torch.Tensor = gpt.decoder(hidden_states=hidden_SBH, attention_mask=None,
+                                                  packed_seq_params=padded.packed)  # fmt: skip
+            return miles_out
         rotary = gpt.rotary_pos_emb(width)
         out: torch.Tensor = gpt.decoder(hidden_states=hidden_SBH, attention_mask=padded.mask, rotary_pos_emb=rotary)
         return out
@@ -339,6 +375,7 @@ class MegatronCausalLM(torch.nn.Module):
         weight = weight.detach() if detach_weight else weight
         if gpt.config.tensor_model_parallel_size > 1 and not gpt.config.sequence_parallel:
             hidden_KH = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_KH)
-        local = hidden_KH.to(weight.dtype) @ weight.t()  # in the model's dtype, as the engine's LM head
+        hidden_KH = hidden_KH.to(weight.dtype)  # in the model's dtype, as the engine's LM head
+        local = linear(hidden_KH, weight, self.kernel) if self.is_miles else hidden_KH @ weight.t()
         full: torch.Tensor = tensor_parallel.gather_from_tensor_model_parallel_region(local.float())
         return full[:, : self.config.vocab_size]

@@ -125,19 +125,44 @@ class RouterRecord:
         self._chosen = (own_TK, used_TK)
         return values, used_TK
 
+    def _take_pass(self) -> MoEPass | None:
+        """The pass of this router call: the next queued training pass in a recompute, else the current one."""
+        is_recompute = torch.is_grad_enabled() and bool(self.queued)
+        return self.queued.popleft() if is_recompute else self.current
+
+    def _replay_target(self, moe_pass: MoEPass, rows: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+        """The recorded experts (T, K) of the router's T tokens (rows of -1 where nothing is recorded)."""
+        if moe_pass.replay_NLK is None:
+            return None
+        recorded_NK = moe_pass.replay_NLK[:, self.layer].to(rows.device, torch.int64)
+        target_TK = recorded_NK.new_full((num_tokens, recorded_NK.shape[1]), -1)
+        target_TK[rows] = recorded_NK
+        return target_TK
+
+    def _losses(
+        self, moe_pass: MoEPass, logits_NE: torch.Tensor, scores_NE: torch.Tensor, expert_ids_NK: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The pass's load-balancing and z losses of this router (weighted), or None when nothing trains them."""
+        if not (torch.is_grad_enabled() and (moe_pass.aux_scale or moe_pass.z_scale)):
+            return None
+        loss = logits_NE.new_zeros(())
+        if moe_pass.aux_scale:
+            probs_NE = balance_probs(self.score_function, scores_NE)
+            balance = layer_balance(moe_pass.aux_loss, probs_NE, expert_ids_NK, moe_pass.sequence_rows)
+            loss = loss + moe_pass.aux_scale * balance
+        if moe_pass.z_scale:
+            loss = loss + moe_pass.z_scale * router_z_loss(logits_NE)
+        return loss
+
     def _route(
         self, route: Callable[..., tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor, padding_mask: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        is_recompute = torch.is_grad_enabled() and bool(self.queued)
-        moe_pass = self.queued.popleft() if is_recompute else self.current
+        moe_pass = self._take_pass()
         if moe_pass is None:  # a forward outside the backend's passes: megatron-core's routing, unrecorded
             return route(logits, padding_mask)
         logits_TE = logits.reshape(-1, logits.shape[-1])
         rows = moe_pass.router_index_N.to(logits_TE.device)
-        if moe_pass.replay_NLK is not None:
-            recorded_NK = moe_pass.replay_NLK[:, self.layer].to(logits_TE.device, torch.int64)
-            self._target_TK = recorded_NK.new_full((logits_TE.shape[0], recorded_NK.shape[1]), -1)
-            self._target_TK[rows] = recorded_NK
+        self._target_TK = self._replay_target(moe_pass, rows, logits_TE.shape[0])
         try:
             probs_TE, routing_map = route(logits, padding_mask)
         finally:
@@ -149,16 +174,29 @@ class RouterRecord:
         expert_ids_NK = used_TK[rows]
         weights_NK = probs_TE.gather(1, used_TK)[rows].detach()
         self.last_routing = Routing(expert_ids_NK, weights_NK, own_TK[rows], scores_NE.detach(), logits_NE.detach())
-        if torch.is_grad_enabled() and (moe_pass.aux_scale or moe_pass.z_scale):
-            loss = logits_NE.new_zeros(())
-            if moe_pass.aux_scale:
-                probs_NE = balance_probs(self.score_function, scores_NE)
-                balance = layer_balance(moe_pass.aux_loss, probs_NE, expert_ids_NK, moe_pass.sequence_rows)
-                loss = loss + moe_pass.aux_scale * balance
-            if moe_pass.z_scale:
-                loss = loss + moe_pass.z_scale * router_z_loss(logits_NE)
+        loss = self._losses(moe_pass, logits_NE, scores_NE, expert_ids_NK)
+        if loss is not None:
             probs_TE = _AddLossGrad.apply(probs_TE, loss)
         return probs_TE, routing_map
+
+    def observe(self, route: Callable[[torch.Tensor | None], Routing], num_tokens: int) -> Routing:
+        """A Miles MoE layer's routing (`megatron_kernels`): `route(replay_TK)` routes the layer's `num_tokens`
+        tokens with miles-kernels' ops, replaying `replay_TK` (None: nothing to replay); the record keeps the packed
+        rows' routing and its losses join the backward through the combine weights, as `_route` does for
+        megatron-core's router."""
+        moe_pass = self._take_pass()
+        if moe_pass is None:
+            return route(None)
+        rows = moe_pass.router_index_N.to(self.router.weight.device)
+        routing = route(self._replay_target(moe_pass, rows, num_tokens))
+        assert routing.logits is not None
+        logits_NE, scores_NE, expert_ids_NK = routing.logits[rows], routing.scores[rows], routing.expert_ids[rows]
+        self.last_routing = Routing(expert_ids_NK, routing.weights[rows].detach(), routing.router_ids[rows],
+                                    scores_NE.detach(), logits_NE.detach())  # fmt: skip
+        loss = self._losses(moe_pass, logits_NE, scores_NE, expert_ids_NK)
+        if loss is not None:
+            routing = routing._replace(weights=_AddLossGrad.apply(routing.weights, loss))
+        return routing
 
 
 def router_records(gpt: Any) -> dict[int, RouterRecord]:

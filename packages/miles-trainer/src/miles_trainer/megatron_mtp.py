@@ -42,14 +42,19 @@ from miles_kernels import KernelConfig, ModelConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import MegatronConfig, OptimizerConfig
 from miles_trainer.megatron_convert import MTP_PREFIX
+from miles_trainer.megatron_kernels import miles_spec, uses_miles_layers
 from miles_trainer.megatron_model import MegatronCausalLM, PaddedBatch, layer_spec, transformer_config
 from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors
 from miles_trainer.megatron_state import adamw_sharded_state, load_adamw_state
 
 
-def build_mtp_block(model: ModelConfig, config: MegatronConfig, dtype: torch.dtype, vp_stage: int | None) -> Any:
+def build_mtp_block(
+    model: ModelConfig, config: MegatronConfig, dtype: torch.dtype, vp_stage: int | None,
+    kernel: KernelConfig | None = None,
+) -> Any:  # fmt: skip
     """megatron-core's `MultiTokenPredictionBlock` of `model`'s MTP modules for the last stage (its model chunk
-    `vp_stage`), parameters on the CPU; the caller loads the weights (`hf_to_megatron`'s `mtp.` tensors)."""
+    `vp_stage`), parameters on the CPU; the caller loads the weights (`hf_to_megatron`'s `mtp.` tensors). With
+    `kernel` where the trunk runs the Miles layers, so do the modules' norms and decoder layers."""
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
         MultiTokenPredictionBlockSubmodules,
@@ -61,6 +66,8 @@ def build_mtp_block(model: ModelConfig, config: MegatronConfig, dtype: torch.dty
         get_mtp_layer_spec(layer_spec(model, config, model.is_moe_layer(model.num_hidden_layers + i)), use_te)
         for i in range(model.num_nextn_predict_layers)
     ]
+    if kernel is not None and uses_miles_layers(config, kernel):
+        specs = [miles_spec(spec, kernel, model) for spec in specs]
     return MultiTokenPredictionBlock(
         config=transformer_config(model, config, dtype), spec=MultiTokenPredictionBlockSubmodules(layer_specs=specs),
         vp_stage=vp_stage,
@@ -113,7 +120,7 @@ class MegatronMTP:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         vp_stage = len(self.chunks) - 1 if len(self.chunks) > 1 else None
-        block = build_mtp_block(self.model_config, config, self.kernel.torch_dtype, vp_stage)
+        block = build_mtp_block(self.model_config, config, self.kernel.torch_dtype, vp_stage, self.kernel)
         state = {name.removeprefix(MTP_PREFIX): t for name, t in loaded.items() if name.startswith(MTP_PREFIX)}
         missing, unexpected = block.load_state_dict(state, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
@@ -202,10 +209,11 @@ class MegatronMTP:
         if gpt.config.sequence_parallel:  # the layer takes its sequence shard, as the trunk's layers do
             hidden_SBH = tensor_parallel.scatter_to_sequence_parallel_region(hidden_SBH)
             embedded_SBH = tensor_parallel.scatter_to_sequence_parallel_region(embedded_SBH)
+        layout = {"packed_seq_params": padded.packed} if padded.packed is not None else {
+            "attention_mask": padded.mask, "rotary_pos_emb": gpt.rotary_pos_emb(width)}  # fmt: skip
         out_SBH = self.block.layers[module]._proj_and_transformer_layer(
-            hidden_states=hidden_SBH, decoder_input=embedded_SBH, attention_mask=padded.mask,
-            rotary_pos_emb=gpt.rotary_pos_emb(width),
-        )  # fmt: skip
+            hidden_states=hidden_SBH, decoder_input=embedded_SBH, **layout
+        )
         return chunk.hidden_rows(out_SBH, padded)
 
     def _embed(self, ids_SB: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,359 @@
+"""The Miles layer spec for megatron-core: a `GPTModel` whose layers run the rollout engine's batch-invariant
+miles-kernels ops, so that its log-probs equal the engine's bit for bit (docs/true-on-policy.md, "Megatron").
+
+megatron-core builds its decoder from a `ModuleSpec`; `miles_block_spec` takes the spec of its local modules
+(`transformer_impl=local`) and swaps the classes that compute for subclasses whose `forward` runs the engine's
+arithmetic (`miles_kernels.model`) on the same parameters:
+
+- `MilesRMSNorm` (every norm, q/k norms and the final one included): miles' `rms_norm`.
+- `MilesSelfAttention`: q, k and v each by miles' `linear` on its own rows of the fused `linear_qkv` weight (the
+  engine's separate q/k/v projections: the same GEMM shapes), q/k norms, RoPE from `rotary_cos_sin`, the engine's
+  `packed_attention` over the micro-batch's packed sequences, `linear_proj`.
+- `MilesMLP` (dense layers and shared experts): gate and up by `linear` on the halves of `linear_fc1`, `swiglu`,
+  `linear_fc2`.
+- `MilesMoELayer`: the router's logits by `linear` (GLM-4.5's in float32), miles' `route_softmax` /
+  `route_grouped_sigmoid` (routing replay and the MoE losses through `megatron_moe.RouterRecord`), each expert's
+  rows through tiled matmuls (`tiled_matmul`, `moe_tile` rows: a row's output does not depend on which others
+  chose the expert), weighted, and summed over each token's top-k in rank order, as `experts_forward`. With
+  expert parallelism the (token, rank) pairs travel to their expert's EP rank and back (all-to-all), so a token's
+  arithmetic is the same on any layout: only where its expert runs changes.
+
+Parameters, names, shapes, TP/EP sharding attributes and sharded checkpoints stay megatron-core's (the classes are
+subclasses; `megatron_convert` and `megatron_state` are unchanged), so DDP, the optimizer, checkpoints and weight
+sync see the same model. The micro-batch runs in the packed layout the engine and the FSDP2 trainer use: its N
+tokens as an (N, 1, H) sequence, with the packing (`AttentionBatch`) and the RoPE tables in `PackedRows`, passed as
+megatron-core's `packed_seq_params` (which reaches every layer, the recompute's second forward included).
+
+Exact for `tp = 1` with any PP, VPP, DP and EP; tensor parallelism is the subject of `tensor_split`
+(docs/true-on-policy.md has the table). Shapes: N tokens, H hidden, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_kernels import (
+    AttentionBatch,
+    KernelConfig,
+    ModelConfig,
+    Routing,
+    experts_forward,
+    linear,
+    packed_attention,
+    rms_norm,
+    rotary_cos_sin,
+    route_grouped_sigmoid,
+    route_softmax,
+    swiglu,
+    tiled_matmul,
+)
+from miles_kernels import apply_rope as _apply_rope
+from miles_trainer.config import MegatronConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """A micro-batch's packing as the Miles layers take it (megatron-core's `packed_seq_params` slot): the engine's
+    `AttentionBatch` of its sequences and the RoPE tables of its positions."""
+
+    batch: AttentionBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, model: ModelConfig, batch: AttentionBatch, dtype: torch.dtype, device: torch.device) -> PackedRows:
+        batch = batch.to(device)
+        cos, sin = rotary_cos_sin(model, batch.positions_N, torch.empty((), dtype=dtype, device=device))
+        return cls(batch, cos, sin)
+
+
+def uses_miles_layers(config: MegatronConfig, kernel: KernelConfig) -> bool:
+    """Whether the GPTModel is built from the Miles spec: `layer_spec=miles`, or `auto` in deterministic mode."""
+    return config.layer_spec == "miles" or (config.layer_spec == "auto" and kernel.is_deterministic)
+
+
+def miles_layout_problems(config: MegatronConfig) -> list[str]:
+    """What in `config` the Miles layers do not run (each with why); empty: the layout is supported."""
+    problems = []
+    if config.transformer_impl != "local":
+        problems.append("transformer_impl=transformer_engine (the Miles layers replace megatron-core's local ones)")
+    if config.tp > 1:
+        problems.append(f"tp={config.tp} (row-parallel layers sum partial products across ranks in another order "
+                        "than the unsplit engine)")  # fmt: skip
+    if config.sequence_parallel:
+        problems.append("sequence_parallel (it needs tp > 1)")
+    if (config.etp or 1) > 1:
+        problems.append(f"etp={config.etp} (each expert's rows would sum partial products across ranks)")
+    if config.cp > 1:
+        problems.append(f"cp={config.cp} (context parallelism splits a sequence's attention)")
+    return problems
+
+
+def check_miles_layout(config: MegatronConfig) -> None:
+    """ValueError naming what the Miles layers do not run."""
+    problems = miles_layout_problems(config)
+    if problems:
+        raise ValueError(
+            "megatron.layer_spec=miles (the engine's batch-invariant kernels; `auto` picks it with "
+            f"kernel.mode=deterministic) does not run {'; '.join(problems)}: change the layout, or set "
+            "trainer.backend.megatron.layer_spec=megatron with kernel.mode=fast (TIS / MIS correct the mismatch)"
+        )
+
+
+def _packed(packed_seq_params: Any) -> PackedRows:
+    if not isinstance(packed_seq_params, PackedRows):
+        raise TypeError("a Miles layer runs on a micro-batch's PackedRows (MegatronCausalLM lays them out)")
+    return packed_seq_params
+
+
+def _rows(hidden_SBH: torch.Tensor) -> torch.Tensor:
+    """The (S, B, H) activations as (S * B, H) rows (B is 1 in the packed layout)."""
+    return hidden_SBH.reshape(-1, hidden_SBH.shape[-1])
+
+
+class MilesRMSNorm(torch.nn.RMSNorm):
+    """megatron-core's torch RMSNorm (parameter `weight`) computed by miles' `rms_norm`."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, *, kernel: KernelConfig, **_: Any) -> None:
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.eps is not None
+        return rms_norm(x, self.weight, self.eps, self.kernel)
+
+
+def _gate_up(fc1_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up projections of a fused `linear_fc1` weight [gate; up]."""
+    half = fc1_weight.shape[0] // 2
+    return fc1_weight[:half], fc1_weight[half:]
+
+
+def _mlp(x_NH: torch.Tensor, module: Any, kernel: KernelConfig) -> torch.Tensor:
+    """The engine's `MLP`: down(swiglu(gate(x), up(x))) on a megatron-core MLP's weights."""
+    gate, up = _gate_up(module.linear_fc1.weight)
+    return linear(swiglu(linear(x_NH, gate, kernel), linear(x_NH, up, kernel)), module.linear_fc2.weight, kernel)
+
+
+def _mixin_mlp(base: type) -> type:
+    class Miles(base):  # type: ignore[misc, valid-type]
+        __doc__ = f"megatron-core's {base.__name__} computed as the engine's MLP."
+
+        def __init__(self, *args: Any, kernel: KernelConfig, model: ModelConfig, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.kernel = kernel
+
+        def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, None]:
+            out = _mlp(_rows(hidden_states), self, self.kernel)
+            return out.view(hidden_states.shape), None
+
+    Miles.__name__ = Miles.__qualname__ = f"Miles{base.__name__}"
+    return Miles
+
+
+def _attention_class() -> type:
+    from megatron.core.transformer.attention import SelfAttention
+
+    class MilesSelfAttention(SelfAttention):  # type: ignore[misc]
+        """megatron-core's self-attention (its fused `linear_qkv` [q heads; k; v] per query group, `linear_proj`,
+        q/k norms) computed as the engine's `Attention` over the micro-batch's packed sequences."""
+
+        def __init__(self, *args: Any, kernel: KernelConfig, model: ModelConfig, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.kernel, self.model = kernel, model
+            heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
+            dim = self.hidden_size_per_attention_head
+            self.shape = (heads, groups, dim)
+            per_group = heads // groups
+            block = torch.arange(groups)[:, None] * (per_group + 2) * dim
+            rows = torch.arange(dim)
+            q_rows = (block + torch.arange(per_group * dim)).reshape(-1)
+            k_rows = (block + per_group * dim + rows).reshape(-1)
+            v_rows = (block + (per_group + 1) * dim + rows).reshape(-1)
+            self.qkv_rows = (q_rows, k_rows, v_rows)  # each projection's rows of the fused weight
+            self.scale = dim**-0.5
+            self.window = model.attention_window(self.layer_number - 1)
+
+        def _project(self, x_NH: torch.Tensor, which: int) -> torch.Tensor:
+            rows = self.qkv_rows[which].to(x_NH.device)
+            bias = self.linear_qkv.bias
+            return linear(x_NH, self.linear_qkv.weight[rows], self.kernel, None if bias is None else bias[rows])
+
+        def forward(  # type: ignore[override]
+            self, hidden_states: torch.Tensor, attention_mask: Any = None, *_: Any,
+            packed_seq_params: Any = None, **__: Any,
+        ) -> tuple[torch.Tensor, None]:  # fmt: skip
+            packed = _packed(packed_seq_params)
+            heads, groups, dim = self.shape
+            x_NH = _rows(hidden_states)
+            num = x_NH.shape[0]
+            q = self._project(x_NH, 0).view(num, heads, dim)
+            k = self._project(x_NH, 1).view(num, groups, dim)
+            if self.q_layernorm is not None and self.k_layernorm is not None:
+                q, k = self.q_layernorm(q), self.k_layernorm(k)
+            q, k = _apply_rope(q, packed.cos, packed.sin), _apply_rope(k, packed.cos, packed.sin)
+            v = self._project(x_NH, 2).view(num, groups, dim)
+            out = packed_attention(q, k, v, packed.batch, self.scale, self.kernel, self.window)
+            projected = linear(out.reshape(num, heads * dim), self.linear_proj.weight, self.kernel)
+            return projected.view(*hidden_states.shape[:-1], -1), None
+
+    return MilesSelfAttention
+
+
+def _moe_class() -> type:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class MilesMoELayer(MoELayer):  # type: ignore[misc]
+        """megatron-core's MoE layer (its router's `weight` / `expert_bias`, its local experts' fused `linear_fc1`
+        and `linear_fc2`, its shared experts) computed as the engine's `SparseMoE` (see the module docstring)."""
+
+        def __init__(self, *args: Any, kernel: KernelConfig, model: ModelConfig, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.kernel, self.model = kernel, model
+            grouped = kernel.is_deterministic and kernel.linear_backend == "triton"
+            if grouped and self.config.expert_model_parallel_size > 1:
+                raise ValueError(
+                    "the Miles MoE layer with ep > 1 runs the torch-tiled expert GEMMs; kernel.linear_backend=triton "
+                    "(the engine's grouped GEMM) needs ep = 1"
+                )
+
+        def _route(self, x_NH: torch.Tensor, replay_NK: torch.Tensor | None) -> Routing:
+            model, weight = self.model, self.router.weight
+            if model.router == "sigmoid":  # GLM-4.5: logits in float32
+                logits = linear(x_NH.to(torch.float32), weight.to(torch.float32), self.kernel)
+                return route_grouped_sigmoid(
+                    logits, self.router.expert_bias, model.num_experts_per_tok, model.n_group, model.topk_group,
+                    model.norm_topk_prob, model.routed_scaling_factor, x_NH.dtype, replay_NK,
+                )  # fmt: skip
+            logits = linear(x_NH, weight.to(x_NH.dtype), self.kernel)
+            return route_softmax(logits, model.num_experts_per_tok, model.norm_topk_prob, x_NH.dtype, replay_NK)
+
+        def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+            x_NH = _rows(hidden_states)
+            observe = getattr(self.router.router_replay, "observe", None)  # megatron_moe.RouterRecord's, if any
+            route: Callable[[torch.Tensor | None], Routing] = lambda replay: self._route(x_NH, replay)  # noqa: E731
+            routing = route(None) if observe is None else observe(route, x_NH.shape[0])
+            experts = list(self.experts.local_experts)
+            gates, ups = zip(*(_gate_up(e.linear_fc1.weight) for e in experts), strict=True)
+            downs = [e.linear_fc2.weight for e in experts]
+            if self.config.expert_model_parallel_size == 1:
+                out = experts_forward(x_NH, routing.expert_ids, routing.weights, list(gates), list(ups), downs,
+                                      self.kernel)  # fmt: skip
+            else:
+                out = self._expert_parallel(x_NH, routing, list(gates), list(ups), downs)
+            if self.shared_experts is not None:
+                out = out + _mlp(x_NH, self.shared_experts, self.kernel)
+            return out.view(hidden_states.shape), None
+
+        def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if self.kernel.is_deterministic:
+                return tiled_matmul(x, weight, self.kernel.moe_tile)
+            return linear(x, weight, self.kernel)
+
+        def _expert_parallel(
+            self, x_NH: torch.Tensor, routing: Routing, gates: list[torch.Tensor], ups: list[torch.Tensor],
+            downs: list[torch.Tensor],
+        ) -> torch.Tensor:  # fmt: skip
+            """`experts_forward` with the experts spread over the EP ranks: each (token, rank) pair's row goes to
+            its expert's rank (grouped by expert, token order kept, as `experts_forward` groups them), through the
+            expert there, and back; then the engine's weighting and rank-order sum."""
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel import all_to_all
+
+            group = ps.get_expert_model_parallel_group()
+            num_tokens, top_k = routing.expert_ids.shape
+            per_rank_experts = len(gates)
+            flat_ids = routing.expert_ids.reshape(-1)
+            order = torch.argsort(flat_ids, stable=True)
+            tokens, ranks = order // top_k, order % top_k
+            sent_experts = flat_ids[order]
+            send_counts = torch.bincount(sent_experts // per_rank_experts, minlength=dist.get_world_size(group))
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=group)
+            send, recv = send_counts.tolist(), recv_counts.tolist()
+            x_recv = all_to_all(group, x_NH[tokens], recv, send)
+            experts_recv = torch.empty(sum(recv), dtype=sent_experts.dtype, device=sent_experts.device)
+            dist.all_to_all_single(experts_recv, sent_experts.contiguous(), recv, send, group=group)
+            local = experts_recv - ps.get_expert_model_parallel_rank() * per_rank_experts
+            y_recv = x_recv.new_zeros(x_recv.shape)
+            by_expert = torch.argsort(local, stable=True)
+            counts = torch.bincount(local, minlength=per_rank_experts).tolist()
+            start = 0
+            for expert, count in enumerate(counts):
+                if not count:
+                    continue
+                rows = by_expert[start : start + count]
+                start += count
+                x_e = x_recv[rows]
+                hidden = swiglu(self._expert_linear(x_e, gates[expert]), self._expert_linear(x_e, ups[expert]))
+                y_recv = y_recv.index_put((rows,), self._expert_linear(hidden, downs[expert]))
+            y = all_to_all(group, y_recv, send, recv) * routing.weights[tokens, ranks][:, None]
+            per_rank = x_NH.new_zeros(top_k, num_tokens, x_NH.shape[1]).index_put((ranks, tokens), y)
+            out = per_rank[0]
+            for rank in range(1, top_k):  # the engine's combine: top-k rank order, one rank at a time
+                out = out + per_rank[rank]
+            return out
+
+    return MilesMoELayer
+
+
+def _swaps(kernel: KernelConfig, model: ModelConfig) -> dict[type, tuple[type, dict[str, Any]]]:
+    """megatron-core class -> (its Miles class, the spec params it takes)."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    params = {"kernel": kernel, "model": model}
+    return {
+        WrappedTorchNorm: (MilesRMSNorm, {"kernel": kernel}),
+        SelfAttention: (_attention_class(), params),
+        MLP: (_mixin_mlp(MLP), params),
+        SharedExpertMLP: (_mixin_mlp(SharedExpertMLP), params),
+        MoELayer: (_moe_class(), params),
+    }
+
+
+def _swap(spec: Any, swaps: dict[type, tuple[type, dict[str, Any]]]) -> Any:
+    """`spec` with every swapped class replaced (a bare class becomes a ModuleSpec with its params)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, type):
+        if spec in swaps:
+            cls, params = swaps[spec]
+            return ModuleSpec(module=cls, params=params)
+        return spec
+    if isinstance(spec, ModuleSpec):
+        module, params = spec.module, dict(spec.params)
+        if isinstance(module, type) and module in swaps:
+            module, extra = swaps[module]
+            params |= extra
+        return dataclasses.replace(spec, module=module, params=params, submodules=_swap(spec.submodules, swaps))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _swap(getattr(spec, f.name), swaps)
+                                            for f in dataclasses.fields(spec)})  # fmt: skip
+    if isinstance(spec, list):
+        return [_swap(item, swaps) for item in spec]
+    return spec
+
+
+def miles_spec(spec: Any, kernel: KernelConfig, model: ModelConfig) -> Any:
+    """megatron-core's local-module `spec` (a layer spec, an MTP layer spec or a block's submodules) with the Miles
+    classes in place of the ones that compute."""
+    return _swap(spec, _swaps(kernel, model))
+
+
+def miles_block_spec(model: ModelConfig, transformer: Any, kernel: KernelConfig, vp_stage: int | None) -> Any:
+    """The decoder block's spec (`TransformerBlockSubmodules`: a spec per layer, dense or MoE as `model` says, and
+    the final norm) of a GPTModel running the engine's arithmetic."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(transformer, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)  # fmt: skip
+    return miles_spec(block, kernel, model)
