@@ -45,8 +45,8 @@ def rolled_out(root: Path, kind: str) -> list:
 @pytest.mark.parametrize(
     ("kind", "world", "layout"),
     [("glm4", 4, {"pp": 2, "ep": 2}), ("moe", 2, {"ep": 2, "recompute": "full"}),
-     ("dense6", 3, {"pp": 3, "vpp": 2})],
-    ids=["glm4-pp2-ep2", "moe-ep2-recompute", "dense6-pp3-vpp2"],
+     ("dense6", 3, {"pp": 3, "vpp": 2}), ("dense6", 4, {"tp": 2, "pp": 2})],
+    ids=["glm4-pp2-ep2", "moe-ep2-recompute", "dense6-pp3-vpp2", "dense6-tp2-pp2-exact"],
 )  # fmt: skip
 def test_megatron_logprobs_equal_the_engines_bitwise(kind: str, world: int, layout: dict, tmp_path: Path) -> None:
     from test_fsdp import run_ranks

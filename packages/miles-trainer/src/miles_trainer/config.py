@@ -268,8 +268,15 @@ class MegatronConfig(_Config):
         default="auto",
         description="The modules the GPTModel's layers are built from: miles (megatron-core's layers computing "
         "with the engine's miles-kernels ops: with kernel.mode=deterministic the log-probs equal the rollout's bit "
-        "for bit; tp, etp, cp = 1, transformer_impl=local), megatron (megatron-core's own, transformer_impl's), or "
-        "auto (miles with kernel.mode=deterministic, megatron otherwise).",
+        "for bit; etp, cp = 1, no sequence_parallel, transformer_impl=local), megatron (megatron-core's own, "
+        "transformer_impl's), or auto (miles with kernel.mode=deterministic, megatron otherwise).",
+    )
+    tp_reduce: Literal["exact", "all_reduce"] = Field(
+        default="exact",
+        description="With the Miles layers and tp > 1, how the row-parallel linears (attention output, MLP down) "
+        "combine the TP ranks: exact (gather their inputs and weight shards, run the engine's unsplit GEMM: the "
+        "engine's bits, for an all-gather of those weights per forward) or all_reduce (sum the ranks' partial "
+        "products, megatron-core's way: another summation order, a measured log-prob mismatch).",
     )
     moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
         default="alltoall", description="How tokens reach their experts' EP ranks."

@@ -24,8 +24,13 @@ sync see the same model. The micro-batch runs in the packed layout the engine an
 tokens as an (N, 1, H) sequence, with the packing (`AttentionBatch`) and the RoPE tables in `PackedRows`, passed as
 megatron-core's `packed_seq_params` (which reaches every layer, the recompute's second forward included).
 
-Exact for `tp = 1` with any PP, VPP, DP and EP; tensor parallelism is the subject of `tensor_split`
-(docs/true-on-policy.md has the table). Shapes: N tokens, H hidden, E experts, K experts per token.
+Tensor parallelism (dense models; megatron-core runs MoE layers with tp > 1 only with sequence parallelism): each
+rank computes its heads and its columns of every column-parallel linear, which are bitwise the unsplit GEMM's
+columns (a row's tiled GEMM computes each output column alone), and the row-parallel linears (attention output,
+MLP down) combine the ranks by `megatron.tp_reduce`: `exact` gathers their input and weight shards and runs the
+engine's unsplit GEMM on every rank (bit for bit, for an all-gather of those weights per forward); `all_reduce`
+sums the ranks' partial products as megatron-core does (another summation order: a measured mismatch).
+docs/true-on-policy.md has the table of layouts. Shapes: N tokens, H hidden, E experts, K experts per token.
 """
 
 from __future__ import annotations
@@ -82,11 +87,8 @@ def miles_layout_problems(config: MegatronConfig) -> list[str]:
     problems = []
     if config.transformer_impl != "local":
         problems.append("transformer_impl=transformer_engine (the Miles layers replace megatron-core's local ones)")
-    if config.tp > 1:
-        problems.append(f"tp={config.tp} (row-parallel layers sum partial products across ranks in another order "
-                        "than the unsplit engine)")  # fmt: skip
     if config.sequence_parallel:
-        problems.append("sequence_parallel (it needs tp > 1)")
+        problems.append("sequence_parallel (the Miles layers keep every TP rank's activations whole)")
     if (config.etp or 1) > 1:
         problems.append(f"etp={config.etp} (each expert's rows would sum partial products across ranks)")
     if config.cp > 1:
@@ -129,27 +131,65 @@ class MilesRMSNorm(torch.nn.RMSNorm):
 
 
 def _gate_up(fc1_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up projections of a fused `linear_fc1` weight [gate; up]."""
+    """The gate and up projections of a fused `linear_fc1` weight [gate; up] (a TP rank's: its rows of each)."""
     half = fc1_weight.shape[0] // 2
     return fc1_weight[:half], fc1_weight[half:]
 
 
-def _mlp(x_NH: torch.Tensor, module: Any, kernel: KernelConfig) -> torch.Tensor:
-    """The engine's `MLP`: down(swiglu(gate(x), up(x))) on a megatron-core MLP's weights."""
+def _tp_size(config: Any) -> int:
+    return int(config.tensor_model_parallel_size)
+
+
+def _column_input(x_NH: torch.Tensor, config: Any) -> torch.Tensor:
+    """The input of column-parallel linears: the same rows on every TP rank (its gradient summed over them)."""
+    if _tp_size(config) == 1:
+        return x_NH
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    out: torch.Tensor = copy_to_tensor_model_parallel_region(x_NH)
+    return out
+
+
+def _row_linear(x_local: torch.Tensor, weight_local: torch.Tensor, config: Any, kernel: KernelConfig,
+                tp_reduce: str) -> torch.Tensor:  # fmt: skip
+    """A row-parallel linear (attention output, MLP down) of the TP ranks' input columns `x_local` and weight
+    columns `weight_local`: `exact` gathers both and runs the engine's unsplit GEMM on every rank (each keeps its
+    columns' gradients); `all_reduce` sums the ranks' partial products (megatron-core's; other bits)."""
+    if _tp_size(config) == 1:
+        return linear(x_local, weight_local, kernel)
+    from megatron.core.tensor_parallel import (
+        gather_from_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    if tp_reduce == "exact":
+        x_full = gather_from_tensor_model_parallel_region(x_local)
+        return linear(x_full, gather_from_tensor_model_parallel_region(weight_local), kernel)
+    out: torch.Tensor = reduce_from_tensor_model_parallel_region(linear(x_local, weight_local, kernel))
+    return out
+
+
+def _mlp(x_NH: torch.Tensor, module: Any, kernel: KernelConfig, tp_reduce: str) -> torch.Tensor:
+    """The engine's `MLP`: down(swiglu(gate(x), up(x))) on a megatron-core MLP's weights (TP: each rank's share of
+    the intermediate columns, then `_row_linear`)."""
     gate, up = _gate_up(module.linear_fc1.weight)
-    return linear(swiglu(linear(x_NH, gate, kernel), linear(x_NH, up, kernel)), module.linear_fc2.weight, kernel)
+    x_NH = _column_input(x_NH, module.config)
+    hidden = swiglu(linear(x_NH, gate, kernel), linear(x_NH, up, kernel))
+    return _row_linear(hidden, module.linear_fc2.weight, module.config, kernel, tp_reduce)
 
 
 def _mixin_mlp(base: type) -> type:
     class Miles(base):  # type: ignore[misc, valid-type]
         __doc__ = f"megatron-core's {base.__name__} computed as the engine's MLP."
 
-        def __init__(self, *args: Any, kernel: KernelConfig, model: ModelConfig, **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, kernel: KernelConfig, model: ModelConfig, tp_reduce: str, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
-            self.kernel = kernel
+            self.kernel, self.tp_reduce = kernel, tp_reduce
 
         def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, None]:
-            out = _mlp(_rows(hidden_states), self, self.kernel)
+            out = _mlp(_rows(hidden_states), self, self.kernel, self.tp_reduce)
             return out.view(hidden_states.shape), None
 
     Miles.__name__ = Miles.__qualname__ = f"Miles{base.__name__}"
@@ -163,9 +203,16 @@ def _attention_class() -> type:
         """megatron-core's self-attention (its fused `linear_qkv` [q heads; k; v] per query group, `linear_proj`,
         q/k norms) computed as the engine's `Attention` over the micro-batch's packed sequences."""
 
-        def __init__(self, *args: Any, kernel: KernelConfig, model: ModelConfig, **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, kernel: KernelConfig, model: ModelConfig, tp_reduce: str, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
-            self.kernel, self.model = kernel, model
+            self.kernel, self.model, self.tp_reduce = kernel, model, tp_reduce
+            if self.config.num_query_groups < _tp_size(self.config):
+                raise ValueError(
+                    f"the Miles layers split whole KV heads over the TP ranks: {self.config.num_query_groups} KV "
+                    f"heads do not split over tp={_tp_size(self.config)}"
+                )
             heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
             dim = self.hidden_size_per_attention_head
             self.shape = (heads, groups, dim)
@@ -189,8 +236,8 @@ def _attention_class() -> type:
             packed_seq_params: Any = None, **__: Any,
         ) -> tuple[torch.Tensor, None]:  # fmt: skip
             packed = _packed(packed_seq_params)
-            heads, groups, dim = self.shape
-            x_NH = _rows(hidden_states)
+            heads, groups, dim = self.shape  # this TP rank's query heads and KV heads
+            x_NH = _column_input(_rows(hidden_states), self.config)
             num = x_NH.shape[0]
             q = self._project(x_NH, 0).view(num, heads, dim)
             k = self._project(x_NH, 1).view(num, groups, dim)
@@ -199,7 +246,8 @@ def _attention_class() -> type:
             q, k = _apply_rope(q, packed.cos, packed.sin), _apply_rope(k, packed.cos, packed.sin)
             v = self._project(x_NH, 2).view(num, groups, dim)
             out = packed_attention(q, k, v, packed.batch, self.scale, self.kernel, self.window)
-            projected = linear(out.reshape(num, heads * dim), self.linear_proj.weight, self.kernel)
+            projected = _row_linear(out.reshape(num, heads * dim), self.linear_proj.weight, self.config,
+                                    self.kernel, self.tp_reduce)  # fmt: skip
             return projected.view(*hidden_states.shape[:-1], -1), None
 
     return MilesSelfAttention
@@ -212,9 +260,11 @@ def _moe_class() -> type:
         """megatron-core's MoE layer (its router's `weight` / `expert_bias`, its local experts' fused `linear_fc1`
         and `linear_fc2`, its shared experts) computed as the engine's `SparseMoE` (see the module docstring)."""
 
-        def __init__(self, *args: Any, kernel: KernelConfig, model: ModelConfig, **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, kernel: KernelConfig, model: ModelConfig, tp_reduce: str, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
-            self.kernel, self.model = kernel, model
+            self.kernel, self.model, self.tp_reduce = kernel, model, tp_reduce
             grouped = kernel.is_deterministic and kernel.linear_backend == "triton"
             if grouped and self.config.expert_model_parallel_size > 1:
                 raise ValueError(
@@ -247,7 +297,7 @@ def _moe_class() -> type:
             else:
                 out = self._expert_parallel(x_NH, routing, list(gates), list(ups), downs)
             if self.shared_experts is not None:
-                out = out + _mlp(x_NH, self.shared_experts, self.kernel)
+                out = out + _mlp(x_NH, self.shared_experts, self.kernel, self.tp_reduce)
             return out.view(hidden_states.shape), None
 
         def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -302,7 +352,7 @@ def _moe_class() -> type:
     return MilesMoELayer
 
 
-def _swaps(kernel: KernelConfig, model: ModelConfig) -> dict[type, tuple[type, dict[str, Any]]]:
+def _swaps(kernel: KernelConfig, model: ModelConfig, tp_reduce: str) -> dict[type, tuple[type, dict[str, Any]]]:
     """megatron-core class -> (its Miles class, the spec params it takes)."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
@@ -310,7 +360,7 @@ def _swaps(kernel: KernelConfig, model: ModelConfig) -> dict[type, tuple[type, d
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    params = {"kernel": kernel, "model": model}
+    params = {"kernel": kernel, "model": model, "tp_reduce": tp_reduce}
     return {
         WrappedTorchNorm: (MilesRMSNorm, {"kernel": kernel}),
         SelfAttention: (_attention_class(), params),
@@ -343,17 +393,19 @@ def _swap(spec: Any, swaps: dict[type, tuple[type, dict[str, Any]]]) -> Any:
     return spec
 
 
-def miles_spec(spec: Any, kernel: KernelConfig, model: ModelConfig) -> Any:
+def miles_spec(spec: Any, kernel: KernelConfig, model: ModelConfig, config: MegatronConfig) -> Any:
     """megatron-core's local-module `spec` (a layer spec, an MTP layer spec or a block's submodules) with the Miles
     classes in place of the ones that compute."""
-    return _swap(spec, _swaps(kernel, model))
+    return _swap(spec, _swaps(kernel, model, config.tp_reduce))
 
 
-def miles_block_spec(model: ModelConfig, transformer: Any, kernel: KernelConfig, vp_stage: int | None) -> Any:
+def miles_block_spec(
+    model: ModelConfig, transformer: Any, kernel: KernelConfig, config: MegatronConfig, vp_stage: int | None
+) -> Any:
     """The decoder block's spec (`TransformerBlockSubmodules`: a spec per layer, dense or MoE as `model` says, and
     the final norm) of a GPTModel running the engine's arithmetic."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(transformer, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)  # fmt: skip
-    return miles_spec(block, kernel, model)
+    return miles_spec(block, kernel, model, config)

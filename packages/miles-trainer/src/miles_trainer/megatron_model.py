@@ -204,7 +204,7 @@ def layer_spec(
     num_experts = (model.num_experts or None) if is_moe is None or is_moe else None
     if kernel is not None and uses_miles_layers(config, kernel):
         check_miles_layout(config)
-        return miles_spec(layer_spec(model, config, is_moe), kernel, model)
+        return miles_spec(layer_spec(model, config, is_moe), kernel, model, config)
     if config.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -236,7 +236,7 @@ def build_gpt_model(
     spec = layer_spec(model, config)
     if kernel is not None and uses_miles_layers(config, kernel):
         check_miles_layout(config)
-        spec = miles_block_spec(model, transformer, kernel, vp_stage)
+        spec = miles_block_spec(model, transformer, kernel, config, vp_stage)
     elif model.is_moe:  # a spec per layer: the dense ones (GLM-4.5's first layers) get a dense MLP
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

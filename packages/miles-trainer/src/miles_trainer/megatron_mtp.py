@@ -67,7 +67,7 @@ def build_mtp_block(
         for i in range(model.num_nextn_predict_layers)
     ]
     if kernel is not None and uses_miles_layers(config, kernel):
-        specs = [miles_spec(spec, kernel, model) for spec in specs]
+        specs = [miles_spec(spec, kernel, model, config) for spec in specs]
     return MultiTokenPredictionBlock(
         config=transformer_config(model, config, dtype), spec=MultiTokenPredictionBlockSubmodules(layer_specs=specs),
         vp_stage=vp_stage,
