@@ -306,10 +306,18 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
     assert (plan.trainer_backend, plan.tp, plan.distributed_optimizer) == ("megatron", 2, False)
     on_cpu = load_config(None, ["trainer.backend.name=megatron", "kernel.mode=fast"])  # the CPU device mode
     assert (on_cpu.trainer.backend.device, on_cpu.run.cluster) == ("cpu", "ray")
-    with pytest.raises(
-        ValueError, match=r"kernel\.mode=deterministic: megatron-core's kernels .* set kernel\.mode=fast"
-    ):
-        load_config(None, gpus)
+    # true on-policy: the Miles layers (the engine's kernels) on the layouts they run exactly
+    exact = load_config(None, [*gpus, "trainer.num_ranks=4", "trainer.backend.megatron.tp=2"])
+    assert exact.kernel.is_deterministic and exact.trainer.backend.megatron.uses_miles_layers(True)
+    with pytest.raises(ValueError, match=r"deterministic: with layer_spec=megatron \(megatron-core's kernels .* "
+                                         r"set kernel\.mode=fast"):  # fmt: skip
+        load_config(None, [*gpus, "trainer.backend.megatron.layer_spec=megatron"])
+    with pytest.raises(ValueError, match=r"tp=2 with tp_reduce=all_reduce \(the row-parallel layers"):
+        load_config(None, [*gpus, "trainer.num_ranks=2", "trainer.backend.megatron.tp=2",
+                           "trainer.backend.megatron.tp_reduce=all_reduce"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"layer_spec=miles does not run transformer_impl=transformer_engine"):
+        load_config(None, [*fast, "trainer.backend.megatron.layer_spec=miles",
+                           "trainer.backend.megatron.transformer_impl=transformer_engine"])  # fmt: skip
     replayed = load_config(None, [*fast, "trainer.routing_replay=rollout", "trainer.loss.moe_aux_loss=seq_aux_loss"])
     assert replayed.trainer.routing_replay == "rollout"  # megatron-core's routers replay and train the balance
     ppo = load_config(None, [*fast, "trainer.advantage_estimator=gae", "spec.mode=online"])  # critic, MTP online

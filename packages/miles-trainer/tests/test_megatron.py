@@ -269,7 +269,7 @@ def fsdp_steps(tmp_path_factory) -> dict:
 @pytest.mark.parametrize(
     ("kind", "world", "layout"),
     [("dense", 1, {}), ("dense", 2, {"tp": 2}), ("dense", 2, {}), ("moe", 2, {"ep": 2}),
-     ("glm", 4, {"ep": 2, "etp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
+     ("glm", 4, {"ep": 2, "etp": 2, "layer_spec": "megatron"}), ("dense6", 3, {"pp": 3, "vpp": 2}),
      ("dense6", 3, {"pp": 3, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1,
                     "recompute": "full"})],
     ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense6-pp3-vpp2",

@@ -80,10 +80,12 @@ def one_rank(path: Path, layout: MegatronConfig) -> Iterator[None]:
             parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.parametrize("layers", ["megatron", "miles"])
 @pytest.mark.parametrize(("kind", "num_mtp"), [("glm", 1), ("dense", 2)])
-def test_megatron_mtp_modules_give_the_miles_mtp_outputs(kind: str, num_mtp: int, tmp_path) -> None:
+def test_megatron_mtp_modules_give_the_miles_mtp_outputs(kind: str, num_mtp: int, layers: str, tmp_path) -> None:
     """megatron-core's MTP block beside a GPTModel, both on converted weights, against `CausalLM.mtp_hidden` /
-    `mtp_logits` of the miles model (each sequence on its own rows; chained modules read the previous output)."""
+    `mtp_logits` of the miles model (chained modules read the previous output): within float32 rounding with
+    megatron-core's modules (each sequence on its own rows), bit for bit with the Miles layers (the packed rows)."""
     from miles_trainer.megatron_model import MegatronCausalLM, build_gpt_model, rank_layout
     from miles_trainer.megatron_mtp import MegatronMTP, build_mtp_block
 
@@ -98,9 +100,10 @@ def test_megatron_mtp_modules_give_the_miles_mtp_outputs(kind: str, num_mtp: int
         block = build_mtp_block(config, layout, torch.float32, None)
         expected = {n: t.shape for n, t in block.state_dict().items() if not n.endswith("_extra_state")}
         assert {n.removeprefix("mtp."): t.shape for n, t in state.items() if n.startswith("mtp.")} == expected
-        gpt = build_gpt_model(config, layout)
+        gpt = build_gpt_model(config, layout, kernel=KERNEL if layers == "miles" else None)
         gpt.load_state_dict({n: t for n, t in state.items() if not n.startswith("mtp.")}, strict=False)
         chunk = MegatronCausalLM(gpt, config, KERNEL)
+        assert chunk.is_miles == (layers == "miles")
         mtp = MegatronMTP(config, layout, KERNEL, [chunk], state, torch.device("cpu"), (), OptimizerConfig())
         assert chunk.mtp is mtp and len(mtp.mtp_layers) == num_mtp
         batch = build_packed_batch(lens, KERNEL.page_size, KERNEL.attention_query_tile)
@@ -119,8 +122,9 @@ def test_megatron_mtp_modules_give_the_miles_mtp_outputs(kind: str, num_mtp: int
         for module in range(num_mtp):
             next_ids = torch.cat([seq[module + 1 : module + 1 + n] for seq, n in zip(ids, lens, strict=True)])
             hidden = reference.mtp_hidden(hidden, next_ids, batch, module)
-            torch.testing.assert_close(got[module][0], hidden, rtol=0, atol=2e-6)
-            torch.testing.assert_close(got[module][1], reference.mtp_logits(hidden), rtol=0, atol=2e-6)
+            atol = 0.0 if layers == "miles" else 2e-6
+            torch.testing.assert_close(got[module][0], hidden, rtol=0, atol=atol)
+            torch.testing.assert_close(got[module][1], reference.mtp_logits(hidden), rtol=0, atol=atol)
 
 
 def test_the_conversion_takes_mtp_modules_on_the_last_stage_only() -> None:

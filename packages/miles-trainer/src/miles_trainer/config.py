@@ -285,6 +285,38 @@ class MegatronConfig(_Config):
         default="none", description="Activation recompute: selective (core attention) or full (each layer)."
     )
 
+    def uses_miles_layers(self, deterministic: bool) -> bool:
+        """Whether the GPTModel's layers are the Miles ones (`layer_spec`; `deterministic`: kernel.mode is)."""
+        return self.layer_spec == "miles" or (self.layer_spec == "auto" and deterministic)
+
+    def miles_layer_problems(self) -> list[str]:
+        """What in this layout the Miles layers do not run (each with why); empty: they run it."""
+        problems = []
+        if self.transformer_impl != "local":
+            problems.append(
+                "transformer_impl=transformer_engine (the Miles layers replace megatron-core's local ones)"
+            )
+        if self.sequence_parallel:
+            problems.append("sequence_parallel (the Miles layers keep every TP rank's activations whole)")
+        if (self.etp or 1) > 1:
+            problems.append(f"etp={self.etp} (each expert's rows would sum partial products across ranks)")
+        if self.cp > 1:
+            problems.append(f"cp={self.cp} (context parallelism splits a sequence's attention)")
+        return problems
+
+    def exactness_problems(self) -> list[str]:
+        """Why this layout's log-probs would not equal the engine's bit for bit in kernel.mode=deterministic (empty:
+        they do; docs/true-on-policy.md has the table)."""
+        if self.layer_spec == "megatron":
+            return ["layer_spec=megatron (megatron-core's kernels are not the engine's)"]
+        problems = self.miles_layer_problems()
+        if self.tp > 1 and self.tp_reduce == "all_reduce":
+            problems.append(
+                f"tp={self.tp} with tp_reduce=all_reduce (the row-parallel layers sum the ranks' partial products "
+                "in another order than the engine's unsplit GEMM; tp_reduce=exact gathers them)"
+            )
+        return problems
+
 
 class BackendConfig(_Config):
     """The trainer backend: FSDP2 (Miles' own, batch-invariant kernels) or Megatron-core (TP / PP / EP / CP on

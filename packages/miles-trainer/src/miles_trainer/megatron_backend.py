@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig, iter_checkpoint, read_model_config
+from miles_kernels import KernelConfig, iter_checkpoint, kernel_fingerprint, read_model_config
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
@@ -198,6 +198,16 @@ class MegatronBackend:
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
         )  # fmt: skip
         return MegatronCausalLM(ddp, self.model_config, self.kernel), state
+
+    def kernel_fingerprint(self, device_type: str) -> str:
+        """The engine's kernel fingerprint (`miles_kernels.kernel_fingerprint`) when this model computes the engine's
+        bits: the Miles layers on an exact layout (docs/true-on-policy.md); else what runs instead, which no engine
+        reports (megatron-core's modules, or the Miles layers with megatron-core's TP partial sums)."""
+        layout = self.config.megatron
+        if not self.model.is_miles:
+            return f"megatron-core:{device_type}"
+        fingerprint = kernel_fingerprint(self.kernel, device_type)
+        return fingerprint if not layout.exactness_problems() else f"{fingerprint}+tp{layout.tp}-{layout.tp_reduce}"
 
     # -- data parallelism ----------------------------------------------------------------------------------------
 

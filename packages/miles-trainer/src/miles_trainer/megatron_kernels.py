@@ -35,8 +35,10 @@ docs/true-on-policy.md has the table of layouts. Shapes: N tokens, H hidden, E e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -79,26 +81,12 @@ class PackedRows:
 
 def uses_miles_layers(config: MegatronConfig, kernel: KernelConfig) -> bool:
     """Whether the GPTModel is built from the Miles spec: `layer_spec=miles`, or `auto` in deterministic mode."""
-    return config.layer_spec == "miles" or (config.layer_spec == "auto" and kernel.is_deterministic)
-
-
-def miles_layout_problems(config: MegatronConfig) -> list[str]:
-    """What in `config` the Miles layers do not run (each with why); empty: the layout is supported."""
-    problems = []
-    if config.transformer_impl != "local":
-        problems.append("transformer_impl=transformer_engine (the Miles layers replace megatron-core's local ones)")
-    if config.sequence_parallel:
-        problems.append("sequence_parallel (the Miles layers keep every TP rank's activations whole)")
-    if (config.etp or 1) > 1:
-        problems.append(f"etp={config.etp} (each expert's rows would sum partial products across ranks)")
-    if config.cp > 1:
-        problems.append(f"cp={config.cp} (context parallelism splits a sequence's attention)")
-    return problems
+    return config.uses_miles_layers(kernel.is_deterministic)
 
 
 def check_miles_layout(config: MegatronConfig) -> None:
     """ValueError naming what the Miles layers do not run."""
-    problems = miles_layout_problems(config)
+    problems = config.miles_layer_problems()
     if problems:
         raise ValueError(
             "megatron.layer_spec=miles (the engine's batch-invariant kernels; `auto` picks it with "
@@ -391,6 +379,23 @@ def _swap(spec: Any, swaps: dict[type, tuple[type, dict[str, Any]]]) -> Any:
     if isinstance(spec, list):
         return [_swap(item, swaps) for item in spec]
     return spec
+
+
+def _is_not_mlp_type_warning(record: logging.LogRecord) -> bool:
+    return "Unknown MLP type" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def building_miles_layers() -> Iterator[None]:
+    """Build Miles layers without megatron-core's "Unknown MLP type" warning: its TransformerLayer recognizes its own
+    MLP classes only (by identity, not subclass) and then passes the default process groups, which are the ones the
+    Miles layers use."""
+    logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    logger.addFilter(_is_not_mlp_type_warning)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_is_not_mlp_type_warning)
 
 
 def miles_spec(spec: Any, kernel: KernelConfig, model: ModelConfig, config: MegatronConfig) -> Any:

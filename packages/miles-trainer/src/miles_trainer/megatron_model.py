@@ -21,6 +21,7 @@ from miles_trainer.megatron_convert import RankLayout, check_convertible, padded
 from miles_trainer.megatron_kernels import (
     MilesRMSNorm,
     PackedRows,
+    building_miles_layers,
     check_miles_layout,
     miles_block_spec,
     miles_spec,
@@ -245,14 +246,15 @@ def build_gpt_model(
             vp_stage=vp_stage,
         )  # fmt: skip
     virtual = {"ignore_virtual": virtual_stages(config) is None, "vp_stage": vp_stage}
-    return GPTModel(
-        config=transformer, transformer_layer_spec=spec, vocab_size=padded_vocab_size(model, config.tp),
-        max_sequence_length=model.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(**virtual),
-        post_process=ps.is_pipeline_last_stage(**virtual),
-        share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope", rotary_percent=model.partial_rotary_factor, rotary_base=int(model.rope_theta),
-        parallel_output=False, vp_stage=vp_stage,
-    )  # fmt: skip
+    with building_miles_layers():
+        return GPTModel(
+            config=transformer, transformer_layer_spec=spec, vocab_size=padded_vocab_size(model, config.tp),
+            max_sequence_length=model.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(**virtual),
+            post_process=ps.is_pipeline_last_stage(**virtual),
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope", rotary_percent=model.partial_rotary_factor,
+            rotary_base=int(model.rope_theta), parallel_output=False, vp_stage=vp_stage,
+        )  # fmt: skip
 
 
 class PaddedBatch(NamedTuple):

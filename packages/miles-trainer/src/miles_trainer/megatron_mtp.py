@@ -42,7 +42,7 @@ from miles_kernels import KernelConfig, ModelConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import MegatronConfig, OptimizerConfig
 from miles_trainer.megatron_convert import MTP_PREFIX
-from miles_trainer.megatron_kernels import miles_spec, uses_miles_layers
+from miles_trainer.megatron_kernels import building_miles_layers, miles_spec, uses_miles_layers
 from miles_trainer.megatron_model import MegatronCausalLM, PaddedBatch, layer_spec, transformer_config
 from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors
 from miles_trainer.megatron_state import adamw_sharded_state, load_adamw_state
@@ -68,10 +68,11 @@ def build_mtp_block(
     ]
     if kernel is not None and uses_miles_layers(config, kernel):
         specs = [miles_spec(spec, kernel, model, config) for spec in specs]
-    return MultiTokenPredictionBlock(
-        config=transformer_config(model, config, dtype), spec=MultiTokenPredictionBlockSubmodules(layer_specs=specs),
-        vp_stage=vp_stage,
-    )  # fmt: skip
+    with building_miles_layers():
+        return MultiTokenPredictionBlock(
+            config=transformer_config(model, config, dtype),
+            spec=MultiTokenPredictionBlockSubmodules(layer_specs=specs), vp_stage=vp_stage,
+        )  # fmt: skip
 
 
 class MegatronMTP:
@@ -120,7 +121,8 @@ class MegatronMTP:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         vp_stage = len(self.chunks) - 1 if len(self.chunks) > 1 else None
-        block = build_mtp_block(self.model_config, config, self.kernel.torch_dtype, vp_stage, self.kernel)
+        kernel = self.kernel if self.chunks[-1].is_miles else None  # the trunk's kind of layers
+        block = build_mtp_block(self.model_config, config, self.kernel.torch_dtype, vp_stage, kernel)
         state = {name.removeprefix(MTP_PREFIX): t for name, t in loaded.items() if name.startswith(MTP_PREFIX)}
         missing, unexpected = block.load_state_dict(state, strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
@@ -195,6 +197,8 @@ class MegatronMTP:
             raise RuntimeError("the MTP modules run inside a train step (`begin_step` fetches the trunk's embedding)")
         rows, width = padded.ids_BS.shape
         lens = torch.bincount(padded.flat_N.cpu() // width, minlength=rows)[: len(batch.query_lens_S)]
+        if padded.packed is not None:  # the Miles layers' packed layout: its packing is the batch's
+            lens = padded.packed.batch.query_lens_S.cpu()
         if not torch.equal(lens, batch.query_lens_S.cpu().to(lens.dtype)):
             raise ValueError("the MTP rows are not the micro-batch's sequences (pack one sequence per sample)")
         gpt = chunk.gpt

@@ -37,11 +37,12 @@ class TrainerRank:
         )  # fmt: skip
 
     def fingerprint(self) -> str:
-        """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's); the
-        Megatron backend runs megatron-core's kernels, never the engine's, so its fingerprint says so."""
+        """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's): the
+        engine's for the FSDP2 backend and for Megatron's Miles layers on an exact layout; otherwise one that says
+        which kernels run (`MegatronBackend.kernel_fingerprint`)."""
         device = next(self.backend.model.parameters()).device.type
         if isinstance(self.backend, MegatronBackend):
-            return f"megatron-core:{device}"
+            return self.backend.kernel_fingerprint(device)
         return kernel_fingerprint(self.kernel, device)
 
     def data_parallel(self) -> tuple[int, int]:

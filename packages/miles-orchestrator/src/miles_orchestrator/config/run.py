@@ -74,16 +74,26 @@ class RunConfig(Section):
     def _megatron_backend(self) -> None:
         """trainer.backend.name=megatron: what the Megatron backend needs and what it does not support yet
         (docs/megatron.md): the critic, the online MTP draft, routing replay, the MoE losses and memory budgets run
-        on it as on FSDP2."""
+        on it as on FSDP2, and true on-policy (kernel.mode=deterministic) on the layouts its Miles layers run
+        exactly (docs/true-on-policy.md)."""
         if self.trainer.backend.name != "megatron":
             return
         backend = self.trainer.backend
-        if self.kernel.is_deterministic:
+        inexact = backend.megatron.exactness_problems()
+        if self.kernel.is_deterministic and inexact:
             raise ValueError(
-                "trainer.backend.name=megatron with kernel.mode=deterministic: megatron-core's kernels are not the "
-                "engine's, so the trainer's log-probs cannot equal the rollout's bit for bit; set kernel.mode=fast "
-                "(the old log-probs are recomputed and trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the "
-                "mismatch)"
+                f"trainer.backend.name=megatron with kernel.mode=deterministic: with {'; '.join(inexact)}, the "
+                "trainer's log-probs cannot equal the rollout's bit for bit (docs/true-on-policy.md lists the exact "
+                "layouts); change the layout, or set kernel.mode=fast (the old log-probs are recomputed and "
+                "trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the mismatch)"
+            )
+        if (
+            backend.megatron.uses_miles_layers(self.kernel.is_deterministic)
+            and backend.megatron.miles_layer_problems()
+        ):
+            raise ValueError(
+                "trainer.backend.megatron.layer_spec=miles does not run "
+                f"{'; '.join(backend.megatron.miles_layer_problems())}; change the layout or set layer_spec=megatron"
             )
         loss, replays = self.trainer.loss, self.trainer.routing_replay == "rollout"
         in_routers = replays or loss.moe_aux_loss != "none" or loss.moe_z_loss_coef > 0
