@@ -7,9 +7,10 @@ random weights of the built-in policy's shapes (`miles_orchestrator.data.bootstr
 the embedded engine (deterministic kernels) samples `--prompts` x `--samples` responses with their log-probs, then
 the Megatron backend on real gloo rank processes (this script again, `--worker`; the CPU device mode) scores them
 and makes one training step measuring `train_rollout_logprob_abs_diff`. Reported per case: `mismatch_mean` /
-`mismatch_max` over every response token, `exact` (max == 0), and the seconds of a log-prob pass and of a training
-step (each after a warm-up pass) on the slowest rank, for the cost of the exact TP mode against megatron-core's
-partial sums and of the Miles layers against megatron-core's modules.
+`mismatch_max` over every response token, `exact` (max == 0), and on the slowest rank the seconds of a log-prob pass
+(the median of 3 after the measured one) and of a training step (the second), for the cost of the exact TP mode
+against megatron-core's partial sums and of the Miles layers against megatron-core's modules (the `qwen3-wide`
+cases, a wider dense model). Each rank runs one thread.
 
     uv run python benchmarks/megatron_on_policy.py --out benchmarks/results/megatron_on_policy.json
 """
@@ -17,6 +18,7 @@ partial sums and of the Miles layers against megatron-core's modules.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -43,7 +45,23 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
     ("glm4_moe", 4, {"layer_spec": "megatron", "pp": 2, "ep": 2}),
     ("glm4_moe", 4, {"layer_spec": "miles", "pp": 2, "ep": 2}),
     ("glm4_moe", 4, {"layer_spec": "megatron", "ep": 2, "etp": 2, "moe_token_dispatcher": "allgather"}),
+    # the cost of the exact modes, on a wider dense model (hidden 1024, intermediate 3072, 16 / 8 heads of 64)
+    ("qwen3-wide", 1, {"layer_spec": "megatron"}),
+    ("qwen3-wide", 1, {"layer_spec": "miles"}),
+    ("qwen3-wide", 2, {"layer_spec": "megatron", "tp": 2}),
+    ("qwen3-wide", 2, {"layer_spec": "miles", "tp": 2, "tp_reduce": "all_reduce"}),
+    ("qwen3-wide", 2, {"layer_spec": "miles", "tp": 2, "tp_reduce": "exact"}),
 ]
+WIDE = {"hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 64}  # fmt: skip
+
+
+def model_config(family: str) -> Any:
+    """The built-in policy's shape of `family` (`-wide`: the dense one widened to WIDE)."""
+    from miles_orchestrator.data.bootstrap import policy_config
+
+    config = policy_config(264, family.removesuffix("-wide"))
+    return dataclasses.replace(config, **WIDE) if family.endswith("-wide") else config
 
 
 def case_name(family: str, layout: dict[str, Any]) -> str:
@@ -78,12 +96,17 @@ def worker(model_dir: str, samples_file: str, out_file: str, layout_json: str) -
         )  # fmt: skip
         rank, size = backend.data_parallel
         mine = samples[rank::size]
-        backend.compute_logprobs(mine)  # warm-up
+        logprobs = backend.compute_logprobs(mine)  # the first pass also warms up
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            backend.compute_logprobs(mine)
+            seconds.append(time.perf_counter() - start)
+        logprob_seconds = sorted(seconds)[1]
+        advantages = [1.0 if i % 2 else -1.0 for i in range(len(mine))]
+        metrics = backend.train_step(mine, advantages, measure_mismatch=True)  # on the rollout's weights
         start = time.perf_counter()
-        logprobs = backend.compute_logprobs(mine)
-        logprob_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        metrics = backend.train_step(mine, [1.0 if i % 2 else -1.0 for i in range(len(mine))], measure_mismatch=True)
+        backend.train_step(mine, advantages)
         step_seconds = time.perf_counter() - start
     result = {"indices": [s.index for s in mine], "logprobs": logprobs, "logprob_seconds": logprob_seconds,
               "step_seconds": step_seconds,
@@ -115,11 +138,15 @@ def run_case(model_dir: Path, samples_file: Path, world: int, layout: dict[str, 
 
 
 def summarize(samples: list[Any], ranks: list[Any]) -> dict[str, Any]:
-    diffs = []
+    scored: dict[int, list[float]] = {}  # each sample's log-probs (TP / PP peers return the same ones)
     for rank in ranks:
         for index, got in zip(rank["indices"], rank["logprobs"], strict=True):
-            want = samples[index].rollout_logprobs
-            diffs.extend(abs(a - b) for a, b in zip(got, want, strict=True))
+            if scored.setdefault(index, got) != got:
+                raise RuntimeError(f"two ranks returned different log-probs for sample {index}")
+    if set(scored) != set(range(len(samples))):
+        raise RuntimeError("a sample was not scored")
+    diffs = [abs(a - b) for index, got in scored.items()
+             for a, b in zip(got, samples[index].rollout_logprobs, strict=True)]  # fmt: skip
     diff = torch.tensor(diffs, dtype=torch.float64)
     return {
         "exact": bool((diff == 0).all()), "mismatch_mean": float(diff.mean()), "mismatch_max": float(diff.max()),
@@ -143,7 +170,6 @@ def main() -> None:
 
     from miles_kernels import KernelConfig
     from miles_kernels.testing import save_random_model
-    from miles_orchestrator.data.bootstrap import policy_config
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -155,8 +181,8 @@ def main() -> None:
                 continue
             if family not in rolled:
                 model_dir = tmp / family
-                save_random_model(str(model_dir), policy_config(264, family), seed=args.seed, dtype="float32")
-                samples = rollout(str(model_dir), KernelConfig(), args)
+                save_random_model(str(model_dir), model_config(family), seed=args.seed, dtype="float32")
+                samples = rollout(str(model_dir), KernelConfig(), args, routed_experts="moe" in family)
                 samples_file = tmp / f"{family}.json"
                 samples_file.write_text(json.dumps([s.model_dump() for s in samples]))
                 rolled[family] = (model_dir, samples_file, samples)

@@ -39,15 +39,17 @@ from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.moe import moe_shape, routing_metrics
 
 
-def rollout(model_dir: str, kernel: KernelConfig, args: Any) -> list[Sample]:
+def rollout(model_dir: str, kernel: KernelConfig, args: Any, routed_experts: bool = True) -> list[Sample]:
+    """`args.prompts` random prompts x `args.samples` responses of `args.max_new_tokens` tokens from the embedded
+    engine, with their log-probs (and routed experts, for an MoE model)."""
     generator = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(3, 250, (int(n),), generator=generator).tolist()
                for n in torch.randint(6, 24, (args.prompts,), generator=generator)]  # fmt: skip
-    engine = Engine(model_dir, kernel, EngineConfig(num_kv_pages=1024, enable_return_routed_experts=True))
+    engine = Engine(model_dir, kernel, EngineConfig(num_kv_pages=1024, enable_return_routed_experts=routed_experts))
     client = InProcessClient(engine)
     requests = [
         GenerateRequest(
-            input_ids=prompt, return_logprob=True, return_routed_experts=True,
+            input_ids=prompt, return_logprob=True, return_routed_experts=routed_experts,
             sampling_params=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.samples,
                                            sampling_seed=args.seed * 1000 + group, ignore_eos=True),
         )

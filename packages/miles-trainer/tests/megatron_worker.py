@@ -1,7 +1,8 @@
 """One rank of the Megatron backend tests (run as its own process by test_megatron.py; RANK / WORLD_SIZE /
 MASTER_* set), on the CPU inside `megatron_on_cpu()`.
 
-MILES_TEST_MEGATRON is the layout as JSON (`MegatronConfig` fields). The rank takes its data-parallel share of
+MILES_TEST_MEGATRON is the layout as JSON (`MegatronConfig` fields; by default megatron-core's own modules,
+`layer_spec: megatron`, whatever the kernel mode). The rank takes its data-parallel share of
 fsdp_worker's batch (TP peers the same samples), records the log-probs before the step, runs one optimizer step with
 fsdp_worker's optimizer and loss settings, and rank 0 writes the full parameters (HF names) and the metrics. Modes
 (fsdp_worker's): `step`; `two-steps` (step, checkpoint, a second step with the advantages negated, then a Hugging
@@ -50,7 +51,8 @@ from miles_trainer.config import MegatronConfig
 def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    layout = MegatronConfig(**{"moe_token_dispatcher": "allgather"} | json.loads(os.environ["MILES_TEST_MEGATRON"]))
+    defaults = {"moe_token_dispatcher": "allgather", "layer_spec": "megatron"}  # megatron-core's own modules
+    layout = MegatronConfig(**defaults | json.loads(os.environ["MILES_TEST_MEGATRON"]))
     aux = mtp_losses()
     with megatron_on_cpu():
         samples, advantages = batch()

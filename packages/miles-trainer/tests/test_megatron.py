@@ -269,11 +269,12 @@ def fsdp_steps(tmp_path_factory) -> dict:
 @pytest.mark.parametrize(
     ("kind", "world", "layout"),
     [("dense", 1, {}), ("dense", 2, {"tp": 2}), ("dense", 2, {}), ("moe", 2, {"ep": 2}),
-     ("glm", 4, {"ep": 2, "etp": 2, "layer_spec": "megatron"}), ("dense6", 3, {"pp": 3, "vpp": 2}),
+     ("glm", 4, {"ep": 2, "etp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
      ("dense6", 3, {"pp": 3, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1,
-                    "recompute": "full"})],
+                    "recompute": "full"}),
+     ("dense", 2, {"tp": 2, "layer_spec": "miles"}), ("dense6", 3, {"pp": 3, "vpp": 2, "layer_spec": "miles"})],
     ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense6-pp3-vpp2",
-         "dense6-pp3-uneven-1-4-1-recompute"],
+         "dense6-pp3-uneven-1-4-1-recompute", "dense-tp2-miles", "dense6-pp3-vpp2-miles"],
 )  # fmt: skip
 def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: dict, fsdp_steps, tmp_path) -> None:
     from test_fsdp import run_ranks

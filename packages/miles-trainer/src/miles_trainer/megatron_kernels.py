@@ -141,20 +141,42 @@ def _column_input(x_NH: torch.Tensor, config: Any) -> torch.Tensor:
 def _row_linear(x_local: torch.Tensor, weight_local: torch.Tensor, config: Any, kernel: KernelConfig,
                 tp_reduce: str) -> torch.Tensor:  # fmt: skip
     """A row-parallel linear (attention output, MLP down) of the TP ranks' input columns `x_local` and weight
-    columns `weight_local`: `exact` gathers both and runs the engine's unsplit GEMM on every rank (each keeps its
-    columns' gradients); `all_reduce` sums the ranks' partial products (megatron-core's; other bits)."""
+    columns `weight_local`: `exact` gathers both and runs the engine's unsplit GEMM on every rank (its backward is
+    megatron-core's); `all_reduce` sums the ranks' partial products (megatron-core's; other bits)."""
     if _tp_size(config) == 1:
         return linear(x_local, weight_local, kernel)
-    from megatron.core.tensor_parallel import (
-        gather_from_tensor_model_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-    )
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     if tp_reduce == "exact":
-        x_full = gather_from_tensor_model_parallel_region(x_local)
-        return linear(x_full, gather_from_tensor_model_parallel_region(weight_local), kernel)
-    out: torch.Tensor = reduce_from_tensor_model_parallel_region(linear(x_local, weight_local, kernel))
+        out: torch.Tensor = _ExactRowParallel.apply(x_local, weight_local, kernel)
+        return out
+    out = reduce_from_tensor_model_parallel_region(linear(x_local, weight_local, kernel))
     return out
+
+
+class _ExactRowParallel(torch.autograd.Function):
+    """The exact row-parallel linear: forward, the engine's unsplit GEMM of the gathered input and weight shards (the
+    same output on every TP rank); backward, each rank's own shards' gradients from the (replicated) output gradient,
+    as megatron-core's RowParallelLinear computes them (nothing is gathered for the backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x_local: torch.Tensor, weight_local: torch.Tensor, kernel: KernelConfig) -> torch.Tensor:  # type: ignore[override]
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        ctx.save_for_backward(x_local, weight_local)
+        with torch.no_grad():
+            x_full = gather_from_tensor_model_parallel_region(x_local)
+            weight_full = gather_from_tensor_model_parallel_region(weight_local)
+            return linear(x_full, weight_full, kernel)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x_local, weight_local = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = (rows @ weight_local).view(*grad_out.shape[:-1], -1) if ctx.needs_input_grad[0] else None
+        grad_weight = rows.t() @ x_local.reshape(-1, x_local.shape[-1]) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight, None
 
 
 def _mlp(x_NH: torch.Tensor, module: Any, kernel: KernelConfig, tp_reduce: str) -> torch.Tensor:
