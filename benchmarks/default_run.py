@@ -9,8 +9,8 @@ largest train/rollout log-prob mismatch of any step. With two or more clusters i
 lines are equal on every key but the timings (the runs are bitwise reproducible, whichever cluster runs them).
 `--baseline DIR` compares each run's metrics.jsonl with an earlier run's (a refactor must leave them identical;
 `--ignore KEY ...` leaves out keys a change is meant to alter, and the JSON says which).
-`--config FILE` runs an example config instead (`miles-orchestrator run --config FILE`); a run that is not bitwise
-on-policy (kernel.mode=fast: the Megatron examples) adds every step's train / rollout log-prob mismatch, one that
+`--config FILE` runs an example config instead (`miles-orchestrator run --config FILE`); its JSON adds every step's
+train / rollout log-prob mismatch (mean and largest token: exactly 0 on a true on-policy run), one that
 trains the MTP draft online its loss, accuracy and accept length (means over the first and the last 10 steps); a PPO
 run's JSON adds the critic's explained variance (mean over the first and the last 10 steps) and its value loss; an
 MoE policy's adds the largest routing flip fraction of any step and the expert load imbalance and router entropy
@@ -108,10 +108,9 @@ def run_once(cluster: str, run_dir: Path, env: dict[str, str], config: str | Non
             moe[f"{key}_first_10_steps"] = round(statistics.mean(line[key] for line in steps[:10]), 3)
             moe[f"{key}_last_10_steps"] = round(statistics.mean(line[key] for line in steps[-10:]), 3)
     off_policy = {}
-    if any(line.get("train_rollout_logprob_abs_diff") for line in steps):  # not bitwise on-policy: every step's
-        off_policy["train_rollout_logprob_abs_diff_per_step"] = [
-            line["train_rollout_logprob_abs_diff"] for line in steps
-        ]
+    if any("train_rollout_logprob_abs_diff" in line for line in steps):  # every step's mismatch (0: on-policy)
+        for key in ("train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max"):
+            off_policy[f"{key}_per_step"] = [line.get(key) for line in steps]
     draft = {}
     if any("mtp_loss" in line for line in steps):  # the MTP draft trained online: its loss and acceptance
         for key in ("mtp_loss", "mtp_accuracy_0", "spec_accept_length"):

@@ -4,8 +4,9 @@
 The Megatron backend in deterministic mode (the Miles layers, `megatron_kernels`) with the layout in
 MILES_TEST_MEGATRON (`MegatronConfig` fields as JSON) computes the log-probs of its data-parallel share of the
 rollout in `samples.json` (beside the model directory) at two micro-batch token budgets (different packings), then
-makes one training step measuring the train / rollout mismatch on the same share; rank 0 writes every rank's
-results to `out_dir/results.json`.
+makes one training step measuring the train / rollout mismatch on the same share, and reports the kernel
+fingerprint the on-policy guard compares with the engine's; rank 0 writes every rank's results to
+`out_dir/results.json`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main(model_dir: str, out_dir: str) -> None:
         advantages = [1.0 if i % 2 else -1.0 for i in range(len(mine))]
         metrics = backend.train_step(mine, advantages, measure_mismatch=True)
     mine_result = {"indices": [s.index for s in mine], "logprobs": logprobs, "metrics": metrics,
-                   "layers": type(backend.model.gpt.decoder.layers[0].self_attention).__name__}  # fmt: skip
+                   "layers": type(backend.model.gpt.decoder.layers[0].self_attention).__name__,
+                   "fingerprint": backend.kernel_fingerprint("cpu")}  # fmt: skip
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine_result)
     if dist.get_rank() == 0:

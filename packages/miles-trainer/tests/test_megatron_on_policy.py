@@ -3,7 +3,8 @@ run the engine's miles-kernels ops (`megatron_kernels`), so the log-probs it com
 the engine recorded while sampling them with its paged-KV decode (varied batch compositions, chunked prefill):
 through pipeline stages, virtual stages, expert parallelism (tokens exchanged between the EP ranks) and data
 parallelism, at two micro-batch packings, and in a training step's own forward (`train_rollout_logprob_abs_diff`
-exactly 0). Real rank processes over gloo (megatron_on_policy_worker.py)."""
+exactly 0); the trainer reports the engine's kernel fingerprint, so the run's version-0 check accepts it. Real rank
+processes over gloo (megatron_on_policy_worker.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from test_true_on_policy import rollout
 
-from miles_kernels import save_model
+from miles_kernels import kernel_fingerprint, save_model
 from miles_kernels.testing import random_model, tiny_config
 
 pytest.importorskip("megatron.core", reason="the megatron extra (uv sync --extra megatron)")
@@ -49,6 +50,7 @@ def rolled_out(root: Path, kind: str) -> list:
     ids=["glm4-pp2-ep2", "moe-ep2-recompute", "dense6-pp3-vpp2", "dense6-tp2-pp2-exact"],
 )  # fmt: skip
 def test_megatron_logprobs_equal_the_engines_bitwise(kind: str, world: int, layout: dict, tmp_path: Path) -> None:
+    from megatron_on_policy_worker import KERNEL
     from test_fsdp import run_ranks
 
     samples = rolled_out(tmp_path, kind)
@@ -60,6 +62,7 @@ def test_megatron_logprobs_equal_the_engines_bitwise(kind: str, world: int, layo
     seen = set()
     for result in results:
         assert result["layers"] == "MilesSelfAttention"
+        assert result["fingerprint"] == kernel_fingerprint(KERNEL, "cpu")  # the version-0 check passes
         for budget, rows in result["logprobs"].items():
             for index, got in zip(result["indices"], rows, strict=True):
                 assert got == samples[index].rollout_logprobs, f"sample {index}, {budget} tokens per micro-batch"

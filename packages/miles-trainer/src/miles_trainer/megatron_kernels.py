@@ -49,6 +49,7 @@ from miles_kernels import (
     KernelConfig,
     ModelConfig,
     Routing,
+    apply_rope,
     experts_forward,
     linear,
     packed_attention,
@@ -59,7 +60,6 @@ from miles_kernels import (
     swiglu,
     tiled_matmul,
 )
-from miles_kernels import apply_rope as _apply_rope
 from miles_trainer.config import MegatronConfig
 
 
@@ -164,10 +164,8 @@ class _ExactRowParallel(torch.autograd.Function):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         ctx.save_for_backward(x_local, weight_local)
-        with torch.no_grad():
-            x_full = gather_from_tensor_model_parallel_region(x_local)
-            weight_full = gather_from_tensor_model_parallel_region(weight_local)
-            return linear(x_full, weight_full, kernel)
+        x_full = gather_from_tensor_model_parallel_region(x_local)
+        return linear(x_full, gather_from_tensor_model_parallel_region(weight_local), kernel)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
@@ -253,7 +251,7 @@ def _attention_class() -> type:
             k = self._project(x_NH, 1).view(num, groups, dim)
             if self.q_layernorm is not None and self.k_layernorm is not None:
                 q, k = self.q_layernorm(q), self.k_layernorm(k)
-            q, k = _apply_rope(q, packed.cos, packed.sin), _apply_rope(k, packed.cos, packed.sin)
+            q, k = apply_rope(q, packed.cos, packed.sin), apply_rope(k, packed.cos, packed.sin)
             v = self._project(x_NH, 2).view(num, groups, dim)
             out = packed_attention(q, k, v, packed.batch, self.scale, self.kernel, self.window)
             projected = _row_linear(out.reshape(num, heads * dim), self.linear_proj.weight, self.config,
