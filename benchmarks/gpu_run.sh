@@ -27,13 +27,13 @@ PARTS=("${@:-kernels_ops megatron memory kernels_model}")
 PARTS=(${PARTS[*]})
 if ((DRY)); then
     PY=(uv run --with megatron-core==0.16.1 python)
-    KERNELS=(--quick) MEMORY=(--device cpu --tokens 512 --sequence-length 128) MEGATRON=(--device cpu)
+    KERNELS=(--quick) MEMORY=(--device cpu --tokens 512 --sequence-length 128) MEGATRON=(--device cpu --rl-deterministic-steps 0)
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .gpu_wheels/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$SRC
     PY=(python3)
-    KERNELS=() MEMORY=() MEGATRON=(--rl-steps 0)
+    KERNELS=() MEMORY=() MEGATRON=(--rl-steps 0 --rl-deterministic-steps 0)
 fi
 
 {
@@ -57,7 +57,7 @@ part() {  # part SECONDS NAME COMMAND...: run one part under a time limit, its o
 
 part 150 kernels_ops "${PY[@]}" benchmarks/kernels_gpu.py "${KERNELS[@]}" --parts on_policy ops --repeats 5 \
     --out "$OUT/kernels_gpu.json"
-part 90 megatron "${PY[@]}" benchmarks/megatron_gpu.py "${MEGATRON[@]}" --out "$OUT/megatron_gpu.json"
+part 120 megatron "${PY[@]}" benchmarks/megatron_gpu.py "${MEGATRON[@]}" --out "$OUT/megatron_gpu.json"
 # one process per checkpointing mode: the second step's peak must not hold the first backend's memory
 part 45 memory "${PY[@]}" benchmarks/memory_gpu.py "${MEMORY[@]}" --checkpointing off --out "$OUT/memory_gpu.json"
 part 45 memory_ckpt "${PY[@]}" benchmarks/memory_gpu.py "${MEMORY[@]}" --checkpointing on \

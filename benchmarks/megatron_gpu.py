@@ -9,8 +9,12 @@ ranks in packages/miles-trainer/tests/test_megatron.py):
 2. log-prob mismatch: the Megatron backend's log-probs of the batch against the engine's model (miles-kernels, the
    same weights, the same dtype): mean and max |difference| (0 is not expected across different kernels; TIS / MIS
    corrects it);
-3. `--rl-steps N`: an N-step GRPO run of the default example with the Megatron trainer (`miles-orchestrator run`,
-   local cluster, engine and trainer on the device; kernel.mode=fast, TIS; bfloat16 on a GPU), its metrics per step.
+3. true on-policy: the Megatron backend in deterministic mode (the Miles layers, docs/true-on-policy.md) against
+   the engine's model on the same packed batch, float32 and bfloat16: equal bit for bit is the claim checked
+   (`bitwise_equal`, and the largest |difference| if not);
+4. `--rl-steps N`: an N-step GRPO run of the default example with the Megatron trainer (`miles-orchestrator run`,
+   local cluster, engine and trainer on the device; kernel.mode=fast, TIS; bfloat16 on a GPU), its metrics per step;
+   `--rl-deterministic-steps M`: the same in deterministic mode (the mismatch must be 0 at every step).
 
 `--device cpu` is the dry run on this machine (the Megatron backend's CPU device mode; the RL run in float32).
 
@@ -101,13 +105,34 @@ def step_parity(kind: str, dtype: str, device: str, root: Path) -> dict[str, Any
     }  # fmt: skip
 
 
-def rl_run(steps: int, device: str) -> dict[str, Any]:
-    """The default example for `steps` GRPO steps with the Megatron trainer on `device`; its per-step metrics."""
+def on_policy_parity(kind: str, dtype: str, device: str, root: Path) -> dict[str, Any]:
+    """The Miles layers' log-probs (deterministic mode) against the engine's model on the same batch."""
+    config = tiny_config(kind, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32)  # fmt: skip
+    model_dir = save_model(random_model(config, seed=1), root / f"{kind}-miles-model")
+    kernel = KernelConfig(dtype=dtype)  # type: ignore[arg-type]
+    samples, _ = batch(config.vocab_size)
+    megatron = MegatronBackend(model_dir, kernel, OptimizerConfig(), PolicyLossConfig(),
+                               BackendConfig(name="megatron", device=device))  # fmt: skip
+    engine = load_model(model_dir, kernel, device)
+    expected = [row for micro in pack_samples(samples, kernel, 4096) for row in response_logprobs(engine, micro)]
+    got = megatron.compute_logprobs(samples)
+    diffs = torch.cat([(torch.tensor(g) - w.float().cpu()).abs() for g, w in zip(got, expected, strict=True)])
+    layers = type(megatron.model.gpt.decoder.layers[0].self_attention).__name__
+    del megatron, engine
+    return {"kind": kind, "dtype": dtype, "layers": layers, "bitwise_equal": bool((diffs == 0).all()),
+            "logprob_abs_diff_vs_engine": {"mean": float(diffs.mean()), "max": float(diffs.max())}}  # fmt: skip
+
+
+def rl_run(steps: int, device: str, mode: str = "fast") -> dict[str, Any]:
+    """The default example for `steps` GRPO steps with the Megatron trainer on `device` (`mode`: the kernel mode;
+    fast with TIS); its per-step metrics."""
     run_dir = Path(tempfile.mkdtemp(prefix="megatron_rl_run_"))  # the metrics go into the JSON, not the run
     command = [
         "miles-orchestrator", "run", "--quiet", f"run.num_steps={steps}", f"run.run_dir={run_dir}",
         "run.cluster=local", "trainer.backend.name=megatron", f"trainer.backend.device={device}",
-        f"rollout.engine.device={device}", "kernel.mode=fast", "trainer.loss.is_mode=truncate",
+        f"rollout.engine.device={device}", f"kernel.mode={mode}",
+        *(["trainer.loss.is_mode=truncate"] if mode == "fast" else []),
         *(["kernel.dtype=bfloat16"] if device == "cuda" else []),
     ]  # fmt: skip
     started = time.perf_counter()
@@ -129,6 +154,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rl-steps", type=int, default=20)
+    parser.add_argument("--rl-deterministic-steps", type=int, default=10)
     args = parser.parse_args()
     ensure_process_group()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)",
@@ -143,8 +169,16 @@ def main() -> None:
             for dtype in ("float32", "bfloat16"):
                 out["step_parity"].append(step_parity(kind, dtype, args.device, Path(tmp)))
                 args.out.write_text(json.dumps(out, indent=2) + "\n")  # after each case: a run cut short keeps it
+        out["miles_layers_on_policy"] = []
+        for kind in ("dense", "moe"):
+            for dtype in ("float32", "bfloat16"):
+                out["miles_layers_on_policy"].append(on_policy_parity(kind, dtype, args.device, Path(tmp)))
+                args.out.write_text(json.dumps(out, indent=2) + "\n")
     if args.rl_steps:
         out["rl_run"] = rl_run(args.rl_steps, args.device)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    if args.rl_deterministic_steps:
+        out["rl_run_deterministic"] = rl_run(args.rl_deterministic_steps, args.device, "deterministic")
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 
