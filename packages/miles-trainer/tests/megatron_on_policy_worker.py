@@ -2,12 +2,11 @@
 `megatron_on_cpu()`.
 
 The Megatron backend in deterministic mode (the Miles layers, `megatron_kernels`) with the layout in
-MILES_TEST_MEGATRON (`MegatronConfig` fields as JSON) computes the log-probs of its data-parallel share of the
-rollout in `samples.json` (beside the model directory) at two micro-batch token budgets (different packings), then
-makes one training step measuring the train / rollout mismatch on the same share, and reports the kernel
-fingerprint the on-policy guard compares with the engine's; rank 0 writes every rank's results to
-`out_dir/results.json`.
-"""
+MILES_TEST_MEGATRON (`MegatronConfig` fields as JSON), in MILES_TEST_DTYPE (default float32), computes the log-probs
+of its data-parallel share of the rollout in `samples.json` (beside the model directory) at two micro-batch token
+budgets (different packings), then makes one training step measuring the train / rollout mismatch on the same share,
+and reports the kernel fingerprint the on-policy guard compares with the engine's; rank 0 writes every rank's
+results to `out_dir/results.json`."""
 
 from __future__ import annotations
 
@@ -25,6 +24,13 @@ from miles_trainer import BackendConfig, MegatronBackend, OptimizerConfig, Polic
 from miles_trainer.config import MegatronConfig
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
+
+
+def kernel(dtype: str = "float32") -> KernelConfig:
+    """The tests' kernel config in `dtype` (MILES_TEST_DTYPE for the ranks)."""
+    return KERNEL.model_copy(update={"dtype": dtype})
+
+
 BUDGETS = (40, 1000)  # tokens per micro-batch: several samples per micro-batch, or all of a rank's in one
 
 
@@ -36,7 +42,8 @@ def main(model_dir: str, out_dir: str) -> None:
     samples = [Sample(**sample) for sample in raw]
     with megatron_on_cpu():
         backend = MegatronBackend(
-            model_dir, KERNEL, OptimizerConfig(lr=1e-3), PolicyLossConfig(),
+            model_dir, kernel(os.environ.get("MILES_TEST_DTYPE", "float32")), OptimizerConfig(lr=1e-3),
+            PolicyLossConfig(),
             BackendConfig(name="megatron", megatron=layout, max_tokens_per_micro_batch=BUDGETS[0]),
         )  # fmt: skip
         rank, size = backend.data_parallel

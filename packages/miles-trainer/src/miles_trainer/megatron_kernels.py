@@ -107,10 +107,11 @@ def _rows(hidden_SBH: torch.Tensor) -> torch.Tensor:
 
 
 class MilesRMSNorm(torch.nn.RMSNorm):
-    """megatron-core's torch RMSNorm (parameter `weight`) computed by miles' `rms_norm`."""
+    """megatron-core's torch RMSNorm (parameter `weight`) computed by miles' `rms_norm`; its weight in the model's
+    dtype, as the engine's (megatron-core's torch norm keeps a float32 weight)."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, *, kernel: KernelConfig, **_: Any) -> None:
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+        super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
