@@ -272,9 +272,10 @@ def fsdp_steps(tmp_path_factory) -> dict:
      ("glm", 4, {"ep": 2, "etp": 2}), ("dense6", 3, {"pp": 3, "vpp": 2}),
      ("dense6", 3, {"pp": 3, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1,
                     "recompute": "full"}),
-     ("dense", 2, {"tp": 2, "layer_spec": "miles"}), ("dense6", 3, {"pp": 3, "vpp": 2, "layer_spec": "miles"})],
+     ("dense", 2, {"tp": 2, "layer_spec": "miles"}),
+     ("dense6", 3, {"pp": 3, "vpp": 2, "layer_spec": "miles", "recompute": "selective"})],
     ids=["dense-tp1", "dense-tp2", "dense-dp2", "moe-ep2", "glm-ep2-etp2", "dense6-pp3-vpp2",
-         "dense6-pp3-uneven-1-4-1-recompute", "dense-tp2-miles", "dense6-pp3-vpp2-miles"],
+         "dense6-pp3-uneven-1-4-1-recompute", "dense-tp2-miles", "dense6-pp3-vpp2-miles-selective"],
 )  # fmt: skip
 def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: dict, fsdp_steps, tmp_path) -> None:
     from test_fsdp import run_ranks

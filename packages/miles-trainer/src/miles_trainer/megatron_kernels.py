@@ -254,7 +254,16 @@ def _attention_class() -> type:
                 q, k = self.q_layernorm(q), self.k_layernorm(k)
             q, k = apply_rope(q, packed.cos, packed.sin), apply_rope(k, packed.cos, packed.sin)
             v = self._project(x_NH, 2).view(num, groups, dim)
-            out = packed_attention(q, k, v, packed.batch, self.scale, self.kernel, self.window)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return packed_attention(q, k, v, packed.batch, self.scale, self.kernel, self.window)
+
+            if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():  # recompute=selective
+                from megatron.core import tensor_parallel
+
+                out = tensor_parallel.checkpoint(attend, False, q, k, v)  # recomputed in the backward, same bits
+            else:
+                out = attend(q, k, v)
             projected = _row_linear(out.reshape(num, heads * dim), self.linear_proj.weight, self.config,
                                     self.kernel, self.tp_reduce)  # fmt: skip
             return projected.view(*hidden_states.shape[:-1], -1), None
