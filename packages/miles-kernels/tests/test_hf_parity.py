@@ -422,3 +422,30 @@ def test_bucket_stream_restores_a_model_bit_exactly(kind: str) -> None:
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("rope", "head_dim"),
+    [
+        ({"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+          "mscale_all_dim": 1.0}, 64),  # DeepSeek-V3 / Kimi-K2 (Kimi-K2: factor 32)
+        ({"factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 16, "beta_slow": 2, "mscale": 0.707,
+          "mscale_all_dim": 1.0, "truncate": False}, 32),
+    ],
+)  # fmt: skip
+def test_yarn_frequencies_and_mscale_are_transformers(rope: dict, head_dim: int) -> None:
+    """YaRN (the DeepSeek-V3 family's RoPE scaling) against transformers' `rope_type: yarn`: the frequencies bit for
+    bit, and its cos / sin factor from `yarn_mscale`."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from miles_kernels.ops.rope import yarn_inv_frequencies, yarn_mscale
+
+    config = DeepseekV3Config(qk_rope_head_dim=head_dim, max_position_embeddings=163840,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **rope})  # fmt: skip
+    expected, attention_factor = _compute_yarn_parameters(config)
+    got = yarn_inv_frequencies(head_dim, 10000.0, rope["factor"], rope["original_max_position_embeddings"],
+                               rope["beta_fast"], rope["beta_slow"], rope.get("truncate", True))  # fmt: skip
+    assert torch.equal(got, expected)
+    ratio = yarn_mscale(rope["factor"], rope["mscale"]) / yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+    assert ratio == pytest.approx(attention_factor, rel=1e-12)

@@ -1,6 +1,6 @@
 """Rotary position embeddings (RoPE, rotate-half layout as in Hugging Face Qwen3; partial rotary as in GLM-4.5:
 cos / sin narrower than the head rotate its leading dimensions and the rest pass through unchanged; Llama 3's
-frequency scaling, `llama3_inv_frequencies`).
+frequency scaling, `llama3_inv_frequencies`; YaRN's, `yarn_inv_frequencies` and `yarn_mscale`, for DeepSeek-V3).
 
 Batch-invariant as written: angles are computed per position (`position * inv_freq`, elementwise, no
 reduction), so a token's rotation depends only on its absolute position, never on the batch or chunk it is in.
@@ -36,6 +36,41 @@ def llama3_inv_frequencies(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_inv_frequencies(
+    head_dim: int, theta: float, factor: float, original_max_position_embeddings: float, beta_fast: float = 32.0,
+    beta_slow: float = 1.0, truncate: bool = True, device: torch.device | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """YaRN's frequencies (Peng et al., 2023; DeepSeek-V3 / Kimi-K2's `rope_scaling: {type: yarn}`, as transformers'
+    `rope_type: yarn`): dimensions that turn more than `beta_fast` times over the original context keep their
+    frequency (extrapolation), those that turn fewer than `beta_slow` times are divided by `factor`
+    (interpolation), and a linear ramp over the dimensions between blends the two. In float32."""
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
+        return (
+            head_dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    wavelengths = theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
+    )
+    keep = 1 - ramp  # 1: the dimension keeps its frequency
+    return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction `0.1 * mscale * ln(factor) + 1` (1 without scaling). DeepSeek-V3 multiplies cos /
+    sin by `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)` (1 for its own config) and the
+    attention's softmax scale by `yarn_mscale(factor, mscale_all_dim) ** 2`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_cos_sin(
