@@ -7,7 +7,8 @@ Multi-process tier (real gloo rank processes on the CPU, megatron_worker.py):
   policy's loss and gradient norm, the values after it, and the critic's (model and head) and the policy's parameters
   after both steps agree with FSDP2's; a run that resumes from the checkpoint between the steps (the critic's chunks,
   head and AdamW state in dist_checkpointing) makes the second step bit for bit.
-- kind="value_head" on two data-parallel ranks: two joint steps (the head's loss in the policy's pass, its gradient
+- kind="value_head" on two data-parallel ranks, on the Miles layers (deterministic mode's; the separate critic runs
+  megatron-core's modules): two joint steps (the head's loss in the policy's pass, its gradient
   summed over the ranks by hand; the second, after an offload and onload, trains the trunk by the value loss too, the
   head being no longer zero), the same numbers.
 Two steps, since a zero head gives the trunk no value gradient in the first. CPU numerics tier (one rank in this
@@ -105,7 +106,7 @@ def test_a_separate_critic_on_two_stages_matches_fsdp2_and_resumes_bit_exact(mod
 def test_a_value_head_on_two_data_parallel_ranks_matches_fsdp2(model_dir, reference, tmp_path) -> None:
     from test_fsdp import run_ranks
 
-    env = VALUE_HEAD | {"MILES_TEST_MEGATRON": "{}"}
+    env = VALUE_HEAD | {"MILES_TEST_MEGATRON": json.dumps({"layer_spec": "miles"})}
     run = outputs(tmp_path / "dp2", *run_ranks(model_dir, tmp_path / "dp2", 2, "offload", extra_env=env,
                                                worker=WORKER))  # fmt: skip
     assert run["critic"].keys() == {"value_head.score.weight", "value_head.score.bias"}
