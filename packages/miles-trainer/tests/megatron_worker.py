@@ -92,13 +92,15 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         if backend.critic_config is not None:
             write_critic(out_dir, backend.critic.full_state_dict(), values)
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (rank, logprobs))
+    layers = sum(len(chunk.gpt.decoder.layers) for chunk in backend.chunks)  # this rank's decoder layers
+    dist.all_gather_object(gathered, (rank, logprobs, layers))
     if dist.get_rank() == 0:
         by_sample: dict[int, list[float]] = {}
-        for dp_rank, rows in gathered:  # type: ignore[misc]
+        for dp_rank, rows, _ in gathered:  # type: ignore[misc]
             for sample, row in zip(samples[dp_rank::size], rows, strict=True):
                 by_sample[sample.index] = row
         metrics["checksum_matches"] = float(checksum == weights_of(state))
+        metrics["rank_layers"] = [count for _, _, count in gathered]  # type: ignore[misc]
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "params.safetensors"))
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)

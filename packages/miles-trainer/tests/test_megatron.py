@@ -295,6 +295,9 @@ def test_a_megatron_step_matches_the_fsdp2_step(kind: str, world: int, layout: d
         assert metrics[key] == pytest.approx(fsdp_metrics[key], rel=1e-6, abs=1e-7), key
     assert metrics["grad_norm"] == pytest.approx(fsdp_metrics["grad_norm"], rel=1e-6)
     assert metrics["checksum_matches"] == 1.0
+    if "decoder_first_pipeline_num_layers" in layout:  # the stages hold the layers asked for (ranks are stages here)
+        assert metrics["rank_layers"] == [layout["decoder_first_pipeline_num_layers"], 4,
+                                          layout["decoder_last_pipeline_num_layers"]]  # fmt: skip
     assert params.keys() == fsdp_params.keys()
     # the 6-layer model, like the MoE ones, has weights whose gradients are near AdamW's eps (a single-stage Megatron
     # step differs from FSDP2's by the same 9e-6 there; the pipeline changes no bit of it)
