@@ -19,7 +19,15 @@ from .ops.activation import swiglu
 from .ops.attention import attention, packed_attention
 from .ops.attention_batch import NULL_PAGE, AttentionBatch, build_attention_batch, build_packed_batch
 from .ops.linear import linear, tiled_matmul
-from .ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax, select_experts
+from .ops.moe import (
+    Routing,
+    combine_ranks,
+    expert_mlp,
+    experts_forward,
+    route_grouped_sigmoid,
+    route_softmax,
+    select_experts,
+)
 from .ops.norm import rms_norm
 from .ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 from .ops.sampling import (
@@ -85,11 +93,13 @@ __all__ = [
     "build_attention_batch",
     "build_packed_batch",
     "checkpoint_tensors",
+    "combine_ranks",
     "decode_bucket",
     "describe_kernel",
     "destroy_weight_update_group",
     "dtype_name",
     "encode_bucket",
+    "expert_mlp",
     "experts_forward",
     "full_logprobs",
     "get_backend",

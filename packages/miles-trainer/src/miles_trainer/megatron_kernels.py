@@ -13,8 +13,9 @@ arithmetic (`miles_kernels.model`) on the same parameters:
   `linear_fc2`.
 - `MilesMoELayer`: the router's logits by `linear` (GLM-4.5's in float32), miles' `route_softmax` /
   `route_grouped_sigmoid` (routing replay and the MoE losses through `megatron_moe.RouterRecord`), each expert's
-  rows through tiled matmuls (`tiled_matmul`, `moe_tile` rows: a row's output does not depend on which others
-  chose the expert), weighted, and summed over each token's top-k in rank order, as `experts_forward`. With
+  rows through the engine's `expert_mlp` (fixed-shape `moe_tile` GEMMs: a row's output does not depend on which
+  others chose the expert), weighted, and summed over each token's top-k in rank order (`combine_ranks`), as
+  `experts_forward`. With
   expert parallelism the (token, rank) pairs travel to their expert's EP rank and back (all-to-all), so a token's
   arithmetic is the same on any layout: only where its expert runs changes.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +52,8 @@ from miles_kernels import (
     ModelConfig,
     Routing,
     apply_rope,
+    combine_ranks,
+    expert_mlp,
     experts_forward,
     linear,
     packed_attention,
@@ -58,7 +62,6 @@ from miles_kernels import (
     route_grouped_sigmoid,
     route_softmax,
     swiglu,
-    tiled_matmul,
 )
 from miles_trainer.config import MegatronConfig
 
@@ -77,11 +80,6 @@ class PackedRows:
         batch = batch.to(device)
         cos, sin = rotary_cos_sin(model, batch.positions_N, torch.empty((), dtype=dtype, device=device))
         return cls(batch, cos, sin)
-
-
-def uses_miles_layers(config: MegatronConfig, kernel: KernelConfig) -> bool:
-    """Whether the GPTModel is built from the Miles spec: `layer_spec=miles`, or `auto` in deterministic mode."""
-    return config.uses_miles_layers(kernel.is_deterministic)
 
 
 def check_miles_layout(config: MegatronConfig) -> None:
@@ -187,6 +185,7 @@ def _mlp(x_NH: torch.Tensor, module: Any, kernel: KernelConfig, tp_reduce: str) 
     return _row_linear(hidden, module.linear_fc2.weight, module.config, kernel, tp_reduce)
 
 
+@functools.cache
 def _mixin_mlp(base: type) -> type:
     class Miles(base):  # type: ignore[misc, valid-type]
         __doc__ = f"megatron-core's {base.__name__} computed as the engine's MLP."
@@ -205,6 +204,7 @@ def _mixin_mlp(base: type) -> type:
     return Miles
 
 
+@functools.cache
 def _attention_class() -> type:
     from megatron.core.transformer.attention import SelfAttention
 
@@ -271,6 +271,7 @@ def _attention_class() -> type:
     return MilesSelfAttention
 
 
+@functools.cache
 def _moe_class() -> type:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -318,11 +319,6 @@ def _moe_class() -> type:
                 out = out + _mlp(x_NH, self.shared_experts, self.kernel, self.tp_reduce)
             return out.view(hidden_states.shape), None
 
-        def _expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if self.kernel.is_deterministic:
-                return tiled_matmul(x, weight, self.kernel.moe_tile)
-            return linear(x, weight, self.kernel)
-
         def _expert_parallel(
             self, x_NH: torch.Tensor, routing: Routing, gates: list[torch.Tensor], ups: list[torch.Tensor],
             downs: list[torch.Tensor],
@@ -357,15 +353,10 @@ def _moe_class() -> type:
                     continue
                 rows = by_expert[start : start + count]
                 start += count
-                x_e = x_recv[rows]
-                hidden = swiglu(self._expert_linear(x_e, gates[expert]), self._expert_linear(x_e, ups[expert]))
-                y_recv = y_recv.index_put((rows,), self._expert_linear(hidden, downs[expert]))
+                y_e = expert_mlp(x_recv[rows], gates[expert], ups[expert], downs[expert], self.kernel)
+                y_recv = y_recv.index_put((rows,), y_e)
             y = all_to_all(group, y_recv, send, recv) * routing.weights[tokens, ranks][:, None]
-            per_rank = x_NH.new_zeros(top_k, num_tokens, x_NH.shape[1]).index_put((ranks, tokens), y)
-            out = per_rank[0]
-            for rank in range(1, top_k):  # the engine's combine: top-k rank order, one rank at a time
-                out = out + per_rank[rank]
-            return out
+            return combine_ranks(x_NH.new_zeros(top_k, num_tokens, x_NH.shape[1]).index_put((ranks, tokens), y))
 
     return MilesMoELayer
 

@@ -24,8 +24,6 @@ from miles_trainer.megatron_kernels import (
     building_miles_layers,
     check_miles_layout,
     miles_block_spec,
-    miles_spec,
-    uses_miles_layers,
 )
 from miles_trainer.megatron_moe import MoEPass, RouterRecord, routed, router_index, router_records
 
@@ -196,16 +194,11 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(
-    model: ModelConfig, config: MegatronConfig, is_moe: bool | None = None, kernel: KernelConfig | None = None
-) -> Any:
-    """The decoder layer spec: Megatron-core's local modules, Transformer Engine's, or the Miles layers running the
-    engine's kernels (`megatron_kernels`; with `kernel`, where `uses_miles_layers`) (`is_moe`: of a sparse or a
-    dense layer; default: sparse in an MoE model)."""
+def layer_spec(model: ModelConfig, config: MegatronConfig, is_moe: bool | None = None) -> Any:
+    """The decoder layer spec: Megatron-core's local modules, or Transformer Engine's (`is_moe`: of a sparse or a
+    dense layer; default: sparse in an MoE model); `megatron_kernels.miles_spec` turns the local one into the Miles
+    layers."""
     num_experts = (model.num_experts or None) if is_moe is None or is_moe else None
-    if kernel is not None and uses_miles_layers(config, kernel):
-        check_miles_layout(config)
-        return miles_spec(layer_spec(model, config, is_moe), kernel, model, config)
     if config.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -235,7 +228,7 @@ def build_gpt_model(
 
     transformer = transformer_config(model, config, dtype)
     spec = layer_spec(model, config)
-    if kernel is not None and uses_miles_layers(config, kernel):
+    if kernel is not None and config.uses_miles_layers(kernel.is_deterministic):
         check_miles_layout(config)
         spec = miles_block_spec(model, transformer, kernel, config, vp_stage)
     elif model.is_moe:  # a spec per layer: the dense ones (GLM-4.5's first layers) get a dense MLP
@@ -288,9 +281,12 @@ class MegatronCausalLM(torch.nn.Module):
         # layers built from the Miles spec (megatron_kernels): the engine's packed layout and arithmetic
         self.is_miles = any(isinstance(module, MilesRMSNorm) for module in self.gpt.modules())
         meg = self.gpt.config
-        if self.is_miles:
-            pass  # the Miles MoE layers exchange tokens of any count (no shape to agree on)
-        elif config.is_moe and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1:
+        # (the Miles MoE layers exchange tokens of any count: no shape to agree on)
+        if (
+            not self.is_miles
+            and config.is_moe
+            and meg.expert_model_parallel_size * meg.expert_tensor_parallel_size > 1
+        ):
             from megatron.core import parallel_state
 
             self.pad_group = parallel_state.get_expert_tensor_and_model_parallel_group()

@@ -42,7 +42,7 @@ from miles_kernels import KernelConfig, ModelConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import MegatronConfig, OptimizerConfig
 from miles_trainer.megatron_convert import MTP_PREFIX
-from miles_trainer.megatron_kernels import building_miles_layers, miles_spec, uses_miles_layers
+from miles_trainer.megatron_kernels import building_miles_layers, miles_spec
 from miles_trainer.megatron_model import MegatronCausalLM, PaddedBatch, layer_spec, transformer_config
 from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors
 from miles_trainer.megatron_state import adamw_sharded_state, load_adamw_state
@@ -66,7 +66,7 @@ def build_mtp_block(
         get_mtp_layer_spec(layer_spec(model, config, model.is_moe_layer(model.num_hidden_layers + i)), use_te)
         for i in range(model.num_nextn_predict_layers)
     ]
-    if kernel is not None and uses_miles_layers(config, kernel):
+    if kernel is not None and config.uses_miles_layers(kernel.is_deterministic):
         specs = [miles_spec(spec, kernel, model, config) for spec in specs]
     with building_miles_layers():
         return MultiTokenPredictionBlock(
@@ -196,9 +196,10 @@ class MegatronMTP:
         if self.embedding is None:
             raise RuntimeError("the MTP modules run inside a train step (`begin_step` fetches the trunk's embedding)")
         rows, width = padded.ids_BS.shape
-        lens = torch.bincount(padded.flat_N.cpu() // width, minlength=rows)[: len(batch.query_lens_S)]
         if padded.packed is not None:  # the Miles layers' packed layout: its packing is the batch's
             lens = padded.packed.batch.query_lens_S.cpu()
+        else:
+            lens = torch.bincount(padded.flat_N.cpu() // width, minlength=rows)[: len(batch.query_lens_S)]
         if not torch.equal(lens, batch.query_lens_S.cpu().to(lens.dtype)):
             raise ValueError("the MTP rows are not the micro-batch's sequences (pack one sequence per sample)")
         gpt = chunk.gpt

@@ -151,7 +151,7 @@ def experts_forward(
     counts = torch.bincount(flat_ids, minlength=len(gate_proj)).tolist()
     if config.is_deterministic and config.linear_backend == "triton":
         per_rank = _grouped_experts(x_NH, order, counts, weights_NK, (gate_proj, up_proj, down_proj), config, per_rank)
-        return _combine(per_rank)
+        return combine_ranks(per_rank)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -159,14 +159,22 @@ def experts_forward(
         pairs = order[start : start + count]
         start += count
         tokens, ranks = pairs // top_k, pairs % top_k
-        x_e = x_NH[tokens]
-        hidden = swiglu(_expert_linear(x_e, gate_proj[expert], config), _expert_linear(x_e, up_proj[expert], config))
-        y = _expert_linear(hidden, down_proj[expert], config) * weights_NK[tokens, ranks][:, None]
-        per_rank = per_rank.index_put((ranks, tokens), y)
-    return _combine(per_rank)
+        y = expert_mlp(x_NH[tokens], gate_proj[expert], up_proj[expert], down_proj[expert], config)
+        per_rank = per_rank.index_put((ranks, tokens), y * weights_NK[tokens, ranks][:, None])
+    return combine_ranks(per_rank)
 
 
-def _combine(per_rank_KNH: torch.Tensor) -> torch.Tensor:
+def expert_mlp(
+    x_MH: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, config: KernelConfig
+) -> torch.Tensor:
+    """One expert on its rows, down(swiglu(gate(x), up(x))), unweighted: in deterministic mode fixed-shape
+    `moe_tile` GEMMs, so a row's output does not depend on the other rows (any grouping of an expert's rows, on any
+    rank, gives the same bits)."""
+    hidden = swiglu(_expert_linear(x_MH, gate, config), _expert_linear(x_MH, up, config))
+    return _expert_linear(hidden, down, config)
+
+
+def combine_ranks(per_rank_KNH: torch.Tensor) -> torch.Tensor:
     """The experts' outputs added in top-k rank order, one rank at a time (a fixed sum order per token)."""
     out = per_rank_KNH[0]
     for rank in range(1, per_rank_KNH.shape[0]):

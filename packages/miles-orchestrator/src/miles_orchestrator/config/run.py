@@ -87,13 +87,11 @@ class RunConfig(Section):
                 "layouts); change the layout, or set kernel.mode=fast (the old log-probs are recomputed and "
                 "trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the mismatch)"
             )
-        if (
-            backend.megatron.uses_miles_layers(self.kernel.is_deterministic)
-            and backend.megatron.miles_layer_problems()
-        ):
+        unrun = backend.megatron.miles_layer_problems()
+        if backend.megatron.uses_miles_layers(self.kernel.is_deterministic) and unrun:
             raise ValueError(
-                "trainer.backend.megatron.layer_spec=miles does not run "
-                f"{'; '.join(backend.megatron.miles_layer_problems())}; change the layout or set layer_spec=megatron"
+                f"trainer.backend.megatron.layer_spec=miles does not run {'; '.join(unrun)}; change the layout or set "
+                "layer_spec=megatron"
             )
         loss, replays = self.trainer.loss, self.trainer.routing_replay == "rollout"
         in_routers = replays or loss.moe_aux_loss != "none" or loss.moe_z_loss_coef > 0
