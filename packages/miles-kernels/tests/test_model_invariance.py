@@ -2,7 +2,8 @@
 
 Every row of every sequence must equal, bit for bit, the trainer-style packed forward of the same sequences,
 whatever the engine-style schedule: alone or in batches of 1..64, prefill vs decode vs chunked prefill, with a
-reused prefix, with 1 or 2 threads, every family (Qwen2.5 with a sliding-window layer too), fp32 and bf16.
+reused prefix, with 1 or 2 threads, every family (Qwen2.5 with a sliding-window layer too; DeepSeek-V3 through its
+latent cache), fp32 and bf16.
 Several seeds, because one row can match by luck.
 """
 
@@ -40,7 +41,7 @@ def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not bad, f"{what}: rows {bad[:10]} differ (max abs diff {(got - want).abs().max().item():.3g})"
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window", "deepseek"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_batch_composition(kind: str, seed: int) -> None:
     model = make_model(kind, seed)
@@ -53,7 +54,7 @@ def test_packed_batch_composition(kind: str, seed: int) -> None:
         assert_rows_equal(got, reference[j], f"seq {j} among others")
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window", "deepseek"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
     model = make_model(kind, seed)
@@ -89,7 +90,7 @@ def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
     assert_rows_equal(got, packed_logits(model, [newcomer])[0][cached:], "prefix reuse")
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window", "deepseek"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_verify_shaped_steps_equal_one_token_decode(kind: str, seed: int) -> None:
     """Speculative decoding's verify forward: k + 1 new tokens per sequence after a cached prefix, next to
@@ -134,7 +135,7 @@ def test_one_vs_two_threads(kind: str) -> None:
         assert_rows_equal(a, b, f"seq {i}, 1 vs 2 threads")
 
 
-@pytest.mark.parametrize("kind", ["moe", "glm"])
+@pytest.mark.parametrize("kind", ["moe", "glm", "deepseek"])
 def test_bfloat16_model_is_invariant(kind: str) -> None:
     model = make_model(kind, seed=5, dtype="bfloat16")
     seqs = random_seqs(model.config.vocab_size, [9, 21, 2], seed=5)

@@ -20,6 +20,9 @@ class KVStore:
     Layers 0 .. L - 1 are the trunk's; with `num_draft_layers`, layers L + i hold MTP module i's K/V (speculative
     decoding's draft) at the same pages and slots as the trunk's, so a sequence's pages hold both.
     Zero-initialized (page 0 is the null page), so masked slots always hold finite values.
+    Under multi-head latent attention (DeepSeek-V3) a layer holds one latent store of shape (pages, 1, page_size,
+    kv_lora_rank + qk_rope_head_dim), which is both `k[layer]` and `v[layer]` (the same tensor; model.py,
+    `LatentAttention`): `tensors()` lists each store once.
     """
 
     k: list[torch.Tensor]
@@ -35,12 +38,33 @@ class KVStore:
         device: torch.device | str,
         num_draft_layers: int = 0,
     ) -> KVStore:
-        shape = (num_pages, config.num_key_value_heads, page_size, config.head_dim)
         num_layers = config.num_hidden_layers + num_draft_layers
+        if config.is_mla:
+            latent = [
+                torch.zeros((num_pages, 1, page_size, config.kv_cache_width), dtype=dtype, device=device)
+                for _ in range(num_layers)
+            ]
+            return cls(k=latent, v=list(latent))
+        shape = (num_pages, config.num_key_value_heads, page_size, config.head_dim)
         return cls(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
         )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor once: the layers' K, then their V (a latent store, K and V at once, listed once)."""
+        seen: set[int] = set()
+        out = []
+        for tensor in (*self.k, *self.v):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append(tensor)
+        return out
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over every layer (the draft's included)."""
+        return sum(t[0, :, 0].numel() * t.element_size() for t in self.tensors())
 
     @property
     def num_pages(self) -> int:

@@ -29,10 +29,17 @@ from miles_kernels.model_config import ModelConfig
 from miles_kernels.ops.activation import swiglu
 from miles_kernels.ops.attention import attention, packed_attention, write_kv
 from miles_kernels.ops.attention_batch import AttentionBatch
-from miles_kernels.ops.linear import linear
+from miles_kernels.ops.linear import head_linear, linear
 from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
 from miles_kernels.ops.norm import rms_norm
-from miles_kernels.ops.rope import apply_rope, inv_frequencies, llama3_inv_frequencies, rope_cos_sin
+from miles_kernels.ops.rope import (
+    apply_rope,
+    deinterleave,
+    inv_frequencies,
+    llama3_inv_frequencies,
+    rope_cos_sin,
+    yarn_inv_frequencies,
+)
 from miles_kernels.ops.sampling import token_logprobs
 
 
@@ -51,6 +58,12 @@ def rotary_cos_sin(
     """RoPE cos / sin (N, rotary_dim) of `positions_N` for `config`, in `like`'s dtype on its device; the frequencies
     are recomputed per call (rotary_dim / 2 values) so they are always float32, whatever the model dtype. Every
     model running the engine's arithmetic takes its tables here (the trainer's Megatron layers too)."""
+    if config.rope_type == "yarn":
+        inv_freq = yarn_inv_frequencies(
+            config.rotary_dim, config.rope_theta, config.rope_factor, config.rope_original_max_position_embeddings,
+            config.rope_beta_fast, config.rope_beta_slow, device=like.device,
+        )  # fmt: skip
+        return rope_cos_sin(positions_N, inv_freq, like.dtype, config.rope_attention_factor)
     inv_freq = inv_frequencies(config.rotary_dim, config.rope_theta, like.device)
     if config.rope_scaling is not None:
         inv_freq = llama3_inv_frequencies(inv_freq, **config.rope_scaling)
@@ -120,6 +133,106 @@ class Attention(nn.Module):
             out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
         return projected
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek-V3's multi-head latent attention (MLA), under transformers' `DeepseekV3Attention` names.
+
+    Per token: q = q_b_proj(q_a_layernorm(q_a_proj(x))) (or q_proj(x)), split per head into q_nope (qk_nope_head_dim)
+    and q_rot (qk_rope_head_dim); the latent [c ; k_rot] = kv_a_proj_with_mqa(x) with c = kv_a_layernorm(c)
+    (kv_lora_rank) and k_rot one rotary key shared by all heads; kv_b_proj maps c to each head's k_nope and v.
+    Both rotary parts are de-interleaved first under `rope_interleave` (exact, ops/rope.py `deinterleave`).
+
+    The attention runs in the absorbed form (DeepSeek-V2, section 2.1.3; SGLang's and FlashMLA's decode): kv_b_proj's
+    key rows fold into the query, q_lat = q_nope W_UK (per head, nope -> kv_lora_rank), so that
+        score = q_nope . k_nope + q_rot . k_rot = [q_lat ; q_rot] . [c ; k_rot],
+    i.e. multi-query attention (one KV head) whose keys and values are the latent itself (the engine's cache holds
+    just the latent: kv_lora_rank + qk_rope_head_dim values per token and layer, `KVStore`); the output's first
+    kv_lora_rank columns map through kv_b_proj's value rows per head (W_UV). The engine's paged attention and the
+    trainer's packed one run this same code, so their rows agree bit for bit in deterministic mode. In fast mode the
+    trainer runs the non-absorbed form instead (c expanded to each head's k_nope / v by kv_b_proj, standard
+    attention over qk_head_dim keys): far fewer flops over a whole sequence, different rounding (the two forms sum
+    in different orders; fast mode's engine / trainer mismatch is measured, not zero).
+    """
+
+    def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
+        super().__init__()
+        heads, hidden, eps = config.num_attention_heads, config.hidden_size, 1e-6  # q / kv norms: transformers' eps
+        qk, latent = config.qk_head_dim, config.kv_lora_rank
+        if config.q_lora_rank is None:
+            self.q_proj: Linear | None = Linear(hidden, heads * qk, False, kernel)
+        else:
+            self.q_a_proj = Linear(hidden, config.q_lora_rank, config.attention_bias, kernel)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps, kernel)
+            self.q_b_proj = Linear(config.q_lora_rank, heads * qk, False, kernel)
+            self.q_proj = None
+        self.kv_a_proj_with_mqa = Linear(hidden, latent + config.qk_rope_head_dim, config.attention_bias, kernel)
+        self.kv_a_layernorm = RMSNorm(latent, eps, kernel)
+        self.kv_b_proj = Linear(latent, heads * (config.qk_nope_head_dim + config.v_head_dim), False, kernel)
+        self.o_proj = Linear(heads * config.v_head_dim, hidden, config.attention_bias, kernel)
+        self.dims = (heads, config.qk_nope_head_dim, config.v_head_dim, latent)
+        self.interleave = config.rope_interleave
+        self.scale = config.softmax_scale
+        self.kernel = kernel
+
+    def forward(
+        self,
+        x_NH: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        k_pages: torch.Tensor | None,
+        v_pages: torch.Tensor | None,
+    ) -> torch.Tensor:
+        heads, nope, v_dim, latent_dim = self.dims
+        num_tokens = x_NH.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x_NH)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_NH)))
+        q = q.view(num_tokens, heads, -1)
+        q_nope, q_rot = q[..., :nope], q[..., nope:]
+        latent = self.kv_a_proj_with_mqa(x_NH)
+        c_N1C = self.kv_a_layernorm(latent[:, :latent_dim]).unsqueeze(1)
+        k_rot = latent[:, None, latent_dim:]
+        if self.interleave:
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+        w_kv = self.kv_b_proj.weight.view(heads, nope + v_dim, latent_dim)
+        if k_pages is None and not self.kernel.is_deterministic:
+            out = self._expanded(q_nope, q_rot, c_N1C, k_rot, w_kv, batch)
+        else:
+            out = self._absorbed(q_nope, q_rot, c_N1C, k_rot, w_kv, batch, k_pages, v_pages)
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * v_dim))
+        return projected
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, c_N1C: torch.Tensor, k_rot: torch.Tensor,
+        w_kv: torch.Tensor, batch: AttentionBatch, k_pages: torch.Tensor | None, v_pages: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        _, nope, _, latent_dim = self.dims
+        q_latent = head_linear(q_nope, w_kv[:, :nope].transpose(1, 2).contiguous(), self.kernel)
+        q_abs = torch.cat((q_latent, q_rot), dim=-1)
+        kv = torch.cat((c_N1C, k_rot), dim=-1)  # the latent: keys and values of one KV head
+        if k_pages is None:  # the trainer: the batch's own latents
+            out = packed_attention(q_abs, kv, kv, batch, self.scale, self.kernel)
+        else:  # the engine's latent cache (`v_pages is k_pages`)
+            write_kv(k_pages, cast(torch.Tensor, v_pages), kv, kv, batch)
+            out = attention(q_abs, k_pages, cast(torch.Tensor, v_pages), batch, self.scale, self.kernel)
+        return head_linear(out[..., :latent_dim], w_kv[:, nope:], self.kernel)
+
+    def _expanded(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, c_N1C: torch.Tensor, k_rot: torch.Tensor,
+        w_kv: torch.Tensor, batch: AttentionBatch,
+    ) -> torch.Tensor:  # fmt: skip
+        heads, nope, v_dim, _ = self.dims
+        kv = self.kv_b_proj(c_N1C[:, 0]).view(-1, heads, nope + v_dim)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((kv[..., :nope], k_rot.expand(-1, heads, -1)), dim=-1)
+        width = max(q.shape[-1], v_dim)  # the attention takes one head width: zero columns pad the narrower
+        q, k = F.pad(q, (0, width - q.shape[-1])), F.pad(k, (0, width - k.shape[-1]))
+        v = F.pad(kv[..., nope:], (0, width - v_dim))
+        return packed_attention(q, k, v, batch, self.scale, self.kernel)[..., :v_dim]
 
 
 class MLP(nn.Module):
@@ -212,7 +325,9 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, kernel, layer)
+        self.self_attn: nn.Module = (
+            LatentAttention(config, kernel, layer) if config.is_mla else Attention(config, kernel, layer)
+        )
         self.mlp: nn.Module = (
             SparseMoE(config, kernel)
             if config.is_moe_layer(layer)

@@ -1,5 +1,5 @@
-"""`ModelConfig`: the Qwen3 / Qwen2.5 / Llama 3.x dense and Qwen3-MoE / GLM-4.5 MoE architectures, read from and
-written to a Hugging Face config.json.
+"""`ModelConfig`: the Qwen3 / Qwen2.5 / Llama 3.x dense and Qwen3-MoE / GLM-4.5 / DeepSeek-V3 (Kimi-K2) MoE
+architectures, read from and written to a Hugging Face config.json.
 
 Unsupported options are errors that name the option, rather than silently different numerics.
 
@@ -20,33 +20,43 @@ routing replay"):
   scores renormalized and multiplied by `routed_scaling_factor`; `n_shared_experts` always-on experts; the first
   `first_k_dense_replace` layers dense; partial rotary (`partial_rotary_factor`), q/k/v biases
   (`attention_bias`, never on o_proj), optional QK-norm (`use_qk_norm`).
+- DeepSeek-V3 / R1 and Kimi-K2 (`deepseek_v3`; Kimi-K2's `kimi_k2` config loads as it): GLM-4.5's router, shared
+  experts and dense first layers, with multi-head latent attention (MLA, `is_mla`): q through a low-rank
+  `q_lora_rank` (or a plain `q_proj`), keys and values from one shared latent of `kv_lora_rank` plus a
+  `qk_rope_head_dim` rotary key part shared by all heads, `qk_nope_head_dim` + `qk_rope_head_dim` per query / key
+  head, `v_head_dim` per value head; `head_dim` is `qk_rope_head_dim` (the rotary width, as transformers sets it);
+  `rope_interleave` (DeepSeek's rotary pairs are adjacent dimensions); YaRN RoPE scaling (`rope_type: yarn`) whose
+  `mscale_all_dim` also scales the softmax.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }  # fmt: skip
-MOE_TYPES = ("qwen3_moe", "glm4_moe")
+# config.json model_types that load as another family: Kimi-K2 is DeepSeek-V3's architecture (its config says so)
+ALIASES = {"kimi_k2": "deepseek_v3"}
+MOE_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
+GLM_ROUTER_TYPES = ("glm4_moe", "deepseek_v3")  # sigmoid router, shared experts, dense first layers
 NO_QK_NORM_TYPES = ("qwen2", "llama")  # families without QK-norm (GLM-4.5's is its `use_qk_norm`)
 SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "qwen3_moe")  # families with (optional) sliding-window attention
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_TYPES = {"llama": ("default", "llama3")}  # RoPE scalings each family may use; every other family: default
+# RoPE scalings each family may use; every other family: default
+ROPE_TYPES = {"llama": ("default", "llama3"), "deepseek_v3": ("default", "yarn")}
 # Architectures that are recognized but need a part Miles does not implement yet: model_type -> what is missing.
-NOT_YET = {
-    "deepseek_v3": "Multi-head Latent Attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, "
-    "v_head_dim); its router (sigmoid, e_score_correction_bias, grouped top-k) is GLM-4.5's and is implemented",
-}
+NOT_YET: dict[str, str] = {}
 _QWEN3_MOE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
 _GLM4_MOE_FIELDS = (
     "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
     "partial_rotary_factor", "use_qk_norm",
 )  # fmt: skip
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ class ModelConfig:
     # qwen3_moe only: which layers are sparse
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
-    # glm4_moe only (GLM-4.5 / DeepSeek-V3 router, shared experts, dense first layers, attention details)
+    # glm4_moe and deepseek_v3 (GLM-4.5 / DeepSeek-V3 router, shared experts, dense first layers, attention details)
     n_shared_experts: int = 0
     routed_scaling_factor: float = 1.0
     n_group: int = 1
@@ -82,12 +92,24 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     partial_rotary_factor: float = 1.0
     use_qk_norm: bool = True
-    # RoPE scaling (Llama 3.x: rope_type "llama3" and its four parameters; "default": none)
+    # deepseek_v3 only: multi-head latent attention (head_dim = qk_rope_head_dim; q_lora_rank None: a plain q_proj)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # RoPE scaling (Llama 3.x: rope_type "llama3" and its four parameters; DeepSeek-V3: "yarn", with `rope_factor`,
+    # `rope_original_max_position_embeddings`, the betas and mscales (0: not given); "default": none)
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     # Sliding-window attention (None: off); `layer_types` names each layer's attention when it is on
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
@@ -118,7 +140,7 @@ class ModelConfig:
                 f"moe_intermediate_size > 0 (got {self.num_experts_per_tok}, {self.num_experts}, "
                 f"{self.moe_intermediate_size})"
             )
-        if self.model_type == "glm4_moe":
+        if self.model_type in GLM_ROUTER_TYPES:
             self._check_glm()
         else:
             family = [name for name in _GLM4_MOE_FIELDS if name != "use_qk_norm"]
@@ -129,6 +151,10 @@ class ModelConfig:
                 raise ValueError(
                     f"{self.model_type} {'has' if has_qk_norm else 'has no'} QK-norm: use_qk_norm={has_qk_norm}"
                 )
+        if self.is_mla:
+            self._check_mla()
+        elif any(getattr(self, name) != getattr(ModelConfig, name) for name in _MLA_FIELDS):
+            raise ValueError(f"{', '.join(_MLA_FIELDS)} are deepseek_v3 (MLA) settings; {self.model_type} has none")
         if self.model_type == "qwen2" and not self.attention_bias:
             raise ValueError("qwen2 (Qwen2.5) has biases on q / k / v: attention_bias=True")
         self._check_rope()
@@ -169,6 +195,28 @@ class ModelConfig:
                 f"original_max_position_embeddings > 0 (got {self.rope_factor}, {self.rope_low_freq_factor}, "
                 f"{self.rope_high_freq_factor}, {self.rope_original_max_position_embeddings})"
             )
+        if self.rope_type == "yarn" and not (self.rope_factor >= 1 and self.rope_original_max_position_embeddings > 0):
+            raise ValueError(
+                f"yarn RoPE scaling needs factor >= 1 and original_max_position_embeddings > 0 (got "
+                f"{self.rope_factor}, {self.rope_original_max_position_embeddings})"
+            )
+
+    def _check_mla(self) -> None:
+        if self.kv_lora_rank < 1 or self.qk_nope_head_dim < 1 or self.v_head_dim < 1 or self.qk_rope_head_dim < 2:
+            raise ValueError(
+                f"deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, v_head_dim >= 1 and an even qk_rope_head_dim "
+                f"(got {self.kv_lora_rank}, {self.qk_nope_head_dim}, {self.v_head_dim}, {self.qk_rope_head_dim})"
+            )
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ValueError(
+                f"deepseek_v3: head_dim={self.head_dim} must be qk_rope_head_dim={self.qk_rope_head_dim} (the rotary "
+                "width, as transformers sets it)"
+            )
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank={self.q_lora_rank} must be >= 1, or None for a plain q_proj")
+        if self.use_qk_norm or self.partial_rotary_factor != 1.0:
+            raise ValueError("deepseek_v3 has no QK-norm and rotates its whole qk_rope_head_dim: use_qk_norm=False, "
+                             "partial_rotary_factor=1.0")  # fmt: skip
 
     def _check_glm(self) -> None:
         if self.n_group < 1 or self.num_experts % self.n_group:
@@ -201,9 +249,49 @@ class ModelConfig:
         return self.model_type in MOE_TYPES
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3 / Kimi-K2)."""
+        return self.model_type == "deepseek_v3"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of a query / key head: qk_nope_head_dim + qk_rope_head_dim under MLA, else head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Values the KV cache holds per token and layer: MLA's latent (kv_lora_rank + qk_rope_head_dim, shared by
+        every head), else K and V of every KV head."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's score scale: qk_head_dim^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 under YaRN
+        with `mscale_all_dim` (DeepSeek-V3's `yarn_get_mscale`, as transformers applies it)."""
+        scale: float = self.qk_head_dim**-0.5
+        all_dim = self.rope_mscale_all_dim
+        if self.rope_type == "yarn" and all_dim:
+            mscale = yarn_mscale(self.rope_factor, all_dim)
+            scale = scale * mscale * mscale
+        return scale
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """YaRN's factor on cos / sin (transformers' `attention_factor`): yarn_mscale(factor, mscale) /
+        yarn_mscale(factor, mscale_all_dim) when both are given (1 for DeepSeek-V3 and Kimi-K2), else
+        yarn_mscale(factor); 1 for every other RoPE."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.rope_mscale and self.rope_mscale_all_dim:
+            return yarn_mscale(self.rope_factor, self.rope_mscale) / yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
+        return yarn_mscale(self.rope_factor)
+
+    @property
     def router(self) -> str:
         """The MoE router: "softmax" (Qwen3-MoE) or "sigmoid" (GLM-4.5 / DeepSeek-V3, grouped, biased choice)."""
-        return "sigmoid" if self.model_type == "glm4_moe" else "softmax"
+        return "sigmoid" if self.model_type in GLM_ROUTER_TYPES else "softmax"
 
     @property
     def rotary_dim(self) -> int:
@@ -212,14 +300,22 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Qwen3 and Llama put `attention_bias` on all four projections, GLM-4.5 and Qwen2.5 on q / k / v only."""
+        """Qwen3, Llama and DeepSeek-V3 (MLA: q_a_proj, kv_a_proj_with_mqa, o_proj) put `attention_bias` on o_proj
+        too, GLM-4.5 and Qwen2.5 on q / k / v only."""
         return self.attention_bias and self.model_type not in ("glm4_moe", "qwen2")
 
     @property
     def rope_scaling(self) -> dict[str, float] | None:
-        """The Llama 3 scaling parameters (ops/rope.py, `llama3_inv_frequencies`); None for the default RoPE."""
+        """The scaling parameters, in transformers' `rope_parameters` names: Llama 3's (ops/rope.py,
+        `llama3_inv_frequencies`) or YaRN's (`yarn_inv_frequencies`); None for the default RoPE."""
         if self.rope_type == "default":
             return None
+        if self.rope_type == "yarn":
+            mscales = {"mscale": self.rope_mscale, "mscale_all_dim": self.rope_mscale_all_dim}
+            return {"factor": self.rope_factor,
+                    "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+                    "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow,
+                    **{k: v for k, v in mscales.items() if v}}  # fmt: skip
         return {"factor": self.rope_factor, "low_freq_factor": self.rope_low_freq_factor,
                 "high_freq_factor": self.rope_high_freq_factor,
                 "original_max_position_embeddings": self.rope_original_max_position_embeddings}  # fmt: skip
@@ -238,7 +334,7 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a sparse MLP (Qwen3-MoE's and GLM-4.5's rules; an MTP module's layer
         index follows the trunk's)."""
-        if self.model_type == "glm4_moe":
+        if self.model_type in GLM_ROUTER_TYPES:
             return layer >= self.first_k_dense_replace
         return (
             self.is_moe
@@ -257,6 +353,7 @@ class ModelConfig:
         """Parse a Hugging Face config.json dict; raise ValueError naming any unsupported setting."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
+        model_type = ALIASES.get(model_type, model_type)
         if model_type in NOT_YET:
             raise ValueError(
                 f"unsupported architecture: model_type={model_type!r} needs {NOT_YET[model_type]}; Miles kernels "
@@ -283,8 +380,12 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r}; every supported family uses 'silu'")
         if hf.get("mlp_bias"):
             raise ValueError("unsupported: mlp_bias=true (biases on the MLP projections)")
-        if model_type == "glm4_moe" and hf.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError(f"unsupported topk_method {hf.get('topk_method')!r}; GLM-4.5 routes with 'noaux_tc'")
+        if model_type in GLM_ROUTER_TYPES and hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(
+                f"unsupported topk_method {hf.get('topk_method')!r}; GLM-4.5 and DeepSeek-V3 route with 'noaux_tc'"
+            )
+        if model_type == "deepseek_v3":
+            _check_deepseek_hf(hf, rope)
         theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
         num_heads = hf["num_attention_heads"]
         values: dict[str, Any] = {
@@ -311,6 +412,15 @@ class ModelConfig:
         if model_type == "qwen2":
             values["attention_bias"] = True  # Qwen2Attention: q / k / v always biased, o_proj never
         values |= _sliding_window_from_hf(hf, model_type)
+        if rope_type == "yarn":
+            values |= {
+                "rope_type": "yarn", "rope_factor": float(rope["factor"]),
+                "rope_original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+                "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+                "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+                "rope_mscale": float(rope.get("mscale") or 0.0),
+                "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+            }  # fmt: skip
         if rope_type == "llama3":
             values |= {
                 "rope_type": "llama3", "rope_factor": float(rope["factor"]),
@@ -318,7 +428,14 @@ class ModelConfig:
                 "rope_high_freq_factor": float(rope["high_freq_factor"]),
                 "rope_original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
             }  # fmt: skip
-        if model_type == "glm4_moe":
+        if model_type == "deepseek_v3":
+            values |= {
+                "q_lora_rank": hf.get("q_lora_rank"), "kv_lora_rank": hf["kv_lora_rank"],
+                "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+                "v_head_dim": hf["v_head_dim"], "head_dim": hf["qk_rope_head_dim"],
+                "num_key_value_heads": num_heads, "rope_interleave": hf.get("rope_interleave", True),
+            }  # fmt: skip
+        if model_type in GLM_ROUTER_TYPES:
             values |= {
                 "num_experts": hf.get("n_routed_experts", 0),
                 "num_experts_per_tok": hf["num_experts_per_tok"],
@@ -334,6 +451,8 @@ class ModelConfig:
                 ),
                 "use_qk_norm": hf.get("use_qk_norm", False),
             }
+            if model_type == "deepseek_v3":
+                values["partial_rotary_factor"] = 1.0
         if model_type == "qwen3_moe":
             values |= {
                 "num_experts": hf.get("num_experts", hf.get("num_local_experts", 0)),
@@ -366,13 +485,14 @@ class ModelConfig:
             "llama": (),
             "qwen3_moe": _MOE_FIELDS + _QWEN3_MOE_FIELDS,
             "glm4_moe": _MOE_FIELDS + _GLM4_MOE_FIELDS,
+            "deepseek_v3": _MOE_FIELDS + _GLM4_MOE_FIELDS[:5] + _MLA_FIELDS,
         }[self.model_type]
         for key, value in values.items():
-            if key in _MOE_FIELDS + _QWEN3_MOE_FIELDS + _GLM4_MOE_FIELDS and key not in own:
+            if key in _MOE_FIELDS + _QWEN3_MOE_FIELDS + _GLM4_MOE_FIELDS + _MLA_FIELDS and key not in own:
                 continue
-            if key.startswith("rope_") and key != "rope_theta":
+            if key.startswith("rope_") and key not in ("rope_theta", "rope_interleave"):
                 continue  # in rope_parameters
-            if key == "num_nextn_predict_layers" and not value and self.model_type != "glm4_moe":
+            if key == "num_nextn_predict_layers" and not value and self.model_type not in GLM_ROUTER_TYPES:
                 continue  # a model without MTP modules keeps the plain Qwen3 config
             if key in ("sliding_window", "layer_types"):
                 continue  # below
@@ -393,11 +513,34 @@ class ModelConfig:
                 hf["layer_types"] = list(self.layer_types)
         elif self.model_type == "qwen2":
             hf["max_window_layers"] = self.num_hidden_layers
-        if self.model_type == "glm4_moe":
+        if self.model_type in GLM_ROUTER_TYPES:
             hf["n_routed_experts"] = hf.pop("num_experts")
             hf["topk_method"] = "noaux_tc"
+        if self.model_type == "glm4_moe":
             hf["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.model_type == "deepseek_v3":
+            hf |= {"scoring_func": "sigmoid", "moe_layer_freq": 1}
+            hf.pop("head_dim")  # transformers derives it (qk_rope_head_dim)
         return hf
+
+
+def _check_deepseek_hf(hf: dict[str, Any], rope: dict[str, Any]) -> None:
+    """The DeepSeek-V3 settings Miles does not implement, by name (the released checkpoints use none of them)."""
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"unsupported scoring_func {hf.get('scoring_func')!r}; DeepSeek-V3 routes with 'sigmoid'")
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"unsupported moe_layer_freq={hf.get('moe_layer_freq')}; every layer from "
+                         "first_k_dense_replace on is sparse (1)")  # fmt: skip
+    if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        raise ValueError("unsupported YaRN attention_factor / truncate=false; Miles derives the factor from mscale "
+                         "and mscale_all_dim and truncates the ramp, as DeepSeek-V3 and Kimi-K2 do")  # fmt: skip
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction `0.1 * mscale * ln(factor) + 1` (1 without scaling). DeepSeek-V3 multiplies cos /
+    sin by `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)` (1 for its own config) and the
+    attention's softmax scale by `yarn_mscale(factor, mscale_all_dim) ** 2`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _sliding_window_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -64,10 +64,12 @@ def attention(
 def write_kv(
     k_pages: torch.Tensor, v_pages: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch
 ) -> None:
-    """Store each token's K/V at its page and offset, in place (and the batch's copy writes, see `AttentionBatch`)."""
+    """Store each token's K/V at its page and offset, in place (and the batch's copy writes, see `AttentionBatch`).
+    One store for both (`v_pages is k_pages`, MLA's latent cache) is written once."""
     k_all, v_all, where = _kv_writes(k_NKD, v_NKD, batch)
     k_pages.index_put_(where, k_all.to(k_pages.dtype))
-    v_pages.index_put_(where, v_all.to(v_pages.dtype))
+    if v_pages is not k_pages:
+        v_pages.index_put_(where, v_all.to(v_pages.dtype))
 
 
 def _kv_writes(
@@ -117,9 +119,11 @@ def packed_attention(
 def _scratch_pages(
     k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch, num_pages: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A temporary K/V page store (zeros, the null page included) holding the batch's own tokens, written in place."""
+    """A temporary K/V page store (zeros, the null page included) holding the batch's own tokens, written in place
+    (one store when the keys are the values, as MLA's latent is)."""
     shape = (num_pages, k_NKD.shape[1], batch.page_size, k_NKD.shape[2])
-    k_pages, v_pages = k_NKD.new_zeros(shape), v_NKD.new_zeros(shape)
+    k_pages = k_NKD.new_zeros(shape)
+    v_pages = k_pages if v_NKD is k_NKD else v_NKD.new_zeros(shape)
     write_kv(k_pages, v_pages, k_NKD, v_NKD, batch)
     return k_pages, v_pages
 

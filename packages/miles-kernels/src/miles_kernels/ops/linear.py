@@ -168,3 +168,13 @@ def linear(
     backend = get_backend(f"linear:{config.mode}", config.linear_backend)
     out: torch.Tensor = backend.fn(x, weight, bias, config)
     return out
+
+
+def head_linear(x_NHK: torch.Tensor, weight_HOK: torch.Tensor, config: KernelConfig) -> torch.Tensor:
+    """Each head's own linear map: out[:, h] = x[:, h] @ weight[h].T, (N, H, K) -> (N, H, O) (MLA's absorbed key and
+    value projections). Deterministic mode runs `linear` per head, so each head's rows are as batch-invariant as any
+    linear layer's; fast mode one batched product."""
+    if not config.is_deterministic:
+        return torch.bmm(x_NHK.transpose(0, 1), weight_HOK.transpose(1, 2)).transpose(0, 1)
+    heads = [linear(x_NHK[:, h], weight_HOK[h], config) for h in range(x_NHK.shape[1])]
+    return torch.stack(heads, dim=1)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from miles_kernels.model_config import yarn_mscale  # noqa: F401  (YaRN's magnitude correction, re-exported)
+
 
 def inv_frequencies(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
     """`1 / theta^(2i / head_dim)` for i < head_dim / 2, in float32 (as Hugging Face computes it)."""
@@ -66,20 +68,24 @@ def yarn_inv_frequencies(
     return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction `0.1 * mscale * ln(factor) + 1` (1 without scaling). DeepSeek-V3 multiplies cos /
-    sin by `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)` (1 for its own config) and the
-    attention's softmax scale by `yarn_mscale(factor, mscale_all_dim) ** 2`."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_cos_sin(
-    positions_N: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions_N: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, attention_factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (N, head_dim) for the given absolute positions."""
+    """cos and sin of shape (N, head_dim) for the given absolute positions (times YaRN's `attention_factor` in float32
+    before the cast, as transformers scales them)."""
     angles = positions_N.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rotary layout (`rope_interleave`: pairs (x0, x1), (x2, x3), ... rotate together) in the
+    rotate-half layout `apply_rope` takes: [x0, x2, ..., x1, x3, ...]. A permutation, so exact; rotating the result is
+    bit for bit transformers' `apply_rotary_pos_emb_interleave`."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def apply_rope(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:

@@ -34,12 +34,16 @@ BENCHMARK_MODEL: dict[str, Any] = {
 }
 
 
-def tiny_config(kind: Literal["dense", "moe", "glm", "qwen2", "llama"] = "dense", **overrides: Any) -> ModelConfig:
-    """A small Qwen3 (dense), Qwen3-MoE, GLM-4.5 MoE, Qwen2.5 or Llama 3.x config; keyword overrides use Miles'
-    field names (HF's, with GLM's `n_routed_experts` as `num_experts`). The GLM config exercises every part of the
+def tiny_config(
+    kind: Literal["dense", "moe", "glm", "qwen2", "llama", "deepseek"] = "dense", **overrides: Any
+) -> ModelConfig:
+    """A small Qwen3 (dense), Qwen3-MoE, GLM-4.5 MoE, Qwen2.5, Llama 3.x or DeepSeek-V3 config; keyword overrides use
+    Miles' field names (HF's, with `n_routed_experts` as `num_experts`). The GLM config exercises every part of the
     family: grouped routing (2 groups, 1 kept), a shared expert, a dense first layer, partial rotary, q/k/v biases,
     QK-norm and a routed scaling factor. The Llama config uses Llama 3.1's RoPE scaling with a short original context
-    (64 positions) so that its three frequency bands all occur at this head size."""
+    (64 positions) so that its three frequency bands all occur at this head size. The DeepSeek config has MLA with a
+    q-LoRA, value heads narrower than query / key heads, interleaved rotary pairs and YaRN (factor 4 over 32
+    original positions, DeepSeek-V3's mscales: the softmax scale grows), with GLM's router layout."""
     values: dict[str, Any] = {
         "model_type": "qwen3",
         "vocab_size": 256,
@@ -77,6 +81,16 @@ def tiny_config(kind: Literal["dense", "moe", "glm", "qwen2", "llama"] = "dense"
             "attention_bias": True,
             "use_qk_norm": True,
         }
+    if kind == "deepseek":
+        values |= {
+            "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_key_value_heads": 4, "head_dim": 8,
+            "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+            "rope_interleave": True, "rope_type": "yarn", "rope_factor": 4.0,
+            "rope_original_max_position_embeddings": 32, "max_position_embeddings": 128, "rope_mscale": 1.0, "rope_mscale_all_dim": 1.0,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+            "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1,
+            "first_k_dense_replace": 1, "use_qk_norm": False,
+        }  # fmt: skip
     if kind == "qwen2":
         values |= {"model_type": "qwen2", "attention_bias": True, "use_qk_norm": False}
     if kind == "llama":
