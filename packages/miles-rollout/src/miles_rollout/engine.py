@@ -417,6 +417,7 @@ class Engine(EngineControls):
             "enable_return_routed_experts": self.config.enable_return_routed_experts,
             "kernel_config": describe_kernel(self.kernel, torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
+            "kv_bytes_per_token": self.runner.store.bytes_per_token,
             "weight_version": version_string(self.weight_version),
             "released_memory": sorted(self.released),
             "memory_bytes": self.memory_bytes(),

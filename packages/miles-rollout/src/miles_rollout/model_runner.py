@@ -49,8 +49,8 @@ class ModelRunner:
             self.routed_experts = RoutedExperts(model, config.num_kv_pages, self.page_size, config.device)
 
     def kv_tensors(self) -> list[torch.Tensor]:
-        """The KV store's tensors (the trunk's layers, then the draft's)."""
-        return [*self.store.k, *self.store.v]
+        """The KV store's tensors, each once (the trunk's layers, then the draft's; MLA: one latent store a layer)."""
+        return self.store.tensors()
 
     def forward(
         self, ids: list[int], query_lens: list[int], prefix_lens: list[int], tables: list[list[int]]
@@ -87,7 +87,7 @@ class ModelRunner:
         """Copy page `source`'s K/V (and recorded routing) into each page of `targets`: one copy per layer and K/V for
         all of them."""
         index = torch.tensor(targets, device=self.store.k[0].device)
-        for pages in (*self.store.k, *self.store.v):
+        for pages in self.store.tensors():
             pages[index] = pages[source].clone()
         if self.routed_experts is not None:
             self.routed_experts.copy_page(source, targets)
