@@ -180,13 +180,14 @@ def test_a_fatal_oom_stops_the_run_with_a_report_and_resume_continues_after_the_
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("example", ["moe.yaml", "glm4moe.yaml"])
+@pytest.mark.parametrize("example", ["moe.yaml", "glm4moe.yaml", "deepseek_tiny.yaml"])
 def test_the_moe_examples_run_true_on_policy_with_routing_replay(example: str, tmp_path) -> None:
-    """examples/moe.yaml and glm4moe.yaml, shortened for CI (~30 s each: an un-bootstrapped policy, 2 steps of 16
-    samples on the local cluster, an entropy bonus so the first step moves the weights the second one samples
-    with): the engine records the routing, the trainer replays it, every step's mismatch and routing flips are
-    exactly 0, and the MoE metrics are logged. The full examples' reward gain is measured by
-    benchmarks/default_run.py (benchmarks/results/moe_example.json and glm4moe_example.json)."""
+    """examples/moe.yaml, glm4moe.yaml and deepseek_tiny.yaml, shortened for CI (~30 s each: an un-bootstrapped
+    policy, 2 steps of 16 samples on the local cluster, an entropy bonus so the first step moves the weights the
+    second one samples with): the engine records the routing, the trainer replays it, every step's mismatch and
+    routing flips are exactly 0, and the MoE metrics are logged; DeepSeek-V3's MTP module trains online and drafts.
+    The full examples' reward gain is measured by benchmarks/default_run.py (benchmarks/results/moe_example.json,
+    glm4moe_example.json and deepseek_tiny_example.json)."""
     run_dir = tmp_path / "run"
     config = Path(__file__).parents[2] / "examples" / example
     result = cli("--config", str(config), "model.bootstrap_steps=0", "rollout.num_prompts_per_step=4",
@@ -200,6 +201,8 @@ def test_the_moe_examples_run_true_on_policy_with_routing_replay(example: str, t
         assert row["train_rollout_logprob_abs_diff"] == 0.0 == row["train_rollout_logprob_abs_diff_max"], row
         assert row["moe_routing_flip_frac"] == 0.0 and row["moe_load_imbalance"] >= 1.0, row
         assert row["moe_router_entropy"] > 0.0 and "moe_load_imbalance_l3" in row
+        if example == "deepseek_tiny.yaml":
+            assert row["mtp_loss"] > 0.0 and row["spec_accept_length"] > 1.0, row
 
 
 @pytest.mark.timeout(600)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from miles_contracts import GenerateRequest, SamplingParams
 from miles_kernels import KernelConfig, build_packed_batch, load_model
+from miles_memory import ModelShape, embedded_engine_bytes
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
@@ -78,6 +80,9 @@ def test_the_engines_cache_features_give_the_trainers_bits(deepseek_dir: Path) -
         info = engine.server_info()
         config_ = model.config  # one latent store a layer: (kv_lora_rank + qk_rope_head_dim) float32 values a token
         assert info["kv_bytes_per_token"] == config_.num_hidden_layers * config_.kv_cache_width * 4
+        shape = ModelShape.from_hf(json.loads((deepseek_dir / "config.json").read_text()))
+        planned = embedded_engine_bytes(shape, "float32", 64, 16)
+        assert planned == {tag: info["memory_bytes"][tag] for tag in planned}, (planned, info["memory_bytes"])
         # Chunked prefill (16-token steps with decode rows mixed in) and n = 2 (the partial prompt page is copied).
         responses = generate(engine, PROMPTS, n=2)
         check_against_the_trainer(responses, PROMPTS, model)

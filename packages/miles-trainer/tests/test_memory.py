@@ -138,13 +138,26 @@ def test_an_onload_that_would_not_fit_keeps_the_state_offloaded(model_dir: str, 
     assert trainer.onload() == resident
 
 
-def test_the_planner_predicts_what_the_trainer_holds_by_tag(tmp_path) -> None:
+# The built-in policy's shape (2 layers here), and the same trunk in the DeepSeek-V3 family (MLA, a dense first layer
+# and an MoE one: the bootstrap's deepseek_v3 policy, miles_orchestrator.data.bootstrap).
+PLANNED = {
+    "dense": ("dense", {"num_key_value_heads": 4, "head_dim": 32}),
+    "deepseek": ("deepseek", {"num_key_value_heads": 8, "head_dim": 16, "num_experts": 8, "moe_intermediate_size": 256,
+                              "n_group": 4, "topk_group": 2, "q_lora_rank": 128, "kv_lora_rank": 64,
+                              "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(PLANNED))
+def test_the_planner_predicts_what_the_trainer_holds_by_tag(tmp_path, family: str) -> None:
     """miles_memory.fsdp2_bytes against the bytes the tensors hold after a step of a model shaped like the built-in
-    policy (hidden 256, 8 / 4 heads of 32; 2 layers here) on 16-token sequences (one rank; benchmarks/memory.py
-    runs the policy itself on 1 and 2 ranks): parameters, gradients, AdamW state and MTP modules exactly, and the
-    activations counted as autograd saves them, with the deterministic attention's per-block term, within 10%."""
-    config = tiny_config("dense", hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=4, head_dim=32, num_nextn_predict_layers=1)  # fmt: skip
+    policy (hidden 256, 8 / 4 heads of 32; 2 layers here; and its DeepSeek-V3 form) on 16-token sequences (one rank;
+    benchmarks/memory.py runs the policy itself on 1 and 2 ranks): parameters, gradients, AdamW state and MTP modules
+    exactly, and the activations counted as autograd saves them, with the deterministic attention's per-block term,
+    within 10%."""
+    kind, overrides = PLANNED[family]
+    config = tiny_config(kind, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
+                         num_nextn_predict_layers=1, **overrides)  # fmt: skip
     save_model(random_model(config, seed=1), tmp_path / "model")
     ensure_process_group()
     trainer = FSDP2Backend(tmp_path / "model", KernelConfig(), OptimizerConfig(), PolicyLossConfig(),
@@ -162,7 +175,7 @@ def test_the_planner_predicts_what_the_trainer_holds_by_tag(tmp_path) -> None:
     extra = blocked_attention_elements(shape, 16, kernel.attention_query_tile, kernel.page_size)
     planned = fsdp2_bytes(shape, 1, "float32", 512, attention_extra=extra)
     for tag in ("weights", "grads", "optimizer", "mtp"):
-        assert planned[tag] == resident[tag], (tag, planned[tag], resident[tag])
+        assert planned[tag] == resident[tag], (tag, planned[tag], resident[tag], planned, resident)
     measured = trainer.memory.peak_activation_bytes
     assert planned["activations"] == pytest.approx(measured, rel=0.10), (planned["activations"], measured)
 
@@ -179,7 +192,7 @@ def test_the_planner_predicts_a_gpu_steps_peak(tmp_path) -> None:
         assert abs(run["error"]) <= 0.10, run
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "deepseek"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_planner_counts_every_tensor_of_each_family(kind: str, tied: bool) -> None:
     """The planner's tensor list (miles_memory.ModelShape, read from config.json) holds exactly the model's

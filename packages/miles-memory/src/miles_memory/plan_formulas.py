@@ -35,6 +35,11 @@ CUDA_CONTEXT_BYTES = 2**30
 CPU_RUNTIME_BYTES = 2**29
 
 
+# The GLM-4.5 / DeepSeek-V3 router's score-correction bias: a float32 buffer, frozen in RL (miles_kernels/model.py,
+# `TopkRouter`), so no gradient or optimizer state; the trainer's weight tag holds parameters only.
+FROZEN_BUFFER = "e_score_correction_bias"
+
+
 def shard_numel(t: Tensor, world: int) -> int:
     """Elements one rank holds of `t` sharded by FSDP2 over `world` ranks: dim 0 split into ceil(dim0 / world) rows
     (FSDP2's `fully_shard` pads dim 0 to a multiple of the world size; torch/distributed/fsdp/_fully_shard/
@@ -79,17 +84,29 @@ def layer_activation_elements(shape: ModelShape, layer: int, tp: int = 1) -> flo
     return values / tp
 
 
-def blocked_attention_elements(shape: ModelShape, sequence_length: int, query_tile: int, page_size: int) -> float:
+def blocked_attention_elements(
+    shape: ModelShape, sequence_length: int, query_tile: int, page_size: int, act_bytes: int = 4
+) -> float:
     """Elements per token and layer that Miles' deterministic attention keeps beyond a fused kernel's Q, K, V,
     output and softmax statistics (miles_kernels/ops/attention.py, `_BlockedAttention`): its hand-written backward
     keeps the float32 query tiles (in place of Q) and the float32 output tiles (besides the output the next layer
     keeps), both padded to whole tiles of `query_tile` tokens, and the K/V pages (in place of K and V) padded to whole
-    pages; the backward recomputes the scores chunk by chunk (a bounded, transient buffer)."""
-    if shape.is_mla:  # the embedded kernels run standard attention only
-        return 0.0
+    pages; the backward recomputes the scores chunk by chunk (a bounded, transient buffer). In float32 elements
+    (`act_bytes`: the activation dtype's size, for the terms kept in it).
+    MLA (miles_kernels/model.py, `LatentAttention`) runs the absorbed form: one KV head whose keys and values are the
+    latent (W = kv_lora_rank + qk_rope_head_dim; one page store, in the activation dtype), queries of width W per
+    head; besides the float32 tiles it keeps the attention's output (heads x W, the value projection's input), and
+    none of the expanded form's K, kv_b_proj output and V that `layer_activation_elements` counts (subtracted)."""
     heads, kv_heads, d = shape.num_attention_heads, shape.kv_heads, shape.dim
     tiled = -(-sequence_length // query_tile) * query_tile
     paged = -(-sequence_length // page_size) * page_size
+    if shape.is_mla:
+        assert shape.kv_lora_rank is not None
+        width = shape.kv_lora_rank + shape.qk_rope_head_dim
+        qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+        in_act = paged * width / sequence_length + heads * width
+        in_act -= heads * qk + heads * (shape.qk_nope_head_dim + shape.v_head_dim) + heads * shape.v_head_dim
+        return 2 * tiled * heads * width / sequence_length + in_act * act_bytes / 4
     elements = (2 * tiled - sequence_length) * heads * d + 2 * (paged - sequence_length) * kv_heads * d
     return elements / sequence_length
 
@@ -175,7 +192,8 @@ def fsdp2_bytes(
     attention_extra: float = 0.0,
 ) -> dict[str, int]:
     """One rank of Miles' FSDP2 backend (miles_trainer/fsdp.py) after an optimizer step, by tag:
-    - weights: float32 master parameters (`load_model(..., dtype=torch.float32)`), dim-0 sharded over `world`
+    - weights: float32 master parameters (`load_model(..., dtype=torch.float32)`), dim-0 sharded over `world`; the
+      routers' frozen float32 `e_score_correction_bias` buffers (a few bytes a layer) are not parameters: left out;
       (FSDP2 `fully_shard` per decoder layer, then the root); the frozen reference copy (fp32, sharded) when
       kl_coef > 0; the separate critic's backbone (fp32, sharded) and its value head;
     - grads: fp32, sharded like the parameters, for every trained parameter (idle MTP modules have none; a separate
@@ -189,7 +207,7 @@ def fsdp2_bytes(
     - activations: `activation_bytes` for `tokens` (an estimate, not exact), with `attention_extra` elements per
       token and layer for deterministic kernels (`blocked_attention_elements`)."""
     b = DTYPE_BYTES[dtype]
-    tensors = shape.tensors()
+    tensors = [t for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)]
     trunk = [t for t in tensors if t.layer is None or t.layer < shape.num_hidden_layers]
     mtp = [t for t in tensors if t.layer is not None and t.layer >= shape.num_hidden_layers]
 
@@ -237,8 +255,10 @@ def embedded_engine_bytes(
     - weights: every parameter in the kernel dtype (`load_model(dir, kernel)`, MTP modules included, tied tensors
       once);
     - kv_cache: `KVStore.allocate`: per layer (plus MTP module 0's layer when it drafts) K and V of shape
-      (num_kv_pages, KV heads, page_size, head dim) in the kernel dtype."""
+      (num_kv_pages, KV heads, page_size, head dim) in the kernel dtype; under MLA one latent store of shape
+      (num_kv_pages, 1, page_size, kv_lora_rank + qk_rope_head_dim), K and V at once."""
     b = DTYPE_BYTES[dtype]
     layers = shape.num_hidden_layers + (1 if has_draft else 0)
-    kv = 2 * layers * num_kv_pages * shape.kv_heads * page_size * shape.dim * b
-    return {"weights": sum(t.numel for t in shape.tensors()) * b, "kv_cache": kv}
+    kv = layers * num_kv_pages * page_size * kv_bytes_per_token(shape, b, num_layers=1)
+    params = [t for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)]  # parameters, as the engine tags
+    return {"weights": sum(t.numel for t in params) * b, "kv_cache": kv}

@@ -66,7 +66,7 @@ def deterministic_attention_extra(shape: ModelShape, run: RunInputs) -> float:
     if not run.is_deterministic:
         return 0.0
     length = min(run.sequence_length or PROMPT_TOKENS_GUESS + run.max_new_tokens, run.tokens)
-    return blocked_attention_elements(shape, length, run.query_tile, run.page_size)
+    return blocked_attention_elements(shape, length, run.query_tile, run.page_size, DTYPE_BYTES[run.dtype])
 
 
 def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:

@@ -70,11 +70,12 @@ class ModelSection(Section):
         description="Share of the built-in policy's SFT rows that call the calculator tool before answering "
         "(rollout.agent.env=calculator; needs data.apply_chat_template=true); 0: every row answers directly.",
     )  # fmt: skip
-    bootstrap_architecture: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe"] = Field(
+    bootstrap_architecture: Literal["qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3"] = Field(
         default="qwen3",
         description="The built-in policy's family: a dense Qwen3, Qwen2.5 (qwen2) or Llama 3.x (llama, with its chat "
-        "template and Llama 3 RoPE scaling), a Qwen3-MoE (8 experts, top-2) or a GLM-4.5-style MoE (8 experts, top-2, "
-        "a shared expert, a dense first layer); the sizes are in miles_orchestrator.data.bootstrap.",
+        "template and Llama 3 RoPE scaling), a Qwen3-MoE (8 experts, top-2), a GLM-4.5-style MoE (8 experts, top-2, "
+        "a shared expert, a dense first layer) or a DeepSeek-V3-style MoE (GLM's MoE with multi-head latent "
+        "attention and YaRN); the sizes are in miles_orchestrator.data.bootstrap.",
     )
 
 

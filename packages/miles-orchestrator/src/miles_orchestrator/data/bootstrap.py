@@ -92,7 +92,11 @@ def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
     families keep that trunk and swap the MLPs:
     - qwen3_moe: 8 experts of intermediate 384, top-2 (renormalized): the dense MLP's active size;
     - glm4_moe: the first layer dense (768), then 8 routed experts of 256, top-2 of one group, one shared expert
-      of 256, routed scaling 2.5, partial rotary 0.5, q/k/v biases, QK-norm (GLM-4.5's settings, scaled down)."""
+      of 256, routed scaling 2.5, partial rotary 0.5, q/k/v biases, QK-norm (GLM-4.5's settings, scaled down);
+    - deepseek_v3: glm4_moe's MLPs with DeepSeek-V3's grouped routing (4 groups of 2, the best 2 kept) and
+      multi-head latent attention: q through a rank-128 q-LoRA, a KV latent of 64 plus a 16-wide rotary key shared
+      by the 8 heads, query / key heads of 32 + 16, value heads of 32; interleaved rotary pairs and YaRN (factor 4
+      over 128 original positions, DeepSeek-V3's mscales) (DeepSeek-V3's settings, scaled down)."""
     shape: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 512,
@@ -111,7 +115,16 @@ def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
             "glm", **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
             n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, partial_rotary_factor=0.5,
         )  # fmt: skip
-    raise ValueError(f"model.bootstrap_architecture={architecture!r}: use qwen3, qwen2, llama, qwen3_moe or glm4_moe")
+    if architecture == "deepseek_v3":
+        return tiny_config(
+            "deepseek", **shape | {"num_key_value_heads": 8, "head_dim": 16}, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=256, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+            v_head_dim=32, rope_original_max_position_embeddings=128,
+        )  # fmt: skip
+    raise ValueError(
+        f"model.bootstrap_architecture={architecture!r}: use qwen3, qwen2, llama, qwen3_moe, glm4_moe or deepseek_v3"
+    )
 
 
 class ProbeStop:
