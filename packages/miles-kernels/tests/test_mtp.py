@@ -47,8 +47,8 @@ def hf_layer_model(model, module: int, directory):
 
     from miles_kernels import CausalLM
 
-    # GLM-4.5's MTP layer is an MoE layer (its index is past first_k_dense_replace): so is the reference's layer
-    dense_first = {"first_k_dense_replace": 0} if model.config.model_type == "glm4_moe" else {}
+    # GLM-4.5's and DeepSeek-V3's MTP layer is an MoE layer (its index is past first_k_dense_replace): so is the reference's layer
+    dense_first = {"first_k_dense_replace": 0} if model.config.model_type in ("glm4_moe", "deepseek_v3") else {}
     one = CausalLM(replace(model.config, num_hidden_layers=1, num_nextn_predict_layers=0, **dense_first), KERNEL)
     prefix = f"model.layers.{model.config.num_hidden_layers + module}."
     source = model.state_dict()
@@ -62,7 +62,7 @@ def hf_layer_model(model, module: int, directory):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "deepseek"])
 def test_mtp_forward_is_the_formula(tmp_path, kind: str) -> None:
     config = tiny_config(kind, num_nextn_predict_layers=2, tie_word_embeddings=kind == "dense")
     model = random_model(config, KERNEL, seed=5)

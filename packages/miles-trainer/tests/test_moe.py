@@ -50,7 +50,7 @@ def with_engine_routing(model, samples: list[Sample], change=None) -> list[Sampl
     return out
 
 
-@pytest.mark.parametrize("kind", ["moe", "glm"])
+@pytest.mark.parametrize("kind", ["moe", "glm", "deepseek"])
 def test_recorded_routing_lands_on_the_packed_rows(kind: str) -> None:
     model = random_model(tiny_config(kind), KERNEL, seed=1)
     samples = with_engine_routing(model, make_samples(model.config.vocab_size, 1))
@@ -77,7 +77,7 @@ def step(model, samples, config=None, **kwargs):
     return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind", ["moe", "glm"])
+@pytest.mark.parametrize("kind", ["moe", "glm", "deepseek"])
 def test_replaying_the_recorded_choice_changes_no_bit(kind: str) -> None:
     model = random_model(tiny_config(kind), KERNEL, seed=2).train()
     samples = with_engine_routing(model, make_samples(model.config.vocab_size, 2))
@@ -128,7 +128,7 @@ def test_aux_loss_is_transformers_load_balancing_loss_over_top_k() -> None:
     torch.testing.assert_close(ours * config.num_experts_per_tok, reference, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["moe", "glm"])
+@pytest.mark.parametrize("kind", ["moe", "glm", "deepseek"])
 def test_seq_aux_loss_is_deepseek_v3_formula(kind: str) -> None:
     model = random_model(tiny_config(kind), KERNEL, seed=5)
     micro = pack_samples(make_samples(model.config.vocab_size, 5), KERNEL, 10_000)[0]
@@ -176,7 +176,7 @@ def test_an_aborted_sample_without_routing_routes_by_itself() -> None:
     assert (micro[0].routing_NLK[rows] == -1).all() and (micro[0].routing_NLK[micro[0].sequence_rows[0]] >= 0).all()
 
 
-@pytest.mark.parametrize("kind", ["moe", "glm"])
+@pytest.mark.parametrize("kind", ["moe", "glm", "deepseek"])
 def test_z_loss_is_megatron_cores_z_loss_func_and_trains_the_router(kind: str) -> None:
     """The router z-loss (ST-MoE) against megatron-core's own `z_loss_func` on each MoE layer's router logits (from
     the layer's input and its gate weights); as a step's term it moves the gates and is reported."""

@@ -63,7 +63,7 @@ def rollout(model, prompts: list[list[int]], num_new: int, temperature: float) -
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "deepseek"])
 def test_trainer_logprobs_equal_rollout_logprobs_bitwise(kind: str, temperature: float) -> None:
     model = random_model(tiny_config(kind), KERNEL, seed=3)
     generator = torch.Generator().manual_seed(3)
