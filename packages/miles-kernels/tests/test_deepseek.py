@@ -64,11 +64,13 @@ def test_matches_transformers_through_the_trainer_and_the_engine(tmp_path, overr
     for mode, kernel in KERNELS.items():
         model = load_model(tmp_path, kernel)
         packed = packed_logits(model, seqs)
-        runner = PagedRunner(model, num_pages=64)  # prefill the first 5 tokens, then decode one token at a time
-        paged = runner.step({i: s[:5] for i, s in enumerate(seqs)})
-        steps = {i: [rows] for i, rows in paged.items()}
-        for t in range(5, max(LENGTHS)):
-            out = runner.step({i: s[t : t + 1] for i, s in enumerate(seqs) if t < len(s)})
+        # Prefill the first 5 tokens, a chunk up to 40 after them (fast mode: both in the expanded form, the chunk over
+        # the expanded cached prefix), then decode one token at a time (the absorbed form).
+        runner = PagedRunner(model, num_pages=64)
+        steps: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(seqs))}
+        schedule = [(0, 5), (5, 40)] + [(t, t + 1) for t in range(40, max(LENGTHS))]
+        for start, end in schedule:
+            out = runner.step({i: s[start:end] for i, s in enumerate(seqs) if start < len(s)})
             for i, rows in out.items():
                 steps[i].append(rows)
         for i, want in enumerate(reference):
@@ -213,18 +215,45 @@ def test_the_latent_cache_holds_one_shared_latent_per_token_and_layer() -> None:
 
 
 def test_the_two_attention_forms_agree_closely_but_not_bitwise() -> None:
-    """The absorbed form (the engine's, and the trainer's in deterministic mode) and the expanded one (the trainer's
-    in fast mode) compute the same function in different summation orders: close, and not bit-equal, which is why
-    deterministic mode runs the absorbed one on both sides."""
+    """The absorbed form (the engine's decode, and both sides in deterministic mode) and the expanded one (fast mode's
+    trainer and long engine prefills) compute the same function in different summation orders: close, and not
+    bit-equal, which is why deterministic mode runs the absorbed one on both sides."""
     config = tiny_config("deepseek")
     model = random_model(config, KernelConfig(mode="fast", page_size=8), seed=5)
-    seqs = random_seqs(config.vocab_size, [40, 23], seed=2)
-    expanded = packed_logits(model, seqs)  # fast-mode trainer: expanded
+    (seq,) = random_seqs(config.vocab_size, [40], seed=2)
+    expanded = packed_logits(model, [seq])[0]  # fast-mode trainer: expanded
     runner = PagedRunner(model, num_pages=16)
-    absorbed = runner.step(dict(enumerate(seqs)))  # the engine: absorbed
-    for i, want in enumerate(expanded):
-        torch.testing.assert_close(absorbed[i], want, rtol=0, atol=1e-5)
-    assert any(not torch.equal(absorbed[i], want) for i, want in enumerate(expanded))
+    absorbed = torch.cat([runner.step({0: seq[t : t + 1]})[0] for t in range(len(seq))])  # decode: absorbed
+    torch.testing.assert_close(absorbed, expanded, rtol=0, atol=1e-5)
+    assert not torch.equal(absorbed[1:], expanded[1:])  # (the first row has one key: it expands)
+
+
+def test_the_engine_picks_the_cheaper_form_in_fast_mode() -> None:
+    """Per head (tiny config: W = 40, qk = 24, v = 12, (nope + v) x kv_lora_rank = 896): a prefill without a prefix
+    expands (its expansion costs what the absorption would), decode stays absorbed, a chunk after a cached prefix
+    expands only when it is long enough against the prefix."""
+    from miles_kernels.ops.attention_batch import build_attention_batch
+
+    attention = random_model(tiny_config("deepseek"), KernelConfig(mode="fast", page_size=8)).model.layers[0].self_attn
+
+    def expands(query_lens: list[int], prefix_lens: list[int]) -> bool:
+        tables = [list(range(1 + 40 * s, 1 + 40 * s + -(-(q + p) // 8))) for s, (q, p) in
+                  enumerate(zip(query_lens, prefix_lens, strict=True))]  # fmt: skip
+        return attention.expands(build_attention_batch(query_lens, prefix_lens, tables, 8, 4))
+
+    assert expands([300], [0]) and expands([3, 7], [0, 0])
+    assert not expands([1, 1, 1], [200, 50, 9])
+    assert not expands([4], [200]) and expands([100], [200])  # 100 x 300 x 44 > 200 x 896 > 4 x 204 x 44
+
+
+def test_compacted_batch_renumbers_the_pages_it_reads() -> None:
+    from miles_kernels.ops.attention_batch import build_attention_batch
+
+    batch = build_attention_batch([3, 2], [8, 0], [[9, 4], [17]], page_size=8, query_tile=4)
+    used, compact = batch.compacted(num_pages=20)
+    assert used.tolist() == [0, 4, 9, 17]
+    assert compact.block_tables_SB.tolist() == [[2, 1], [3, 0]]
+    assert compact.write_pages_N.tolist() == [1, 1, 1, 3, 3]
 
 
 def test_deinterleave_then_rotate_half_is_transformers_interleaved_rope() -> None:

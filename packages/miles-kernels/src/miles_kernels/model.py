@@ -149,10 +149,14 @@ class LatentAttention(nn.Module):
     i.e. multi-query attention (one KV head) whose keys and values are the latent itself (the engine's cache holds
     just the latent: kv_lora_rank + qk_rope_head_dim values per token and layer, `KVStore`); the output's first
     kv_lora_rank columns map through kv_b_proj's value rows per head (W_UV). The engine's paged attention and the
-    trainer's packed one run this same code, so their rows agree bit for bit in deterministic mode. In fast mode the
-    trainer runs the non-absorbed form instead (c expanded to each head's k_nope / v by kv_b_proj, standard
-    attention over qk_head_dim keys): far fewer flops over a whole sequence, different rounding (the two forms sum
-    in different orders; fast mode's engine / trainer mismatch is measured, not zero).
+    trainer's packed one run this same code, so their rows agree bit for bit in deterministic mode.
+
+    The expanded form (c expanded to each head's k_nope / v by kv_b_proj, standard attention over qk_head_dim keys)
+    sums in other orders: close, never bit-equal, so it runs in fast mode only, where it is cheaper: the trainer's
+    packed forward always, and an engine forward whose new rows are many against the cached keys they read (a long
+    prefill; `expands`: per head, the absorbed form costs 2W per (query, key) pair plus (nope + v) * kv_lora_rank per
+    query, the expanded one (qk + v) per pair plus (nope + v) * kv_lora_rank per key read, W = kv_lora_rank +
+    qk_rope_head_dim). The engine expands only the pages the batch reads (`_expanded_cached`).
     """
 
     def __init__(self, config: ModelConfig, kernel: KernelConfig, layer: int) -> None:
@@ -171,6 +175,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = Linear(latent, heads * (config.qk_nope_head_dim + config.v_head_dim), False, kernel)
         self.o_proj = Linear(heads * config.v_head_dim, hidden, config.attention_bias, kernel)
         self.dims = (heads, config.qk_nope_head_dim, config.v_head_dim, latent)
+        self.q_rot_dim = config.qk_rope_head_dim
         self.interleave = config.rope_interleave
         self.scale = config.softmax_scale
         self.kernel = kernel
@@ -199,10 +204,14 @@ class LatentAttention(nn.Module):
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
         w_kv = self.kv_b_proj.weight.view(heads, nope + v_dim, latent_dim)
-        if k_pages is None and not self.kernel.is_deterministic:
-            out = self._expanded(q_nope, q_rot, c_N1C, k_rot, w_kv, batch)
-        else:
+        if self.kernel.is_deterministic or (k_pages is not None and not self.expands(batch)):
             out = self._absorbed(q_nope, q_rot, c_N1C, k_rot, w_kv, batch, k_pages, v_pages)
+        elif k_pages is None:
+            out = self._expanded(q_nope, q_rot, c_N1C, k_rot, batch)
+        else:
+            kv = torch.cat((c_N1C, k_rot), dim=-1)
+            write_kv(k_pages, k_pages, kv, kv, batch)
+            out = self._expanded_cached(q_nope, q_rot, k_pages, batch)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * v_dim))
         return projected
 
@@ -221,18 +230,46 @@ class LatentAttention(nn.Module):
             out = attention(q_abs, k_pages, cast(torch.Tensor, v_pages), batch, self.scale, self.kernel)
         return head_linear(out[..., :latent_dim], w_kv[:, nope:], self.kernel)
 
+    def expands(self, batch: AttentionBatch) -> bool:
+        """Whether the expanded form costs fewer flops than the absorbed one for this engine batch (see the class
+        docstring): sum_s Q_s K_s (2W - qk - v) > (sum_s K_s - N) (nope + v) kv_lora_rank."""
+        heads, nope, v_dim, latent_dim = self.dims
+        qk = self.q_rot_dim + nope
+        pairs = (batch.query_lens_S * batch.kv_lens_S).sum()
+        keys_only = batch.kv_lens_S.sum() - batch.num_tokens
+        width = latent_dim + self.q_rot_dim
+        return bool(pairs * (2 * width - qk - v_dim) > keys_only * (nope + v_dim) * latent_dim)
+
+    def _heads(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, k_nope: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The expanded form's q, k, v of one width (the attention takes one): zero columns pad the narrower."""
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(*k_nope.shape[:-1], -1)), dim=-1)
+        width = max(q.shape[-1], v.shape[-1])
+        return F.pad(q, (0, width - q.shape[-1])), F.pad(k, (0, width - k.shape[-1])), F.pad(v, (0, width - v.shape[-1]))
+
     def _expanded(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, c_N1C: torch.Tensor, k_rot: torch.Tensor,
-        w_kv: torch.Tensor, batch: AttentionBatch,
+        batch: AttentionBatch,
     ) -> torch.Tensor:  # fmt: skip
         heads, nope, v_dim, _ = self.dims
         kv = self.kv_b_proj(c_N1C[:, 0]).view(-1, heads, nope + v_dim)
-        q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((kv[..., :nope], k_rot.expand(-1, heads, -1)), dim=-1)
-        width = max(q.shape[-1], v_dim)  # the attention takes one head width: zero columns pad the narrower
-        q, k = F.pad(q, (0, width - q.shape[-1])), F.pad(k, (0, width - k.shape[-1]))
-        v = F.pad(kv[..., nope:], (0, width - v_dim))
+        q, k, v = self._heads(q_nope, q_rot, kv[..., :nope], k_rot, kv[..., nope:])
         return packed_attention(q, k, v, batch, self.scale, self.kernel)[..., :v_dim]
+
+    def _expanded_cached(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, pages: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """The expanded form over the engine's latent cache: the pages the batch reads, expanded into a temporary
+        K / V store, with the batch's page ids renumbered to it (`AttentionBatch.compacted`)."""
+        heads, nope, v_dim, latent_dim = self.dims
+        used, compact = batch.compacted(pages.shape[0])
+        latent = pages.index_select(0, used)  # (U, 1, P, W)
+        kv = self.kv_b_proj(latent[:, 0, :, :latent_dim]).view(len(used), -1, heads, nope + v_dim).transpose(1, 2)
+        k_rot = latent[..., latent_dim:]  # (U, 1, P, rope): broadcast over the heads
+        q, k, v = self._heads(q_nope, q_rot, kv[..., :nope], k_rot, kv[..., nope:])
+        return attention(q, k.contiguous(), v.contiguous(), compact, self.scale, self.kernel)[..., :v_dim]
 
 
 class MLP(nn.Module):

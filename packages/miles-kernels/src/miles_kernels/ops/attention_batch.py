@@ -82,6 +82,18 @@ class AttentionBatch:
         tensors = [f.name for f in fields(self) if f.name not in ("page_size", "_plans")]
         return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, _plans={})
 
+    def compacted(self, num_pages: int) -> tuple[torch.Tensor, AttentionBatch]:
+        """The pages this batch reads or writes, ascending from the null page (U,), and this batch with its page ids
+        renumbered 0 .. U - 1 to match: attention over a store of just those pages (`num_pages`: the full store's)
+        gives the same rows. For a form of the keys computed per page (MLA's expanded K / V, model.py)."""
+        used = torch.cat((self.block_tables_SB.flatten(), self.write_pages_N, self.copy_pages_C.to(self.write_pages_N)))
+        used = torch.unique(torch.cat((used.new_zeros(1), used)))  # sorted: the null page first
+        renumber = used.new_zeros(num_pages)
+        renumber[used] = torch.arange(len(used), device=used.device)
+        pages = {"block_tables_SB": self.block_tables_SB, "write_pages_N": self.write_pages_N,
+                 "copy_pages_C": self.copy_pages_C.to(used.device)}  # fmt: skip
+        return used, replace(self, **{name: renumber[ids] for name, ids in pages.items()}, _plans={})
+
     @property
     def num_seqs(self) -> int:
         return int(self.kv_lens_S.shape[0])
