@@ -6,7 +6,7 @@
 - Against megatron-core (CPU numerics, one process): its `MultiTokenPredictionBlock`, built from the HF config, has
   the conversion's names and shapes, and on converted weights gives the miles model's `mtp_hidden` / `mtp_logits`
   (float32, to 2e-6) in the trunk's right-padded (B, S) layout: two sequences of different lengths, chained modules,
-  GLM-4.5's MoE MTP layer with partial RoPE, QK-norm and biases.
+  GLM-4.5's MoE MTP layer with partial RoPE, QK-norm and biases, DeepSeek-V3's MoE MTP layer with MLA.
 - Training in real rank processes against FSDP2 (it needs miles-spec's `MTPLoss`): miles-spec's
   tests/test_megatron_mtp_step.py.
 """
@@ -43,7 +43,7 @@ def mtp_state(config) -> dict[str, torch.Tensor]:
     ("kind", "overrides", "sizes"),
     [("glm", {}, {"tp": 2, "ep": 2}), ("glm", {}, {"etp": 2, "ep": 8, "stages": 3, "impl": "transformer_engine"}),
      ("dense", {"num_nextn_predict_layers": 2, "tie_word_embeddings": False, "vocab_size": 255},
-      {"tp": 2, "stages": 2})],
+      {"tp": 2, "stages": 2}), ("deepseek", {}, {"tp": 2, "ep": 2, "stages": 3})],
 )  # fmt: skip
 def test_mtp_modules_convert_bit_exact(kind: str, overrides: dict, sizes: dict) -> None:
     from test_megatron import grid
@@ -80,12 +80,16 @@ def one_rank(path: Path, layout: MegatronConfig) -> Iterator[None]:
             parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("layers", ["megatron", "miles"])
-@pytest.mark.parametrize(("kind", "num_mtp"), [("glm", 1), ("dense", 2)])
+@pytest.mark.parametrize(
+    ("kind", "num_mtp", "layers"),
+    [("glm", 1, "megatron"), ("glm", 1, "miles"), ("dense", 2, "megatron"), ("dense", 2, "miles"),
+     ("deepseek", 1, "megatron")],
+)  # fmt: skip
 def test_megatron_mtp_modules_give_the_miles_mtp_outputs(kind: str, num_mtp: int, layers: str, tmp_path) -> None:
     """megatron-core's MTP block beside a GPTModel, both on converted weights, against `CausalLM.mtp_hidden` /
     `mtp_logits` of the miles model (chained modules read the previous output): within float32 rounding with
-    megatron-core's modules (each sequence on its own rows), bit for bit with the Miles layers (the packed rows)."""
+    megatron-core's modules (each sequence on its own rows), bit for bit with the Miles layers (the packed rows;
+    DeepSeek-V3's MLA has no Miles layers)."""
     from miles_trainer.megatron_model import MegatronCausalLM, build_gpt_model, rank_layout
     from miles_trainer.megatron_mtp import MegatronMTP, build_mtp_block
 

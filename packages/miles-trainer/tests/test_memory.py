@@ -175,7 +175,7 @@ def test_the_planner_predicts_what_the_trainer_holds_by_tag(tmp_path, family: st
     extra = blocked_attention_elements(shape, 16, kernel.attention_query_tile, kernel.page_size)
     planned = fsdp2_bytes(shape, 1, "float32", 512, attention_extra=extra)
     for tag in ("weights", "grads", "optimizer", "mtp"):
-        assert planned[tag] == resident[tag], (tag, planned[tag], resident[tag], planned, resident)
+        assert planned[tag] == resident[tag], (tag, planned[tag], resident[tag])
     measured = trainer.memory.peak_activation_bytes
     assert planned["activations"] == pytest.approx(measured, rel=0.10), (planned["activations"], measured)
 

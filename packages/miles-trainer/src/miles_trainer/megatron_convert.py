@@ -1,12 +1,23 @@
 """Hugging Face <-> Megatron-core weight conversion for the Megatron backend (docs/megatron.md), torch only.
 
-A Megatron-core `GPTModel` stores a Qwen3 / Qwen3-MoE / GLM-4.5 decoder under its own names and layouts; every
-tensor of one rank's model is one `Entry`: its Megatron name, the HF tensors it is made of, how they are fused, and
-how it is split over the ranks of its parallel group.
+A Megatron-core `GPTModel` stores a Qwen3 / Qwen3-MoE / GLM-4.5 / DeepSeek-V3 decoder under its own names and
+layouts; every tensor of one rank's model is one `Entry`: its Megatron name, the HF tensors it is made of, how they are
+fused, and how it is split over the ranks of its parallel group.
 
 - Attention: `linear_qkv` fuses q / k / v per query group (for each of the `num_key_value_heads` groups: its query
   heads' rows, then its key head's, then its value head's), so a tensor-parallel (TP) rank's rows are whole groups;
   the q / k / v biases likewise. `linear_proj` (o_proj) is split over TP along its input dimension.
+- Multi-head latent attention (DeepSeek-V3, megatron-core's `MLASelfAttention`): one Megatron tensor per HF tensor,
+  `linear_q_down_proj` / `q_layernorm` / `linear_q_up_proj` (q_a_proj / q_a_layernorm / q_b_proj; `linear_q_proj`,
+  q_proj, without a q-LoRA), `linear_kv_down_proj` / `kv_layernorm` / `linear_kv_up_proj` (kv_a_proj_with_mqa /
+  kv_a_layernorm / kv_b_proj), `linear_proj` (o_proj). The up projections split over TP by heads (along their
+  output), `linear_proj` along its input; the down projections are column-parallel in the local spec (split along
+  their output, gathered before the norms) and replicated in Transformer Engine's, which fuses the latent norms into
+  the up projections (`linear_q_up_proj.layer_norm_weight`, `linear_kv_up_proj.layer_norm_weight`) and keeps
+  `input_layernorm` apart. megatron-core's MLA always de-interleaves the rotary part of q and k before rotating
+  (DeepSeek's adjacent rotary pairs, `rope_interleave`); for a checkpoint that rotates halves instead
+  (`rope_interleave=false`), the rotary rows of `linear_q_*proj` and `linear_kv_down_proj` are interleaved
+  (`_rope_pairs`), so the de-interleave gives back transformers' layout: a permutation, exact both ways.
 - MLP: `linear_fc1` fuses gate and up; each TP rank holds [its gate rows; its up rows]. `linear_fc2` (down_proj) is
   split along its input dimension.
 - MoE: the router (`mlp.router.weight`, GLM-4.5's float32 `expert_bias`) is replicated; expert parallelism (EP)
@@ -40,9 +51,11 @@ import torch
 
 from miles_kernels import ModelConfig
 
-Fusion = Literal["none", "qkv", "gate_up"]
+Fusion = Literal["none", "qkv", "gate_up", "q_rope", "kv_rope"]
 Group = Literal["tp", "etp", "none"]
 IMPLS = ("local", "transformer_engine")
+FAMILIES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")  # the model types the Megatron backend builds
+MLA_NORM_EPS = 1e-6  # transformers' eps of MLA's latent norms (q_a_layernorm, kv_a_layernorm), whatever rms_norm_eps
 
 
 @dataclass(frozen=True)
@@ -103,10 +116,10 @@ def padded_vocab_size(config: ModelConfig, tp_size: int) -> int:
 
 def check_convertible(config: ModelConfig, layout: RankLayout) -> None:
     """Raise ValueError naming what Megatron-core (or this conversion) cannot express for `config` and `layout`."""
-    if config.model_type not in ("qwen3", "qwen3_moe", "glm4_moe"):
-        raise ValueError(
-            f"the Megatron backend builds qwen3, qwen3_moe and glm4_moe; {config.model_type} runs on fsdp2"
-        )
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"the Megatron backend builds {', '.join(FAMILIES)}; {config.model_type} runs on fsdp2")
+    if config.is_mla:
+        _check_mla(config, layout)
     if config.o_proj_bias:
         raise ValueError(
             "attention_bias=true on o_proj: Megatron-core's add_bias_linear would add biases to the MLP too; "
@@ -118,6 +131,11 @@ def check_convertible(config: ModelConfig, layout: RankLayout) -> None:
         raise ValueError(
             f"tp={layout.tp_size} must divide num_key_value_heads={config.num_key_value_heads} (a TP rank holds "
             "whole query groups)"
+        )
+    if config.router == "sigmoid" and not config.norm_topk_prob and config.num_experts_per_tok > 1:
+        raise ValueError(
+            "norm_topk_prob=false with the sigmoid router: megatron-core's sigmoid router always renormalizes the "
+            "chosen experts' scores; use trainer.backend.name=fsdp2"
         )
     for group, size, name, width in (
         ("tp", layout.tp_size, "intermediate_size", config.intermediate_size),
@@ -136,11 +154,66 @@ def check_convertible(config: ModelConfig, layout: RankLayout) -> None:
         )
 
 
+def _check_mla(config: ModelConfig, layout: RankLayout) -> None:
+    """What megatron-core's MLA computes differently from transformers' DeepSeek-V3 attention, by setting."""
+    if config.attention_bias:
+        raise ValueError(
+            "deepseek_v3 with attention_bias=true: megatron-core's MLA has no biases on its down projections "
+            "(q_a_proj, kv_a_proj_with_mqa); use trainer.backend.name=fsdp2"
+        )
+    if config.rms_norm_eps != MLA_NORM_EPS:
+        raise ValueError(
+            f"deepseek_v3 with rms_norm_eps={config.rms_norm_eps}: transformers normalizes MLA's latents "
+            f"(q_a_layernorm, kv_a_layernorm) with eps {MLA_NORM_EPS}, megatron-core's MLA with rms_norm_eps; use "
+            "trainer.backend.name=fsdp2"
+        )
+    if config.num_attention_heads % layout.tp_size:
+        raise ValueError(
+            f"tp={layout.tp_size} must divide num_attention_heads={config.num_attention_heads} (megatron-core's "
+            "MLA splits the heads over the TP ranks)"
+        )
+    if layout.transformer_impl == "local":  # the down projections are column-parallel there
+        for name, width in (
+            ("q_lora_rank", config.q_lora_rank or 0),
+            ("kv_lora_rank + qk_rope_head_dim", config.kv_lora_rank + config.qk_rope_head_dim),
+        ):
+            if width % layout.tp_size:
+                raise ValueError(
+                    f"tp={layout.tp_size} must divide {name}={width} (megatron-core's local MLA splits its down "
+                    "projections' outputs over the TP ranks)"
+                )
+
+
 def _mlp_entries(prefix: str, hf: str, group: Group) -> list[Entry]:
     return [
         Entry(f"{prefix}.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"), "gate_up", group, 0),
         Entry(f"{prefix}.linear_fc2.weight", (f"{hf}.down_proj.weight",), "none", group, 1),
     ]
+
+
+def _mla_entries(config: ModelConfig, attn: str, hf: str, te: bool) -> list[Entry]:
+    """MLA's tensors (megatron-core's `MLASelfAttention` at `attn`; the module docstring has the layout)."""
+    down: tuple[Group, int | None] = ("none", None) if te else ("tp", 0)  # TE: replicated; local: column-parallel
+    q_rope: Fusion = "none" if config.rope_interleave else "q_rope"
+    kv_rope: Fusion = "none" if config.rope_interleave else "kv_rope"
+    entries: list[Entry] = []
+    if config.q_lora_rank is None:
+        entries.append(Entry(f"{attn}.linear_q_proj.weight", (f"{hf}.q_proj.weight",), q_rope, "tp", 0))
+    else:
+        entries += [
+            Entry(f"{attn}.linear_q_down_proj.weight", (f"{hf}.q_a_proj.weight",), "none", *down),
+            Entry(f"{attn}.linear_q_up_proj.layer_norm_weight" if te else f"{attn}.q_layernorm.weight",
+                  (f"{hf}.q_a_layernorm.weight",)),
+            Entry(f"{attn}.linear_q_up_proj.weight", (f"{hf}.q_b_proj.weight",), q_rope, "tp", 0),
+        ]  # fmt: skip
+    return [
+        *entries,
+        Entry(f"{attn}.linear_kv_down_proj.weight", (f"{hf}.kv_a_proj_with_mqa.weight",), kv_rope, *down),
+        Entry(f"{attn}.linear_kv_up_proj.layer_norm_weight" if te else f"{attn}.kv_layernorm.weight",
+              (f"{hf}.kv_a_layernorm.weight",)),
+        Entry(f"{attn}.linear_kv_up_proj.weight", (f"{hf}.kv_b_proj.weight",), "none", "tp", 0),
+        Entry(f"{attn}.linear_proj.weight", (f"{hf}.o_proj.weight",), "none", "tp", 1),
+    ]  # fmt: skip
 
 
 def layer_entries(
@@ -151,19 +224,11 @@ def layer_entries(
     meg, hf = prefix or f"decoder.layers.{local}", f"model.layers.{layer}"
     te = layout.transformer_impl == "transformer_engine"
     attn = f"{meg}.self_attention"
-    qkv_names = tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
-    entries = [
-        Entry(f"{attn}.linear_qkv.layer_norm_weight" if te else f"{meg}.input_layernorm.weight",
-              (f"{hf}.input_layernorm.weight",)),
-        Entry(f"{attn}.linear_qkv.weight", qkv_names, "qkv", "tp", 0),
-        Entry(f"{attn}.linear_proj.weight", (f"{hf}.self_attn.o_proj.weight",), "none", "tp", 1),
-    ]  # fmt: skip
-    if config.attention_bias:
-        entries.append(Entry(f"{attn}.linear_qkv.bias", tuple(f"{hf}.self_attn.{p}_proj.bias" for p in "qkv"),
-                             "qkv", "tp", 0))  # fmt: skip
-    if config.use_qk_norm:
-        entries += [Entry(f"{attn}.q_layernorm.weight", (f"{hf}.self_attn.q_norm.weight",)),
-                    Entry(f"{attn}.k_layernorm.weight", (f"{hf}.self_attn.k_norm.weight",))]  # fmt: skip
+    if config.is_mla:  # Transformer Engine's MLA spec keeps input_layernorm apart
+        entries = [Entry(f"{meg}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
+                   *_mla_entries(config, attn, f"{hf}.self_attn", te)]  # fmt: skip
+    else:
+        entries = _attention_entries(config, meg, attn, hf, te)
     norm = (f"{hf}.post_attention_layernorm.weight",)
     if not config.is_moe_layer(layer):
         entries.append(Entry(f"{meg}.mlp.linear_fc1.layer_norm_weight" if te else f"{meg}.pre_mlp_layernorm.weight",
@@ -179,6 +244,24 @@ def layer_entries(
         entries += _mlp_entries(f"{meg}.mlp.experts.local_experts.{j}", f"{hf}.mlp.experts.{expert}", "etp")
     if config.n_shared_experts:
         entries += _mlp_entries(f"{meg}.mlp.shared_experts", f"{hf}.mlp.shared_experts", "tp")
+    return entries
+
+
+def _attention_entries(config: ModelConfig, meg: str, attn: str, hf: str, te: bool) -> list[Entry]:
+    """Grouped-query attention's tensors (megatron-core's `SelfAttention` at `attn`) and the layer's input norm."""
+    qkv_names = tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
+    entries = [
+        Entry(f"{attn}.linear_qkv.layer_norm_weight" if te else f"{meg}.input_layernorm.weight",
+              (f"{hf}.input_layernorm.weight",)),
+        Entry(f"{attn}.linear_qkv.weight", qkv_names, "qkv", "tp", 0),
+        Entry(f"{attn}.linear_proj.weight", (f"{hf}.self_attn.o_proj.weight",), "none", "tp", 1),
+    ]  # fmt: skip
+    if config.attention_bias:
+        entries.append(Entry(f"{attn}.linear_qkv.bias", tuple(f"{hf}.self_attn.{p}_proj.bias" for p in "qkv"),
+                             "qkv", "tp", 0))  # fmt: skip
+    if config.use_qk_norm:
+        entries += [Entry(f"{attn}.q_layernorm.weight", (f"{hf}.self_attn.q_norm.weight",)),
+                    Entry(f"{attn}.k_layernorm.weight", (f"{hf}.self_attn.k_norm.weight",))]  # fmt: skip
     return entries
 
 
@@ -217,6 +300,22 @@ def mtp_entries(config: ModelConfig, layout: RankLayout) -> list[Entry]:
     return entries
 
 
+def _rope_pairs(entry: Entry, config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """For `rope_interleave=false`: the HF row of each Megatron row of an MLA q projection (`q_rope`: per head, its
+    qk_nope_head_dim rows, then its rotary rows) or of the kv down projection (`kv_rope`: the kv_lora_rank rows,
+    then the rotary key's). megatron-core de-interleaves a rotary part x into [x0, x2, ..., x1, x3, ...] before
+    rotating halves; transformers rotates the halves of x as it is. So Megatron's rotary row 2i is HF's row i and
+    row 2i + 1 is HF's row R/2 + i (R = qk_rope_head_dim): the de-interleave gives back HF's order."""
+    rope = config.qk_rope_head_dim
+    pairs = torch.arange(rope, device=device).view(2, rope // 2).t().reshape(-1)  # 0, R/2, 1, R/2 + 1, ...
+    if entry.fusion == "q_rope":
+        lead, blocks = config.qk_nope_head_dim, config.num_attention_heads
+    else:
+        lead, blocks = config.kv_lora_rank, 1
+    block = torch.cat([torch.arange(lead, device=device), lead + pairs])
+    return (torch.arange(blocks, device=device)[:, None] * (lead + rope) + block).reshape(-1)
+
+
 def _fuse(entry: Entry, tensors: Sequence[torch.Tensor], config: ModelConfig, size: int) -> torch.Tensor:
     """The full Megatron tensor, laid out so that splitting it in `size` equal chunks along `entry.dim` gives each
     rank its shard."""
@@ -233,6 +332,8 @@ def _fuse(entry: Entry, tensors: Sequence[torch.Tensor], config: ModelConfig, si
         chunks = [t.chunk(size, dim=0) for t in (gate, up)]
         return torch.cat([part for rank in range(size) for part in (chunks[0][rank], chunks[1][rank])], dim=0)
     (tensor,) = tensors
+    if entry.fusion in ("q_rope", "kv_rope"):
+        return tensor[_rope_pairs(entry, config, tensor.device)]
     if entry.vocab:
         rows = -(-tensor.shape[0] // size) * size
         if rows != tensor.shape[0]:
@@ -272,6 +373,10 @@ def megatron_to_hf(entry: Entry, full: torch.Tensor, config: ModelConfig, size: 
     elif entry.fusion == "gate_up":
         halves = [chunk.chunk(2, dim=0) for chunk in full.chunk(size, dim=0)]
         parts = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    elif entry.fusion in ("q_rope", "kv_rope"):
+        hf = torch.empty_like(full)
+        hf[_rope_pairs(entry, config, full.device)] = full
+        parts = [hf]
     else:
         parts = [full[: config.vocab_size] if entry.vocab else full]
     return {name: part.contiguous() for name, part in zip(entry.hf_names, parts, strict=True)}

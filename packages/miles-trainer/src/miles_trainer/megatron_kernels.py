@@ -82,8 +82,16 @@ class PackedRows:
         return cls(batch, cos, sin)
 
 
-def check_miles_layout(config: MegatronConfig) -> None:
-    """ValueError naming what the Miles layers do not run."""
+def check_miles_layout(config: MegatronConfig, model: ModelConfig) -> None:
+    """ValueError naming what the Miles layers do not run (the run config checks the layout before the model is
+    read; the model's attention is checked here, when the backend builds it)."""
+    if model.is_mla:
+        raise ValueError(
+            f"the Miles layers have no MLA yet ({model.model_type}: multi-head latent attention), and "
+            "kernel.mode=deterministic (or megatron.layer_spec=miles) builds them; use trainer.backend.name=fsdp2 "
+            f"for true on-policy with {model.model_type}, or kernel.mode=fast with megatron.layer_spec auto or "
+            "megatron (megatron-core's MLA; trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the mismatch)"
+        )
     problems = config.miles_layer_problems()
     if problems:
         raise ValueError(
@@ -379,7 +387,7 @@ def _swaps(kernel: KernelConfig, model: ModelConfig, tp_reduce: str) -> dict[typ
     }
 
 
-def _swap(spec: Any, swaps: dict[type, tuple[type, dict[str, Any]]]) -> Any:
+def swap_modules(spec: Any, swaps: dict[type, tuple[type, dict[str, Any]]]) -> Any:
     """`spec` with every swapped class replaced (a bare class becomes a ModuleSpec with its params)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -393,12 +401,12 @@ def _swap(spec: Any, swaps: dict[type, tuple[type, dict[str, Any]]]) -> Any:
         if isinstance(module, type) and module in swaps:
             module, extra = swaps[module]
             params |= extra
-        return dataclasses.replace(spec, module=module, params=params, submodules=_swap(spec.submodules, swaps))
+        return dataclasses.replace(spec, module=module, params=params, submodules=swap_modules(spec.submodules, swaps))
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _swap(getattr(spec, f.name), swaps)
+        return dataclasses.replace(spec, **{f.name: swap_modules(getattr(spec, f.name), swaps)
                                             for f in dataclasses.fields(spec)})  # fmt: skip
     if isinstance(spec, list):
-        return [_swap(item, swaps) for item in spec]
+        return [swap_modules(item, swaps) for item in spec]
     return spec
 
 
@@ -422,7 +430,7 @@ def building_miles_layers() -> Iterator[None]:
 def miles_spec(spec: Any, kernel: KernelConfig, model: ModelConfig, config: MegatronConfig) -> Any:
     """megatron-core's local-module `spec` (a layer spec, an MTP layer spec or a block's submodules) with the Miles
     classes in place of the ones that compute."""
-    return _swap(spec, _swaps(kernel, model, config.tp_reduce))
+    return swap_modules(spec, _swaps(kernel, model, config.tp_reduce))
 
 
 def miles_block_spec(

@@ -1,14 +1,18 @@
-"""A Megatron-core `GPTModel` for a Qwen3 / Qwen3-MoE / GLM-4.5 HF config, and `MegatronCausalLM`, which lets the
-trainer's step code (`miles_trainer.policy_step`) drive it like a miles-kernels `CausalLM` (docs/megatron.md).
+"""A Megatron-core `GPTModel` for a Qwen3 / Qwen3-MoE / GLM-4.5 / DeepSeek-V3 HF config, and `MegatronCausalLM`,
+which lets the trainer's step code (`miles_trainer.policy_step`) drive it like a miles-kernels `CausalLM`
+(docs/megatron.md).
 
 The model is built from miles-kernels' `ModelConfig` (the HF config.json as the engine reads it) and the layout of
 `MegatronConfig`; `transformer_impl="local"` uses Megatron-core's own PyTorch modules (no Transformer Engine needed).
+DeepSeek-V3's multi-head latent attention is megatron-core's `MLASelfAttention` (`MLATransformerConfig`,
+`mla_fields`), which computes its own RoPE (YaRN): its layers take no RoPE table (`rope_table`).
 megatron-core is imported inside functions only, so miles-trainer imports (and its FSDP2 backend runs) without the
 `megatron` extra.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any, NamedTuple
 
@@ -24,6 +28,7 @@ from miles_trainer.megatron_kernels import (
     building_miles_layers,
     check_miles_layout,
     miles_block_spec,
+    swap_modules,
 )
 from miles_trainer.megatron_moe import MoEPass, RouterRecord, routed, router_index, router_records
 
@@ -68,6 +73,12 @@ def init_parallel(config: MegatronConfig) -> None:
         # megatron-core 0.16 defines te_general_gemm only where Transformer Engine imports, but its MoE router reads it
         # either way (a NameError on a GPU without TE): None takes the router's torch.mm path, as TE's absence means.
         moe_utils.te_general_gemm = None
+    if importlib.util.find_spec("transformer_engine") is None:
+        import megatron.core.transformer.multi_latent_attention as mla
+
+        # megatron-core 0.16's MLA takes Transformer Engine as present when megatron's TE extension module imports,
+        # which it does without TE (its TE classes are then mocks), and its isinstance test on them fails: say absent
+        mla.HAVE_TE = False
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
@@ -132,7 +143,7 @@ def _moe_layer_freq(model: ModelConfig) -> list[int]:
 def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.dtype = torch.float32) -> Any:
     """Megatron-core's `TransformerConfig` for `model` (the HF architecture) with `config`'s layout."""
     require_megatron()
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     check_convertible(model, RankLayout(tp_size=config.tp, ep_size=config.ep, etp_size=config.etp or 1))
     if config.sequence_parallel and config.transformer_impl == "local":
@@ -191,7 +202,40 @@ def transformer_config(model: ModelConfig, config: MegatronConfig, dtype: torch.
             )  # fmt: skip
         else:  # Qwen3-MoE: softmax over the top-k logits = the renormalized top-k probabilities
             kwargs |= dict(moe_router_score_function="softmax", moe_router_pre_softmax=not model.norm_topk_prob)
+    if model.is_mla:
+        return MLATransformerConfig(**kwargs | mla_fields(model))
     return TransformerConfig(**kwargs)
+
+
+def mla_fields(model: ModelConfig) -> dict[str, Any]:
+    """`MLATransformerConfig`'s fields for DeepSeek-V3's multi-head latent attention, each computing what
+    transformers' `DeepseekV3Attention` (and the miles model's `LatentAttention`) computes:
+
+    - widths: megatron-core's `qk_head_dim` is the non-rotary part (`qk_nope_head_dim`), `qk_pos_emb_head_dim` the
+      rotary one; `kv_channels` is the value head (the width the attention's output is reshaped by);
+    - `qk_layernorm`: the latent norms (q_a_layernorm, kv_a_layernorm; MLA's spec builds them only with it), eps
+      `rms_norm_eps`, which `check_convertible` holds to transformers' 1e-6;
+    - RoPE: `rope_type` yarn (or plain rope), base `rope_theta`, YaRN's factor, original context and betas as given
+      (megatron-core's YaRN truncates the ramp's ends to integers, as transformers does for DeepSeek-V3). cos / sin
+      are scaled by yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) when both are given, else by
+      yarn_mscale(factor) (transformers' `attention_factor`; megatron-core's `mscale=None` means the latter), and the
+      softmax scale is (qk_nope + qk_rope)^-0.5 * yarn_mscale(factor, mscale_all_dim)^2 (1 without `mscale_all_dim`);
+    - interleaving: megatron-core's MLA always de-interleaves the rotary dims before rotating halves (DeepSeek's
+      `rope_interleave`); `rotary_interleaved` stays off (it would rotate adjacent pairs instead), and a checkpoint
+      with `rope_interleave=false` has its rotary rows permuted by the conversion (`megatron_convert._rope_pairs`)."""
+    is_yarn = model.rope_type == "yarn"
+    has_both_mscales = bool(model.rope_mscale and model.rope_mscale_all_dim)
+    return dict(
+        q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_nope_head_dim,
+        qk_pos_emb_head_dim=model.qk_rope_head_dim, v_head_dim=model.v_head_dim, kv_channels=model.v_head_dim,
+        num_query_groups=model.num_attention_heads, qk_layernorm=True, rotary_interleaved=False,
+        rope_type="yarn" if is_yarn else "rope", rotary_base=model.rope_theta, rotary_percent=1.0,
+        rotary_scaling_factor=model.rope_factor if is_yarn else 1.0,
+        original_max_position_embeddings=model.rope_original_max_position_embeddings,
+        beta_fast=model.rope_beta_fast, beta_slow=model.rope_beta_slow,
+        mscale=model.rope_mscale if has_both_mscales else None,
+        mscale_all_dim=model.rope_mscale_all_dim if is_yarn else 0.0,
+    )  # fmt: skip
 
 
 def layer_spec(model: ModelConfig, config: MegatronConfig, is_moe: bool | None = None) -> Any:
@@ -199,20 +243,51 @@ def layer_spec(model: ModelConfig, config: MegatronConfig, is_moe: bool | None =
     dense layer; default: sparse in an MoE model); `megatron_kernels.miles_spec` turns the local one into the Miles
     layers."""
     num_experts = (model.num_experts or None) if is_moe is None or is_moe else None
+    # MLA's latent norms are megatron-core's "qk_layernorm" (transformer_config's `mla_fields`)
+    qk_layernorm, mla = model.use_qk_norm or model.is_mla, model.is_mla
     if config.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=model.use_qk_norm
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, multi_latent_attention=mla
         )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(
+    spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=False,
-        qk_layernorm=model.use_qk_norm,
+        qk_layernorm=qk_layernorm,
+        multi_latent_attention=mla,
         normalization="RMSNorm",
     )
+    return local_mla(spec, model, config)
+
+
+@functools.cache
+def _mla_core_attention() -> type:
+    """megatron-core's local `DotProductAttention`, taking the arguments its MLA builds the attention with."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):  # type: ignore[misc]
+        """megatron-core 0.16's MLA passes the query / key and the value head widths (`k_channels`, `v_channels`),
+        which only Transformer Engine's attention takes; the local one computes with the widths q, k and v have
+        (the softmax scale is given, the output is reshaped by kv_channels = v_head_dim), so it drops them."""
+
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:  # fmt: skip
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
+
+
+def local_mla(spec: Any, model: ModelConfig, config: MegatronConfig) -> Any:
+    """`spec` (a layer's, or a block's) with the local attention that runs megatron-core's MLA, for an MLA model with
+    megatron-core's local modules; else `spec` itself."""
+    if not model.is_mla or config.transformer_impl != "local":
+        return spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return swap_modules(spec, {DotProductAttention: (_mla_core_attention(), {})})
 
 
 def build_gpt_model(
@@ -229,15 +304,15 @@ def build_gpt_model(
     transformer = transformer_config(model, config, dtype)
     spec = layer_spec(model, config)
     if kernel is not None and config.uses_miles_layers(kernel.is_deterministic):
-        check_miles_layout(config)
+        check_miles_layout(config, model)
         spec = miles_block_spec(model, transformer, kernel, config, vp_stage)
     elif model.is_moe:  # a spec per layer: the dense ones (GLM-4.5's first layers) get a dense MLP
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        spec = get_gpt_decoder_block_spec(
+        spec = local_mla(get_gpt_decoder_block_spec(
             transformer, use_transformer_engine=config.transformer_impl != "local", normalization="RMSNorm",
             vp_stage=vp_stage,
-        )  # fmt: skip
+        ), model, config)  # fmt: skip
     virtual = {"ignore_virtual": virtual_stages(config) is None, "vp_stage": vp_stage}
     with building_miles_layers():
         return GPTModel(
@@ -248,6 +323,12 @@ def build_gpt_model(
             position_embedding_type="rope", rotary_percent=model.partial_rotary_factor,
             rotary_base=int(model.rope_theta), parallel_output=False, vp_stage=vp_stage,
         )  # fmt: skip
+
+
+def rope_table(gpt: Any, width: int) -> torch.Tensor | None:
+    """The RoPE table megatron-core's layers take for positions 0 .. width - 1 of a (B, S) batch; None under MLA,
+    whose attention computes its own (YaRN) from the sequence length."""
+    return None if gpt.config.multi_latent_attention else gpt.rotary_pos_emb(width)
 
 
 class PaddedBatch(NamedTuple):
@@ -347,8 +428,8 @@ class MegatronCausalLM(torch.nn.Module):
             miles_out: torch.Tensor = gpt.decoder(hidden_states=hidden_SBH, attention_mask=None,
                                                   packed_seq_params=padded.packed)  # fmt: skip
             return miles_out
-        rotary = gpt.rotary_pos_emb(width)
-        out: torch.Tensor = gpt.decoder(hidden_states=hidden_SBH, attention_mask=padded.mask, rotary_pos_emb=rotary)
+        out: torch.Tensor = gpt.decoder(hidden_states=hidden_SBH, attention_mask=padded.mask,
+                                        rotary_pos_emb=rope_table(gpt, width))  # fmt: skip
         return out
 
     def hidden_rows(self, hidden_SBH: torch.Tensor, padded: PaddedBatch) -> torch.Tensor:

@@ -43,7 +43,7 @@ from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import MegatronConfig, OptimizerConfig
 from miles_trainer.megatron_convert import MTP_PREFIX
 from miles_trainer.megatron_kernels import building_miles_layers, miles_spec
-from miles_trainer.megatron_model import MegatronCausalLM, PaddedBatch, layer_spec, transformer_config
+from miles_trainer.megatron_model import MegatronCausalLM, PaddedBatch, layer_spec, rope_table, transformer_config
 from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors
 from miles_trainer.megatron_state import adamw_sharded_state, load_adamw_state
 
@@ -215,7 +215,7 @@ class MegatronMTP:
             hidden_SBH = tensor_parallel.scatter_to_sequence_parallel_region(hidden_SBH)
             embedded_SBH = tensor_parallel.scatter_to_sequence_parallel_region(embedded_SBH)
         layout = {"packed_seq_params": padded.packed} if padded.packed is not None else {
-            "attention_mask": padded.mask, "rotary_pos_emb": gpt.rotary_pos_emb(width)}  # fmt: skip
+            "attention_mask": padded.mask, "rotary_pos_emb": rope_table(gpt, width)}  # fmt: skip
         out_SBH = self.block.layers[module]._proj_and_transformer_layer(
             hidden_states=hidden_SBH, decoder_input=embedded_SBH, **layout
         )

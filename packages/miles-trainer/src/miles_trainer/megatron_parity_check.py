@@ -101,7 +101,7 @@ def megatron_logits(
 ) -> list[list[torch.Tensor]]:
     """float32 logits (S, V) of each prompt under megatron-core's GPTModel on the checkpoint's tensors (one rank,
     float32), then under each of its MTP modules (see the module docstring). Inside `one_rank()`."""
-    from miles_trainer.megatron_model import build_gpt_model
+    from miles_trainer.megatron_model import build_gpt_model, rope_table
 
     layout = MegatronConfig(moe_token_dispatcher="allgather")
     gpt = build_gpt_model(config, layout, torch.float32)
@@ -129,7 +129,7 @@ def megatron_logits(
                     position_ids=positions,
                     hidden_states=hidden.pop(),
                     attention_mask=mask,
-                    rotary_pos_emb=gpt.rotary_pos_emb(width),
+                    rotary_pos_emb=rope_table(gpt, width),
                     embedding=gpt.embedding,
                 )
                 logits += [gpt.output_layer(part, weight=head)[0][:, 0] for part in states.chunk(1 + num_mtp)[1:]]
