@@ -10,7 +10,12 @@
    a step), medians of `--repeats` alternating cycles in one process: the offload manager's disk store against the
    obvious alternative, saving the same tensors with safetensors and loading them back into place.
 
+`--architecture` plans and measures the built-in policy in another family (the planner's MLA terms:
+`--architecture deepseek_v3 --repeats 0`, no offload timing).
+
     uv run python benchmarks/memory.py --out benchmarks/results/memory.json
+    uv run python benchmarks/memory.py --architecture deepseek_v3 --repeats 0 \
+        --out benchmarks/results/memory_deepseek_v3.json
 """
 
 from __future__ import annotations
@@ -137,11 +142,12 @@ def offload_speed(model_dir: str, repeats: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per micro-batch (one micro-batch per rank)")
-    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=12, help="offload cycles timed (0: no offload timing)")
+    parser.add_argument("--architecture", default="qwen3", help="the built-in policy's family (bootstrap_architecture)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        config = policy_config(VOCAB)
+        config = policy_config(VOCAB, args.architecture)
         model_dir = os.path.join(tmp, "policy")
         save_model(random_model(config, seed=0), model_dir)
         shape = ModelShape.from_hf(json.loads(Path(model_dir, "config.json").read_text()))
@@ -149,9 +155,11 @@ def main() -> int:
             "host": host_info(),
             "command": "uv run python benchmarks/memory.py " + " ".join(sys.argv[1:]),
             "trainer": [validate_trainer(model_dir, shape, world, args.tokens) for world in (1, 2)],
+            "architecture": args.architecture,
             "engine": validate_engine(model_dir, shape),
-            "offload": offload_speed(model_dir, args.repeats),
         }
+        if args.repeats:
+            result["offload"] = offload_speed(model_dir, args.repeats)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
