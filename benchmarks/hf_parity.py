@@ -79,8 +79,9 @@ def kv_cache_bytes() -> dict[str, dict[str, int]]:
             num_key_value_heads=shape["num_attention_heads"], num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=64,
         )  # fmt: skip
+        heads = shape["num_attention_heads"]
         configs = {"mla": mla, "gqa_8_kv_heads": ModelConfig(**base, num_key_value_heads=8, head_dim=128),
-                   "mha": ModelConfig(**base, num_key_value_heads=shape["num_attention_heads"], head_dim=128)}  # fmt: skip
+                   "mha": ModelConfig(**base, num_key_value_heads=heads, head_dim=128)}  # fmt: skip
         sizes = {key: KVStore.allocate(c, 1, 1, torch.bfloat16, "cpu").bytes_per_token for key, c in configs.items()}
         ratios = {"gqa_over_mla": sizes["gqa_8_kv_heads"] / sizes["mla"], "mha_over_mla": sizes["mha"] / sizes["mla"]}
         out[name] = sizes | ratios

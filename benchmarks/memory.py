@@ -143,7 +143,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per micro-batch (one micro-batch per rank)")
     parser.add_argument("--repeats", type=int, default=12, help="offload cycles timed (0: no offload timing)")
-    parser.add_argument("--architecture", default="qwen3", help="the built-in policy's family (bootstrap_architecture)")
+    parser.add_argument("--architecture", default="qwen3", help="the built-in policy's bootstrap_architecture")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

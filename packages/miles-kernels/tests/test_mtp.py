@@ -47,7 +47,8 @@ def hf_layer_model(model, module: int, directory):
 
     from miles_kernels import CausalLM
 
-    # GLM-4.5's and DeepSeek-V3's MTP layer is an MoE layer (its index is past first_k_dense_replace): so is the reference's layer
+    # GLM-4.5's and DeepSeek-V3's MTP layer is an MoE layer (its index is past first_k_dense_replace): so is the
+    # reference's layer
     dense_first = {"first_k_dense_replace": 0} if model.config.model_type in ("glm4_moe", "deepseek_v3") else {}
     one = CausalLM(replace(model.config, num_hidden_layers=1, num_nextn_predict_layers=0, **dense_first), KERNEL)
     prefix = f"model.layers.{model.config.num_hidden_layers + module}."

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from miles_contracts import GenerateRequest, SamplingParams
 from miles_kernels import KernelConfig, build_packed_batch, load_model
-from miles_memory import ModelShape, embedded_engine_bytes
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
+from miles_memory import ModelShape, embedded_engine_bytes
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
 KERNEL = KernelConfig(mode="deterministic", page_size=16)

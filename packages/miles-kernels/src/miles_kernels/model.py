@@ -192,10 +192,9 @@ class LatentAttention(nn.Module):
         heads, nope, v_dim, latent_dim = self.dims
         num_tokens = x_NH.shape[0]
         if self.q_proj is not None:
-            q = self.q_proj(x_NH)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_NH)))
-        q = q.view(num_tokens, heads, -1)
+            q = self.q_proj(x_NH).view(num_tokens, heads, -1)
+        else:  # the q-LoRA
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_NH))).view(num_tokens, heads, -1)
         q_nope, q_rot = q[..., :nope], q[..., nope:]
         latent = self.kv_a_proj_with_mqa(x_NH)
         c_N1C = self.kv_a_layernorm(latent[:, :latent_dim]).unsqueeze(1)
@@ -233,7 +232,7 @@ class LatentAttention(nn.Module):
     def expands(self, batch: AttentionBatch) -> bool:
         """Whether the expanded form costs fewer flops than the absorbed one for this engine batch (see the class
         docstring): sum_s Q_s K_s (2W - qk - v) > (sum_s K_s - N) (nope + v) kv_lora_rank."""
-        heads, nope, v_dim, latent_dim = self.dims
+        _, nope, v_dim, latent_dim = self.dims
         qk = self.q_rot_dim + nope
         pairs = (batch.query_lens_S * batch.kv_lens_S).sum()
         keys_only = batch.kv_lens_S.sum() - batch.num_tokens
@@ -247,7 +246,8 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(*k_nope.shape[:-1], -1)), dim=-1)
         width = max(q.shape[-1], v.shape[-1])
-        return F.pad(q, (0, width - q.shape[-1])), F.pad(k, (0, width - k.shape[-1])), F.pad(v, (0, width - v.shape[-1]))
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        return q, k, v
 
     def _expanded(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, c_N1C: torch.Tensor, k_rot: torch.Tensor,

@@ -285,7 +285,8 @@ class ModelConfig:
         if self.rope_type != "yarn":
             return 1.0
         if self.rope_mscale and self.rope_mscale_all_dim:
-            return yarn_mscale(self.rope_factor, self.rope_mscale) / yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
+            factor = self.rope_factor
+            return yarn_mscale(factor, self.rope_mscale) / yarn_mscale(factor, self.rope_mscale_all_dim)
         return yarn_mscale(self.rope_factor)
 
     @property
@@ -353,7 +354,7 @@ class ModelConfig:
         """Parse a Hugging Face config.json dict; raise ValueError naming any unsupported setting."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
-        model_type = ALIASES.get(model_type, model_type)
+        model_type = ALIASES.get(str(model_type), model_type)
         if model_type in NOT_YET:
             raise ValueError(
                 f"unsupported architecture: model_type={model_type!r} needs {NOT_YET[model_type]}; Miles kernels "
