@@ -63,8 +63,9 @@ class KVStore:
 
     @property
     def bytes_per_token(self) -> int:
-        """Cache bytes one token takes over every layer (the draft's included)."""
-        return sum(t[0, :, 0].numel() * t.element_size() for t in self.tensors())
+        """Cache bytes one token takes over every layer (the draft's included); from the shapes, so it holds while the
+        storage is released (`/release_memory_occupation`)."""
+        return sum(t.shape[1] * t.shape[3] * t.element_size() for t in self.tensors())
 
     @property
     def num_pages(self) -> int:
