@@ -199,6 +199,22 @@ def test_recording_routing_needs_an_moe_policy(tmp_path) -> None:
     )
 
 
+def test_a_deterministic_megatron_run_of_an_mla_policy_is_refused_at_start_up(tmp_path) -> None:
+    """The Miles layers (Megatron in deterministic mode) have no MLA yet: said before any process starts, with the
+    two ways out; fast mode (megatron-core's MLA) and the FSDP2 backend pass."""
+    from miles_kernels.testing import save_random_model, tiny_config
+    from miles_orchestrator.config import load_config
+    from miles_orchestrator.preflight import check_model
+
+    deepseek = str(save_random_model(tmp_path / "deepseek", tiny_config("deepseek")))
+    megatron = ["trainer.backend.name=megatron"]
+    with pytest.raises(ValueError, match=r"trainer.backend.megatron: the Miles layers have no MLA yet.*fsdp2.*fast"):
+        check_model(load_config(None, megatron), deepseek)
+    check_model(load_config(None, [*megatron, "kernel.mode=fast"]), deepseek)
+    check_model(load_config(None, []), deepseek)
+    check_model(load_config(None, megatron), str(save_random_model(tmp_path / "glm", tiny_config("glm"))))
+
+
 def glm45_saved_by_transformers(directory):
     """A tiny GLM-4.5 as Hugging Face tooling writes it: config.json declares one MTP layer, no tensor of it."""
     from miles_kernels.testing import build_tokenizer, save_transformers_model, tiny_config

@@ -45,11 +45,16 @@ def check_plugins(cfg: RunConfig) -> None:
 def check_model(cfg: RunConfig, model_dir: str) -> None:
     """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
     frozen or online; online accepts a checkpoint whose config.json declares MTP modules it holds no tensor of,
-    which `with_fresh_draft` completes); MoE layers when the run records or replays routing. (Other runs read the
-    model only when they load it.)"""
-    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts):
+    which `with_fresh_draft` completes); MoE layers when the run records or replays routing; a Megatron layout that
+    builds its attention (the Miles layers have no MLA yet). (Other runs read the model only when they load it.)"""
+    megatron = cfg.trainer.backend.megatron if cfg.trainer.backend.name == "megatron" else None
+    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts or megatron is not None):
         return
     model = read_model_config(model_dir)
+    if megatron is not None:
+        problem = megatron.model_problem(model.model_type, model.is_mla, cfg.kernel.is_deterministic)
+        if problem:
+            raise ValueError(f"trainer.backend.megatron: {problem}")
     if cfg.rollout.return_routed_experts and not model.is_moe:
         setting = (
             "trainer.routing_replay=rollout"

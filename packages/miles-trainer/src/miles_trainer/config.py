@@ -289,6 +289,18 @@ class MegatronConfig(_Config):
         """Whether the GPTModel's layers are the Miles ones (`layer_spec`; `deterministic`: kernel.mode is)."""
         return self.layer_spec == "miles" or (self.layer_spec == "auto" and deterministic)
 
+    def model_problem(self, model_type: str, is_mla: bool, deterministic: bool) -> str | None:
+        """Why this layout cannot build a `model_type` model (None: it can): the Miles layers have no multi-head
+        latent attention yet. Checked where config.json is read (the run's start-up, the backend's build)."""
+        if not (is_mla and self.uses_miles_layers(deterministic)):
+            return None
+        return (
+            f"the Miles layers have no MLA yet ({model_type}: multi-head latent attention), and "
+            "kernel.mode=deterministic (or megatron.layer_spec=miles) builds them; use trainer.backend.name=fsdp2 "
+            f"for true on-policy with {model_type}, or kernel.mode=fast with megatron.layer_spec auto or "
+            "megatron (megatron-core's MLA; trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the mismatch)"
+        )
+
     def miles_layer_problems(self) -> list[str]:
         """What in this layout the Miles layers do not run (each with why); empty: they run it."""
         problems = []

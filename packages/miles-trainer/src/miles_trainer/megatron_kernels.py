@@ -85,13 +85,9 @@ class PackedRows:
 def check_miles_layout(config: MegatronConfig, model: ModelConfig) -> None:
     """ValueError naming what the Miles layers do not run (the run config checks the layout before the model is
     read; the model's attention is checked here, when the backend builds it)."""
-    if model.is_mla:
-        raise ValueError(
-            f"the Miles layers have no MLA yet ({model.model_type}: multi-head latent attention), and "
-            "kernel.mode=deterministic (or megatron.layer_spec=miles) builds them; use trainer.backend.name=fsdp2 "
-            f"for true on-policy with {model.model_type}, or kernel.mode=fast with megatron.layer_spec auto or "
-            "megatron (megatron-core's MLA; trainer.loss.is_mode=truncate (TIS) or mask (MIS) corrects the mismatch)"
-        )
+    problem = config.model_problem(model.model_type, model.is_mla, deterministic=True)  # the Miles layers are built
+    if problem:
+        raise ValueError(problem)
     problems = config.miles_layer_problems()
     if problems:
         raise ValueError(
