@@ -13,7 +13,7 @@ from miles_kernels.testing import PagedRunner, packed_logits, random_model, tiny
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "deepseek"])
 def test_cuda_model_is_batch_invariant_and_matches_cpu(kind: str) -> None:
     kernel = KernelConfig(page_size=16, attention_query_tile=4, linear_tile=8, moe_tile=8)
     cpu = random_model(tiny_config(kind), kernel, seed=0)
@@ -62,3 +62,28 @@ def test_cuda_decode_equals_prefill_at_real_head_shapes(dtype: str) -> None:
     last = runner.step({i: s[-1:] for i, s in enumerate(seqs)})
     for i, logits in last.items():
         assert torch.equal(logits, reference[i][-1:]), f"seq {i}: CUDA decode differs from CUDA prefill ({dtype})"
+
+
+@pytest.mark.parametrize("attention_backend", ["torch-blocked", "triton"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_mla_decode_equals_prefill_at_deepseek_v3_latent_width(dtype: str, attention_backend: str) -> None:
+    """DeepSeek-V3's attention widths (a 512 + 64 latent, query / key heads of 128 + 64, value heads of 128; 16
+    heads, YaRN, interleaved rotary, two dense layers): the absorbed attention over the latent cache, each sequence's
+    decode step batched with the others, gives the logits of one packed prefill, bit for bit, with the blocked and the
+    Triton attention (whose head width pads 576 to 1024)."""
+    kernel = KernelConfig(dtype=dtype, page_size=16, attention_backend=attention_backend)
+    config = tiny_config(
+        "deepseek", vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=64, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_hidden_layers=2, first_k_dense_replace=2,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    model = random_model(config, kernel, seed=2).to("cuda")
+    generator = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 1024, (n,), generator=generator).cuda() for n in (5, 100, 37, 260, 64)]
+    reference = packed_logits(model, seqs)
+    runner = PagedRunner(model)
+    runner.step({i: s[:-1] for i, s in enumerate(seqs)})
+    last = runner.step({i: s[-1:] for i, s in enumerate(seqs)})
+    for i, logits in last.items():
+        assert torch.equal(logits, reference[i][-1:]), f"seq {i}: MLA decode differs from prefill ({dtype})"
