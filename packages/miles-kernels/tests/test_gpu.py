@@ -44,6 +44,17 @@ def test_cuda_linear_and_norm_rows_do_not_depend_on_the_batch(dtype: torch.dtype
             assert torch.equal(normed[r : r + 1], alone[r][1]), f"norm row {r} with M={m}"
 
 
+def assert_decode_equals_prefill(model, seqs: list[torch.Tensor], dtype: str) -> None:
+    """Each sequence's last token decoded in one batched step after its prefill gives the logits of its packed
+    forward, bit for bit."""
+    reference = packed_logits(model, seqs)
+    runner = PagedRunner(model)
+    runner.step({i: s[:-1] for i, s in enumerate(seqs)})
+    last = runner.step({i: s[-1:] for i, s in enumerate(seqs)})
+    for i, logits in last.items():
+        assert torch.equal(logits, reference[i][-1:]), f"seq {i}: CUDA decode differs from CUDA prefill ({dtype})"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_decode_equals_prefill_at_real_head_shapes(dtype: str) -> None:
     """Head dim 128, 8 query / 2 KV heads, hidden 1024, prompts over several key blocks: each sequence's decode
@@ -56,12 +67,7 @@ def test_cuda_decode_equals_prefill_at_real_head_shapes(dtype: str) -> None:
     model = random_model(config, kernel, seed=1).to("cuda")
     generator = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 1024, (n,), generator=generator).cuda() for n in (5, 100, 37, 260, 64)]
-    reference = packed_logits(model, seqs)
-    runner = PagedRunner(model)
-    runner.step({i: s[:-1] for i, s in enumerate(seqs)})
-    last = runner.step({i: s[-1:] for i, s in enumerate(seqs)})
-    for i, logits in last.items():
-        assert torch.equal(logits, reference[i][-1:]), f"seq {i}: CUDA decode differs from CUDA prefill ({dtype})"
+    assert_decode_equals_prefill(model, seqs, dtype)
 
 
 @pytest.mark.parametrize("attention_backend", ["torch-blocked", "triton"])
@@ -81,9 +87,4 @@ def test_cuda_mla_decode_equals_prefill_at_deepseek_v3_latent_width(dtype: str, 
     model = random_model(config, kernel, seed=2).to("cuda")
     generator = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 1024, (n,), generator=generator).cuda() for n in (5, 100, 37, 260, 64)]
-    reference = packed_logits(model, seqs)
-    runner = PagedRunner(model)
-    runner.step({i: s[:-1] for i, s in enumerate(seqs)})
-    last = runner.step({i: s[-1:] for i, s in enumerate(seqs)})
-    for i, logits in last.items():
-        assert torch.equal(logits, reference[i][-1:]), f"seq {i}: MLA decode differs from prefill ({dtype})"
+    assert_decode_equals_prefill(model, seqs, dtype)

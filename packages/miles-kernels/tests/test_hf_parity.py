@@ -432,7 +432,8 @@ def test_yarn_frequencies_and_mscale_are_transformers(rope: dict, head_dim: int)
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import _compute_yarn_parameters
 
-    from miles_kernels.ops.rope import yarn_inv_frequencies, yarn_mscale
+    from miles_kernels.model_config import yarn_mscale
+    from miles_kernels.ops.rope import yarn_inv_frequencies
 
     config = DeepseekV3Config(qk_rope_head_dim=head_dim, max_position_embeddings=163840,
                               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **rope})  # fmt: skip

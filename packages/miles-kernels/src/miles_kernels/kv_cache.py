@@ -53,13 +53,7 @@ class KVStore:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor once: the layers' K, then their V (a latent store, K and V at once, listed once)."""
-        seen: set[int] = set()
-        out = []
-        for tensor in (*self.k, *self.v):
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                out.append(tensor)
-        return out
+        return list({id(tensor): tensor for tensor in (*self.k, *self.v)}.values())
 
     @property
     def bytes_per_token(self) -> int:

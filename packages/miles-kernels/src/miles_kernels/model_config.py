@@ -48,8 +48,6 @@ SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "qwen3_moe")  # families with (optiona
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # RoPE scalings each family may use; every other family: default
 ROPE_TYPES = {"llama": ("default", "llama3"), "deepseek_v3": ("default", "yarn")}
-# Architectures that are recognized but need a part Miles does not implement yet: model_type -> what is missing.
-NOT_YET: dict[str, str] = {}
 _QWEN3_MOE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
 _GLM4_MOE_FIELDS = (
     "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
@@ -355,11 +353,6 @@ class ModelConfig:
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
         model_type = ALIASES.get(str(model_type), model_type)
-        if model_type in NOT_YET:
-            raise ValueError(
-                f"unsupported architecture: model_type={model_type!r} needs {NOT_YET[model_type]}; Miles kernels "
-                f"run {sorted(ARCHITECTURES.values())}"
-            )
         if model_type not in ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture: model_type={model_type!r}, architectures={architectures}; "

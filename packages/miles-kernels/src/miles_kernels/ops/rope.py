@@ -1,6 +1,7 @@
 """Rotary position embeddings (RoPE, rotate-half layout as in Hugging Face Qwen3; partial rotary as in GLM-4.5:
 cos / sin narrower than the head rotate its leading dimensions and the rest pass through unchanged; Llama 3's
-frequency scaling, `llama3_inv_frequencies`; YaRN's, `yarn_inv_frequencies` and `yarn_mscale`, for DeepSeek-V3).
+frequency scaling, `llama3_inv_frequencies`; YaRN's, `yarn_inv_frequencies`, for DeepSeek-V3, whose magnitude
+correction `yarn_mscale` is torch-free in model_config.py).
 
 Batch-invariant as written: angles are computed per position (`position * inv_freq`, elementwise, no
 reduction), so a token's rotation depends only on its absolute position, never on the batch or chunk it is in.
@@ -13,8 +14,6 @@ import math
 from typing import Any
 
 import torch
-
-from miles_kernels.model_config import yarn_mscale  # noqa: F401  (YaRN's magnitude correction, re-exported)
 
 
 def inv_frequencies(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
