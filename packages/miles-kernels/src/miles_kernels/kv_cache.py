@@ -21,7 +21,7 @@ class KVStore:
     decoding's draft) at the same pages and slots as the trunk's, so a sequence's pages hold both.
     Zero-initialized (page 0 is the null page), so masked slots always hold finite values.
     Under multi-head latent attention (DeepSeek-V3) a layer holds one latent store of shape (pages, 1, page_size,
-    kv_lora_rank + qk_rope_head_dim), which is both `k[layer]` and `v[layer]` (the same tensor; model.py,
+    kv_lora_rank + qk_rope_head_dim), which is both `k[layer]` and `v[layer]` (the same tensor; latent_attention.py,
     `LatentAttention`): `tensors()` lists each store once.
     """
 

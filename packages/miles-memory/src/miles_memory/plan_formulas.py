@@ -93,10 +93,11 @@ def blocked_attention_elements(
     keeps), both padded to whole tiles of `query_tile` tokens, and the K/V pages (in place of K and V) padded to whole
     pages; the backward recomputes the scores chunk by chunk (a bounded, transient buffer). In float32 elements
     (`act_bytes`: the activation dtype's size, for the terms kept in it).
-    MLA (miles_kernels/model.py, `LatentAttention`) runs the absorbed form: one KV head whose keys and values are the
-    latent (W = kv_lora_rank + qk_rope_head_dim; one page store, in the activation dtype), queries of width W per
-    head; besides the float32 tiles it keeps the attention's output (heads x W, the value projection's input), and
-    none of the expanded form's K, kv_b_proj output and V that `layer_activation_elements` counts (subtracted)."""
+    MLA (miles_kernels/latent_attention.py, `LatentAttention`) runs the absorbed form: one KV head whose keys and
+    values are the latent (W = kv_lora_rank + qk_rope_head_dim; one page store, in the activation dtype), queries of
+    width W per head; besides the float32 tiles it keeps the attention's output (heads x W, the value projection's
+    input), and none of the expanded form's K, kv_b_proj output and V that `layer_activation_elements` counts
+    (subtracted)."""
     heads, kv_heads, d = shape.num_attention_heads, shape.kv_heads, shape.dim
     tiled = -(-sequence_length // query_tile) * query_tile
     paged = -(-sequence_length // page_size) * page_size

@@ -85,7 +85,7 @@ class AttentionBatch:
     def compacted(self, num_pages: int) -> tuple[torch.Tensor, AttentionBatch]:
         """The pages this batch reads or writes, ascending from the null page (U,), and this batch with its page ids
         renumbered 0 .. U - 1 to match: attention over a store of just those pages (`num_pages`: the full store's)
-        gives the same rows. For a form of the keys computed per page (MLA's expanded K / V, model.py)."""
+        gives the same rows. For a form of the keys computed per page (MLA's expanded K / V, latent_attention.py)."""
         copies = self.copy_pages_C.to(self.write_pages_N)
         used = torch.cat((self.block_tables_SB.flatten(), self.write_pages_N, copies))
         used = torch.unique(torch.cat((used.new_zeros(1), used)))  # sorted: the null page first
