@@ -13,12 +13,26 @@ from .hf_io import (
     tensor_files,
 )
 from .kv_cache import KVStore
+from .lora import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    adapted_layers,
+    adapter_tensors,
+    add_lora,
+    fold_adapters,
+    folded_weights,
+    is_adapter_name,
+    read_peft_adapter,
+    save_peft_adapter,
+    target_names,
+)
+from .lora_serving import AdapterSlots
 from .model import CausalLM, MTPLayer, rotary_cos_sin
 from .model_config import ModelConfig
 from .ops.activation import swiglu
 from .ops.attention import attention, packed_attention
 from .ops.attention_batch import NULL_PAGE, AttentionBatch, build_attention_batch, build_packed_batch
-from .ops.linear import linear, tiled_matmul
+from .ops.linear import linear, merge_lora, tiled_matmul
 from .ops.moe import (
     Routing,
     combine_ranks,
@@ -72,6 +86,9 @@ __version__: str
 __all__ = [
     "BUCKET_FORMAT",
     "NULL_PAGE",
+    "PEFT_CONFIG",
+    "PEFT_WEIGHTS",
+    "AdapterSlots",
     "AttentionBatch",
     "Backend",
     "Bucket",
@@ -86,6 +103,9 @@ __all__ = [
     "RowSampling",
     "TensorSlot",
     "WeightUpdateGroup",
+    "adapted_layers",
+    "adapter_tensors",
+    "add_lora",
     "apply_rope",
     "attention",
     "available_backends",
@@ -101,11 +121,14 @@ __all__ = [
     "encode_bucket",
     "expert_mlp",
     "experts_forward",
+    "fold_adapters",
+    "folded_weights",
     "full_logprobs",
     "get_backend",
     "in_shared_memory",
     "init_weight_update_group",
     "inv_frequencies",
+    "is_adapter_name",
     "iter_buckets",
     "iter_checkpoint",
     "kernel_fingerprint",
@@ -114,11 +137,13 @@ __all__ = [
     "load_model",
     "load_state",
     "logprob_temperatures",
+    "merge_lora",
     "num_absent_mtp_layers",
     "packed_attention",
     "parse_dtype",
     "plan_buckets",
     "read_model_config",
+    "read_peft_adapter",
     "register_backend",
     "registered_ops",
     "rendezvous_store",
@@ -131,8 +156,10 @@ __all__ = [
     "safetensors_layout",
     "sample",
     "save_model",
+    "save_peft_adapter",
     "select_experts",
     "swiglu",
+    "target_names",
     "tensor_files",
     "tiled_matmul",
     "token_logprobs",

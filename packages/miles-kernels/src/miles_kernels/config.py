@@ -69,3 +69,36 @@ class KernelConfig(BaseModel):
 
         dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype
+
+
+class LoraConfig(BaseModel):
+    """LoRA adapters on a frozen base (PEFT's `LoraConfig` names and semantics): `W + scaling * B @ A` on every
+    targeted linear layer, `scaling = alpha / rank` (rsLoRA: `alpha / sqrt(rank)`); rank 0: no adapters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(default=0, ge=0, le=4096, description="Adapter rank r (0: no LoRA, every weight trains).")
+    alpha: float = Field(default=32.0, gt=0, description="lora_alpha: the update is scaled by alpha / rank.")
+    use_rslora: bool = Field(default=False, description="rsLoRA: scale by alpha / sqrt(rank) instead.")
+    target_modules: list[str] | str = Field(
+        default="all-linear",
+        description="Linear layers that get adapters, as PEFT reads it: a list of names matching a module name or "
+        "its last parts (q_proj, self_attn.o_proj, experts.0.up_proj), 'all-linear' (every linear layer of the "
+        "decoder: attention, MLP, experts, MLA projections), or one regex matched against the full module name.",
+    )
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraConfig:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules is empty: name the modules (e.g. [q_proj, v_proj]) or use 'all-linear'")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        """True when adapters are used (rank > 0)."""
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """What `B @ A` is multiplied by (PEFT's `scaling`)."""
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)

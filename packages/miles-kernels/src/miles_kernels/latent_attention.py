@@ -85,7 +85,7 @@ class LatentAttention(nn.Module):
         if self.interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
-        w_kv = self.kv_b_proj.weight.view(heads, nope + v_dim, latent_dim)
+        w_kv = self.kv_b_proj.effective_weight().view(heads, nope + v_dim, latent_dim)
         if self.kernel.is_deterministic or (k_pages is not None and not self.expands(batch)):
             out = self._absorbed(q_nope, q_rot, c_N1C, k_rot, w_kv, batch, k_pages, v_pages)
         elif k_pages is None:

@@ -3,11 +3,13 @@ parameter names, each running miles' kernel op with the model's `KernelConfig`."
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from miles_kernels.config import KernelConfig
-from miles_kernels.ops.linear import linear
+from miles_kernels.ops.linear import linear, merge_lora
 from miles_kernels.ops.norm import rms_norm
 
 
@@ -22,13 +24,47 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A linear layer (HF `nn.Linear` parameter names) that runs miles' kernel."""
+    """A linear layer (HF `nn.Linear` parameter names) that runs miles' kernel, optionally with a LoRA adapter
+    (lora.py: `lora_A` (R, K), `lora_B` (O, R), `lora_scaling`, PEFT's names) and adapters served per request."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, kernel: KernelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernel = kernel
+        self.lora_A: nn.Parameter | None = None
+        self.lora_B: nn.Parameter | None = None
+        self.lora_scaling = 0.0
+        # The engine's merged weight (lora.fold_adapters, once per adapter update); None: merged when used.
+        self.folded: torch.Tensor | None = None
+        # Adapters chosen per request (the engine's multi-LoRA serving, lora_serving.py), under this layer's name.
+        self.served: ServedAdapters | None = None
+        self.served_name = ""
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight this layer computes with: the base, or base + scaling * B @ A with an adapter (lora.py)."""
+        if self.lora_A is None:
+            return self.weight
+        if self.folded is not None:
+            return self.folded
+        assert self.lora_B is not None
+        return merge_lora(self.weight, self.lora_A, self.lora_B, self.lora_scaling, self.kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.kernel, self.bias)
+        if self.lora_A is not None and self.folded is None and not self.kernel.is_deterministic:
+            # Fast mode: the un-merged form, x W^T + scaling * (x A^T) B^T (no merged weight is made)
+            assert self.lora_B is not None
+            out = linear(x, self.weight, self.kernel, self.bias)
+            out = out + self.lora_scaling * linear(linear(x, self.lora_A, self.kernel), self.lora_B, self.kernel)
+        else:
+            out = linear(x, self.effective_weight(), self.kernel, self.bias)
+        if self.served is not None:
+            out = self.served.apply(self.served_name, x, out)
+        return out
+
+
+class ServedAdapters(Protocol):
+    """Per-request adapters of a serving engine (miles_kernels.lora_serving.AdapterSlots): adds each row's adapter
+    output to a layer's `out`."""
+
+    def apply(self, layer: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...

@@ -190,9 +190,9 @@ class SparseMoE(nn.Module):
             x_NH,
             routing.expert_ids,
             routing.weights,
-            [e.gate_proj.weight for e in experts],
-            [e.up_proj.weight for e in experts],
-            [e.down_proj.weight for e in experts],
+            [e.gate_proj.effective_weight() for e in experts],
+            [e.up_proj.effective_weight() for e in experts],
+            [e.down_proj.effective_weight() for e in experts],
             self.kernel,
         )
         if self.shared_experts is not None:

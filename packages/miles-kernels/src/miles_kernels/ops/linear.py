@@ -178,3 +178,13 @@ def head_linear(x_NHK: torch.Tensor, weight_HOK: torch.Tensor, config: KernelCon
         return torch.bmm(x_NHK.transpose(0, 1), weight_HOK.transpose(1, 2)).transpose(0, 1)
     heads = [linear(x_NHK[:, h], weight_HOK[h], config) for h in range(x_NHK.shape[1])]
     return torch.stack(heads, dim=1)
+
+
+def merge_lora(
+    weight_OK: torch.Tensor, a_RK: torch.Tensor, b_OR: torch.Tensor, scaling: float, kernel: KernelConfig
+) -> torch.Tensor:
+    """`weight + scaling * b @ a` in the operands' dtype. The product runs through `linear` (batch-invariant in
+    deterministic mode: each of its rows has one fixed order of operations), so engine and trainer merging the same
+    values get the same bits; differentiable in `a` and `b`."""
+    delta_KO = linear(a_RK.t(), b_OR, kernel)  # row k: a[:, k] @ b.T
+    return weight_OK + scaling * delta_KO.t()
