@@ -156,6 +156,11 @@ def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[t
             seen.add(name)
     if isinstance(tensors, Mapping):
         required = set(checkpoint_tensors(model)) - set(copies)  # a checkpoint may leave the MTP copies out
+        # A model with LoRA adapters takes a complete base checkpoint or a complete set of adapters (what a LoRA
+        # run's weight sync sends; lora.py), or both.
+        adapters = {name for name in required if name.endswith((".lora_A", ".lora_B"))}
+        if adapters:
+            required = adapters if adapters & seen else required - adapters
         missing = sorted(required - seen)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from miles_kernels.config import KernelConfig
+from miles_kernels.config import KernelConfig, LoraConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DRAFT_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names that draft with the model's own MTP layers
@@ -109,6 +109,12 @@ class EngineConfig(BaseModel):
     )
     limits: RequestLimits = Field(
         default_factory=RequestLimits, description="Bounds on the work one request may ask of the engine."
+    )
+    policy_lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA RL: the served policy is the base plus adapters of this shape that weight updates send "
+        "(rank 0: none). The engine keeps the base and merges each adapter update into it with the trainer's "
+        "kernel (docs/lora.md); a run derives it from trainer.lora.",
     )
 
     @field_validator("speculative_algorithm", mode="before")

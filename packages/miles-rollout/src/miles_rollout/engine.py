@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, version_string
-from miles_kernels import KernelConfig, describe_kernel, load_model
+from miles_kernels import KernelConfig, add_lora, describe_kernel, fold_adapters, folded_weights, load_model
 from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig
 from miles_rollout.engine_controls import EngineControls
@@ -110,6 +110,9 @@ class Engine(EngineControls):
     def _setup(self) -> None:
         config, kernel, tokenizer = self.config, self.kernel, self.tokenizer
         self.model = model = load_model(self.model_path, kernel, config.device)
+        if config.policy_lora.is_enabled:  # LoRA RL: weight updates send adapters, merged into the base (docs/lora.md)
+            add_lora(model, config.policy_lora)
+            fold_adapters(model)
         self.model_config = model.config
         self.context_length = config.context_length or self.model_config.max_position_embeddings
         self.eos_ids = set(model.config.eos_token_ids())
@@ -125,7 +128,9 @@ class Engine(EngineControls):
         # Released memory is dropped, not saved, as SGLang drops it: the KV cache is recomputed, the weights come
         # back with the next weight update (`weights_stale` until then). Both return zeroed.
         self.memory = OffloadManager(HostStore(), name="engine")
-        self.memory.add("weights", model.parameters, keep_contents=False)
+        # LoRA RL: weight updates send only adapters, so the base must come back as it was (kept in host memory)
+        self.memory.add("weights", lambda: [*model.parameters(), *folded_weights(model)],
+                        keep_contents=config.policy_lora.is_enabled)  # fmt: skip
         self.memory.add("kv_cache", self.runner.kv_tensors, keep_contents=False)
         # every way new weights arrive (weight_receiver.py)
         self.weights = WeightReceiver(model, self.commit_weights, version=lambda: self.weight_version,

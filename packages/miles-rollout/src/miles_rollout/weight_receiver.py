@@ -34,6 +34,7 @@ from miles_kernels import (
     decode_bucket,
     destroy_weight_update_group,
     encode_bucket,
+    fold_adapters,
     in_shared_memory,
     init_weight_update_group,
     iter_checkpoint,
@@ -92,7 +93,7 @@ class WeightReceiver:
                 raise EngineError(f"model_path {model_path!r}: {error}") from error
         if not in_shared_memory(path):
             self._weights_file.close()
-        return self.commit(version)
+        return self._commit(version)
 
     def add_bucket(self, data: bytes) -> dict[str, Any]:
         """Take one weight bucket; apply its version when the last bucket arrives."""
@@ -127,6 +128,12 @@ class WeightReceiver:
             load_state(self.model, iter(tensors.items()) if partial else tensors)
         except ValueError as error:
             raise EngineError(f"weight update rejected: {error}") from error
+        return self._commit(version)
+
+    def _commit(self, version: WeightVersion) -> WeightVersion:
+        """Serve what was just loaded: a LoRA policy's adapters are merged into the base first (the trainer's merge,
+        bit for bit; miles_kernels.lora), then the version is committed."""
+        fold_adapters(self.model)
         return self.commit(version)
 
     def bucket(self, index: int, bucket_bytes: int) -> tuple[bytes, int]:

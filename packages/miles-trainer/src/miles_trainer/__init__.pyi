@@ -28,6 +28,7 @@ from .config import (
     AdvantageConfig,
     BackendConfig,
     CriticConfig,
+    LoraTrainConfig,
     MegatronConfig,
     OptimizerConfig,
     PolicyLossConfig,
@@ -44,6 +45,7 @@ from .critic import (
 )
 from .fsdp import FSDP2Backend, apply_activation_checkpointing
 from .logprobs import micro_batch_forward, micro_batch_logprobs, response_logprobs
+from .lora import TrainedWeights, attach_adapters, check_lora
 from .losses import (
     AGGREGATION_MODES,
     aggregate_loss,
@@ -88,6 +90,7 @@ __all__ = [
     "CriticConfig",
     "FSDP2Backend",
     "JointValueLoss",
+    "LoraTrainConfig",
     "MegatronBackend",
     "MegatronCausalLM",
     "MegatronConfig",
@@ -100,6 +103,7 @@ __all__ = [
     "SFTConfig",
     "SFTDataError",
     "StepStats",
+    "TrainedWeights",
     "ValueHead",
     "ValueModel",
     "WeightSender",
@@ -108,7 +112,9 @@ __all__ = [
     "add_is_metrics",
     "aggregate_loss",
     "apply_activation_checkpointing",
+    "attach_adapters",
     "build_micro_batch",
+    "check_lora",
     "compute_advantages",
     "count_trained",
     "critic_values",

@@ -24,17 +24,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles_kernels import (
     CausalLM,
     KernelConfig,
+    adapted_layers,
+    add_lora,
+    fold_adapters,
+    is_adapter_name,
     kernel_fingerprint,
     load_model,
     load_state,
     read_model_config,
     save_model,
+    save_peft_adapter,
 )
+from miles_trainer.config import LoraTrainConfig
 from miles_trainer.megatron_backend import MegatronBackend  # megatron-core itself is imported only when used
 
 if TYPE_CHECKING:
@@ -91,7 +97,7 @@ def save_checkpoint(backend: Backend, directory: str | os.PathLike[str], extra: 
         # initializes with a zero step only when no parameter holds a gradient. Without this, a skipped step's
         # gradients made the save lack the state that the load (of a fresh backend, no gradients) expects.
         backend.optimizer.zero_grad(set_to_none=True)
-        model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+        model_state, optim_state = _policy_state(backend)
         dcp.save(  # type: ignore[attr-defined]
             {"model": model_state, "optim": optim_state, **_critic_state(backend), **_aux_state(backend)},
             checkpoint_id=str(staging),
@@ -102,6 +108,8 @@ def save_checkpoint(backend: Backend, directory: str | os.PathLike[str], extra: 
             "step": backend.step_count, "scheduler": backend.scheduler.state_dict(), "extra": extra or {},
             "world_size": dist.get_world_size(), "kernel": kernel_fingerprint(backend.kernel), **backend_state,
         }  # fmt: skip
+        if not isinstance(backend, MegatronBackend) and backend.lora is not None:
+            state["lora"] = backend.lora.adapters().model_dump()
         if not isinstance(backend, MegatronBackend) and backend.critic_config is not None:
             state["critic"] = {"kind": backend.critic_config.kind, "scheduler": backend.critic_scheduler.state_dict()}
         if not isinstance(backend, MegatronBackend) and backend.aux_params:
@@ -190,8 +198,24 @@ def load_checkpoint(backend: Backend, directory: str | os.PathLike[str]) -> dict
     return extra
 
 
-def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None:
+def _policy_state(backend: FSDP2Backend) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The policy's model and optimizer state as a checkpoint holds them: with LoRA, only the parameters that train
+    (the adapters, and MTP layers): the frozen base is the model directory the run started from."""
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+    if backend.lora is not None:
+        trains = {name for name, p in backend.model.named_parameters() if p.requires_grad}
+        model_state = {name: value for name, value in model_state.items() if name in trains}
+    return model_state, optim_state
+
+
+def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None:
+    saved_lora, lora = state.get("lora"), backend.lora.adapters().model_dump() if backend.lora is not None else None
+    if saved_lora != lora:
+        raise ValueError(
+            f"{path} was written with trainer.lora={saved_lora}, the trainer has {lora}: resume with the LoRA "
+            "settings the run started with"
+        )
+    model_state, optim_state = _policy_state(backend)
     state_dict: dict[str, Any] = {"model": model_state}
     if state.get("has_optimizer", True):
         state_dict["optim"] = optim_state
@@ -211,7 +235,7 @@ def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None
     dcp.load(state_dict, checkpoint_id=str(path))  # type: ignore[attr-defined]
     set_state_dict(
         backend.model, backend.optimizer, model_state_dict=state_dict["model"],
-        optim_state_dict=state_dict.get("optim", {}),
+        optim_state_dict=state_dict.get("optim", {}), options=StateDictOptions(strict=backend.lora is None),
     )  # fmt: skip
     if critic is not None:
         set_state_dict(
@@ -222,7 +246,8 @@ def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None
         backend.critic_scheduler.load_state_dict(saved_critic["scheduler"])
     if saved_aux is not None:
         set_state_dict(backend.model, backend.aux_optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["aux_optim"])  # fmt: skip
+                       optim_state_dict=state_dict["aux_optim"],
+                       options=StateDictOptions(strict=backend.lora is None))  # fmt: skip
         backend.aux_scheduler.load_state_dict(saved_aux["scheduler"])
 
 
@@ -232,8 +257,42 @@ def export_hf(backend: Backend, directory: str | os.PathLike[str], tokenizer: An
     state = backend.full_state_dict()
     out = None
     if dist.get_rank() == 0:
-        out = _save_hf(backend.model.config, backend.kernel, state, directory, tokenizer)
+        lora = None if isinstance(backend, MegatronBackend) else backend.lora
+        if lora is None:
+            out = _save_hf(backend.model.config, backend.kernel, state, directory, tokenizer)
+        else:
+            out = export_lora(backend.model.config, backend.kernel, lora, state, directory, tokenizer,
+                              base_model=str(backend.model_dir))  # fmt: skip
     dist.barrier()
+    return out
+
+
+def export_lora(
+    config: Any, kernel: KernelConfig, lora: LoraTrainConfig, state: dict[str, torch.Tensor],
+    directory: str | os.PathLike[str], tokenizer: Any = None, base_model: str = "",
+) -> Path:  # fmt: skip
+    """A LoRA run's export: its adapters as a PEFT adapter directory (float32, what `peft` loads onto the Hugging Face
+    base model) with the tokenizer, and with `lora.export_merged` the merged model in `merged/` (each adapted weight
+    merged in the kernel dtype exactly as the engine served it, a full Hugging Face checkpoint)."""
+    out = save_peft_adapter(directory, lora.adapters(), {n: t for n, t in state.items() if is_adapter_name(n)},
+                            base_model=base_model)  # fmt: skip
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    if lora.export_merged:
+        with torch.device("meta"):
+            model = CausalLM(config, kernel)
+        model = model.to_empty(device="cpu").to(kernel.torch_dtype)
+        model.tie_weights()
+        add_lora(model, lora.adapters())
+        load_state(model, {n: t for n, t in state.items() if not is_adapter_name(n)})
+        load_state(model, {n: t for n, t in state.items() if is_adapter_name(n)})
+        fold_adapters(model)
+        with torch.no_grad():
+            for layer in adapted_layers(model).values():
+                assert layer.folded is not None
+                layer.weight.copy_(layer.folded)
+                layer.lora_A = layer.lora_B = layer.folded = None
+        save_model(model, out / "merged", tokenizer=tokenizer)
     return out
 
 

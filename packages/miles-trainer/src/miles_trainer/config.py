@@ -14,6 +14,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from miles_contracts import PluginPath
+from miles_kernels.config import LoraConfig
 
 AdvantageEstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 AggregationMode = Literal[
@@ -79,6 +80,26 @@ class OptimizerConfig(_Config):
             raise ValueError("schedule='cosine' needs total_steps (the optimizer steps it spans)")
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LoraTrainConfig(LoraConfig):
+    """LoRA RL / SFT: adapters (`miles_kernels.config.LoraConfig`: rank, alpha, rsLoRA, target modules) train on a
+    frozen base; only they get gradients, optimizer state and checkpoint bytes, and weight sync sends only them."""
+
+    base_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="Dtype the trainer holds the frozen base in (adapters stay float32 masters): bfloat16 halves "
+        "its memory and needs kernel.dtype=bfloat16 (the engine computes with the same rounded base).",
+    )
+    export_merged: bool = Field(
+        default=False,
+        description="Also export the merged model (base + adapters, a full Hugging Face checkpoint) next to the "
+        "PEFT adapter in the run's final/ directory.",
+    )
+
+    def adapters(self) -> LoraConfig:
+        """The adapters' own settings (what the engine needs to merge them)."""
+        return LoraConfig.model_validate(self.model_dump(include=set(LoraConfig.model_fields)))
 
 
 class PolicyLossConfig(_Config):

@@ -30,9 +30,10 @@ from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MTPLayer, load_model
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
-from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
+from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
 from miles_trainer.logprobs import batch_logprobs
+from miles_trainer.lora import TrainedWeights, attach_adapters
 from miles_trainer.memory import TrainerMemory
 from miles_trainer.moe import moe_shape
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
@@ -123,6 +124,7 @@ class FSDP2Backend:
         aux_optimizer: OptimizerConfig | None = None,
         memory: MemoryConfig | None = None,
         routing_replay: bool = False,
+        lora: LoraTrainConfig | None = None,
     ) -> None:
         """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
         `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir). `critic`: PPO's
@@ -132,10 +134,12 @@ class FSDP2Backend:
         offload target, allocation budget and OOM handling (`miles_trainer.memory`; default: no budget).
         `routing_replay`: the policy's MoE layers route every sample's tokens to the experts the rollout engine
         recorded (its `routed_experts`; miles_trainer.moe), in the train step and in `compute_logprobs` (the
-        reference model routes by itself)."""
+        reference model routes by itself). `lora`: train adapters on a frozen base (miles_trainer.lora): only they
+        get gradients, optimizer state and checkpoint bytes, and `weights` sends only them."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
+        self.model_dir = model_dir
         self.routing_replay = routing_replay
         if kernel.is_deterministic:
             use_deterministic_backward()
@@ -148,6 +152,9 @@ class FSDP2Backend:
         self.max_tokens = self.config.max_tokens_per_micro_batch
         device = self.config.device
         self.model = load_model(model_dir, kernel, device, dtype=torch.float32).train()
+        self.lora = lora if lora is not None and lora.is_enabled else None
+        if self.lora is not None:
+            attach_adapters(self.model, self.lora, kernel)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         _shard(self.model, kernel)
@@ -161,7 +168,9 @@ class FSDP2Backend:
         # so a checkpoint holds optimizer state for exactly the parameters that train
         idle_mtp = {id(p) for p in self.model.mtp_parameters()} - aux_ids
         # the policy's parameters (the trunk's), in the model's order: its optimizer and its clipping see these
-        self.policy_params = [p for p in self.model.parameters() if id(p) not in aux_ids | idle_mtp]
+        self.policy_params = [
+            p for p in self.model.parameters() if id(p) not in aux_ids | idle_mtp and p.requires_grad
+        ]  # with LoRA: the adapters (the frozen base trains in no optimizer)
         self.aux_params = [p for p in self.model.parameters() if id(p) in aux_ids]
         self.optimizer, self.scheduler = _adamw(self.policy_params, self.optimizer_config)
         self.aux_optimizer_config = aux_optimizer or self.optimizer_config
@@ -193,7 +202,10 @@ class FSDP2Backend:
             grads=lambda: (p.grad for m in self._models() for p in m.parameters() if p.grad is not None),
         )  # fmt: skip
         self.memory.check_fits()
-        self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
+        # what weight sync sends: buckets, a file, tensors (with LoRA: the adapters and what else trains; the checksum
+        # still covers every weight the engine holds, base included)
+        self.weights = WeightSender(self._sync_model if self.lora is not None else self._export_model,
+                                    checksum_model=self._export_model)  # fmt: skip
 
     def _num_passes(self, samples: Sequence[Sample]) -> int:
         """Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank."""
@@ -416,6 +428,12 @@ class FSDP2Backend:
         """The model `self.weights` gathers the engine's weights from (the trainer must be onloaded)."""
         self._check_onloaded()
         return self.model
+
+    def _sync_model(self) -> TrainedWeights:
+        """LoRA: what a weight sync sends, the parameters that train (adapters, and MTP layers trained online)."""
+        self._check_onloaded()
+        trained = {id(p) for p in self._trainable_params()}
+        return TrainedWeights(self.model, lambda p: id(p) in trained)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU under HF checkpoint names (tied embeddings once, an MTP module's copies of

@@ -180,8 +180,13 @@ class WeightSender:
     model when asked (and raises while the trainer is offloaded). Every call is collective: every rank makes it and
     consumes an iterator to the end (the gathers)."""
 
-    def __init__(self, model: Callable[[], ExportModel]) -> None:
+    def __init__(
+        self, model: Callable[[], ExportModel], checksum_model: Callable[[], ExportModel] | None = None
+    ) -> None:
         self._model = model
+        # what `checksum` covers: every weight the engine holds (a LoRA run sends only its adapters, yet the engine's
+        # base must match too)
+        self._checksum_model = checksum_model or model
         self._weights_file = MappedSafetensors()  # the engine's weight file, kept mapped between syncs
 
     def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
@@ -208,6 +213,6 @@ class WeightSender:
         return dict(export_tensors(self._model(), fresh=False))
 
     def checksum(self) -> str:
-        """`miles_kernels.weights_checksum` of the weights an engine would receive; equal to the engine's after a
-        sync when the bits match."""
-        return weights_checksum(export_tensors(self._model(), fresh=False))
+        """`miles_kernels.weights_checksum` of the weights an engine holds after a sync (with LoRA: the base and the
+        adapters, though only the adapters are sent); equal to the engine's when the bits match."""
+        return weights_checksum(export_tensors(self._checksum_model(), fresh=False))

@@ -11,7 +11,7 @@ from miles_kernels.config import KernelConfig
 from miles_memory.config import MemoryConfig
 from miles_orchestrator.config import RunConfig
 from miles_spec.config import SpecConfig
-from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
+from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, OptimizerConfig, PolicyLossConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class TrainerSettings:
     keep_reference: bool = False  # trainer.log_kl: the initial policy stays, for the kl metric
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # offload target, budget, OOM handling
     routing_replay: bool = False  # trainer.routing_replay=rollout: MoE layers route as the engine recorded
+    lora: LoraTrainConfig | None = None  # trainer.lora with rank > 0: adapters train on a frozen base
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
@@ -36,7 +37,8 @@ def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
     spec = cfg.spec if cfg.spec.mode == "online" else None
     return TrainerSettings(cfg.kernel, cfg.trainer.optimizer, cfg.trainer.loss, cfg.trainer.backend,
                            str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory,
-                           cfg.trainer.routing_replay == "rollout")  # fmt: skip
+                           cfg.trainer.routing_replay == "rollout",
+                           cfg.trainer.lora if cfg.trainer.lora.is_enabled else None)  # fmt: skip
 
 
 def num_threads(cfg: RunConfig) -> int:

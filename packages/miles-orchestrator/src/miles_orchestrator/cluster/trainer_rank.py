@@ -33,7 +33,7 @@ class TrainerRank:
             offload_dir=settings.offload_dir, critic=settings.critic,
             aux_losses=[] if spec is None else [MTPLoss(spec.mtp_loss_coef)],
             aux_optimizer=None if spec is None else spec.optimizer, keep_reference=settings.keep_reference or None,
-            memory=settings.memory, routing_replay=settings.routing_replay,
+            memory=settings.memory, routing_replay=settings.routing_replay, lora=settings.lora,
         )  # fmt: skip
 
     def fingerprint(self) -> str:

@@ -101,6 +101,7 @@ class RunConfig(Section):
                 in_routers and backend.megatron.sequence_parallel
             ),
             "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
+            "trainer.lora (LoRA adapters)": self.trainer.lora.is_enabled,
         }
         named = [name for name, used in unsupported.items() if used]
         if named:
@@ -117,6 +118,11 @@ class RunConfig(Section):
             raise ValueError(
                 "rollout.backend=sglang launches SGLang servers as Ray actors: use run.cluster=ray (the local "
                 "cluster runs the embedded engine in this process)"
+            )
+        if self.trainer.lora.is_enabled:
+            raise ValueError(
+                "trainer.lora with rollout.backend=sglang is not supported yet: the SGLang engines would need the "
+                "adapters loaded as a LoRA (/load_lora_adapter_from_tensors) at every sync; use the embedded engine"
             )
         if self.kernel.is_deterministic:
             raise ValueError(

@@ -26,6 +26,7 @@ from miles_trainer.config import (
     AdvantageConfig,
     BackendConfig,
     CriticConfig,
+    LoraTrainConfig,
     OptimizerConfig,
     PolicyLossConfig,
 )
@@ -322,6 +323,11 @@ class TrainerSection(Section):
     )
     backend: BackendConfig = Field(
         default_factory=BackendConfig, description="The FSDP2 backend (miles_trainer.config.BackendConfig)."
+    )
+    lora: LoraTrainConfig = Field(
+        default_factory=LoraTrainConfig,
+        description="LoRA (miles_trainer.config.LoraTrainConfig): rank > 0 trains adapters on a frozen base "
+        "(docs/lora.md); rank 0, the default, trains every weight.",
     )
     routing_replay: Literal["off", "rollout"] = Field(
         default="off",
