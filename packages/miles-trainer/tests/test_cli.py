@@ -191,6 +191,28 @@ def test_sft_lowers_response_loss_and_writes_a_loadable_model(model_dir, tmp_pat
     assert after < 0.7 * before, (before, after)
 
 
+def test_lora_sft_writes_a_peft_adapter_and_the_merged_model(model_dir, tmp_path) -> None:
+    """`miles-trainer sft --rank 8`: adapters on a frozen base; out/ is a PEFT adapter, out/merged the merged model,
+    whose response loss fell."""
+    from transformers import AutoTokenizer
+
+    data = write_jsonl(tmp_path / "sft.jsonl", ROWS)
+    out = tmp_path / "lora-out"
+    result = subprocess.run(
+        ["miles-trainer", "sft", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--epochs", "4",
+         "--lr", "1e-2", "--batch-size", "8", "--warmup-steps", "2", "--rank", "8", "--alpha", "16",
+         "--target-modules", "q_proj", "v_proj", "down_proj", "--export-merged"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+    assert not (out / "model.safetensors").exists() and (out / "adapter_model.safetensors").is_file()
+    samples = load_sft_samples(data, AutoTokenizer.from_pretrained(out))
+    before, after = response_nll(model_dir, samples), response_nll(out / "merged", samples)
+    assert after < 0.8 * before, (before, after)
+
+
 def test_convert_round_trip_is_bit_exact(model_dir, tmp_path) -> None:
     dcp_dir, hf_dir = tmp_path / "ckpt", tmp_path / "hf"
     for src, dst in ((model_dir, dcp_dir), (dcp_dir, hf_dir)):

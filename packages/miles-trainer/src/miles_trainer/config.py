@@ -427,3 +427,7 @@ class SFTConfig(_Config):
         "the run; warm-up is capped at the number of steps).",
     )
     backend: BackendConfig = Field(default_factory=BackendConfig, description="The FSDP2 backend.")
+    lora: LoraTrainConfig = Field(
+        default_factory=LoraTrainConfig,
+        description="LoRA: rank > 0 trains adapters on a frozen base and exports a PEFT adapter (docs/lora.md).",
+    )

@@ -245,7 +245,7 @@ def run_sft(
 
         aux = aux_optimizer and over_the_sft(aux_optimizer)
         backend = FSDP2Backend(model_dir, kernel, over_the_sft(config.optimizer), config=config.backend,
-                               aux_losses=aux_losses, aux_optimizer=aux)  # fmt: skip
+                               aux_losses=aux_losses, aux_optimizer=aux, lora=config.lora)  # fmt: skip
         per_epoch = max(1, len(batches) // config.epochs)
         history: list[dict[str, float]] = []
         aux_prefixes = tuple(f"{aux.name}_" for aux in aux_losses)
