@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_memory import fsdp2_bytes, load_hardware, load_model_profile, plan_memory
+from miles_memory import LoraSettings, fsdp2_bytes, load_hardware, load_model_profile, plan_memory
 from miles_memory.levers import candidates
 from miles_memory.model_shape import MODELS, ModelShape, model_profiles
 from miles_memory.plan_formulas import embedded_engine_bytes, kv_bytes_per_token
@@ -182,6 +182,163 @@ def test_a_checkpoint_without_the_mtp_layer_its_config_declares_is_planned_witho
     assert with_mtp.params["mtp"] == ModelShape.from_hf(POLICY).params(mtp=True) > 0
     assert any(c.tag == "mtp" and c.bytes for c in with_mtp.components)
     assert with_mtp.phases["train"] > without.phases["train"]
+
+
+def lora_params(rank: int, *shapes: tuple[int, int]) -> int:
+    """Adapter parameters of adapted (out, in) weights: lora_A (rank x in) + lora_B (out x rank) each."""
+    return sum(rank * (out + in_) for out, in_ in shapes)
+
+
+# the built-in policy's linear layers (out, in) in each of its 4 decoder layers
+LINEAR = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
+          "gate_proj": (768, 256), "up_proj": (768, 256), "down_proj": (256, 768)}  # fmt: skip
+
+
+def policy_layer(rank: int, *names: str) -> int:
+    """Adapter parameters of one policy layer with adapters on `names` (all its linear layers when none)."""
+    return lora_params(rank, *(LINEAR[name] for name in names or LINEAR))
+
+
+def test_lora_adapters_by_hand() -> None:
+    """ModelShape.lora_tensors against hand counts, with miles_kernels.lora.target_names' rules: PEFT's name matching,
+    'all-linear' over the trunk's linear layers (no router, LM head or MTP layer), one regex over the full name.
+    (test_lora_plan.py checks the same against the adapters miles_kernels.add_lora makes.)"""
+    policy = ModelShape.from_hf(POLICY)
+
+    def count(shape: ModelShape, rank: int, targets: str | tuple[str, ...]) -> int:
+        return sum(t.numel for t in shape.lora_tensors(rank, targets))
+
+    assert count(policy, 8, "all-linear") == 4 * policy_layer(8)  # 4 layers; the MTP layer takes none
+    assert count(policy, 8, ("q_proj", "v_proj")) == 4 * policy_layer(8, "q_proj", "v_proj")
+    mlp = policy_layer(8, "gate_proj", "up_proj", "down_proj")
+    assert count(policy, 8, r"model\.layers\.[02]\.mlp\..*") == 2 * mlp
+    qwen = load_model_profile("Qwen3-30B-A3B")  # 48 MoE layers of 128 experts (768 x 2048); the router stays frozen
+    assert count(qwen, 4, ("experts.0.up_proj",)) == 48 * lora_params(4, (768, 2048))
+    assert count(qwen, 4, ("up_proj",)) == 48 * 128 * lora_params(4, (768, 2048))
+    deepseek = load_model_profile("DeepSeek-V3")  # MLA with a q-LoRA; 3 dense layers, then 256 experts + 1 shared
+    mla = [(1536, 7168), (128 * 192, 1536), (512 + 64, 7168), (128 * (128 + 128), 512), (7168, 128 * 128)]
+    dense = [(18432, 7168), (18432, 7168), (7168, 18432)]
+    expert = [(2048, 7168), (2048, 7168), (7168, 2048)]
+    assert count(deepseek, 16, "all-linear") == (
+        61 * lora_params(16, *mla) + 3 * lora_params(16, *dense) + 58 * 257 * lora_params(16, *expert)
+    )
+    assert count(deepseek, 16, ("kv_b_proj",)) == 61 * lora_params(16, (128 * 256, 512))
+
+
+def test_lora_fsdp2_bytes_by_hand() -> None:
+    shape = ModelShape.from_hf(POLICY)
+    trunk = shape.params(mtp=False)
+    targets = ("q_proj", "v_proj")
+    adapters = 4 * policy_layer(8, "q_proj", "v_proj")
+    full = fsdp2_bytes(shape, 1, "float32", 256)
+    lora = fsdp2_bytes(shape, 1, "float32", 256, lora=LoraSettings(8, targets))
+    assert lora["weights"] == full["weights"] == 4 * trunk  # the frozen base, float32
+    assert lora["adapters"] == 4 * adapters and "adapters" not in full
+    assert lora["grads"] == 4 * adapters  # the base has none
+    assert lora["optimizer"] == 8 * adapters + 4 * 4 * 2 * 2  # moments; a step per tensor: 4 layers x 2 x (A, B)
+    assert lora["mtp"] == full["mtp"] and lora["activations"] == full["activations"]
+    merged = 256 * 256 + 128 * 256  # elements of one layer's adapted weights (q, v)
+    assert lora["lora_activations"] == 4 * merged * 4  # deterministic: each of 4 layers keeps its merged q, v (fp32)
+    bf16 = fsdp2_bytes(shape, 1, "bfloat16", 256, lora=LoraSettings(8, targets, "bfloat16"))
+    assert bf16["weights"] == 2 * trunk and bf16["adapters"] == 4 * adapters
+    layer = sum(t.numel for t in shape.tensors() if t.layer == 0) + policy_layer(8, "q_proj", "v_proj")
+    assert bf16["gathered"] == 2 * (264 * 256 + 256 + 2 * layer)  # root + 2 layers, adapters with their layer
+    assert bf16["lora_activations"] == 4 * merged * 2  # in the compute dtype
+    full_recompute = fsdp2_bytes(shape, 1, "float32", 256, recompute="full", lora=LoraSettings(8, targets))
+    assert full_recompute["lora_activations"] == merged * 4  # only the layer being recomputed
+    fast = fsdp2_bytes(shape, 1, "float32", 256, lora=LoraSettings(8, targets), is_deterministic=False)
+    assert fast["lora_activations"] == 4 * 2 * 256 * 8 * 4  # x A^T (N x r) of q and v in each layer
+
+
+def policy_run(tmp_path: Path, **lora: object) -> dict[str, object]:
+    (tmp_path / "config.json").write_text(json.dumps(POLICY))
+    return {"model": {"path": str(tmp_path)}, "kernel": {"dtype": "bfloat16"}, "trainer": {"lora": lora}}
+
+
+def test_a_lora_run_trains_adapter_sized_grads_and_optimizer(tmp_path: Path) -> None:
+    """The same run with and without LoRA: grads and AdamW state drop to the adapters', the base halves in bfloat16,
+    and the engine holds the adapters and a merged copy of each adapted layer besides its base."""
+    full = plan_memory(policy_run(tmp_path), "cpu")
+    lora = plan_memory(policy_run(tmp_path, rank=8, base_dtype="bfloat16"), "cpu")
+    adapters = 4 * policy_layer(8)
+    trunk = ModelShape.from_hf(POLICY).params(mtp=False)
+    assert lora.params["lora"] == adapters and "lora" not in full.params
+    train, train_full = lora.by_tag("train"), full.by_tag("train")
+    assert train_full["grads"] == 4 * trunk and train["grads"] == 4 * adapters
+    assert train["optimizer"] == 8 * adapters + 4 * 2 * 28  # 28 adapted layers, A and B each
+    weights = {c.name: c.bytes for c in lora.components if c.phase == "train" and c.tag == "weights"}
+    assert weights["frozen base (bfloat16) + reference + critic params"] == 2 * trunk
+    assert weights["LoRA adapters (rank 8): fp32 masters"] == 4 * adapters
+    # colocated on cpu: the released engine keeps its weights in host memory, the same RAM (weight syncs send only
+    # the adapters, so its base cannot be dropped and sent again)
+    engine = 2 * (trunk + ModelShape.from_hf(POLICY).params(mtp=True))
+    folded = 2 * (adapters + 4 * sum(out * in_ for out, in_ in LINEAR.values()))
+    kept = sum(c.bytes for c in lora.components if c.phase == "train" and "kept in host memory" in c.name)
+    assert kept == engine + folded
+    assert lora.by_tag("rollout")["weights"] == engine + folded
+    assert lora.phases["train"] < full.phases["train"]
+    assert any("LoRA rank 8 on 28 linear layers" in note for note in lora.notes)
+
+
+def test_a_colocated_lora_engine_on_gpus_keeps_its_weights_in_host_memory() -> None:
+    run = {
+        "model": {"path": "Qwen/Qwen3-30B-A3B"}, "kernel": {"dtype": "bfloat16", "mode": "fast"},
+        "trainer": {"lora": {"rank": 16, "target_modules": ["q_proj", "v_proj"]}},
+        "memory": {"plan": {"hardware": "h100"}},
+    }  # fmt: skip
+    plan = plan_memory(run, find_lever=False)
+    kept = [c for c in plan.components if c.phase == "host" and "kept in host memory" in c.name]
+    engine = sum(c.bytes for c in plan.components if c.phase == "rollout" and c.tag == "weights")
+    assert sum(c.bytes for c in kept) == 8 * engine  # 8 embedded engines a node, each its whole model
+    without = plan_memory({**run, "trainer": {}}, find_lever=False)
+    assert not any("kept in host memory" in c.name for c in without.components)
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        (
+            {"kernel": {"dtype": "float32"}, "trainer": {"lora": {"rank": 8, "base_dtype": "bfloat16"}}},
+            "trainer.lora.base_dtype=bfloat16 needs kernel.dtype=bfloat16 (it is float32): the trainer refuses it",
+        ),
+        (
+            {"trainer": {"backend": {"name": "megatron"}, "lora": {"rank": 8}}},
+            "trainer.backend.name=megatron does not support trainer.lora",
+        ),
+        (
+            {"rollout": {"backend": "sglang"}, "kernel": {"mode": "fast"}, "trainer": {"lora": {"rank": 8}}},
+            "trainer.lora with rollout.backend=sglang is not supported yet",
+        ),
+        (
+            {"trainer": {"lora": {"rank": 8, "target_modules": ["gate"]}}},
+            "trainer.lora.target_modules ['gate'] match no linear layer of the qwen3_moe decoder",
+        ),
+        ({"trainer": {"lora": {"rank": 8, "target_modules": ["lm_head"]}}}, "['lm_head'] match no linear layer"),
+        ({"trainer": {"lora": {"rank": 8, "target_modules": []}}}, "trainer.lora.target_modules is empty"),
+        ({"trainer": {"lora": {"rank": 8, "target_modules": "q_proj("}}}, "is not a regular expression"),
+        (
+            {"trainer": {"lora": {"rank": 8, "target_modules": r"lm_head|model\.layers\.48\..*"}}},
+            "match no linear layer of the decoder",
+        ),
+        ({"trainer": {"lora": {"rank": -1}}}, "trainer.lora.rank must be an integer from 0 (no LoRA) to 4096"),
+        ({"trainer": {"lora": {"rank": 8, "base_dtype": "float16"}}}, "must be float32 or bfloat16, not 'float16'"),
+    ],
+)
+def test_lora_settings_the_trainer_refuses_are_clear_errors(run: dict[str, object], message: str) -> None:
+    config = {"model": {"path": "Qwen/Qwen3-30B-A3B"}, "memory": {"plan": {"hardware": "h100"}}}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan_memory(config | run, find_lever=False)
+
+
+def test_the_lora_base_in_bfloat16_is_a_lever(tmp_path: Path) -> None:
+    config = policy_run(tmp_path, rank=8)  # a float32 base under bfloat16 kernels
+    plan = plan_memory(config, "cpu")
+    assert plan.peak_phase == "train"
+    run, hw = read_run(config), load_hardware("cpu")
+    changed = dict(candidates(run, hw, plan))["trainer.lora.base_dtype: bfloat16"]
+    trunk = ModelShape.from_hf(POLICY).params(mtp=False)
+    assert plan.phases["train"] - _plan(changed, hw).phases["train"] == 2 * trunk
+    assert "trainer.lora.base_dtype: bfloat16" in [lever.change for lever in plan.levers]
 
 
 EXAMPLES = sorted((ROOT / "examples" / "plans").glob("*.json"))

@@ -4,9 +4,9 @@ from .budget import ActivationMeter, MemoryBudget, OOMReport, format_bytes, out_
 from .census import PeakMeter, live_tensor_bytes
 from .hardware import HARDWARE, HardwareProfile, load_hardware
 from .memory_plan import Component, Lever, MemoryPlan
-from .model_shape import MODELS, ModelShape, load_model_profile
+from .model_shape import MODELS, LoraSettings, ModelShape, load_model_profile
 from .offload import OffloadManager, OffloadPlan, storage_bytes, unique_storages
-from .plan_formulas import blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes
+from .plan_formulas import blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes, lora_layer_bytes
 from .planner import RUN_KEYS, plan_memory, read_run
 from .stores import CHUNK_BYTES, FileStore, HostStore, OffloadStore, default_store
 
@@ -21,6 +21,7 @@ __all__ = [
     "HardwareProfile",
     "HostStore",
     "Lever",
+    "LoraSettings",
     "MemoryBudget",
     "MemoryPlan",
     "ModelShape",
@@ -37,6 +38,7 @@ __all__ = [
     "live_tensor_bytes",
     "load_hardware",
     "load_model_profile",
+    "lora_layer_bytes",
     "out_of_memory",
     "plan_memory",
     "read_run",

@@ -33,6 +33,9 @@ def candidates(run: RunInputs, hw: HardwareProfile, plan: MemoryPlan) -> list[tu
 
     is_train_peak = plan.peak_phase == "train"
     if is_train_peak or plan.host_bytes_per_node > plan.host_capacity_bytes > 0:
+        if run.lora is not None and run.lora.base_dtype == "float32" and run.dtype == "bfloat16":
+            # the compute rounds the base to bfloat16 anyway: the same numbers in half the bytes
+            run_change("trainer.lora.base_dtype: bfloat16", lora=run.lora._replace(base_dtype="bfloat16"))
         if run.recompute != "full":
             run_change("trainer.backend.activation_checkpointing: true (recompute: full)", recompute="full")
         if run.tokens >= 512:

@@ -12,12 +12,18 @@ A local checkpoint is planned as Miles loads it: MTP modules that its config.jso
 (`num_nextn_predict_layers`) but its safetensors hold no tensor of, as transformers' `save_pretrained` writes GLM-4.5,
 are left out (miles_kernels.hf_io reads it the same way; a spec.mode=online run plans the fresh ones it adds, since
 it plans the checkpoint that holds them).
+
+LoRA (`LoraSettings`, a run's trainer.lora): `ModelShape.lora_targets` lists the weights of the linear layers that get
+adapters, by the rules of miles_kernels.lora.target_names (PEFT's matching over the module names of the decoder's
+trunk layers; routers, the LM head, embeddings and MTP layers take none), and `lora_tensors` their adapters: lora_A
+(r x in) and lora_B (out x r) for each adapted (out x in) weight.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import struct
 from importlib import resources
 from pathlib import Path
@@ -26,7 +32,7 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["MODELS", "ModelShape", "Tensor", "load_model_profile", "model_profiles", "resolve_model"]
+__all__ = ["MODELS", "LoraSettings", "ModelShape", "Tensor", "load_model_profile", "model_profiles", "resolve_model"]
 
 FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "kimi_k2")
 
@@ -47,6 +53,16 @@ class Tensor(NamedTuple):
         for d in self.shape:
             n *= d
         return n
+
+
+class LoraSettings(NamedTuple):
+    """A run's LoRA adapters as the planner needs them (trainer.lora, miles_trainer.config.LoraTrainConfig, with
+    rank > 0): the rank r, PEFT's `target_modules` (names matching a module name or its last dotted parts,
+    'all-linear', or one regex over the full module name) and the dtype the trainer holds the frozen base in."""
+
+    rank: int
+    target_modules: str | tuple[str, ...] = "all-linear"
+    base_dtype: str = "float32"
 
 
 class ModelShape(BaseModel):
@@ -218,6 +234,28 @@ class ModelShape(BaseModel):
         active = experts * self.num_experts_per_tok // self.num_experts if self.is_moe else 0
         return self.params(mtp=False, expert=False) + active
 
+    def lora_targets(self, target_modules: str | tuple[str, ...] | list[str]) -> list[Tensor]:
+        """The weights of the linear layers that `target_modules` gives LoRA adapters, chosen as
+        miles_kernels.lora.target_names chooses them: among the decoder's trunk layers (attention, MLA projections,
+        dense MLP, each routed expert, shared experts; never a router `mlp.gate`, the LM head, embeddings or MTP
+        layers), a list entry equal to a module's name or to its last dotted parts (`q_proj`, `self_attn.o_proj`,
+        `experts.0.up_proj`), 'all-linear', or one regex fully matching the name (`model.layers.0.self_attn.q_proj`).
+        A layer's routed experts are one Tensor whose `copies` is how many of them match. ValueError when the targets
+        select nothing or name a layer that takes no adapter (the trainer refuses both)."""
+        targets = target_modules if isinstance(target_modules, str) else tuple(target_modules)
+        return _lora_targets(self, targets)
+
+    def lora_tensors(self, rank: int, target_modules: str | tuple[str, ...] | list[str]) -> list[Tensor]:
+        """The LoRA adapters of `lora_targets`: for each adapted (out x in) weight, lora_A (rank x in) and lora_B
+        (out x rank) (miles_kernels.lora.add_lora)."""
+        out: list[Tensor] = []
+        for t in self.lora_targets(target_modules):
+            out_features, in_features = t.shape
+            module = t.name.removesuffix(".weight")
+            out.append(Tensor(f"{module}.lora_A", (rank, in_features), t.copies, t.layer, t.is_expert))
+            out.append(Tensor(f"{module}.lora_B", (out_features, rank), t.copies, t.layer, t.is_expert))
+        return out
+
     def kv_elements_per_token_layer(self) -> int:
         """KV-cache elements one token holds in one layer: K and V of every KV head, or MLA's compressed latent
         (kv_lora_rank + qk_rope_head_dim; DeepSeek-V2 paper, arXiv 2405.04434, section 2.1; SGLang's MLA pool)."""
@@ -243,6 +281,61 @@ def _tensors(shape: ModelShape) -> list[Tensor]:
     if not shape.tie_word_embeddings:
         out.append(Tensor("lm_head.weight", (v, h), 1, None, False))
     return out
+
+
+@functools.cache
+def _linear_modules(shape: ModelShape) -> list[tuple[str, Tensor]]:
+    """Every linear layer of the decoder's trunk layers that may take an adapter, under its module name in the
+    miles-kernels model (`model.layers.3.mlp.experts.17.up_proj`: each routed expert is its own), with its weight
+    (one copy). Qwen3-MoE's router is a linear layer but stays frozen; GLM-4.5 / DeepSeek-V3's is not linear."""
+    out: list[tuple[str, Tensor]] = []
+    for layer in range(shape.num_hidden_layers):
+        for t in shape._layer(layer):
+            if len(t.shape) != 2 or t.name == "mlp.gate.weight":  # norms are 1-D; the router stays frozen
+                continue
+            module, one = t.name.removesuffix(".weight"), t._replace(copies=1)
+            if t.is_expert:
+                group, projection = module.rsplit(".", 1)
+                out += [(f"model.layers.{layer}.{group}.{e}.{projection}", one) for e in range(t.copies)]
+            else:
+                out.append((f"model.layers.{layer}.{module}", one))
+    return out
+
+
+@functools.cache
+def _lora_targets(shape: ModelShape, targets: str | tuple[str, ...]) -> list[Tensor]:
+    candidates = _linear_modules(shape)
+    if targets == "all-linear":
+        chosen = candidates
+    elif isinstance(targets, str):
+        try:
+            pattern = re.compile(targets)
+        except re.error as error:
+            raise ValueError(f"trainer.lora.target_modules {targets!r} is not a regular expression: {error}") from None
+        chosen = [(name, t) for name, t in candidates if pattern.fullmatch(name)]
+    else:
+        if not targets:
+            raise ValueError("trainer.lora.target_modules is empty: name the modules (e.g. [q_proj, v_proj]) or use "
+                             "'all-linear'")  # fmt: skip
+
+        def matches(name: str, target: str) -> bool:
+            return name == target or name.endswith("." + target)
+
+        chosen = [(name, t) for name, t in candidates if any(matches(name, target) for target in targets)]
+        unknown = [target for target in targets if not any(matches(name, target) for name, _ in candidates)]
+        if unknown:
+            kinds = sorted({name.rsplit(".", 1)[-1] for name, _ in candidates})
+            raise ValueError(
+                f"trainer.lora.target_modules {list(unknown)} match no linear layer of the {shape.model_type} decoder "
+                f"(its layers end in {kinds}; the LM head, embeddings, routers and MTP layers take no adapter)"
+            )
+    if not chosen:
+        raise ValueError(f"trainer.lora.target_modules {targets!r} match no linear layer of the decoder")
+    grouped: dict[tuple[int | None, str], Tensor] = {}  # a layer's matching experts: one Tensor, copies counted
+    for _, t in chosen:
+        key = (t.layer, t.name)
+        grouped[key] = grouped[key]._replace(copies=grouped[key].copies + 1) if key in grouped else t
+    return list(grouped.values())
 
 
 @functools.cache

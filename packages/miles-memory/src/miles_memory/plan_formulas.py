@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from miles_memory.model_shape import ModelShape, Tensor
+from miles_memory.model_shape import LoraSettings, ModelShape, Tensor
 
 __all__ = [
     "CUDA_CONTEXT_BYTES",
@@ -21,6 +21,8 @@ __all__ = [
     "fsdp2_bytes",
     "kv_bytes_per_token",
     "layer_activation_elements",
+    "lora_activation_bytes",
+    "lora_layer_bytes",
     "nccl_bytes",
     "shard_numel",
 ]
@@ -141,6 +143,46 @@ def activation_bytes(
     return int(out)
 
 
+def lora_layer_bytes(
+    shape: ModelShape, lora: LoraSettings, tokens: float, act_bytes: int, is_deterministic: bool
+) -> dict[int, float]:
+    """Bytes LoRA adds to each decoder layer's saved activations in the trainer (miles_kernels.layers.Linear):
+    deterministic mode runs every adapted layer with its merged weight W + s·B·A (miles_kernels.ops.linear.merge_lora,
+    made in the compute dtype), which autograd keeps for the backward: one copy of each adapted weight, out x in x b.
+    Fast mode runs the un-merged form x W^T + s (x A^T) B^T, which keeps x A^T (N x r x b) per adapted layer, except
+    for the routed experts, whose weights the MoE block reads directly (`effective_weight`): merged in both modes."""
+    out: dict[int, float] = {}
+    for t in shape.lora_targets(lora.target_modules):
+        assert t.layer is not None
+        elements = t.numel if is_deterministic or t.is_expert else t.copies * tokens * lora.rank
+        out[t.layer] = out.get(t.layer, 0.0) + elements * act_bytes
+    return out
+
+
+def lora_activation_bytes(
+    shape: ModelShape,
+    lora: LoraSettings,
+    tokens: float,
+    act_bytes: int,
+    recompute: str,
+    layers: list[int],
+    *,
+    is_deterministic: bool = True,
+    attention_extra: float = 0.0,
+) -> int:
+    """What LoRA adds to `activation_bytes` of the same micro-batch over `layers` (`lora_layer_bytes` per layer):
+    without recompute every layer keeps its own, so their sum; with full recompute only the layer being recomputed
+    holds them (the checkpointed forward keeps none), so the peak of (that layer's activations + its LoRA bytes) over
+    the layers, less the peak of the activations alone that `activation_bytes` counts."""
+    extra = lora_layer_bytes(shape, lora, tokens, act_bytes, is_deterministic)
+    if recompute != "full":
+        return int(sum(extra.get(layer, 0.0) for layer in layers))
+    per_layer = [(layer_activation_elements(shape, layer) + attention_extra * 4 / act_bytes) * tokens * act_bytes
+                 for layer in layers]  # fmt: skip
+    with_lora = [value + extra.get(layer, 0.0) for value, layer in zip(per_layer, layers, strict=True)]
+    return int(max(with_lora, default=0.0) - max(per_layer, default=0.0))
+
+
 def dispatch_bytes(shape: ModelShape, tokens: float, act_bytes: int) -> int:
     """MoE all-to-all token buffers of one layer in flight: each token goes to top-k experts and comes back
     (dispatch and combine: 2 x N x k x H x b; Megatron-core's MoEAlltoAllTokenDispatcher permutes tokens into one
@@ -191,8 +233,10 @@ def fsdp2_bytes(
     critic: str | None = None,
     is_mtp_trained: bool = False,
     attention_extra: float = 0.0,
+    lora: LoraSettings | None = None,
+    is_deterministic: bool = True,
 ) -> dict[str, int]:
-    """One rank of Miles' FSDP2 backend (miles_trainer/fsdp.py) after an optimizer step, by tag:
+    """One rank of Miles' FSDP2 backend (miles_trainer/fsdp.py) after an optimizer step, by key:
     - weights: float32 master parameters (`load_model(..., dtype=torch.float32)`), dim-0 sharded over `world`; the
       routers' frozen float32 `e_score_correction_bias` buffers (a few bytes a layer) are not parameters: left out;
       (FSDP2 `fully_shard` per decoder layer, then the root); the frozen reference copy (fp32, sharded) when
@@ -206,11 +250,24 @@ def fsdp2_bytes(
       root's embedding / norm / head gathered and prefetches the next layer: root + 2 layers); none for one float32
       rank, which stays a plain module (`_needs_fsdp`);
     - activations: `activation_bytes` for `tokens` (an estimate, not exact), with `attention_extra` elements per
-      token and layer for deterministic kernels (`blocked_attention_elements`)."""
+      token and layer for deterministic kernels (`blocked_attention_elements`).
+    With `lora` (trainer.lora, miles_trainer/lora.py `attach_adapters`) the trunk is a frozen base: weights hold it
+    in `lora.base_dtype` (b_base x params / world), with no grads or optimizer state; the MTP modules keep float32
+    (their own loss may train them); the reference and critic are as above;
+    - adapters: the LoRA adapters (`ModelShape.lora_tensors`), float32 masters sharded like every parameter; grads
+      and optimizer are theirs (and gathered counts them in the compute dtype with their layer);
+    - lora_activations: what the adapters add to the activations (`lora_activation_bytes`: the merged weight of each
+      adapted layer in deterministic mode, x A^T in fast mode).
+    The keys do not overlap (their sum is the rank's step peak); the trainer's own tags hold weights + adapters
+    (`weights`) and activations + lora_activations (its activation peak). The two LoRA keys are present only with
+    `lora`."""
     b = DTYPE_BYTES[dtype]
     tensors = [t for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)]
     trunk = [t for t in tensors if t.layer is None or t.layer < shape.num_hidden_layers]
     mtp = [t for t in tensors if t.layer is not None and t.layer >= shape.num_hidden_layers]
+    adapters = shape.lora_tensors(lora.rank, lora.target_modules) if lora is not None else []
+    trained = adapters if lora is not None else trunk
+    base_b = DTYPE_BYTES[lora.base_dtype] if lora is not None else 4
 
     def shard(ts: list[Tensor]) -> int:
         return sum(shard_numel(t, world) for t in ts)
@@ -218,7 +275,9 @@ def fsdp2_bytes(
     def adam(ts: list[Tensor]) -> int:
         return 8 * shard(ts) + 4 * sum(t.copies for t in ts)
 
-    out = {"weights": 4 * shard(trunk), "grads": 4 * shard(trunk), "optimizer": adam(trunk)}
+    out = {"weights": base_b * shard(trunk), "grads": 4 * shard(trained), "optimizer": adam(trained)}
+    if lora is not None:
+        out["adapters"] = 4 * shard(adapters)
     out["mtp"] = 4 * shard(mtp) + ((4 * shard(mtp) + adam(mtp)) if is_mtp_trained else 0)
     if keep_reference:
         out["weights"] += 4 * shard(tensors)
@@ -237,11 +296,17 @@ def fsdp2_bytes(
     gathered = 0
     if needs_fsdp:
         root = sum(t.numel for t in tensors if t.layer is None)
-        largest = max(sum(t.numel for t in tensors if t.layer == i) for i in range(shape.num_hidden_layers))
+        units = [*tensors, *adapters]
+        largest = max(sum(t.numel for t in units if t.layer == i) for i in range(shape.num_hidden_layers))
         gathered = (root + 2 * largest) * b
     out["gathered"] = gathered
     layers = list(range(shape.num_hidden_layers)) + (list(shape.mtp_layers()) if is_mtp_trained else [])
     out["activations"] = activation_bytes(shape, tokens, b, recompute, layers, attention_extra=attention_extra)
+    if lora is not None:
+        out["lora_activations"] = lora_activation_bytes(
+            shape, lora, tokens, b, recompute, layers, is_deterministic=is_deterministic,
+            attention_extra=attention_extra,
+        )  # fmt: skip
     if critic == "separate":
         out["activations"] += activation_bytes(
             shape, tokens, b, recompute, layers, has_logits=False, attention_extra=attention_extra
@@ -250,11 +315,20 @@ def fsdp2_bytes(
 
 
 def embedded_engine_bytes(
-    shape: ModelShape, dtype: str, num_kv_pages: int, page_size: int, *, has_draft: bool = False
+    shape: ModelShape,
+    dtype: str,
+    num_kv_pages: int,
+    page_size: int,
+    *,
+    has_draft: bool = False,
+    lora: LoraSettings | None = None,
 ) -> dict[str, int]:
-    """Miles' embedded rollout engine (miles_rollout/scheduler.py, miles_kernels/kv_cache.py), by tag:
+    """Miles' embedded rollout engine (miles_rollout/scheduler.py, miles_kernels/kv_cache.py), by key:
     - weights: every parameter in the kernel dtype (`load_model(dir, kernel)`, MTP modules included, tied tensors
       once);
+    - lora (only with `lora`): a LoRA policy's adapters (`add_lora`: lora_A and lora_B in the kernel dtype) and the
+      merged weight W + s·B·A of each adapted layer that `fold_adapters` keeps beside the base (kernel dtype); the
+      engine's own `weights` tag holds weights + lora;
     - kv_cache: `KVStore.allocate`: per layer (plus MTP module 0's layer when it drafts) K and V of shape
       (num_kv_pages, KV heads, page_size, head dim) in the kernel dtype; under MLA one latent store of shape
       (num_kv_pages, 1, page_size, kv_lora_rank + qk_rope_head_dim), K and V at once."""
@@ -262,4 +336,8 @@ def embedded_engine_bytes(
     layers = shape.num_hidden_layers + (1 if has_draft else 0)
     kv = layers * num_kv_pages * page_size * kv_bytes_per_token(shape, b, num_layers=1)
     params = [t for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)]  # parameters, as the engine tags
-    return {"weights": sum(t.numel for t in params) * b, "kv_cache": kv}
+    out = {"weights": sum(t.numel for t in params) * b, "kv_cache": kv}
+    if lora is not None:
+        adapters = sum(t.numel for t in shape.lora_tensors(lora.rank, lora.target_modules))
+        out["lora"] = (adapters + sum(t.numel for t in shape.lora_targets(lora.target_modules))) * b
+    return out

@@ -44,6 +44,7 @@ class TrainerTerms:
 class EngineTerms:
     rollout: list[Component] = field(default_factory=list)  # held while generating
     idle: list[Component] = field(default_factory=list)  # held while the trainer works (colocated)
+    idle_host: list[Component] = field(default_factory=list)  # host memory per engine while the trainer works
     resident: list[Component] = field(default_factory=list)  # weights + KV when never released
     kv_tokens: int | None = None
     is_ok: bool = True
@@ -72,6 +73,7 @@ def deterministic_attention_extra(shape: ModelShape, run: RunInputs) -> float:
 def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
     world = run.num_ranks if run.plan.hardware == "cpu" else train_gpus
     online = run.spec_mode == "online"
+    lora = run.lora
     b = fsdp2_bytes(
         shape,
         world,
@@ -82,17 +84,34 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
         critic=run.critic,
         is_mtp_trained=online,
         attention_extra=deterministic_attention_extra(shape, run),
+        lora=lora,
+        is_deterministic=run.is_deterministic,
     )
     fp32 = "fp32 shards: 4 B x params / fsdp world (dim 0 padded)"
-    state = [
-        _c("weights", "policy + reference + critic fp32 params", b["weights"], fp32),
-        _c("grads", "fp32 gradients (sharded)", b["grads"], fp32),
-        _c("optimizer", "AdamW exp_avg + exp_avg_sq (fp32, sharded)", b["optimizer"], "8 B x trained params / world"),
-        _c("mtp", "MTP modules" + (" + grads + AdamW" if online else " (weights only)"), b["mtp"]),
-    ]
+    if lora is None:
+        state = [
+            _c("weights", "policy + reference + critic fp32 params", b["weights"], fp32),
+            _c("grads", "fp32 gradients (sharded)", b["grads"], fp32),
+            _c("optimizer", "AdamW exp_avg + exp_avg_sq (fp32, sharded)", b["optimizer"],
+               "8 B x trained params / world"),
+        ]  # fmt: skip
+    else:  # LoRA: a frozen base; the adapters alone train (miles_trainer/lora.py)
+        base_b = DTYPE_BYTES[lora.base_dtype]
+        adapters = f"LoRA adapters (rank {lora.rank})"
+        trained = adapters + (" + critic" if run.critic else "")  # a critic trains whole, beside the adapters
+        state = [
+            _c("weights", f"frozen base ({lora.base_dtype}) + reference + critic params", b["weights"],
+               f"{base_b} B x base params / world"),
+            _c("weights", f"{adapters}: fp32 masters", b["adapters"], "4 B x adapter params / world"),
+            _c("grads", f"{trained}: fp32 gradients (sharded)", b["grads"], "4 B x adapter params / world"),
+            _c("optimizer", f"{trained}: AdamW exp_avg + exp_avg_sq (fp32, sharded)", b["optimizer"],
+               "8 B x adapter params / world"),
+        ]  # fmt: skip
+    state.append(_c("mtp", "MTP modules" + (" + grads + AdamW" if online else " (weights only)"), b["mtp"]))
     out = TrainerTerms(resident=[c for c in state if c.tag != "grads"])
     if run.plan.cpu_adam:
-        opt = state.pop(2)
+        opt = next(c for c in state if c.tag == "optimizer")
+        state.remove(opt)
         out.host.append(opt.model_copy(update={"phase": "host", "name": "CPU Adam: " + opt.name}))
         out.resident = [c for c in out.resident if c.tag != "optimizer"]
     out.train = [
@@ -100,6 +119,13 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
         _c("weights", "FSDP2 all-gathered params (root + 2 layers)", b["gathered"], "compute dtype"),
         _c("activations", f"activations ({run.recompute} recompute, {run.tokens} tokens)", b["activations"]),
     ]
+    if lora is not None:
+        kept = (
+            "merged weights W + s·B·A of the adapted layers (deterministic)"
+            if run.is_deterministic
+            else "x·A of the adapted layers, merged routed experts (fast)"
+        )
+        out.train.append(_c("activations", f"LoRA: {kept}", b["lora_activations"], "lora_activation_bytes"))
     if run.plan.hardware != "cpu" and shape.is_moe:
         out.train.append(_c("comm", "MoE dispatch buffers", dispatch_bytes(shape, run.tokens, DTYPE_BYTES[run.dtype])))
     return out
@@ -228,8 +254,15 @@ def engine_terms(
     prefill = run.max_prefill_tokens
     act_elements = layer_activation_elements(shape, shape.num_hidden_layers - 1)
     if p.rollout_engine == "embedded":
-        e = embedded_engine_bytes(shape, run.dtype, run.num_kv_pages, run.page_size, has_draft=has_draft)
+        e = embedded_engine_bytes(shape, run.dtype, run.num_kv_pages, run.page_size, has_draft=has_draft,
+                                  lora=run.lora)  # fmt: skip
         weights = Component(tag="weights", phase="rollout", name=f"engine weights ({run.dtype})", bytes=e["weights"])
+        held = [weights]
+        if run.lora is not None:
+            held.append(Component(
+                tag="weights", phase="rollout", bytes=e["lora"], formula="b x (adapter params + adapted weights)",
+                name=f"engine LoRA adapters + merged (folded) weights of the adapted layers ({run.dtype})",
+            ))  # fmt: skip
         kv = Component(
             tag="kv_cache",
             phase="rollout",
@@ -239,11 +272,19 @@ def engine_terms(
         )
         acts = prefill * act_elements * b + run.max_running_requests * shape.vocab_size * 8
         out.rollout = [
-            weights,
+            *held,
             kv,
             Component(tag="activations", phase="rollout", name="engine step (estimate)", bytes=int(acts)),
         ]
-        out.resident = [weights.model_copy(update={"phase": "train"}), kv.model_copy(update={"phase": "train"})]
+        out.resident = [c.model_copy(update={"phase": "train"}) for c in [*held, kv]]
+        if run.lora is not None:
+            # weight syncs send only the adapters, so a released engine keeps its weights in host memory (its
+            # HostStore; miles_rollout/engine.py): the same device on cpu, host memory per node on a GPU
+            kept = [c.model_copy(update={"phase": "train", "name": f"{c.name}, kept in host memory"}) for c in held]
+            if hw.is_cpu:
+                out.idle = kept
+            else:
+                out.idle_host = [c.model_copy(update={"phase": "host"}) for c in kept]
         out.kv_tokens = run.num_kv_pages * run.page_size
         if not hw.is_cpu:
             notes.append("embedded engine on a GPU: one engine per GPU holding the whole model; sglang shards it")

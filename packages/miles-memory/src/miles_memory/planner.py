@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles_memory.hardware import HardwareProfile, load_hardware
 from miles_memory.memory_plan import Component, MemoryPlan
-from miles_memory.model_shape import ModelShape, resolve_model
+from miles_memory.model_shape import LoraSettings, ModelShape, resolve_model
 from miles_memory.plan_config import PlanConfig, PlanSettings
 from miles_memory.plan_formulas import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, DTYPE_BYTES, nccl_bytes
 from miles_memory.plan_terms import engine_terms, trainer_terms
@@ -51,6 +51,7 @@ class RunInputs(BaseModel):
     offload_to: str = "auto"
     limit_bytes: int | None = None
     comm_headroom_bytes: int = 0
+    lora: LoraSettings | None = None  # trainer.lora with rank > 0
     plan: PlanConfig = PlanConfig()
 
 
@@ -79,6 +80,9 @@ RUN_KEYS: dict[str, tuple[str, Any]] = {
     "offload_to": ("memory.offload_to", "auto"),
     "limit_bytes": ("memory.limit_bytes", None),
     "comm_headroom_bytes": ("memory.comm_headroom_bytes", 0),
+    "lora_rank": ("trainer.lora.rank", 0),
+    "lora_target_modules": ("trainer.lora.target_modules", "all-linear"),
+    "lora_base_dtype": ("trainer.lora.base_dtype", "float32"),
     # the parallel layout: the run's own settings (megatron's read when trainer.backend.name is megatron)
     "trainer_backend": ("trainer.backend.name", "fsdp2"),
     "tp": ("trainer.backend.megatron.tp", 1),
@@ -136,6 +140,30 @@ def _plan_section(config: dict[str, Any]) -> dict[str, Any]:
     return dict(plan or {})
 
 
+def _read_lora(config: dict[str, Any], dtype: str) -> LoraSettings | None:
+    """trainer.lora as the planner needs it (None: rank 0, no LoRA); ValueError for what the trainer refuses."""
+    rank, targets, base_dtype = (_get(config, key) for key in ("lora_rank", "lora_target_modules", "lora_base_dtype"))
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= 4096:
+        raise ValueError(f"trainer.lora.rank must be an integer from 0 (no LoRA) to 4096, not {rank!r}")
+    if base_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"trainer.lora.base_dtype must be float32 or bfloat16, not {base_dtype!r}")
+    if rank == 0:
+        return None
+    if isinstance(targets, (list, tuple)) and all(isinstance(t, str) for t in targets):
+        targets = tuple(targets)
+    elif not isinstance(targets, str):
+        raise ValueError(
+            f"trainer.lora.target_modules must be a list of module names, 'all-linear' or one regex, not {targets!r}"
+        )
+    if base_dtype == "bfloat16" and dtype != "bfloat16":
+        raise ValueError(
+            f"trainer.lora.base_dtype=bfloat16 needs kernel.dtype=bfloat16 (it is {dtype}): the trainer refuses it, "
+            "since the engine computes with the base in the kernel dtype; set kernel.dtype=bfloat16 or "
+            "trainer.lora.base_dtype=float32"
+        )
+    return LoraSettings(rank, targets, base_dtype)
+
+
 def read_run(config: dict[str, Any]) -> RunInputs:
     """The planner's inputs from a run config dict (a run's own resolved config, or a YAML file: `RUN_KEYS`'s
     defaults where a key is absent), with the layout the run trains and rolls out with."""
@@ -180,6 +208,7 @@ def read_run(config: dict[str, Any]) -> RunInputs:
         offload_to=str(_get(config, "offload_to")),
         limit_bytes=_get(config, "limit_bytes"),
         comm_headroom_bytes=int(_get(config, "comm_headroom_bytes")),
+        lora=_read_lora(config, _get(config, "dtype")),
         plan=plan,
     )
 
@@ -202,6 +231,17 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
         raise ValueError(f"kernel.dtype {run.dtype!r} is not one of float32, bfloat16, float16")
     if hw.is_cpu and p.rollout_engine == "sglang":
         raise ValueError("cpu plans the embedded engine only (SGLang runs on GPUs): set rollout.backend=embedded")
+    if run.lora is not None:  # what a run config refuses with LoRA (miles_orchestrator.config.run)
+        if p.trainer_backend == "megatron":
+            raise ValueError(
+                "trainer.backend.name=megatron does not support trainer.lora (LoRA adapters) yet; use fsdp2"
+            )
+        if p.rollout_engine == "sglang":
+            raise ValueError(
+                "trainer.lora with rollout.backend=sglang is not supported yet (the SGLang engines would need the "
+                "adapters loaded as a LoRA at every sync): use the embedded engine"
+            )
+        shape.lora_targets(run.lora.target_modules)  # ValueError: targets that select nothing
     for name, size in (("ep", p.ep), ("rollout_ep", p.rollout_ep)):
         if size > 1 and (not shape.is_moe or shape.num_experts % size):
             raise ValueError(f"{name}={size} does not divide the model's {shape.num_experts} experts: lower {name}")
@@ -303,6 +343,11 @@ def _plan(run: RunInputs, hw: HardwareProfile) -> MemoryPlan:
         for c in host_terms:
             components.append(c.model_copy(update={"phase": "host", "bytes": c.bytes * per_node}))
             host += c.bytes * per_node
+        if run.colocate:  # one embedded engine per rollout GPU
+            engines = min(hw.gpus_per_node, rollout_gpus)
+            for c in engine.idle_host:
+                components.append(c.model_copy(update={"phase": "host", "bytes": c.bytes * engines}))
+                host += c.bytes * engines
     phases = {ph: sum(c.bytes for c in components if c.phase == ph) for ph in ("train", "rollout")}
     peak_phase = max(phases, key=lambda ph: phases[ph])
     peak = phases[peak_phase]
@@ -317,17 +362,17 @@ def _plan(run: RunInputs, hw: HardwareProfile) -> MemoryPlan:
         notes.append("cpu_adam: Miles' FSDP2 backend keeps AdamW on the device; the plan assumes a CPU optimizer")
     if p.trainer_backend == "megatron" or p.cpu_adam:
         supported.append("megatron (miles-trainer[megatron], trainer.backend.name=megatron; docs/megatron.md)")
+    params = {"total": shape.params(mtp=False), "active": shape.active_params(), "mtp": shape.params(mtp=True)}
+    if run.lora is not None:
+        params["lora"] = sum(t.numel for t in shape.lora_tensors(run.lora.rank, run.lora.target_modules))
+        notes.append(_lora_note(shape, run, params["lora"]))
     return MemoryPlan(
         model=f"{shape.model_type} from {source}",
         hardware=hw.key,
         nodes=p.nodes if not hw.is_cpu else 1,
         num_gpus=gpus,
         layout=_layout(run, gpus, train_gpus, rollout_gpus),
-        params={
-            "total": shape.params(mtp=False),
-            "active": shape.active_params(),
-            "mtp": shape.params(mtp=True),
-        },
+        params=params,
         components=components,
         phases=phases,
         peak_phase=peak_phase,
@@ -340,6 +385,19 @@ def _plan(run: RunInputs, hw: HardwareProfile) -> MemoryPlan:
         kv_tokens=engine.kv_tokens,
         supported_by=supported,
         notes=notes,
+    )
+
+
+def _lora_note(shape: ModelShape, run: RunInputs, adapter_params: int) -> str:
+    """What a LoRA run moves and saves instead of the full weights (miles_trainer/lora.py, checkpoint.py)."""
+    assert run.lora is not None
+    layers = sum(t.copies for t in shape.lora_targets(run.lora.target_modules))
+    b, mib = DTYPE_BYTES[run.dtype], 2**20
+    return (
+        f"LoRA rank {run.lora.rank} on {layers} linear layers: {adapter_params} adapter params; a checkpoint "
+        f"holds them with their AdamW state (about 12 B x params = {12 * adapter_params / mib:.1f} MiB), a weight "
+        f"sync sends them ({b} B x params = {b * adapter_params / mib:.1f} MiB; plus MTP layers trained online): the "
+        "base is neither saved nor sent"
     )
 
 
@@ -359,6 +417,8 @@ def _layout(run: RunInputs, gpus: int, train_gpus: int, rollout_gpus: int) -> di
     if p.rollout_engine == "sglang":
         out |= {"rollout_tp": p.rollout_tp, "rollout_ep": p.rollout_ep, "mem_fraction_static": p.mem_fraction_static}
     out |= {"dtype": run.dtype, "tokens_per_micro_batch": run.tokens}
+    if run.lora is not None:
+        out |= {"lora_rank": run.lora.rank, "lora_base_dtype": run.lora.base_dtype}
     return out
 
 
