@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from test_true_on_policy import rollout
+from torch.distributed.checkpoint import FileSystemReader
 
 from miles_contracts import Sample
 from miles_kernels import (
@@ -179,5 +179,5 @@ def test_bf16_base_with_float32_adapters_stays_on_policy(model_dirs) -> None:
         assert backend.compute_logprobs(samples) == [s.rollout_logprobs for s in samples], f"step {step}"
         backend.train_step(samples, advantages)
         sync(backend, engine)
-    with pytest.raises(ValueError, match="needs kernel.dtype=bfloat16"):
+    with pytest.raises(ValueError, match=r"needs kernel\.dtype=bfloat16"):
         trainer(model_dirs["moe"], lora)
