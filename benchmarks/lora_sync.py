@@ -28,7 +28,6 @@ import torch
 from host import host_info
 
 from miles_kernels import KernelConfig, fold_adapters
-from miles_kernels.config import LoraConfig
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout import Engine
 from miles_rollout.config import EngineConfig
@@ -57,7 +56,8 @@ def median_time(fn: Any, repeats: int) -> float:
 
 def measure(model_dir: Path, lora: LoraTrainConfig | None, repeats: int) -> dict[str, Any]:
     backend = FSDP2Backend(model_dir, KERNEL, lora=lora)
-    engine = Engine(str(model_dir), KERNEL, EngineConfig(num_kv_pages=8, policy_lora=(lora or LoraTrainConfig()).adapters()))
+    policy_lora = (lora or LoraTrainConfig()).adapters()
+    engine = Engine(str(model_dir), KERNEL, EngineConfig(num_kv_pages=8, policy_lora=policy_lora))
     loop = asyncio.new_event_loop()
 
     def on_engine(fn: Any) -> Any:
