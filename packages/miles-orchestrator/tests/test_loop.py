@@ -215,6 +215,29 @@ def test_a_deterministic_megatron_run_of_an_mla_policy_is_refused_at_start_up(tm
     check_model(load_config(None, megatron), str(save_random_model(tmp_path / "glm", tiny_config("glm"))))
 
 
+def test_lora_targets_are_checked_against_the_model_and_its_settings_against_the_run(tmp_path) -> None:
+    """trainer.lora: targets that name no layer of the policy are refused at start-up with the layers it has; the
+    engine's adapters follow trainer.lora (one knob); Megatron and SGLang engines refuse LoRA by name."""
+    from miles_kernels.testing import save_random_model, tiny_config
+    from miles_orchestrator.config import load_config
+    from miles_orchestrator.preflight import ModelRefused, check_model
+
+    moe = str(save_random_model(tmp_path / "moe", tiny_config("moe")))
+    lora = ["trainer.lora.rank=8"]
+    check_model(load_config(None, [*lora, "trainer.lora.target_modules=[q_proj, experts.0.up_proj]"]), moe)
+    with pytest.raises(ModelRefused, match=r"trainer.lora target_modules \['wq'\] match no linear layer.*'q_proj'"):
+        check_model(load_config(None, [*lora, "trainer.lora.target_modules=[wq]"]), moe)
+    cfg = load_config(None, [*lora, "trainer.lora.alpha=16", "trainer.lora.base_dtype=float32"])
+    assert cfg.rollout.engine.policy_lora == cfg.trainer.lora.adapters()
+    assert cfg.rollout.engine.policy_lora.rank == 8 and cfg.rollout.engine.policy_lora.alpha == 16
+    with pytest.raises(ValueError, match=r"rollout.engine.policy_lora=.* disagrees with trainer.lora"):
+        load_config(None, [*lora, "rollout.engine.policy_lora.rank=4"])
+    with pytest.raises(ValueError, match=r"megatron does not support trainer.lora \(LoRA adapters\) yet"):
+        load_config(None, [*lora, "trainer.backend.name=megatron", "kernel.mode=fast"])
+    with pytest.raises(ValueError, match=r"trainer.lora with rollout.backend=sglang is not supported yet"):
+        load_config(None, [*lora, "rollout.backend=sglang", "kernel.mode=fast"])
+
+
 def glm45_saved_by_transformers(directory):
     """A tiny GLM-4.5 as Hugging Face tooling writes it: config.json declares one MTP layer, no tensor of it."""
     from miles_kernels.testing import build_tokenizer, save_transformers_model, tiny_config

@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     """Check everything a config can get wrong (ValueError: exit 2), then run; an error from then on is the run's
     (RunFailed, with the original error chained)."""
     cfg = resolve(args)
-    from miles_orchestrator.preflight import check_model, check_plugins
+    from miles_orchestrator.preflight import ModelRefused, check_model, check_plugins
     from miles_orchestrator.run_dir import RunDir
 
     log = cfg.run.log
@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         _execute(cfg, run, force=args.force)
-    except PlanRefused as refused:
+    except (PlanRefused, ModelRefused) as refused:
         raise ValueError(str(refused)) from refused
     except Exception as error:
         with (run.path / "run.log").open("a") as out:
@@ -120,10 +120,11 @@ def _execute(cfg: RunConfig, run: Any, force: bool = False) -> None:
     from miles_orchestrator.data.bootstrap import bootstrap_policy
     from miles_orchestrator.loop import run_training
     from miles_orchestrator.memory_check import check_plan
-    from miles_orchestrator.preflight import with_fresh_draft
+    from miles_orchestrator.preflight import check_model, with_fresh_draft
     from miles_orchestrator.report import report
 
     model_dir = with_fresh_draft(cfg, cfg.model.path or bootstrap_policy(cfg, log=run.log), run)  # planned with it
+    check_model(cfg, model_dir)  # the bootstrapped policy too, before the planner reads the config against it
     check_plan(cfg, model_dir, run.path, run.log, force)
     history = run_training(cfg, model_dir, run)
     report(history, run.path, run.console)

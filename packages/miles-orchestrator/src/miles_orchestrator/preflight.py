@@ -9,7 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_kernels import num_absent_mtp_layers, read_model_config
+import torch
+
+from miles_kernels import CausalLM, num_absent_mtp_layers, read_model_config, target_names
 from miles_orchestrator.cluster import Cluster
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.data.sources import check_data_source
@@ -42,26 +44,38 @@ def check_plugins(cfg: RunConfig) -> None:
             raise ValueError(f"{field}={value!r}: {error}") from error
 
 
+class ModelRefused(ValueError):
+    """The run asks of its model what the model's architecture lacks (a config error: exit 2)."""
+
+
 def check_model(cfg: RunConfig, model_dir: str) -> None:
     """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
     frozen or online; online accepts a checkpoint whose config.json declares MTP modules it holds no tensor of,
     which `with_fresh_draft` completes); MoE layers when the run records or replays routing; a Megatron layout that
-    builds its attention (the Miles layers have no MLA yet). (Other runs read the model only when they load it.)"""
+    builds its attention (the Miles layers have no MLA yet); LoRA targets that name its layers. (Other runs read the
+    model only when they load it.)"""
     megatron = cfg.trainer.backend.megatron if cfg.trainer.backend.name == "megatron" else None
-    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts or megatron is not None):
+    lora = cfg.trainer.lora
+    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts or megatron is not None or lora.is_enabled):
         return
     model = read_model_config(model_dir)
+    if lora.is_enabled:
+        with torch.device("meta"):  # the layer names only: no weight is made
+            try:
+                target_names(CausalLM(model), lora.adapters())
+            except ValueError as error:  # a target that matches no layer, named with the layers there are
+                raise ModelRefused(f"trainer.{error}") from error
     if megatron is not None:
         problem = megatron.model_problem(model.model_type, model.is_mla, cfg.kernel.is_deterministic)
         if problem:
-            raise ValueError(f"trainer.backend.megatron: {problem}")
+            raise ModelRefused(f"trainer.backend.megatron: {problem}")
     if cfg.rollout.return_routed_experts and not model.is_moe:
         setting = (
             "trainer.routing_replay=rollout"
             if cfg.trainer.routing_replay == "rollout"
             else "rollout.return_routed_experts=true"
         )
-        raise ValueError(
+        raise ModelRefused(
             f"{setting} records MoE routing, but {model_dir} is a dense {model.model_type} model; drop the setting, "
             "or use an MoE policy (e.g. model.bootstrap_architecture=qwen3_moe)"
         )
@@ -71,7 +85,7 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
     if absent and cfg.spec.mode == "online":
         return  # the run starts them fresh (with_fresh_draft)
     if absent:
-        raise ValueError(
+        raise ModelRefused(
             f"spec.mode=frozen drafts with the policy's MTP modules as loaded, but {model_dir} holds none: its "
             f"config.json declares {absent} (num_nextn_predict_layers) and the checkpoint has no tensor of them "
             "(transformers' save_pretrained does not write them), and an untrained draft left frozen would reject "
@@ -79,7 +93,7 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
             f"first (miles-spec train --model {model_dir} --data ROWS.jsonl --out DIR, then model.path=DIR), or "
             "spec.mode=off"
         )
-    raise ValueError(
+    raise ModelRefused(
         f"spec.mode={cfg.spec.mode} drafts with the policy's MTP modules, but {model_dir} has none "
         "(num_nextn_predict_layers = 0 in its config.json); use a checkpoint with MTP layers (miles-spec train "
         "--num-mtp-layers 1 adds one), or spec.mode=off"
