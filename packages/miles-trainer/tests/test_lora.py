@@ -52,9 +52,11 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
-def trainer(model_dir: str, lora: LoraTrainConfig = LORA, kernel: KernelConfig = KERNEL, **kw) -> FSDP2Backend:
-    return FSDP2Backend(model_dir, kernel, OptimizerConfig(lr=1e-2), PolicyLossConfig(),
-                        BackendConfig(max_tokens_per_micro_batch=64), lora=lora, **kw)  # fmt: skip
+def trainer(
+    model_dir: str, lora: LoraTrainConfig = LORA, kernel: KernelConfig = KERNEL, loss: PolicyLossConfig | None = None
+) -> FSDP2Backend:
+    return FSDP2Backend(model_dir, kernel, OptimizerConfig(lr=1e-2), loss or PolicyLossConfig(),
+                        BackendConfig(max_tokens_per_micro_batch=64), lora=lora)  # fmt: skip
 
 
 def engine_model(model_dir: str, lora: LoraTrainConfig = LORA, kernel: KernelConfig = KERNEL):
@@ -181,3 +183,19 @@ def test_bf16_base_with_float32_adapters_stays_on_policy(model_dirs) -> None:
         sync(backend, engine)
     with pytest.raises(ValueError, match=r"needs kernel\.dtype=bfloat16"):
         trainer(model_dirs["moe"], lora)
+
+
+def test_the_kl_reference_of_a_lora_run_is_its_base_without_a_copy(model_dirs) -> None:
+    backend = trainer(model_dirs["dense"], loss=PolicyLossConfig(kl_coef=0.1))
+    assert backend.reference is None and backend.has_reference
+    engine = engine_model(model_dirs["dense"])
+    base = engine_model(model_dirs["dense"])  # the adapters' B stays zero: the base model's log-probs
+    sync(backend, engine)
+    for step in range(2):
+        samples, advantages = samples_of(engine, seed=20 + step)
+        metrics = backend.train_step(samples, advantages)
+        assert metrics["kl"] >= 0.0
+        sync(backend, engine)
+    samples, _ = samples_of(base, seed=30)
+    assert backend.compute_logprobs(samples, reference=True) == [s.rollout_logprobs for s in samples]
+    assert backend.compute_logprobs(samples) != [s.rollout_logprobs for s in samples]  # the adapters did move

@@ -35,6 +35,7 @@ class Linear(nn.Module):
         self.lora_A: nn.Parameter | None = None
         self.lora_B: nn.Parameter | None = None
         self.lora_scaling = 0.0
+        self.lora_disabled = False  # the base alone (lora.disabled_adapters: a LoRA run's KL reference)
         # The engine's merged weight (lora.fold_adapters, once per adapter update); None: merged when used.
         self.folded: torch.Tensor | None = None
         # Adapters chosen per request (the engine's multi-LoRA serving, lora_serving.py), under this layer's name.
@@ -43,7 +44,7 @@ class Linear(nn.Module):
 
     def effective_weight(self) -> torch.Tensor:
         """The weight this layer computes with: the base, or base + scaling * B @ A with an adapter (lora.py)."""
-        if self.lora_A is None:
+        if self.lora_A is None or self.lora_disabled:
             return self.weight
         if self.folded is not None:
             return self.folded
@@ -51,7 +52,12 @@ class Linear(nn.Module):
         return merge_lora(self.weight, self.lora_A, self.lora_B, self.lora_scaling, self.kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora_A is not None and self.folded is None and not self.kernel.is_deterministic:
+        if (
+            self.lora_A is not None
+            and self.folded is None
+            and not self.lora_disabled
+            and not self.kernel.is_deterministic
+        ):
             # Fast mode: the un-merged form, x W^T + scaling * (x A^T) B^T (no merged weight is made)
             assert self.lora_B is not None
             out = linear(x, self.weight, self.kernel, self.bias)

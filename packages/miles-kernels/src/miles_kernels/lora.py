@@ -15,11 +15,13 @@ Shapes: N rows, K in features, O out features, R rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +106,20 @@ def is_adapter_name(name: str) -> bool:
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' tensors under the model's names (`model.layers.0.self_attn.q_proj.lora_A`)."""
     return {name: p for name, p in model.named_parameters() if is_adapter_name(name)}
+
+
+@contextlib.contextmanager
+def disabled_adapters(model: nn.Module) -> Iterator[None]:
+    """Run the base model alone inside the block (PEFT's `disable_adapter`): a LoRA run's KL reference is its base,
+    so it needs no copy of its own."""
+    layers = list(adapted_layers(model).values())
+    for layer in layers:
+        layer.lora_disabled = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_disabled = False
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ Optional: activation checkpointing per decoder layer, a frozen reference copy fo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -27,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, MTPLayer, load_model
+from miles_kernels import CausalLM, KernelConfig, MTPLayer, disabled_adapters, load_model
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, OptimizerConfig, PolicyLossConfig
@@ -159,7 +160,8 @@ class FSDP2Backend:
             apply_activation_checkpointing(self.model)
         _shard(self.model, kernel)
         self.reference: CausalLM | None = None
-        if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
+        self.has_reference = keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0
+        if self.has_reference and self.lora is None:  # with LoRA the reference is the base: the policy, adapters off
             self.reference = load_model(model_dir, kernel, device, dtype=torch.float32).eval().requires_grad_(False)
             _shard(self.reference, kernel)
         self.aux_losses = list(aux_losses)
@@ -217,18 +219,19 @@ class FSDP2Backend:
     def compute_logprobs(self, samples: Sequence[Sample], reference: bool = False) -> list[list[float]]:
         """Log-probs of each sample's response tokens under the current (or the reference) weights: the old
         log-probs of fast mode, or the reference's for the KL term / a KL reward penalty."""
-        model = self.reference if reference else self.model
-        if model is None:
+        if reference and not self.has_reference:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
+        model = self.reference or self.model if reference else self.model
         self._check_onloaded()
         replay = self.routing_replay and not reference
         micro_batches = pack_samples(
             samples, self.kernel, self.max_tokens, routing_shape=moe_shape(model) if replay else None,
             require_routing=replay,
         )  # fmt: skip
-        return batch_logprobs(
-            model, micro_batches, len(samples), self._num_passes(samples), self.loss_config.temperature, replay
-        )
+        with disabled_adapters(model) if reference else contextlib.nullcontext():
+            return batch_logprobs(
+                model, micro_batches, len(samples), self._num_passes(samples), self.loss_config.temperature, replay
+            )
 
     @torch.no_grad()
     def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
@@ -280,7 +283,7 @@ class FSDP2Backend:
         self._check_onloaded()
         start = time.perf_counter()
         loss = self.loss_config
-        if self.reference is not None and ref_logprobs is None:  # the KL term, or the kl metric alone
+        if self.has_reference and ref_logprobs is None:  # the KL term, or the kl metric alone
             ref_logprobs = self.compute_logprobs(samples, reference=True)
         is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(
             samples, old_logprobs, loss, _sum_over_ranks
