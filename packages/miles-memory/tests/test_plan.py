@@ -267,7 +267,7 @@ def test_a_lora_run_trains_adapter_sized_grads_and_optimizer(tmp_path: Path) -> 
     assert train_full["grads"] == 4 * trunk and train["grads"] == 4 * adapters
     assert train["optimizer"] == 8 * adapters + 4 * 2 * 28  # 28 adapted layers, A and B each
     weights = {c.name: c.bytes for c in lora.components if c.phase == "train" and c.tag == "weights"}
-    assert weights["frozen base (bfloat16) + reference + critic params"] == 2 * trunk
+    assert weights["frozen base (bfloat16) + critic params"] == 2 * trunk
     assert weights["LoRA adapters (rank 8): fp32 masters"] == 4 * adapters
     # colocated on cpu: the released engine keeps its weights in host memory, the same RAM (weight syncs send only
     # the adapters, so its base cannot be dropped and sent again)
@@ -278,6 +278,13 @@ def test_a_lora_run_trains_adapter_sized_grads_and_optimizer(tmp_path: Path) -> 
     assert lora.by_tag("rollout")["weights"] == engine + folded
     assert lora.phases["train"] < full.phases["train"]
     assert any("LoRA rank 8 on 28 linear layers" in note for note in lora.notes)
+    # kl_coef > 0: the full run plans a reference copy, the LoRA run none (its reference is the base, adapters off)
+    full_run, lora_run = policy_run(tmp_path), policy_run(tmp_path, rank=8, base_dtype="bfloat16")
+    for run in (full_run, lora_run):
+        run["trainer"]["loss"] = {"kl_coef": 0.1}  # type: ignore[index]
+    full_kl, lora_kl = plan_memory(full_run, "cpu"), plan_memory(lora_run, "cpu")
+    assert full_kl.by_tag("train")["weights"] == train_full["weights"] + 4 * ModelShape.from_hf(POLICY).params()
+    assert lora_kl.by_tag("train")["weights"] == train["weights"]
 
 
 def test_a_colocated_lora_engine_on_gpus_keeps_its_weights_in_host_memory() -> None:

@@ -253,7 +253,8 @@ def fsdp2_bytes(
       token and layer for deterministic kernels (`blocked_attention_elements`).
     With `lora` (trainer.lora, miles_trainer/lora.py `attach_adapters`) the trunk is a frozen base: weights hold it
     in `lora.base_dtype` (b_base x params / world), with no grads or optimizer state; the MTP modules keep float32
-    (their own loss may train them); the reference and critic are as above;
+    (their own loss may train them); there is no reference copy (the KL reference is the base: the policy with its
+    adapters off, `miles_kernels.disabled_adapters`); the critic is as above;
     - adapters: the LoRA adapters (`ModelShape.lora_tensors`), float32 masters sharded like every parameter; grads
       and optimizer are theirs (and gathered counts them in the compute dtype with their layer);
     - lora_activations: what the adapters add to the activations (`lora_activation_bytes`: the merged weight of each
@@ -279,7 +280,7 @@ def fsdp2_bytes(
     if lora is not None:
         out["adapters"] = 4 * shard(adapters)
     out["mtp"] = 4 * shard(mtp) + ((4 * shard(mtp) + adam(mtp)) if is_mtp_trained else 0)
-    if keep_reference:
+    if keep_reference and lora is None:  # a LoRA run's reference is its base (the policy with adapters off)
         out["weights"] += 4 * shard(tensors)
     if critic == "separate":
         used = [t for t in trunk if t.name != "lm_head.weight"]

@@ -100,7 +100,7 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
         adapters = f"LoRA adapters (rank {lora.rank})"
         trained = adapters + (" + critic" if run.critic else "")  # a critic trains whole, beside the adapters
         state = [
-            _c("weights", f"frozen base ({lora.base_dtype}) + reference + critic params", b["weights"],
+            _c("weights", f"frozen base ({lora.base_dtype}) + critic params", b["weights"],
                f"{base_b} B x base params / world"),
             _c("weights", f"{adapters}: fp32 masters", b["adapters"], "4 B x adapter params / world"),
             _c("grads", f"{trained}: fp32 gradients (sharded)", b["grads"], "4 B x adapter params / world"),
