@@ -63,13 +63,31 @@ def test_sglang_nulls_take_the_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    "field", ["image_data", "lora_path", "return_hidden_states", "return_indexer_topk", "input_embeds",
+    "field", ["image_data", "lora_id", "return_hidden_states", "return_indexer_topk", "input_embeds",
               "custom_logit_processor", "bootstrap_host", "session_params"],
 )  # fmt: skip
 def test_sglang_features_the_engine_lacks_are_refused_by_name(field: str) -> None:
     with pytest.raises(ValidationError, match=f"{field} .* is not supported by the embedded engine"):
         GenerateRequest.model_validate({"text": "hi", field: "x" if field != "return_indexer_topk" else True})
     assert GenerateRequest.model_validate({"text": "hi", field: None})  # absent in effect: accepted
+
+
+def test_lora_path_is_one_adapter_or_one_per_prompt_as_sglang_normalizes_it() -> None:
+    """SGLang 0.5.23's `lora_path` (io_struct.GenerateReqInput): a string names the adapter of every prompt, a list
+    one per prompt (None: the base model); a list of another length is a client error naming the field. `lora_id`,
+    which SGLang's server fills in itself, stays refused."""
+    batch = {"input_ids": [[1, 2], [3], [4]], "sampling_params": {"max_new_tokens": 1}}
+    one = GenerateRequest.model_validate({**batch, "lora_path": "math"})
+    assert [one.lora_path_for(i) for i in range(3)] == ["math", "math", "math"]
+    each = GenerateRequest.model_validate({**batch, "lora_path": ["math", None, "code"]})
+    assert [each.lora_path_for(i) for i in range(3)] == ["math", None, "code"]
+    assert GenerateRequest.model_validate_json(each.model_dump_json()) == each
+    assert GenerateRequest.model_validate({"text": "hi", "lora_path": ""}).lora_path_for(0) is None
+    assert GenerateRequest.model_validate({"text": "hi"}).lora_path_for(0) is None
+    with pytest.raises(ValidationError, match="lora_path has 2 entries for 3 prompts"):
+        GenerateRequest.model_validate({**batch, "lora_path": ["math", "code"]})
+    with pytest.raises(ValidationError, match=r"lora_id .* name the adapter with lora_path"):
+        GenerateRequest.model_validate({"text": "hi", "lora_id": "0123abcd"})
 
 
 def test_routed_experts_fields_follow_sglang() -> None:

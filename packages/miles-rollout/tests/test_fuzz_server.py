@@ -3,9 +3,9 @@ process over real HTTP — random JSON values; bodies shaped like a `/generate`,
 `/v1/chat/completions` request with random values and magnitudes, some with one field of a wrong type; random bytes
 with random content types and headers (Authorization included, non-ASCII too); random bodies and queries for the
 admin routes (a pause, an open weight update or a memory release is always undone; weights are only ever loaded
-from the served checkpoint). Every answer, and every event of a streamed one, is below 500; and fixed deterministic
-requests give the same output ids and log-probs before and after each barrage, so nothing a request did leaked into
-the engine's state.
+from the served checkpoint, LoRA adapters only from directories that do not exist). Every answer, and every event of
+a streamed one, is below 500; and fixed deterministic requests give the same output ids and log-probs before and
+after each barrage, so nothing a request did leaked into the engine's state.
 
 Generation stays cheap: `max_new_tokens` is 0-4 (or a value the server refuses), `n` 1-2, prompts short. The examples
 are derandomized (the same ones every run, so a failure reproduces); raise `max_examples` or drop `derandomize`
@@ -62,7 +62,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(dense_dir: Path) -> Iterator[Server]:
-    flags = ("--page-size", "16", "--num-kv-pages", "512", "--deterministic")
+    flags = ("--page-size", "16", "--num-kv-pages", "512", "--deterministic", "--enable-lora")
     with (
         launch_server(dense_dir, *flags, env={"OMP_NUM_THREADS": "1"}, api_key=API_KEY, admin_key=ADMIN_KEY) as url,
         httpx.Client(base_url=url, timeout=120) as client,
@@ -266,7 +266,7 @@ OPENAI_FIELDS = dict(
     user=st.text(max_size=4),
     rid=st.text(min_size=1, max_size=6),
 )
-OPENAI_REFUSED = ["best_of", "suffix", "tools", "functions", "lora_path"]
+OPENAI_REFUSED = ["best_of", "suffix", "tools", "functions"]
 MAX_TOKENS = st.integers(1, 4)
 COMPLETION = with_junk(
     st.builds(
@@ -275,7 +275,7 @@ COMPLETION = with_junk(
         MAX_TOKENS,
         optional_fields(**OPENAI_FIELDS, logprobs=st.integers(0, 5), echo=st.booleans()),
     ),
-    [*OPENAI_FIELDS, "prompt", "max_tokens", "logprobs", "echo", *OPENAI_REFUSED],
+    [*OPENAI_FIELDS, "prompt", "max_tokens", "logprobs", "echo", "lora_path", *OPENAI_REFUSED],
 )
 MESSAGE = st.fixed_dictionaries(
     {
@@ -300,7 +300,7 @@ CHAT = with_junk(
         MAX_TOKENS,
         optional_fields(**OPENAI_FIELDS, **CHAT_FIELDS),
     ),
-    [*OPENAI_FIELDS, *CHAT_FIELDS, "messages", "max_tokens", "echo", *OPENAI_REFUSED],
+    [*OPENAI_FIELDS, *CHAT_FIELDS, "messages", "max_tokens", "echo", "lora_path", *OPENAI_REFUSED],
 )
 
 # JSON that Python's json.loads refuses with something other than a JSONDecodeError.
@@ -406,6 +406,13 @@ ADMIN_BODIES = {
     ),
     "/release_memory_occupation": optional_fields(tags=st.lists(st.sampled_from(["weights", "kv_cache", "x"]))),
     "/resume_memory_occupation": optional_fields(tags=st.lists(st.sampled_from(["weights", "kv_cache", "x"]))),
+    "/load_lora_adapter": optional_fields(  # never a directory that exists
+        lora_name=st.text(max_size=6),
+        lora_path=st.one_of(st.text(max_size=8).map(lambda t: f"/nonexistent-fuzz/{t}"), st.just(""), st.integers()),
+        pinned=st.booleans(),
+        lora_id=st.text(max_size=4),
+    ),
+    "/unload_lora_adapter": optional_fields(lora_name=st.text(max_size=6)),
 }
 ADMIN_QUERIES = {
     "/flush_cache": optional_fields(

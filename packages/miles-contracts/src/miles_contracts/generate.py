@@ -4,7 +4,7 @@ Field names follow SGLang 0.5.23's native API (`sglang.srt.managers.io_struct.Ge
 `sglang.srt.sampling.sampling_params.SamplingParams` and the `meta_info` it returns), so the same client and the
 same request bodies (slime's, sglang-router's) drive the embedded Miles engine and an SGLang server:
 - top-level keys as SGLang treats them: keys it does not know are ignored (routers add their own, e.g. `model`);
-  SGLang features the embedded engine lacks (`image_data`, `lora_path`, `return_hidden_states`, ...) are refused
+  SGLang features the embedded engine lacks (`image_data`, `return_hidden_states`, ...) are refused
   when set, naming the field, never silently ignored (`UNSUPPORTED_REQUEST_FIELDS`);
 - sampling params forbid unknown keys (SGLang does too: a typo is an error that names it); SGLang's that the engine
   lacks are refused when set (`UNSUPPORTED_SAMPLING_FIELDS`); `null` means the default, as in SGLang.
@@ -184,7 +184,7 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
         ),
         "multimodal inputs",
     ),
-    **dict.fromkeys(("lora_path", "lora_id"), "LoRA adapters"),
+    "lora_id": "LoRA ids, which SGLang's server assigns itself: name the adapter with lora_path",
     "custom_logit_processor": "custom logit processors",
     "watermark": "watermarking",
     "token_ids_logprob": "log-probs of chosen token ids",
@@ -251,6 +251,12 @@ class GenerateRequest(BaseModel):
         default=0,
         description="First position whose routing is returned: meta_info.routed_experts covers positions "
         "[routed_experts_start_len, prompt + output tokens - 1); at most the prompt length.",
+    )
+    lora_path: str | list[str | None] | None = Field(
+        default=None,
+        description="The LoRA adapter a prompt is generated with, by its loaded name (SGLang's field, named for "
+        "its paths; --lora-paths / /load_lora_adapter); one for every prompt, or a list with one per prompt (null: "
+        "the base model).",
     )
 
     @model_validator(mode="before")
@@ -324,7 +330,7 @@ class GenerateRequest(BaseModel):
             raise ValueError(f"sampling_params has {len(self.sampling_params)} entries for {num} prompts")
         if isinstance(self.rid, list) and len(self.rid) != num:
             raise ValueError(f"rid has {len(self.rid)} entries for {num} prompts")
-        for key in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+        for key in ("return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path"):
             value = getattr(self, key)
             if isinstance(value, list) and len(value) != num:
                 raise ValueError(f"{key} has {len(value)} entries for {num} prompts")
@@ -362,6 +368,11 @@ class GenerateRequest(BaseModel):
     def top_logprobs_num_for(self, i: int) -> int:
         """How many top alternatives prompt i returns per position."""
         return self.top_logprobs_num[i] if isinstance(self.top_logprobs_num, list) else self.top_logprobs_num
+
+    def lora_path_for(self, i: int) -> str | None:
+        """The adapter prompt i is generated with (None, or "" as SGLang reads it: the base model)."""
+        name = self.lora_path[i] if isinstance(self.lora_path, list) else self.lora_path
+        return name or None
 
 
 class FinishReason(BaseModel):

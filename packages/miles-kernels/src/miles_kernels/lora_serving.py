@@ -2,11 +2,12 @@
 batch mixing them, each row computing `x W^T + scaling * (x A^T) B^T` with its own request's adapter (un-merged: the
 base weights are shared by every request).
 
-`AdapterSlots` is attached to the model's linear layers (`attach`); the engine names the adapter of every row before
-each forward (`set_rows`). A row's adapter output goes through the batch-invariant `linear` over the rows of that
-adapter only and is added to the row once, so in deterministic mode a request's output does not depend on which
-other requests (or adapters) share its batch. Layers whose weight a model reads directly rather than through its
-linear layer (MoE experts, MLA's kv_b_proj) cannot take a per-row adapter: `check` refuses them.
+`AdapterSlots` is attached to the linear layers of the model's decoder trunk (not the LM head, not the MTP draft
+layers); the engine names the adapter of every row before each forward (`set_rows`). A row's adapter output goes
+through the batch-invariant `linear` over the rows of that adapter only and is added to the row once, so in
+deterministic mode a request's output does not depend on which other requests (or adapters) share its batch. Layers
+whose weight a model reads directly rather than through its linear layer (MoE experts, MLA's kv_b_proj) cannot take a
+per-row adapter: `check` refuses them.
 Shapes: N rows, K in features, O out features, R rank.
 """
 
@@ -14,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from miles_kernels.config import KernelConfig, LoraConfig
 from miles_kernels.layers import Linear
 from miles_kernels.ops.linear import linear
+
+if TYPE_CHECKING:
+    from miles_kernels.model import CausalLM
 
 # Layers that read their weight directly (model.py SparseMoE, latent_attention.py): no per-row adapter there.
 _DIRECT_WEIGHT = (".experts.", ".kv_b_proj")
@@ -37,9 +41,12 @@ class Adapter:
 class AdapterSlots:
     """The adapters a model serves per request, by name, and the current batch's row -> adapter assignment."""
 
-    def __init__(self, model: nn.Module, kernel: KernelConfig) -> None:
+    def __init__(self, model: CausalLM, kernel: KernelConfig) -> None:
         self.kernel = kernel
-        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+        # The decoder trunk's layers only: the LM head and the MTP (draft) layers never take a served adapter, as
+        # SGLang's draft runs unadapted.
+        trunk = tuple(f"model.layers.{i}." for i in range(model.config.num_hidden_layers))
+        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and n.startswith(trunk)}
         self.adapters: dict[str, Adapter] = {}
         self._groups: list[tuple[Adapter, torch.Tensor]] = []  # the batch's rows of each adapter
         for name, layer in self.layers.items():
@@ -53,7 +60,11 @@ class AdapterSlots:
         for name, tensor in tensors.items():
             layer, _, kind = name.rpartition(".")
             if kind not in ("lora_A", "lora_B") or layer not in self.layers:
-                raise ValueError(f"adapter tensor {name!r} matches no linear layer of the served model")
+                raise ValueError(
+                    f"adapter tensor {name!r} matches no linear layer of the served model's decoder layers (served "
+                    "adapters go on the trunk's attention and MLP layers; the LM head, embeddings and MTP layers take "
+                    "none)"
+                )
             if any(part in layer for part in _DIRECT_WEIGHT) or layer.endswith("mlp.gate"):
                 raise ValueError(
                     f"adapter tensor {name!r}: {layer} cannot take a per-request adapter here (MoE experts, routers "

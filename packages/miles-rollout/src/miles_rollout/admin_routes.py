@@ -1,20 +1,23 @@
 """The admin routes of the server (SGLang's names and bodies): weight updates (from disk, a weight bucket, a
 `torch.distributed` broadcast, the begin/end bracket, a new version label), the weights' checksum and buckets, pause
-and continue, memory release and resume, cache flush and aborts. They need the admin key (server.py); each body is
-SGLang's request type, every field honoured or refused with a 400.
+and continue, memory release and resume, cache flush and aborts, and loading / unloading LoRA adapters
+(served_loras.py). They need the admin key (server.py); each body is SGLang's request type, every field honoured or
+refused with a 400.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from miles_contracts import version_string, weight_version_value
 from miles_rollout.engine import Engine
+from miles_rollout.engine_error import EngineError
 from miles_rollout.request_body import parse_body
 
 ADMIN_PATHS = {
@@ -34,6 +37,9 @@ ADMIN_PATHS = {
     "/abort_request",
     "/pause_generation",
     "/continue_generation",
+    "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors",
+    "/unload_lora_adapter",
 }
 
 BUCKET_PATH = "/update_weights_from_tensor"  # its body is a weight bucket: octet-stream, max_bucket_bytes
@@ -150,6 +156,37 @@ class AbortRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rid: str = ""
     abort_all: bool = False
+
+
+class LoadLoraAdapter(BaseModel):
+    """SGLang's `LoadLoRAAdapterReqInput`: a PEFT adapter directory served as `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False  # accepted and reported: adapters are never evicted here, so pinning changes nothing
+    lora_id: str | None = None  # SGLang's server assigns it and overwrites a given one; so does this one
+
+
+class UnloadLoraAdapter(BaseModel):
+    """SGLang's `UnloadLoRAAdapterReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_id: str | None = None  # ignored, as above
+
+
+async def lora_update(engine: Engine, call: Callable[[], Awaitable[dict[str, str]]]) -> JSONResponse:
+    """SGLang's `LoRAUpdateOutput` of a load or unload: 200 {success: true, error_message: "", loaded_adapters},
+    or 400 {success: false, error_message: why, loaded_adapters} for an adapter or name the engine refuses."""
+    try:
+        loaded = await call()
+    except EngineError as error:
+        if error.status_code >= 500:
+            raise
+        current = engine.loras.loaded() if engine.loras is not None else None
+        return JSONResponse({"success": False, "error_message": error.message, "loaded_adapters": current}, 400)
+    return JSONResponse({"success": True, "error_message": "", "loaded_adapters": loaded})
 
 
 def register_admin_routes(app: FastAPI, engine: Engine) -> None:
@@ -271,6 +308,25 @@ def register_admin_routes(app: FastAPI, engine: Engine) -> None:
             raise HTTPException(400, "give `rid` or set `abort_all: true`")
         await engine.abort(None if body.abort_all else body.rid)
         return {"success": True, "message": "abort requested"}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body: LoadLoraAdapter = await parse_body(request, LoadLoraAdapter)
+        return await lora_update(engine, lambda: engine.load_lora_adapter(body.lora_name, body.lora_path, body.pinned))
+
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors() -> JSONResponse:
+        message = ("this server never unpickles network data, so SGLang's serialized_named_tensors (pickled tensors) "
+                   "are refused: write the adapter as a PEFT directory (miles_kernels.save_peft_adapter) and POST "
+                   "/load_lora_adapter with its path")  # fmt: skip
+        loaded = engine.loras.loaded() if engine.loras is not None else None
+        return JSONResponse({"success": False, "error_message": message, "loaded_adapters": loaded}, 400)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        """Waits until the requests that use the adapter are done, as SGLang's does; new ones naming it get a 400."""
+        body: UnloadLoraAdapter = await parse_body(request, UnloadLoraAdapter)
+        return await lora_update(engine, lambda: engine.unload_lora_adapter(body.lora_name))
 
     @app.get("/weights_checksum")
     async def checksum() -> dict[str, Any]:

@@ -118,7 +118,7 @@ class BatchResults:
         self._prefilling.remove(group)
         length = len(group.prompt_ids)
         num_full = num_shared_pages(length, self.page_size, self.drafter is not None)
-        self.radix.insert(group.prompt_ids, group.prefill_pages[:num_full])
+        self.radix.insert(group.prompt_ids, group.prefill_pages[:num_full], group.lora_id)
         partial = group.prefill_pages[num_full:]
         children = []
         copies: list[int] = []  # pages that receive a copy of the partial page
@@ -161,7 +161,7 @@ class BatchResults:
         if seq.group.return_routed_experts and self.runner.routed_experts is not None:
             seq.routed_experts = self.runner.routing_of(seq)
         if seq.pages:
-            self.radix.insert(seq.tokens[: seq.num_computed], seq.pages)
+            self.radix.insert(seq.tokens[: seq.num_computed], seq.pages, seq.group.lora_id)
             self.allocator.release(seq.pages)
             seq.pages = []
         self._reserved -= seq.reserved_pages

@@ -10,7 +10,8 @@ per request, and deterministic mode makes a row's bits independent of the batch 
 
 Only requests that a batch can carry unchanged are merged: the same prompt kind (text or token ids), the same
 log-prob and routed-experts options, the same `n` for every prompt (SGLang requires one `n` per batch), no `rid`
-(aborting one request by id stays possible) and no streaming; anything else goes through on its own. When a merged
+(aborting one request by id stays possible) and no streaming; anything else goes through on its own. Each prompt
+keeps its LoRA adapter (`lora_path`, one per prompt in the batch). When a merged
 request is refused as invalid (HTTP 4xx: nothing ran), each call is retried on its own, so only the faulty one fails
 with the server's message; any other failure (timeout, 5xx, lost connection) fails every merged call with that
 error.
@@ -106,12 +107,17 @@ class CoalescingClient:
     async def _generate_merged(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         prompts: list[object] = []
         params: list[SamplingParams] = []
+        adapters: list[str | None] = []  # each prompt's LoRA adapter: merged requests may name different ones
         for request in requests:
             rows = request.text if request.text is not None else request.input_ids
             prompts += rows if request.is_batch else [rows]  # type: ignore[operator,list-item,arg-type]
             params += [request.params_for(i) for i in range(request.batch_size)]
+            adapters += [request.lora_path_for(i) for i in range(request.batch_size)]
         field_name = "text" if requests[0].text is not None else "input_ids"
-        merged = requests[0].model_copy(update={field_name: prompts, "sampling_params": params})
+        lora_path = adapters if any(adapters) else None
+        merged = requests[0].model_copy(
+            update={field_name: prompts, "sampling_params": params, "lora_path": lora_path}
+        )
         responses = await self._generate_one(merged)
         expected = sum(request.batch_size * _n(request) for request in requests)
         if len(responses) != expected:

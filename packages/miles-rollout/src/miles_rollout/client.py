@@ -202,7 +202,8 @@ class Client:
             return {"message": response.text.strip()}
         # SGLang answers some failed control calls with HTTP 200 and {"success": false, "message": ...}.
         if body.get("success") is False:
-            message = body.get("message") or 'the server replied "success": false without a message'
+            message = body.get("message") or body.get("error_message")
+            message = message or 'the server replied "success": false without a message'
             raise RolloutClientError(str(message), endpoint=endpoint, status_code=response.status_code)
         return body
 
@@ -364,6 +365,20 @@ class Client:
         int), another client's label (a str), or None while none was named (SGLang's "default")."""
         body = await self._call("GET", "/model_info", retry=True)
         return reported_weight_version(body.get("weight_version"))
+
+    # -- LoRA adapters ---------------------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+        """POST /load_lora_adapter (SGLang's): serve the PEFT adapter directory `lora_path` (a path on the server's
+        machine) as `lora_name`, which requests then name (`GenerateRequest.lora_path`, or `model` on the OpenAI
+        routes). The reply's `loaded_adapters` maps each loaded name to its path; a refused adapter raises."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        return await self._call("POST", "/load_lora_adapter", json=body, admin=True)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """POST /unload_lora_adapter (SGLang's): stop serving `lora_name`; the server answers once the requests
+        that use it are done."""
+        return await self._call("POST", "/unload_lora_adapter", json={"lora_name": lora_name}, admin=True)
 
     # -- memory and cache ------------------------------------------------------------------------------------
 

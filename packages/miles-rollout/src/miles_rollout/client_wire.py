@@ -50,7 +50,8 @@ def format_detail(detail: Any) -> str:
 
 
 def server_message(response: httpx.Response) -> str:
-    """The server's own error text: `detail` (FastAPI), `message`, `error.message` (SGLang), else the raw body."""
+    """The server's own error text: `detail` (FastAPI), `message`, `error_message` or `error.message` (SGLang), else
+    the raw body."""
     try:
         body = response.json()
     except ValueError:
@@ -62,6 +63,8 @@ def server_message(response: httpx.Response) -> str:
             message = format_detail(body["detail"])
         elif isinstance(body.get("message"), str):
             message = body["message"]
+        elif isinstance(body.get("error_message"), str):  # SGLang's LoRAUpdateOutput
+            message = body["error_message"]
         elif isinstance(error, dict) and isinstance(error.get("message"), str):
             message = error["message"]
         elif isinstance(error, str):

@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -162,6 +163,94 @@ class EngineConfig(BaseModel):
         return self.speculative_num_steps or DEFAULT_DRAFT_STEPS
 
 
+class LoraAdapterSpec(NamedTuple):
+    """One adapter of `--lora-paths`: the name requests use, its PEFT directory, SGLang's `pinned`."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+def parse_lora_path(entry: str) -> LoraAdapterSpec:
+    """One `--lora-paths` entry as SGLang 0.5.23 reads it: `NAME=PATH`, a bare `PATH` (named by the path itself), or
+    JSON `{"lora_name": ..., "lora_path": ..., "pinned": ...}`; ValueError naming the entry otherwise."""
+    text = entry.strip()
+    if text.startswith("{") and text.endswith("}"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"lora_paths entry {entry!r} looks like JSON but is not: {error}") from error
+        if not (isinstance(obj, dict) and all(isinstance(obj.get(key), str) for key in ("lora_name", "lora_path"))):
+            raise ValueError(f"lora_paths entry {entry!r} looks like JSON but lacks string lora_name and lora_path")
+        unknown = sorted(set(obj) - {"lora_name", "lora_path", "pinned"})
+        if unknown:
+            raise ValueError(f"lora_paths entry {entry!r}: unknown keys {unknown} (lora_name, lora_path, pinned)")
+        spec = LoraAdapterSpec(obj["lora_name"], obj["lora_path"], bool(obj.get("pinned", False)))
+    elif "=" in text:
+        name, path = text.split("=", 1)
+        spec = LoraAdapterSpec(name, path)
+    else:
+        spec = LoraAdapterSpec(text, text)
+    if not spec.lora_name or not spec.lora_path:
+        raise ValueError(f"lora_paths entry {entry!r} has an empty name or path: use NAME=PATH or PATH")
+    return spec
+
+
+class ServedLoraConfig(BaseModel):
+    """LoRA adapters served per request, SGLang's multi-LoRA serving and its flags: PEFT adapters on the trunk's
+    attention and dense MLP layers, chosen by `lora_path` on /generate or `model` on the OpenAI routes, loaded at
+    start-up or with /load_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable_lora: bool = Field(
+        default=False,
+        description="Serve LoRA adapters per request (SGLang's flag; on when lora_paths is given): /load_lora_adapter "
+        "and a request's lora_path need it.",
+    )
+    lora_paths: list[str] = Field(
+        default_factory=list,
+        description="PEFT adapter directories loaded at start-up (SGLang's --lora-paths), each NAME=PATH, a PATH "
+        '(named by the path itself) or JSON {"lora_name": ..., "lora_path": ..., "pinned": ...}.',
+    )
+    max_loras_per_batch: int = Field(
+        default=8,
+        ge=1,
+        description="Most adapters in one engine step, the base model counted as one (SGLang's); a request of "
+        "another adapter waits for the batch to have room.",
+    )
+    max_lora_rank: int | None = Field(
+        default=None, ge=1, description="Largest adapter rank accepted (SGLang's flag); null: any rank."
+    )
+
+    @field_validator("lora_paths", mode="before")
+    @classmethod
+    def _sglang_forms(cls, value: object) -> object:
+        """SGLang's config-file forms too: {name: path}, and a list mixing strings and {lora_name, lora_path}."""
+        if isinstance(value, dict):
+            return [f"{name}={path}" for name, path in value.items()]
+        if isinstance(value, list):
+            return [json.dumps(item) if isinstance(item, dict) else item for item in value]
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_parse(self) -> ServedLoraConfig:
+        names = [spec.lora_name for spec in self.adapters()]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"lora_paths names {repeated} more than once: give each adapter its own name")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        """True when the engine serves adapters (`enable_lora`, or adapters given at start-up)."""
+        return self.enable_lora or bool(self.lora_paths)
+
+    def adapters(self) -> list[LoraAdapterSpec]:
+        """The adapters to load at start-up, in order."""
+        return [parse_lora_path(entry) for entry in self.lora_paths]
+
+
 class ServeConfig(BaseModel):
     """`miles-rollout serve`: one model behind SGLang's HTTP API."""
 
@@ -208,6 +297,9 @@ class ServeConfig(BaseModel):
         "batch-invariant outputs and log-probs (true on-policy; a run config defaults to it).",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="How the engine runs.")
+    lora: ServedLoraConfig = Field(
+        default_factory=ServedLoraConfig, description="LoRA adapters served per request (SGLang's flags)."
+    )
     dp_size: int = Field(
         default=1,
         ge=1,

@@ -12,7 +12,8 @@ as SGLang splits its own (docs/architecture.md, "The rollout engine"):
 One background thread owns the model and runs scheduler steps in a loop; the asyncio side (server, in-process
 client) submits work and awaits futures. Control operations (weight updates, memory release) wait until no
 request is running, so no request ever mixes two weight versions; aborts and cache flushes apply at the next
-step boundary. A failing step fails the requests in it and the engine keeps serving.
+step boundary. LoRA adapters served per request (served_loras.py) are loaded between steps and unloaded once no
+request uses them. A failing step fails the requests in it and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, version_string
 from miles_kernels import KernelConfig, add_lora, describe_kernel, fold_adapters, folded_weights, load_model
 from miles_memory import HostStore, OffloadManager
-from miles_rollout.config import EngineConfig
+from miles_rollout.config import EngineConfig, ServedLoraConfig
 from miles_rollout.engine_controls import EngineControls
 from miles_rollout.engine_error import EngineError
 from miles_rollout.grammar import Grammars
@@ -43,6 +44,7 @@ from miles_rollout.model_runner import ModelRunner
 from miles_rollout.output import OutputStage, deliver, set_exception, set_result
 from miles_rollout.scheduler import Scheduler
 from miles_rollout.sequence import Group
+from miles_rollout.served_loras import LoraControls, ServedLoras
 from miles_rollout.speculative import Drafter
 from miles_rollout.streaming import StreamChannel, StreamEvent
 from miles_rollout.weight_receiver import WeightReceiver
@@ -66,16 +68,19 @@ def _push_failure(channel: StreamChannel, future: asyncio.Future[Any]) -> None:
         channel.fail(error)
 
 
-class Engine(EngineControls):
+class Engine(EngineControls, LoraControls):
     """Owns the model, the KV store and the scheduler thread: serves the Hugging Face directory `model_path` with
-    the ops `kernel` selects, run as `config` says."""
+    the ops `kernel` selects, run as `config` says, with the LoRA adapters `lora` serves per request."""
 
     def __init__(
-        self, model_path: str, kernel: KernelConfig | None = None, config: EngineConfig | None = None
-    ) -> None:
+        self, model_path: str, kernel: KernelConfig | None = None, config: EngineConfig | None = None,
+        lora: ServedLoraConfig | None = None,
+    ) -> None:  # fmt: skip
         self.model_path = str(model_path)
         self.kernel = kernel or KernelConfig()
         self.config = config or EngineConfig()
+        self.lora_config = lora or ServedLoraConfig()
+        self.loras: ServedLoras | None = None  # made at setup when the engine serves adapters
         self.page_size = self.kernel.page_size
         self.tokenizer = _load_tokenizer(self.model_path)
         self.released: set[str] = set()
@@ -122,9 +127,19 @@ class Engine(EngineControls):
         if config.num_draft_steps:
             tile = kernel.attention_query_tile
             drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids)
-        self.runner = ModelRunner(model, config, kernel, self.eos_ids, self.grammars, drafter is not None)
+        lora = self.lora_config
+        self.loras = ServedLoras(model, kernel, lora) if lora.is_enabled else None
+        self.runner = ModelRunner(model, config, kernel, self.eos_ids, self.grammars, drafter is not None,
+                                  self.loras.slots if self.loras is not None else None)  # fmt: skip
         output = OutputStage(tokenizer, self.eos_ids, self.context_length, config.limits.stop_regex_window_chars)
-        self.scheduler = Scheduler(self.runner, output, config, self.context_length, drafter)
+        self.scheduler = Scheduler(self.runner, output, config, self.context_length, drafter,
+                                   lora.max_loras_per_batch if self.loras is not None else None)  # fmt: skip
+        for spec in lora.adapters():  # before serving: a bad one stops the start-up (exit status 2), naming it
+            assert self.loras is not None
+            try:
+                self.loras.install(*self.loras.read(*spec))
+            except EngineError as error:
+                raise ValueError(f"--lora-paths {spec.lora_name}: {error.message}") from error
         # Released memory is dropped, not saved, as SGLang drops it: the KV cache is recomputed, the weights come
         # back with the next weight update (`weights_stale` until then). Both return zeroed.
         self.memory = OffloadManager(HostStore(), name="engine")
@@ -202,11 +217,14 @@ class Engine(EngineControls):
         return self._stream(groups, channel, base)
 
     async def _accept(self, request: GenerateRequest) -> list[Group]:
-        """The request's groups (intake.py), each with its caller's future and the version it would be served now."""
+        """The request's groups (intake.py), each with its caller's future, the version it would be served now and
+        its LoRA adapter."""
+        adapters = self._resolve_loras(request)
         groups = await self.intake.make_groups(request)
         loop = asyncio.get_running_loop()
-        for group in groups:
+        for group, adapter in zip(groups, adapters, strict=True):
             group.future, group.loop, group.weight_version = loop.create_future(), loop, self.weight_version
+            group.lora_id = adapter
         return groups
 
     async def _stream(self, groups: list[Group], channel: StreamChannel, total: int) -> AsyncIterator[StreamEvent]:
@@ -223,6 +241,8 @@ class Engine(EngineControls):
     def _submit(self, groups: list[Group]) -> None:
         with self._lock:
             self._check_can_generate()
+            if self.loras is not None and not all(self.loras.is_served(group.lora_id) for group in groups):
+                raise EngineError("the request's LoRA adapter was unloaded while the request was being read")
             queued = len(self._incoming) + self.scheduler.num_waiting
             limit = self.config.limits.max_queued_requests
             if queued + len(groups) > limit:
@@ -252,7 +272,9 @@ class Engine(EngineControls):
             self._lock.notify()
         return await future
 
-    async def wait_until(self, condition: Callable[[dict[str, int]], bool], timeout: float = 60.0) -> dict[str, int]:
+    async def wait_until(
+        self, condition: Callable[[dict[str, int]], bool], timeout: float | None = 60.0
+    ) -> dict[str, int]:
         """Wait for an engine event: `condition` gets the scheduler's counters (`num_waiting`, `num_running`,
         `num_steps`, `num_generated_tokens`, ...; see `Scheduler.stats`) on the engine thread, now and after every
         engine step, and this returns the counters that satisfied it. E.g. a request admitted and decoding:
@@ -420,6 +442,7 @@ class Engine(EngineControls):
             "speculative_eagle_topk": 1 if self.config.num_draft_steps else None,
             "speculative_num_draft_tokens": self.config.num_draft_steps + 1 if self.config.num_draft_steps else None,
             "enable_return_routed_experts": self.config.enable_return_routed_experts,
+            **(self.loras.server_info() if self.loras is not None else {"enable_lora": False}),
             "kernel_config": describe_kernel(self.kernel, torch.device(self.config.device).type),
             "num_kv_pages": self.config.num_kv_pages,
             "kv_bytes_per_token": self.runner.store.bytes_per_token,

@@ -123,6 +123,16 @@ class InProcessClient:
         await self.engine.control(self.engine.flush_cache, needs_idle=False)
         return {"success": True, "message": "cache flushed"}
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+        loaded = await self._call(
+            "/load_lora_adapter", lambda: self.engine.load_lora_adapter(lora_name, lora_path, pinned)
+        )
+        return {"success": True, "error_message": "", "loaded_adapters": loaded}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        loaded = await self._call("/unload_lora_adapter", lambda: self.engine.unload_lora_adapter(lora_name))
+        return {"success": True, "error_message": "", "loaded_adapters": loaded}
+
     async def get_model_info(self) -> dict[str, Any]:
         return self.engine.model_info()
 

@@ -1,7 +1,8 @@
 """The engine's model runner, SGLang's `ModelRunner`: the served model and the memory its forwards use, the KV store
 (and, with `enable_return_routed_experts`, the per-slot record of MoE routing: routed_experts.py), and the calls one
-engine step makes on them: the trunk's forward over the step's rows (`forward`), the logits of the rows to sample, and
-their sampling (`sample`: row_sampling.py, with a structured-output sample's grammar mask).
+engine step makes on them: the trunk's forward over the step's rows (`forward`, each row with its request's LoRA
+adapter when the engine serves adapters: served_loras.py), the logits of the rows to sample, and their sampling
+(`sample`: row_sampling.py, with a structured-output sample's grammar mask).
 
 It decides nothing about requests: the scheduler (scheduler.py) picks the rows and the pages they read and write, and
 hands what was sampled to the output stage (output.py).
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles_kernels import CausalLM, KernelConfig, KVStore, build_attention_batch
+from miles_kernels import AdapterSlots, CausalLM, KernelConfig, KVStore, build_attention_batch
 from miles_rollout.config import EngineConfig
 from miles_rollout.routed_experts import RoutedExperts
 from miles_rollout.row_sampling import Row, SampledRows, sample_rows
@@ -32,9 +33,10 @@ class ModelRunner:
 
     def __init__(
         self, model: CausalLM, config: EngineConfig, kernel: KernelConfig, eos_ids: set[int],
-        grammars: Callable[[], Grammars], has_draft: bool,
+        grammars: Callable[[], Grammars], has_draft: bool, adapters: AdapterSlots | None = None,
     ) -> None:  # fmt: skip
         self.model = model
+        self.adapters = adapters  # the per-request LoRA adapters on the trunk (None: the engine serves none)
         self.device = config.device
         self.page_size = kernel.page_size
         self.query_tile = kernel.attention_query_tile
@@ -53,28 +55,39 @@ class ModelRunner:
         return self.store.tensors()
 
     def forward(
-        self, ids: list[int], query_lens: list[int], prefix_lens: list[int], tables: list[list[int]]
-    ) -> torch.Tensor:
-        """The trunk's forward over a step's rows (their K/V written to the store); the hidden states (rows, H)."""
+        self, ids: list[int], query_lens: list[int], prefix_lens: list[int], tables: list[list[int]],
+        adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The trunk's forward over a step's rows (their K/V written to the store), each chunk's rows with its LoRA
+        adapter (`adapters`, one id per chunk; None: the base model); the hidden states (rows, H)."""
         batch = build_attention_batch(query_lens, prefix_lens, tables, self.page_size, self.query_tile, self.device)
-        hidden = self.model.forward_hidden(torch.tensor(ids, device=self.device), batch, self.store)
+        slots = self.adapters if adapters is not None and any(a is not None for a in adapters) else None
+        if slots is not None:
+            assert adapters is not None
+            slots.set_rows([a for a, n in zip(adapters, query_lens, strict=True) for _ in range(n)])
+        try:
+            hidden = self.model.forward_hidden(torch.tensor(ids, device=self.device), batch, self.store)
+        finally:
+            if slots is not None:  # the draft's forwards and the LM head run without adapters
+                slots.clear_rows()
         if self.routed_experts is not None:  # before the draft's forwards (their MoE layers are not the trunk's)
             self.routed_experts.record(batch, self.model.last_routing())
         return hidden
 
     def forward_each(
-        self, chunks: list[tuple[int, list[int], int, list[int]]]
+        self, chunks: list[tuple[int, list[int], int, list[int], str | None]]
     ) -> tuple[dict[int, BaseException], list[tuple[int, torch.Tensor]]]:
-        """A failed step's forward again, one chunk at a time (`chunks`: its request's key, token ids, prefix length
-        and page table): the requests whose own forward fails (key -> error; their later chunks are skipped), and each
-        other chunk's hidden states by index (the same bits in deterministic mode: every op is batch-invariant)."""
+        """A failed step's forward again, one chunk at a time (`chunks`: its request's key, token ids, prefix length,
+        page table and adapter): the requests whose own forward fails (key -> error; their later chunks are skipped),
+        and each other chunk's hidden states by index (the same bits in deterministic mode: every op is
+        batch-invariant)."""
         failed: dict[int, BaseException] = {}
         kept: list[tuple[int, torch.Tensor]] = []
-        for k, (key, chunk, prefix_len, table) in enumerate(chunks):
+        for k, (key, chunk, prefix_len, table, adapter) in enumerate(chunks):
             if key in failed:
                 continue
             try:
-                kept.append((k, self.forward(chunk, [len(chunk)], [prefix_len], [table])))
+                kept.append((k, self.forward(chunk, [len(chunk)], [prefix_len], [table], [adapter])))
             except Exception as error:
                 failed[key] = error
         return failed, [(k, hidden) for k, hidden in kept if chunks[k][0] not in failed]

@@ -13,7 +13,8 @@ a continuation).
 A request the models refuse, or this module does, gets a 400 that names the field. Every error uses OpenAI's body,
 `{"error": {"message", "type", "param", "code"}}`, so the `openai` client raises its typed errors
 (`BadRequestError`, `NotFoundError`, ...). The model name must be the served one (`/v1/models`) or SGLang's
-default, `default`.
+default, `default`; with LoRA adapters served (served_loras.py), SGLang's `base:adapter` names an adapter, as does a
+loaded adapter's name alone (its `/v1/models` id), else the request's `lora_path` does (`adapter_of`).
 """
 
 from __future__ import annotations
@@ -258,14 +259,34 @@ def register_openai_routes(
     served = model_name or engine.model_path
     created = int(time.time())
 
+    def loaded() -> dict[str, str]:
+        return engine.loras.loaded() if engine.loras is not None else {}
+
+    def not_found(name: str) -> OpenAIError:
+        adapters = f" and the LoRA adapters {sorted(loaded())}" if loaded() else ""
+        return OpenAIError(f"the model {name!r} does not exist: this server serves {served!r}{adapters} "
+                           "(GET /v1/models)", 404, param="model", code="model_not_found")  # fmt: skip
+
     def check_model(name: str) -> None:
         if name not in (served, DEFAULT_MODEL_NAME):
-            raise OpenAIError(
-                f"the model {name!r} does not exist: this server serves {served!r} (GET /v1/models)",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+            raise not_found(name)
+
+    def adapter_of(body: CompletionRequest | ChatCompletionRequest) -> str | list[str | None] | None:
+        """The LoRA adapter a request names, SGLang's rule (`_parse_model_parameter`): `model` as `base:adapter`
+        (the served name matched whole first, so one with a colon still works) wins over the body's `lora_path`.
+        Miles also takes a loaded adapter's name alone (its `/v1/models` id, as vLLM does; SGLang serves the base
+        model then). Another model is a 404; an adapter that is not loaded, the engine's 400 naming the loaded ones."""
+        name = body.model
+        if name in (served, DEFAULT_MODEL_NAME):
+            return body.lora_path
+        if name in loaded():
+            return name
+        if ":" not in name:
+            raise not_found(name)
+        base, adapter = (served, name[len(served) + 1 :]) if name.startswith(f"{served}:") else name.split(":", 1)
+        if base.strip() not in (served, DEFAULT_MODEL_NAME):
+            raise not_found(name)
+        return adapter.strip() or body.lora_path
 
     async def run(request: Request, body: GenerateRequest) -> list[GenerateResponse]:
         try:
@@ -322,7 +343,12 @@ def register_openai_routes(
 
     def card() -> dict[str, Any]:
         return {"id": served, "object": "model", "created": created, "owned_by": "miles", "root": engine.model_path,
-                "max_model_len": engine.context_length}  # fmt: skip
+                "parent": None, "max_model_len": engine.context_length}  # fmt: skip
+
+    def adapter_card(name: str, path: str) -> dict[str, Any]:
+        """A loaded LoRA adapter, as SGLang lists one: its directory as `root`, the served model as `parent`."""
+        return {"id": name, "object": "model", "created": created, "owned_by": "miles", "root": path,
+                "parent": served, "max_model_len": None}  # fmt: skip
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
@@ -330,17 +356,20 @@ def register_openai_routes(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *(adapter_card(name, path) for name, path in loaded().items())]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
+        adapters = loaded()
+        if name in adapters:
+            return adapter_card(name, adapters[name])
         check_model(name)
         return card()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = await _parse(request, CompletionRequest)
-        check_model(body.model)
+        adapter = adapter_of(body)
         prompt = body.prompt
         if isinstance(prompt, list) and not prompt:
             raise OpenAIError("prompt is empty; send a string, a list of strings or token ids", param="prompt")
@@ -349,7 +378,7 @@ def register_openai_routes(
         native = _native(**{kind: prompt}, sampling_params=body.sampling_params(body.max_tokens),
                          return_logprob=body.logprobs is not None, top_logprobs_num=body.logprobs or 0,
                          logprob_start_len=0 if body.echo and body.logprobs is not None else -1,
-                         return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
+                         return_text_in_logprobs=True, rid=body.rid, lora_path=adapter)  # fmt: skip
         try:  # before the generation starts: a prompt that cannot be echoed is refused, not half-streamed
             echo = await echo_texts(engine, prompt, body.skip_special_tokens) if body.echo else None
         except EngineError as error:
@@ -359,7 +388,7 @@ def register_openai_routes(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        check_model(body.model)
+        adapter = adapter_of(body)
         if engine.tokenizer is None:
             raise OpenAIError("this model has no tokenizer, so chat messages cannot be rendered: use /generate")
         if not getattr(engine.tokenizer, "chat_template", None):
@@ -386,5 +415,5 @@ def register_openai_routes(
         max_tokens = body.max_completion_tokens or body.max_tokens
         native = _native(input_ids=list(input_ids), sampling_params=body.sampling_params(max_tokens),
                          return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                         return_text_in_logprobs=True, rid=body.rid)  # fmt: skip
+                         return_text_in_logprobs=True, rid=body.rid, lora_path=adapter)  # fmt: skip
         return await answer(request, native, body)

@@ -6,7 +6,8 @@ the OpenAI fields, plus SGLang's sampling extras (`top_k`, `min_p`, `min_tokens`
 `stop_token_ids`, `ignore_eos`, `no_stop_trim`, `skip_special_tokens`). Each request maps to the native sampling
 parameters (`_Sampling.sampling_params`). Structured output: OpenAI's `response_format` (`json_object`,
 `json_schema`) maps to the native `json_schema` as SGLang maps it; SGLang's `json_schema`, `regex`, `ebnf`,
-`logit_bias`, `stop_regex` and `custom_params` pass through.
+`logit_bias`, `stop_regex` and `custom_params` pass through. SGLang's `lora_path` names the LoRA adapter (unless
+`model` names one: openai_api.py).
 
 A field this server cannot honour is refused (`UNSUPPORTED`; chat's `echo`) with a validation error that names it,
 which the routes answer as a 400; unknown top-level keys are ignored, as SGLang (and its router, which adds its own)
@@ -31,7 +32,6 @@ UNSUPPORTED = {
     "custom_logit_processor": "custom logit processors",
     "tools": "tool calling",
     "functions": "function calling",
-    "lora_path": "LoRA adapters",
     "return_hidden_states": "hidden states",
     "session_params": "sessions",
 }
@@ -107,6 +107,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     stop_regex: str | list[str] | None = None
     custom_params: dict[str, Any] | None = None
+    lora_path: str | list[str | None] | None = None  # SGLang's: the adapter, when `model` names none
 
     @model_validator(mode="before")
     @classmethod

@@ -15,7 +15,10 @@ A prompt with `n` samples is prefilled once, then forked: full pages are shared,
 With speculative decoding (`EngineConfig.speculative_algorithm`; speculative.py) a decoding sequence brings its
 last token and up to k draft tokens to the forward, and a step emits one or more tokens per sequence.
 With `EngineConfig.enable_return_routed_experts` every forward's MoE routing is recorded per KV slot and a finished
-sequence's is returned with it (routed_experts.py).
+sequence's is returned with it (routed_experts.py). With LoRA adapters served per request (served_loras.py) each
+request's rows run with its adapter, the radix cache keeps each adapter's K/V apart, and a step holds at most
+`max_loras_per_batch` adapters (the base model counted): a request of another one waits while later ones go ahead,
+as SGLang's scheduler skips it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Scheduler(BatchResults):
 
     def __init__(
         self, runner: ModelRunner, output: OutputStage, config: EngineConfig, context_length: int,
-        drafter: Drafter | None,
+        drafter: Drafter | None, max_loras_per_batch: int | None = None,
     ) -> None:  # fmt: skip
         self.runner = runner
         self.output = output
@@ -57,6 +60,7 @@ class Scheduler(BatchResults):
         self.context_length = context_length
         self.page_size = runner.page_size
         self.drafter = drafter
+        self.max_loras_per_batch = max_loras_per_batch  # None: the engine serves no LoRA adapters
         self.allocator = PageAllocator(config.num_kv_pages)
         self.radix = RadixCache(self.allocator, self.page_size)
         self._waiting: deque[Group] = deque()
@@ -96,7 +100,7 @@ class Scheduler(BatchResults):
         them while they are cached. Returns the number of requests retracted."""
         count = self.num_in_flight - len(self._waiting)
         for group in reversed(self._prefilling):
-            self._cache_pages(group.prompt_ids[: group.num_computed], group.prefill_pages)
+            self._cache_pages(group.prompt_ids[: group.num_computed], group.prefill_pages, group.lora_id)
             group.prefill_pages, group.num_computed, group.cached_tokens = [], 0, 0
             self._reserved -= group.reserved_pages
             group.reserved_pages = group.total_pages
@@ -104,7 +108,7 @@ class Scheduler(BatchResults):
         self._prefilling = []
         for seq in [*self._refilling, *self._running]:
             seq.resume_at = max(seq.resume_at, seq.num_computed)
-            self._cache_pages(seq.tokens[: seq.num_computed], seq.pages)
+            self._cache_pages(seq.tokens[: seq.num_computed], seq.pages, seq.group.lora_id)
             seq.pages, seq.num_computed, seq.draft = [], 0, DraftState()
             self._reserved -= seq.reserved_pages
             seq.reserved_pages = 0
@@ -112,11 +116,25 @@ class Scheduler(BatchResults):
         self._refilling, self._running = [], []
         return count
 
-    def _cache_pages(self, tokens: list[int], pages: list[int]) -> None:
-        """Hand a request's pages to the radix cache (full pages of `tokens` stay cached) and drop its hold."""
+    def _cache_pages(self, tokens: list[int], pages: list[int], adapter: str | None) -> None:
+        """Hand a request's pages to the radix cache (full pages of `tokens` stay cached, under its adapter) and drop
+        its hold."""
         if pages:
-            self.radix.insert(tokens, pages)
+            self.radix.insert(tokens, pages, adapter)
             self.allocator.release(pages)
+
+    def adapters_in_flight(self) -> set[str | None]:
+        """The LoRA adapters (ids; None: the base model) of every request not finished yet."""
+        sequences = (*self._running, *self._retracted, *self._refilling)
+        return {g.lora_id for g in (*self._waiting, *self._prefilling, *(s.group for s in sequences))}
+
+    def _batch_adapters(self) -> set[str | None]:
+        """The LoRA adapters of the requests in the batch (prefilling, recomputing or decoding)."""
+        return {g.lora_id for g in (*self._prefilling, *(s.group for s in (*self._running, *self._refilling)))}
+
+    def _adapter_fits(self, adapter: str | None, in_batch: set[str | None]) -> bool:
+        limit = self.max_loras_per_batch
+        return limit is None or adapter in in_batch or len(in_batch) < limit
 
     def submit(self, groups: list[Group]) -> None:
         self._waiting.extend(groups)
@@ -227,28 +245,43 @@ class Scheduler(BatchResults):
 
     def _admit(self) -> None:
         self._admit_retracted()
-        while self._waiting and not self._retracted:
-            group = self._waiting[0]
-            in_batch = len(self._running) + len(self._prefilling) + len(self._refilling)
-            if in_batch + group.params.n > self.config.max_running_requests:
-                return
-            limit = len(group.prompt_ids) - 1
-            if group.needs_input_logprobs:
-                limit = min(limit, max(group.logprob_start_len - 1, 0))
-            matched = self.radix.match(group.prompt_ids[:limit])
-            available = self.allocator.num_free + self.radix.num_evictable() - self._reserved
-            needed = group.reserved_pages - len(matched)
-            if needed > available:
-                self.allocator.release(matched)
-                return  # admission waits for pages
-            self._waiting.popleft()
-            group.weight_version = self.weight_version  # the weights it is computed with
-            group.reserved_pages = needed
-            self._reserved += needed
-            group.prefill_pages = matched
-            group.num_computed = group.cached_tokens = len(matched) * self.page_size
-            group.draft = DraftState(computed=group.num_computed)
-            self._prefilling.append(group)
+        adapters = self._batch_adapters() if self.max_loras_per_batch is not None else set()
+        skipped: list[Group] = []  # requests whose adapter the batch has no room for: they keep their place
+        try:
+            while self._waiting and not self._retracted:
+                group = self._waiting[0]
+                if not self._adapter_fits(group.lora_id, adapters):
+                    skipped.append(self._waiting.popleft())
+                    continue
+                if not self._admit_group(group):
+                    return
+                adapters.add(group.lora_id)
+        finally:
+            self._waiting.extendleft(reversed(skipped))
+
+    def _admit_group(self, group: Group) -> bool:
+        """Start prefilling `group`, the first waiting request, if sequences and pages allow."""
+        in_batch = len(self._running) + len(self._prefilling) + len(self._refilling)
+        if in_batch + group.params.n > self.config.max_running_requests:
+            return False
+        limit = len(group.prompt_ids) - 1
+        if group.needs_input_logprobs:
+            limit = min(limit, max(group.logprob_start_len - 1, 0))
+        matched = self.radix.match(group.prompt_ids[:limit], group.lora_id)
+        available = self.allocator.num_free + self.radix.num_evictable() - self._reserved
+        needed = group.reserved_pages - len(matched)
+        if needed > available:
+            self.allocator.release(matched)
+            return False  # admission waits for pages
+        self._waiting.popleft()
+        group.weight_version = self.weight_version  # the weights it is computed with
+        group.reserved_pages = needed
+        self._reserved += needed
+        group.prefill_pages = matched
+        group.num_computed = group.cached_tokens = len(matched) * self.page_size
+        group.draft = DraftState(computed=group.num_computed)
+        self._prefilling.append(group)
+        return True
 
     def _admit_retracted(self) -> None:
         """Re-admit retracted sequences first, in order, when sequences and pages allow."""
@@ -257,7 +290,9 @@ class Scheduler(BatchResults):
             in_batch = len(self._running) + len(self._prefilling) + len(self._refilling)
             if in_batch + 1 > self.config.max_running_requests:
                 return
-            matched = self.radix.match(seq.tokens[: seq.resume_at])
+            if not self._adapter_fits(seq.group.lora_id, self._batch_adapters()):
+                return
+            matched = self.radix.match(seq.tokens[: seq.resume_at], seq.group.lora_id)
             max_tokens = min(len(seq.group.prompt_ids) + seq.group.params.max_new_tokens, self.context_length)
             needed = ceil_div(max_tokens, self.page_size) - len(matched)
             if needed > self.allocator.num_free + self.radix.num_evictable() - self._reserved:
@@ -340,8 +375,9 @@ class Scheduler(BatchResults):
             budget -= len(chunk)
             self.num_prefill_tokens += len(chunk)
             add("prefill", group, chunk, group.prefill_pages)
+        adapters = [_group_of(owner).lora_id for _, owner, _, _ in owners]
         try:
-            hidden = self.runner.forward(ids, query_lens, prefix_lens, tables)
+            hidden = self.runner.forward(ids, query_lens, prefix_lens, tables, adapters)
         except Exception as error:
             if len({id(_group_of(owner)) for _, owner, _, _ in owners}) == 1:
                 self._fail_groups({id(_group_of(owners[0][1])): (_group_of(owners[0][1]), error)})
@@ -359,7 +395,9 @@ class Scheduler(BatchResults):
         """A failed step's forward again, one request at a time (`ModelRunner.forward_each`): a request whose own
         forward fails is failed alone, the others go on with their rows."""
         groups = [_group_of(owner) for _, owner, _, _ in owners]
-        chunks = [(id(group), owners[k][3], prefix_lens[k], tables[k]) for k, group in enumerate(groups)]
+        chunks = [
+            (id(group), owners[k][3], prefix_lens[k], tables[k], group.lora_id) for k, group in enumerate(groups)
+        ]
         errors, kept = self.runner.forward_each(chunks)
         self._fail_groups({id(g): (g, errors[id(g)]) for g in groups if id(g) in errors})
         new_owners, new_lens, start = [], [], 0

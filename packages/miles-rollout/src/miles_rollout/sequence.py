@@ -148,6 +148,7 @@ class Group:
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    lora_id: str | None = None  # the LoRA adapter it is generated with (served_loras.py), None: the base model
     draft: DraftState = field(default_factory=DraftState)  # the prompt's draft rows (speculative.py)
     # Streaming: called on the engine thread with (sample index, what it gained, False) after each token of a sample
     # and with (sample index, its final response, True) when the group completes (`Engine.generate_stream`).

@@ -244,7 +244,7 @@ def serve_one(config: ServeConfig) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        engine = Engine(config.model_path, config.kernel, config.engine)
+        engine = Engine(config.model_path, config.kernel, config.engine, config.lora)
     except (ValueError, FileNotFoundError) as error:
         print(f"{PROG} serve: {error}", file=sys.stderr)
         return 2
