@@ -56,6 +56,7 @@ from miles_trainer import (
     BackendConfig,
     CriticConfig,
     FSDP2Backend,
+    LoraTrainConfig,
     OptimizerConfig,
     PolicyLossConfig,
     export_hf,
@@ -191,6 +192,8 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         # OOM modes: a budget no step reaches (ranks agree on OOMs only under one), and room to halve 24 tokens to 12
         memory=MemoryConfig(limit_bytes=1 << 40, min_tokens_per_micro_batch=4) if mode.startswith("oom-") else None,
         aux_losses=mtp_losses(),
+        lora=LoraTrainConfig(rank=int(os.environ["MILES_TEST_LORA"]), alpha=8) if "MILES_TEST_LORA" in os.environ
+        else None,
     )  # fmt: skip
     samples, advantages = batch()
     samples = recorded_experts(samples, recording)

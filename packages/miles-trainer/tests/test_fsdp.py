@@ -142,6 +142,27 @@ def test_checkpoint_resume_is_bit_exact_and_export_loads(tmp_path) -> None:
         torch.testing.assert_close(hf(ids).logits[0], packed_logits(exported, [ids[0]])[0], rtol=0, atol=1e-4)
 
 
+def test_lora_on_two_ranks_matches_one_and_resumes_bit_exact(tmp_path) -> None:
+    """LoRA sharded over two gloo ranks: the adapters' step equals one rank's (the base stays as loaded), and a
+    checkpoint of adapters only resumes bit for bit; the export is a PEFT adapter."""
+    model_dir = tmp_path / "model"
+    save_model(random_model(tiny_config("moe"), seed=6), model_dir)
+    lora = {"MILES_TEST_LORA": "4"}
+    one, metrics_one = run_ranks(model_dir, tmp_path / "one", world=1, extra_env=lora)
+    two, metrics_two = run_ranks(model_dir, tmp_path / "two", world=2, extra_env=lora)
+    initial = load_model(model_dir, KernelConfig()).state_dict()
+    adapters = [n for n in one if n.endswith(("lora_A", "lora_B"))]
+    assert adapters and all(torch.equal(one[n], initial[n]) for n in one if n not in adapters)
+    assert max(float(one[n].abs().max()) for n in adapters if n.endswith("lora_B")) > 1e-4  # B moved off zero
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-6, msg=name)
+    assert metrics_two["loss"] == pytest.approx(metrics_one["loss"], rel=1e-5, abs=1e-6)
+    straight, metrics_straight = run_ranks(model_dir, tmp_path / "straight", world=2, mode="two-steps", extra_env=lora)
+    resumed, metrics_resumed = run_ranks(model_dir, tmp_path / "resumed", world=2, mode="resume", extra_env=lora)
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight) and metrics_resumed == metrics_straight
+    assert (tmp_path / "resumed" / "hf" / "adapter_model.safetensors").is_file()
+
+
 def test_sigkill_mid_save_keeps_last_checkpoint_and_resume_matches(tmp_path) -> None:
     """A run killed (SIGKILL, both ranks) while writing its second checkpoint over the first: the first stays
     complete, and resuming from it gives exactly the uninterrupted run's next step (parameters, metrics, RNG)."""
