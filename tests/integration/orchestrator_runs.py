@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 # The default example, shortened for CI: fewer RL steps, a smaller held-out set. 30 steps, not 20: over the 9 cells of
@@ -41,3 +43,19 @@ def history(run_dir: Path) -> list[dict]:
 def policy_dir(cache: Path) -> Path:
     (policy,) = cache.glob("bootstrap/*/policy")
     return policy
+
+
+def kill_after_checkpoint(*args: str, run_dir: Path, cache: Path, step: int, timeout: float = 600) -> None:
+    """Start `miles-orchestrator run ARGS run.run_dir=RUN_DIR` and SIGKILL it, with everything it started (Ray, the
+    ranks, the engines), once the checkpoint of `step` is complete: a crash right after a checkpoint."""
+    env = {**os.environ, "MILES_CACHE_DIR": str(cache), "PYTHONPATH": str(Path(__file__).parent)}
+    command = ["miles-orchestrator", "run", "--quiet", *args, f"run.run_dir={run_dir}"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").is_file():
+        assert process.poll() is None, "the run ended before its checkpoint"
+        assert time.monotonic() < deadline, f"no checkpoint after {timeout:.0f} s"
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()

@@ -9,15 +9,11 @@ PEFT adapter plus the merged model.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, cli, history, policy_dir
+from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, cli, history, kill_after_checkpoint, policy_dir
 from safetensors.torch import load_file
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "lora.yaml"
@@ -47,17 +43,7 @@ def test_the_lora_example_is_on_policy_syncs_adapters_and_resumes(cold_run, tmp_
 
     # killed after its first checkpoint, resumed: the straight run's steps and adapter, bit for bit (http buckets)
     killed = tmp_path / "killed"
-    env = {**os.environ, "MILES_CACHE_DIR": str(cache)}
-    command = ["miles-orchestrator", "run", "--quiet", *common, "run.sync_transport=http", f"run.run_dir={killed}"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not (killed / "checkpoints" / "step_000002" / "trainer_state.json").is_file():
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint after 600 s"
-        time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_after_checkpoint(*common, "run.sync_transport=http", run_dir=killed, cache=cache, step=2)
     result = cli("--resume", str(killed), cache=cache)
     assert result.returncode == 0, result.stderr[-5000:]
     got = history(killed)

@@ -16,16 +16,12 @@ stages x 2-way expert parallelism, the MTP draft trained online, the rollout's r
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from orchestrator_runs import DETERMINISTIC_KEYS, SMALL, cli, history, policy_dir
+from orchestrator_runs import DETERMINISTIC_KEYS, SMALL, cli, history, kill_after_checkpoint, policy_dir
 from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core", reason="the megatron extra (uv sync --extra megatron)")
@@ -70,17 +66,7 @@ def test_a_megatron_moe_run_resumes_after_sigkill_and_its_first_step_is_fsdp2s(c
         assert row["moe_routing_flip_frac"] == 0.0 and row["mtp_loss"] > 0.0 and row["skipped_update"] == 0.0
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "MILES_CACHE_DIR": str(cache), "PYTHONPATH": str(Path(__file__).parent)}
-    command = ["miles-orchestrator", "run", "--quiet", *common, *MEGATRON, f"run.run_dir={killed}"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 900
-    while not (killed / "checkpoints" / "step_000001" / "trainer_state.json").is_file():
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint after 900 s"
-        time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGKILL)  # the driver and everything it started (Ray, the four ranks)
-    process.wait()
+    kill_after_checkpoint(*common, *MEGATRON, run_dir=killed, cache=cache, step=1, timeout=900)
     result = cli("--resume", str(killed), cache=cache, timeout=1200)
     assert result.returncode == 0, result.stderr[-5000:]
     got = history(killed)

@@ -15,15 +15,21 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from orchestrator_runs import DETERMINISTIC_KEYS, INTERRUPTED, OTHER_CPU, SHORT, SMALL, cli, history, policy_dir
+from orchestrator_runs import (
+    DETERMINISTIC_KEYS,
+    INTERRUPTED,
+    OTHER_CPU,
+    SHORT,
+    SMALL,
+    cli,
+    history,
+    kill_after_checkpoint,
+    policy_dir,
+)
 from safetensors.torch import load_file
 
 
@@ -59,17 +65,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_steps(cold_run, straight
     straight = straight_run
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "MILES_CACHE_DIR": str(cache)}
-    command = ["miles-orchestrator", "run", "--quiet", *common, f"run.run_dir={killed}"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not (killed / "checkpoints" / "step_000002" / "trainer_state.json").is_file():
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint after 600 s"
-        time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGKILL)  # the driver and everything it started (Ray, workers)
-    process.wait()
+    kill_after_checkpoint(*common, run_dir=killed, cache=cache, step=2)
     assert not (killed / "final").exists()
 
     result = cli("--resume", str(killed), cache=cache)

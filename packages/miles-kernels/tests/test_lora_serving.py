@@ -11,9 +11,9 @@ from typing import Literal
 import pytest
 import torch
 
-from miles_kernels import AdapterSlots, CausalLM, KernelConfig, target_names
+from miles_kernels import AdapterSlots, CausalLM, KernelConfig
 from miles_kernels.config import LoraConfig
-from miles_kernels.testing import random_model, tiny_config
+from miles_kernels.testing import random_adapter, random_model, tiny_config
 from miles_kernels.testing.paged_runner import packed_logits
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
@@ -25,14 +25,7 @@ Adapter = tuple[LoraConfig, dict[str, torch.Tensor]]
 def make_adapter(model: CausalLM, seed: int, targets: list[str] | str = TARGETS, rank: int = 4) -> Adapter:
     """A random adapter on `targets` (B nonzero, so it changes the output), under the model's tensor names."""
     config = LoraConfig(rank=rank, alpha=8.0, target_modules=targets)
-    modules = dict(model.named_modules())
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name in target_names(model, config):
-        out_features, in_features = modules[name].weight.shape
-        tensors[f"{name}.lora_A"] = 0.1 * torch.randn(rank, in_features, generator=generator)
-        tensors[f"{name}.lora_B"] = 0.1 * torch.randn(out_features, rank, generator=generator)
-    return config, tensors
+    return config, random_adapter(model, config, seed)
 
 
 def merged(model: CausalLM, config: LoraConfig, tensors: dict[str, torch.Tensor]) -> CausalLM:

@@ -21,8 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams
-from miles_kernels import KernelConfig, load_model, save_peft_adapter, target_names
+from miles_kernels import KernelConfig, load_model, save_peft_adapter
 from miles_kernels.config import LoraConfig
+from miles_kernels.testing import random_adapter
 from miles_rollout import (
     Client,
     CoalescingClient,
@@ -48,14 +49,7 @@ def make_adapter(directory: Path, model_dir: Path, seed: int, targets: list[str]
     """A PEFT adapter directory for the model in `model_dir`: random A and B (B nonzero: it changes the output)."""
     model = load_model(str(model_dir), KernelConfig(), "cpu")
     config = LoraConfig(rank=rank, alpha=8.0, target_modules=targets)
-    modules = dict(model.named_modules())
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name in target_names(model, config):
-        out_features, in_features = modules[name].weight.shape
-        tensors[f"{name}.lora_A"] = 0.1 * torch.randn(rank, in_features, generator=generator)
-        tensors[f"{name}.lora_B"] = 0.1 * torch.randn(out_features, rank, generator=generator)
-    return save_peft_adapter(directory, config, tensors)
+    return save_peft_adapter(directory, config, random_adapter(model, config, seed))
 
 
 def merge_copy(model_dir: Path, adapter_dir: Path, out: Path) -> Path:

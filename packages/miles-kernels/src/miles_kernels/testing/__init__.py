@@ -3,7 +3,7 @@ drivers of the model (nothing is downloaded). Not part of the engine or the trai
 
 - `tiny_config` / `random_model` / `save_random_model`, `BENCHMARK_MODEL`: small models of every family (Qwen3,
   Qwen2.5, Llama 3.x, Qwen3-MoE, GLM-4.5); `save_transformers_model`: the same written by `transformers` (as Hugging
-  Face tooling writes a checkpoint: no MTP tensors);
+  Face tooling writes a checkpoint: no MTP tensors); `random_adapter`: a LoRA adapter with random A and B;
 - `build_tokenizer`, `DEFAULT_CORPUS`: a byte-level BPE tokenizer with a family's chat template (`CHAT_FORMATS`:
   plain ChatML, Qwen2.5, Qwen3, Llama 3.1);
 - `family_tokenizer`, `family_model`, `FAMILIES`: tokenizers built the way Qwen3's, Llama 3's and GLM-4.5's
@@ -17,6 +17,7 @@ from miles_kernels.testing.family_tokenizers import FAMILIES, family_model, fami
 from miles_kernels.testing.paged_runner import PagedRunner, greedy_generate, packed_logits
 from miles_kernels.testing.random_model import (
     BENCHMARK_MODEL,
+    random_adapter,
     random_model,
     save_random_model,
     save_transformers_model,
@@ -35,6 +36,7 @@ __all__ = [
     "family_tokenizer",
     "greedy_generate",
     "packed_logits",
+    "random_adapter",
     "random_model",
     "save_random_model",
     "save_transformers_model",

@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 import torch
 
-from miles_kernels.config import KernelConfig
+from miles_kernels.config import KernelConfig, LoraConfig
 from miles_kernels.hf_io import save_model
+from miles_kernels.lora import target_names
 from miles_kernels.model import CausalLM
 from miles_kernels.model_config import ModelConfig
 
@@ -166,3 +167,16 @@ def save_transformers_model(
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
     return Path(model_dir)
+
+
+def random_adapter(model: CausalLM, config: LoraConfig, seed: int = 0, std: float = 0.1) -> dict[str, torch.Tensor]:
+    """A LoRA adapter of `config` for `model` with random A and B (B nonzero, so it changes the output), under the
+    model's tensor names (`...q_proj.lora_A`), as `miles_kernels.read_peft_adapter` returns them."""
+    modules = dict(model.named_modules())
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name in target_names(model, config):
+        out_features, in_features = modules[name].weight.shape
+        tensors[f"{name}.lora_A"] = std * torch.randn(config.rank, in_features, generator=generator)
+        tensors[f"{name}.lora_B"] = std * torch.randn(out_features, config.rank, generator=generator)
+    return tensors
