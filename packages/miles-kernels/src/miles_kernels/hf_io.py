@@ -74,8 +74,11 @@ def _num_absent_mtp_layers(directory: Path, config: ModelConfig) -> int:
     declared = config.num_nextn_predict_layers
     if not declared or not ((directory / INDEX_FILE).is_file() or (directory / SINGLE_FILE).is_file()):
         return 0
+    names = tensor_files(directory)
+    if all(name.endswith((".lora_A", ".lora_B")) for name in names):
+        return 0  # a LoRA run's weight update: its adapters, not a checkpoint that lost its MTP modules
     mtp_prefixes = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(declared))
-    holds_mtp = any(name.startswith(mtp_prefixes) for name in tensor_files(directory))
+    holds_mtp = any(name.startswith(mtp_prefixes) for name in names)
     return 0 if holds_mtp else declared
 
 
