@@ -309,8 +309,8 @@ def test_a_colocated_lora_engine_on_gpus_keeps_its_weights_in_host_memory() -> N
             "trainer.lora.base_dtype=bfloat16 needs kernel.dtype=bfloat16 (it is float32): the trainer refuses it",
         ),
         (
-            {"trainer": {"backend": {"name": "megatron"}, "lora": {"rank": 8}}},
-            "trainer.backend.name=megatron does not support trainer.lora",
+            {"trainer": {"backend": {"name": "megatron", "megatron": {"tp": 2}}, "lora": {"rank": 8}}},
+            "does not support trainer.lora (LoRA adapters) with trainer.backend.megatron.tp > 1",
         ),
         (
             {"rollout": {"backend": "sglang"}, "kernel": {"mode": "fast"}, "trainer": {"lora": {"rank": 8}}},

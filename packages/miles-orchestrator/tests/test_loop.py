@@ -201,7 +201,7 @@ def test_recording_routing_needs_an_moe_policy(tmp_path) -> None:
 
 def test_a_deterministic_megatron_run_of_an_mla_policy_is_refused_at_start_up(tmp_path) -> None:
     """The Miles layers (Megatron in deterministic mode) have no MLA yet: said before any process starts, with the
-    two ways out; fast mode (megatron-core's MLA) and the FSDP2 backend pass."""
+    two ways out; fast mode (megatron-core's MLA) and the FSDP2 backend pass; LoRA on Megatron's MLA is refused."""
     from miles_kernels.testing import save_random_model, tiny_config
     from miles_orchestrator.config import load_config
     from miles_orchestrator.preflight import check_model
@@ -211,13 +211,16 @@ def test_a_deterministic_megatron_run_of_an_mla_policy_is_refused_at_start_up(tm
     with pytest.raises(ValueError, match=r"trainer.backend.megatron: the Miles layers have no MLA yet.*fsdp2.*fast"):
         check_model(load_config(None, megatron), deepseek)
     check_model(load_config(None, [*megatron, "kernel.mode=fast"]), deepseek)
+    with pytest.raises(ValueError, match=r"trainer.lora on the Megatron backend does not cover MLA.*fsdp2"):
+        check_model(load_config(None, [*megatron, "kernel.mode=fast", "trainer.lora.rank=8"]), deepseek)
     check_model(load_config(None, []), deepseek)
     check_model(load_config(None, megatron), str(save_random_model(tmp_path / "glm", tiny_config("glm"))))
 
 
 def test_lora_targets_are_checked_against_the_model_and_its_settings_against_the_run(tmp_path) -> None:
     """trainer.lora: targets that name no layer of the policy are refused at start-up with the layers it has; the
-    engine's adapters follow trainer.lora (one knob); Megatron and SGLang engines refuse LoRA by name."""
+    engine's adapters follow trainer.lora (one knob); the Megatron backend takes it at tp = 1 and refuses tp > 1 by
+    name, SGLang engines refuse LoRA by name."""
     from miles_kernels.testing import save_random_model, tiny_config
     from miles_orchestrator.config import load_config
     from miles_orchestrator.preflight import ModelRefused, check_model
@@ -232,8 +235,14 @@ def test_lora_targets_are_checked_against_the_model_and_its_settings_against_the
     assert cfg.rollout.engine.policy_lora.rank == 8 and cfg.rollout.engine.policy_lora.alpha == 16
     with pytest.raises(ValueError, match=r"rollout.engine.policy_lora=.* disagrees with trainer.lora"):
         load_config(None, [*lora, "rollout.engine.policy_lora.rank=4"])
-    with pytest.raises(ValueError, match=r"megatron does not support trainer.lora \(LoRA adapters\) yet"):
-        load_config(None, [*lora, "trainer.backend.name=megatron", "kernel.mode=fast"])
+    megatron = [*lora, "trainer.backend.name=megatron", "kernel.mode=fast"]
+    check_model(load_config(None, megatron), moe)  # tp = 1: LoRA runs on the Megatron backend
+    with pytest.raises(
+        ValueError,
+        match=r"megatron does not support trainer.lora \(LoRA adapters\) with trainer"
+        r"\.backend\.megatron\.tp > 1",
+    ):
+        load_config(None, [*megatron, "trainer.backend.megatron.tp=2", "trainer.num_ranks=2"])
     with pytest.raises(ValueError, match=r"trainer.lora with rollout.backend=sglang is not supported yet"):
         load_config(None, [*lora, "rollout.backend=sglang", "kernel.mode=fast"])
 

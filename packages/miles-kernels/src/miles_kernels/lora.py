@@ -82,15 +82,20 @@ def add_lora(model: CausalLM, config: LoraConfig) -> list[str]:
     for name in names:
         layer = modules[name]
         assert isinstance(layer, Linear)
-        out_features, in_features = layer.weight.shape
-        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        a = torch.empty(config.rank, in_features)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # PEFT's default init of lora_A
+        a, b = initial_adapter(name, config.rank, *layer.weight.shape)
         layer.lora_A = nn.Parameter(a.to(layer.weight.dtype).to(layer.weight.device))
-        layer.lora_B = nn.Parameter(torch.zeros(out_features, config.rank, dtype=layer.weight.dtype,
-                                                device=layer.weight.device))  # fmt: skip
+        layer.lora_B = nn.Parameter(b.to(layer.weight.dtype).to(layer.weight.device))
         layer.lora_scaling = config.scaling
     return names
+
+
+def initial_adapter(name: str, rank: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 (A, B) a layer named `name` starts with (`add_lora`; the Megatron trainer's per-projection
+    adapters too): A by PEFT's Kaiming-uniform init from a generator seeded by the name, B zeros."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    a = torch.empty(rank, in_features)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # PEFT's default init of lora_A
+    return a, torch.zeros(out_features, rank)
 
 
 def adapted_layers(model: nn.Module) -> dict[str, Linear]:

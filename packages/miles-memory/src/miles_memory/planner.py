@@ -232,9 +232,11 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
     if hw.is_cpu and p.rollout_engine == "sglang":
         raise ValueError("cpu plans the embedded engine only (SGLang runs on GPUs): set rollout.backend=embedded")
     if run.lora is not None:  # what a run config refuses with LoRA (miles_orchestrator.config.run)
-        if p.trainer_backend == "megatron":
+        if p.trainer_backend == "megatron" and (p.tp > 1 or p.etp > 1):
             raise ValueError(
-                "trainer.backend.name=megatron does not support trainer.lora (LoRA adapters) yet; use fsdp2"
+                "trainer.backend.name=megatron does not support trainer.lora (LoRA adapters) with "
+                "trainer.backend.megatron.tp > 1 or etp > 1 yet (the adapters would need splitting the way the "
+                "weights are): use tp = etp = 1, or fsdp2"
             )
         if p.rollout_engine == "sglang":
             raise ValueError(
@@ -366,6 +368,11 @@ def _plan(run: RunInputs, hw: HardwareProfile) -> MemoryPlan:
     if run.lora is not None:
         params["lora"] = sum(t.numel for t in shape.lora_tensors(run.lora.rank, run.lora.target_modules))
         notes.append(_lora_note(shape, run, params["lora"]))
+        if p.trainer_backend == "megatron":
+            notes.append(
+                "LoRA on the Megatron backend is planned as full training (every weight with gradients and "
+                "AdamW state, the KL reference a copy): an upper bound of its adapters-only state"
+            )
     return MemoryPlan(
         model=f"{shape.model_type} from {source}",
         hardware=hw.key,

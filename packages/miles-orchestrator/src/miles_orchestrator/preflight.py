@@ -21,7 +21,7 @@ from miles_orchestrator.rollout.filters import build_filters
 from miles_orchestrator.rollout.single_turn import resolve_rollout_fn
 from miles_orchestrator.run_dir import RunDir
 from miles_spec import add_mtp_modules
-from miles_trainer import load_advantage_estimator, resolve_loss_fn
+from miles_trainer import check_megatron_lora, load_advantage_estimator, resolve_loss_fn
 
 
 def check_plugins(cfg: RunConfig) -> None:
@@ -69,6 +69,11 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
         problem = megatron.model_problem(model.model_type, model.is_mla, cfg.kernel.is_deterministic)
         if problem:
             raise ModelRefused(f"trainer.backend.megatron: {problem}")
+        if lora.is_enabled:
+            try:
+                check_megatron_lora(lora, megatron, model)
+            except ValueError as error:  # MLA's permuted projections (tp > 1 is refused with the config)
+                raise ModelRefused(str(error)) from error
     if cfg.rollout.return_routed_experts and not model.is_moe:
         setting = (
             "trainer.routing_replay=rollout"

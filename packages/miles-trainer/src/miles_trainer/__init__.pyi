@@ -62,6 +62,7 @@ from .losses import (
 from .megatron_backend import MegatronBackend
 from .megatron_convert import RankLayout, hf_from_megatron, hf_to_megatron, rank_entries
 from .megatron_cpu import megatron_on_cpu
+from .megatron_lora import check_megatron_lora
 from .megatron_model import MegatronCausalLM
 from .packing import MicroBatch, build_micro_batch, pack_samples, plan_micro_batches, plan_samples
 from .policy_step import PolicyStep, accumulate_policy_gradients
@@ -115,6 +116,7 @@ __all__ = [
     "attach_adapters",
     "build_micro_batch",
     "check_lora",
+    "check_megatron_lora",
     "compute_advantages",
     "count_trained",
     "critic_values",

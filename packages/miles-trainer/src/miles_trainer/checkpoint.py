@@ -257,7 +257,7 @@ def export_hf(backend: Backend, directory: str | os.PathLike[str], tokenizer: An
     state = backend.full_state_dict()
     out = None
     if dist.get_rank() == 0:
-        lora = None if isinstance(backend, MegatronBackend) else backend.lora
+        lora = backend.lora
         if lora is None:
             out = _save_hf(backend.model.config, backend.kernel, state, directory, tokenizer)
         else:

@@ -22,6 +22,7 @@ runs in `megatron_cpu.device_mode`, which stands in for megatron-core's CUDA-onl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -36,11 +37,19 @@ from miles_contracts import Sample
 from miles_kernels import KernelConfig, iter_checkpoint, kernel_fingerprint, read_model_config
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
-from miles_trainer.config import BackendConfig, CriticConfig, OptimizerConfig, PolicyLossConfig
+from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.logprobs import response_logprobs
+from miles_trainer.lora import check_lora
 from miles_trainer.megatron_convert import MTP_PREFIX, RankLayout, hf_to_megatron, rank_entries
 from miles_trainer.megatron_cpu import device_mode, in_device_mode
 from miles_trainer.megatron_critic import MegatronCritic
+from miles_trainer.megatron_lora import (
+    adapter_hf_tensors,
+    adapter_sharded_state,
+    attach_megatron_adapters,
+    check_megatron_lora,
+    disabled_adapters,
+)
 from miles_trainer.megatron_memory import megatron_memory
 from miles_trainer.megatron_model import (
     MegatronCausalLM,
@@ -54,7 +63,13 @@ from miles_trainer.megatron_moe import StagePasses, check_moe_layout
 from miles_trainer.megatron_mtp import MegatronMTP
 from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors, trained_params
 from miles_trainer.megatron_schedule import LastStageOutput, from_last_stage, run_schedule
-from miles_trainer.megatron_state import ExportedWeights, full_hf_state, load_sharded_state, sharded_state
+from miles_trainer.megatron_state import (
+    ExportedWeights,
+    full_hf_state,
+    gather_stages,
+    load_sharded_state,
+    sharded_state,
+)
 from miles_trainer.moe import moe_shape
 from miles_trainer.packing import MicroBatch, pack_samples, padded_passes, plan_samples
 from miles_trainer.policy_step import PolicyStep
@@ -102,11 +117,14 @@ class MegatronBackend:
         memory: MemoryConfig | None = None,
         routing_replay: bool = False,
         offload_dir: str | os.PathLike[str] | None = None,
+        lora: LoraTrainConfig | None = None,
     ) -> None:
         """As `FSDP2Backend`. `critic`: PPO's, with its own AdamW (megatron_critic). Routing replay and the MoE losses
         run in the routers (megatron_moe); `aux_losses` train the policy's MTP modules, with their own AdamW
         (`aux_optimizer`, default: the policy's settings; megatron_mtp). `memory`: offload target, budget, partial
-        offload and OOM handling, FSDP2's (megatron_memory; `offload_dir`: where a CPU run offloads)."""
+        offload and OOM handling, FSDP2's (megatron_memory; `offload_dir`: where a CPU run offloads). `lora`: train
+        per-HF-projection adapters on the frozen base (megatron_lora; tp = etp = 1): only they train, checkpoint
+        and sync, and the KL reference is the base (the adapters switched off, no copy)."""
         require_megatron()
         if not dist.is_initialized():
             raise RuntimeError("MegatronBackend needs torch.distributed initialized (torchrun, or init_process_group)")
@@ -133,12 +151,20 @@ class MegatronBackend:
         self.device = torch.device(self.config.device)
         self.max_tokens = self.config.max_tokens_per_micro_batch
         self.model_config = read_model_config(model_dir)
+        self.model_dir = model_dir
+        self.lora = lora if lora is not None and lora.is_enabled else None
+        if self.lora is not None:
+            check_lora(self.lora, kernel)
+            check_megatron_lora(self.lora, layout, self.model_config)
         with device_mode(self.device):
             self._build_chunks(model_dir, layout, keep_reference)
             build = functools.partial(self._build, model_dir, train=True)  # the separate critic's chunks
             self.critic = MegatronCritic(critic, self.chunks, self.layouts, build, self.kernel, self.device)
         self.critic_config = critic  # checkpoint.py reads it of either backend
-        self.weights = WeightSender(self._export_model)  # what weight sync sends: buckets, a file, tensors
+        # what weight sync sends: buckets, a file, tensors (with LoRA: the adapters and what else trains; the checksum
+        # still covers every weight the engine holds, base included)
+        self.weights = WeightSender(self._sync_model if self.lora is not None else self._export_model,
+                                    checksum_model=self._export_model)  # fmt: skip
         trunk = [*self.chunks, *(self.reference_chunks or [])]
         self.memory = megatron_memory(
             memory or MemoryConfig(), self.device, offload_dir=offload_dir,
@@ -157,11 +183,12 @@ class MegatronBackend:
         self.layouts: list[RankLayout] = [
             rank_layout(self.model_config, layout, vp_stage) for vp_stage in (range(chunks) if chunks else [None])
         ]
-        built = [self._build(model_dir, chunk, train=True) for chunk in range(len(self.layouts))]
+        built = [self._build(model_dir, chunk, train=True, adapted=True) for chunk in range(len(self.layouts))]
         self.chunks = [chunk for chunk, _ in built]
         self.model = self.chunks[0]
         self.reference_chunks: list[MegatronCausalLM] | None = None
-        if keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0:
+        self.has_reference = bool(keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0)
+        if self.has_reference and self.lora is None:  # with LoRA the reference is the base: adapters off
             self.reference_chunks = [self._build(model_dir, chunk, train=False)[0] for chunk in range(len(built))]
         self.params, self.masters = trained_params(built, self.kernel.torch_dtype, self.device)  # masters: float32
         self.optimizer, self.scheduler = adamw(self.masters, self.optimizer_config)
@@ -171,10 +198,11 @@ class MegatronBackend:
         self.aux_params: list[torch.nn.Parameter] = []  # checkpoint.py reads it of either backend
 
     def _build(
-        self, model_dir: str | os.PathLike[str], chunk: int, train: bool
+        self, model_dir: str | os.PathLike[str], chunk: int, train: bool, adapted: bool = False
     ) -> tuple[MegatronCausalLM, dict[str, torch.Tensor]]:
         """This rank's model chunk `chunk` (a GPTModel) with the checkpoint's weights (wrapped in Megatron's DDP to
-        train), and the converted float32 tensors it was loaded from."""
+        train), and the converted float32 tensors it was loaded from. `adapted`: the policy's chunk of a LoRA run,
+        its base frozen under adapters (a separate critic trains whole)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         vp_stage = chunk if len(self.layouts) > 1 else None
@@ -191,6 +219,8 @@ class MegatronBackend:
                 f"HF -> Megatron conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         gpt = gpt.to(self.device)
+        if adapted and self.lora is not None:  # the adapters' float32 initial values: a bf16 / fp16 model's masters
+            state |= attach_megatron_adapters(gpt, self.model_config, layout, self.lora, self.kernel, self.device)
         if not train:
             return MegatronCausalLM(gpt.eval().requires_grad_(False), self.model_config, self.kernel), state
         ddp = DistributedDataParallel(
@@ -251,9 +281,10 @@ class MegatronBackend:
     def compute_logprobs(self, samples: Sequence[Sample], reference: bool = False) -> list[list[float]]:
         """Log-probs of each sample's response tokens under the current (or the reference) weights, on every rank
         (computed on the last pipeline stage, sent to the others)."""
-        chunks = self.reference_chunks if reference else self.chunks
-        if chunks is None:
+        if reference and not self.has_reference:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
+        chunks = self.reference_chunks if reference and self.lora is None else self.chunks
+        assert chunks is not None
         self._check_onloaded()
         replay = self.routing_replay and not reference
         shape = moe_shape(self.model) if replay else None  # type: ignore[arg-type]
@@ -269,7 +300,9 @@ class MegatronBackend:
                     out[index] = row.tolist()
             return torch.zeros((), device=self.device)
 
-        run_schedule(chunks, passes, last_stage, forward_only=True, stage_pass=StagePasses(self.model_config, replay))
+        with disabled_adapters(chunks) if reference else contextlib.nullcontext():
+            run_schedule(chunks, passes, last_stage, forward_only=True,
+                         stage_pass=StagePasses(self.model_config, replay))  # fmt: skip
         return from_last_stage(out, self.device)
 
     @torch.no_grad()
@@ -303,7 +336,7 @@ class MegatronBackend:
         runs_policy = not (is_warmup and self.critic.is_separate)  # a separate critic warms up alone
         start = time.perf_counter()
         loss = self.loss_config
-        if self.reference_chunks is not None and ref_logprobs is None:
+        if self.has_reference and ref_logprobs is None:
             ref_logprobs = self.compute_logprobs(samples, reference=True)
         is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(
             samples, old_logprobs, loss, self._sum_dp
@@ -387,7 +420,7 @@ class MegatronBackend:
         returns what `trainer_state.json` records of them (`checkpoint.save_checkpoint` does the rest)."""
         from megatron.core import dist_checkpointing
 
-        state = sharded_state(self.chunks, self.params, self.masters, self.optimizer)
+        state = sharded_state(self.chunks, self.params, self.masters, self.optimizer, self._adapter_state())
         step = state.pop("adam_step")
         state |= self.mtp.sharded_state() | self.critic.sharded_state()
         directory.mkdir(parents=True, exist_ok=True)
@@ -396,6 +429,8 @@ class MegatronBackend:
         layout = self.config.megatron.model_dump()
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         record = {"backend": "megatron", "megatron": layout, "adam_step": step, "adam_lrs": lrs}
+        if self.lora is not None:  # the checkpoint holds the adapters only: the base is the model directory
+            record["lora"] = self.lora.adapters().model_dump()
         return record | self.mtp.checkpoint_record() | self.critic.checkpoint_record()
 
     @in_device_mode
@@ -406,8 +441,15 @@ class MegatronBackend:
                 f"{path} was written by the fsdp2 backend: resume it with trainer.backend.name=fsdp2, or convert its "
                 "weights (miles-trainer convert) and start a Megatron run from them"
             )
+        saved_lora, lora = saved.get("lora"), self.lora.adapters().model_dump() if self.lora is not None else None
+        if saved_lora != lora:
+            raise ValueError(
+                f"{path} was written with trainer.lora={saved_lora}, the trainer has {lora}: resume with the LoRA "
+                "settings the run started with"
+            )
         extra = self.mtp.sharded_state(saved) | self.critic.sharded_state(saved)
-        loaded = load_sharded_state(self.chunks, self.params, self.masters, self.optimizer, path, saved, extra)
+        loaded = load_sharded_state(self.chunks, self.params, self.masters, self.optimizer, path, saved, extra,
+                                    self._adapter_state())  # fmt: skip
         self.mtp.load_state(loaded, saved)
         self.critic.load_state(loaded, saved)
 
@@ -418,12 +460,36 @@ class MegatronBackend:
         """Full float32 tensors on the CPU under HF checkpoint names (tied embeddings once), identical on every rank:
         each tensor's shards gathered over its TP / ETP group, experts over the EP group, then the pipeline stages'
         tensors over the pipeline group."""
-        return full_hf_state(self.chunks, self.layouts, self.params, self.masters, self.device)
+        state = full_hf_state(self.chunks, self.layouts, self.params, self.masters, self.device)
+        return state | self._adapters()
+
+    def _adapters(self) -> dict[str, torch.Tensor]:
+        """A LoRA run's adapters under HF names (`...q_proj.lora_A`; a bf16 / fp16 model's float32 masters),
+        identical on every rank; {} without LoRA."""
+        if self.lora is None:
+            return {}
+        by_param = {id(param): master for param, master in zip(self.params, self.masters, strict=True)}
+        return gather_stages(adapter_hf_tensors(self.chunks, self.layouts, by_param), self.device)
+
+    def _adapter_state(self) -> dict[str, Any] | None:
+        """With LoRA, the model state a checkpoint holds: the adapters (megatron_lora); None: the whole model."""
+        return adapter_sharded_state(self.chunks) if self.lora is not None else None
 
     def _export_model(self) -> ExportedWeights:
         """The full HF tensors `self.weights` sends (gathered on every rank; the trainer must be onloaded)."""
         self._check_onloaded()
         return ExportedWeights(self.full_state_dict(), self.kernel)
+
+    def _sync_model(self) -> ExportedWeights:
+        """What a LoRA run's sync sends: the adapters, and the MTP layers where an auxiliary loss trains them."""
+        self._check_onloaded()
+        tensors = self._adapters()
+        if self.mtp.masters:
+            first_mtp = self.model_config.num_hidden_layers
+            mtp = (f"model.layers.{first_mtp + i}." for i in range(self.model_config.num_nextn_predict_layers))
+            prefixes = tuple(mtp)
+            tensors |= {n: t for n, t in self.full_state_dict().items() if n.startswith(prefixes)}
+        return ExportedWeights(tensors, self.kernel)
 
     # -- memory --------------------------------------------------------------------------------------------------
 

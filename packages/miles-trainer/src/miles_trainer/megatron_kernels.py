@@ -239,10 +239,10 @@ def _attention_class() -> type:
             self.scale = dim**-0.5
             self.window = model.attention_window(self.layer_number - 1)
 
-        def _project(self, x_NH: torch.Tensor, which: int) -> torch.Tensor:
+        def _project(self, x_NH: torch.Tensor, weight: torch.Tensor, which: int) -> torch.Tensor:
             rows = self.qkv_rows[which].to(x_NH.device)
             bias = self.linear_qkv.bias
-            return linear(x_NH, self.linear_qkv.weight[rows], self.kernel, None if bias is None else bias[rows])
+            return linear(x_NH, weight[rows], self.kernel, None if bias is None else bias[rows])
 
         def forward(  # type: ignore[override]
             self, hidden_states: torch.Tensor, attention_mask: Any = None, *_: Any,
@@ -252,12 +252,13 @@ def _attention_class() -> type:
             heads, groups, dim = self.shape  # this TP rank's query heads and KV heads
             x_NH = _column_input(_rows(hidden_states), self.config)
             num = x_NH.shape[0]
-            q = self._project(x_NH, 0).view(num, heads, dim)
-            k = self._project(x_NH, 1).view(num, groups, dim)
+            weight = self.linear_qkv.weight  # read once: with LoRA it is merged when read (megatron_lora)
+            q = self._project(x_NH, weight, 0).view(num, heads, dim)
+            k = self._project(x_NH, weight, 1).view(num, groups, dim)
             if self.q_layernorm is not None and self.k_layernorm is not None:
                 q, k = self.q_layernorm(q), self.k_layernorm(k)
             q, k = apply_rope(q, packed.cos, packed.sin), apply_rope(k, packed.cos, packed.sin)
-            v = self._project(x_NH, 2).view(num, groups, dim)
+            v = self._project(x_NH, weight, 2).view(num, groups, dim)
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return packed_attention(q, k, v, packed.batch, self.scale, self.kernel, self.window)

@@ -33,10 +33,12 @@ def sharded_state(
     params: list[torch.nn.Parameter],
     masters: list[torch.Tensor],
     optimizer: torch.optim.Optimizer,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Model and AdamW state as megatron-core sharded tensors (a bf16 / fp16 model's float32 masters with AdamW's
-    state), and "adam_step"."""
-    model = model_sharded_state(chunks)
+    state), and "adam_step". `model`: the sharded tensors of the trained parameters instead of the chunks' whole
+    state (a LoRA run's adapters, megatron_lora.adapter_sharded_state)."""
+    model = model_sharded_state(chunks) if model is None else model
     optimizer_state, step = adamw_sharded_state(model, params, masters, optimizer)
     return {**model, "optimizer": optimizer_state, "adam_step": step}
 
@@ -78,17 +80,23 @@ def load_sharded_state(
     path: Path,
     saved: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load what `sharded_state` saved at `path` into the model chunks, their masters and AdamW (`saved`: the
     `trainer_state.json` record, with AdamW's step and learning rates); `extra`: more sharded state to load in the
-    same read (the MTP modules'). Returns what was loaded."""
+    same read (the MTP modules'); `model`: `sharded_state`'s. Returns what was loaded."""
     from megatron.core import dist_checkpointing
 
-    template = sharded_state(chunks, params, masters, optimizer)
+    template = sharded_state(chunks, params, masters, optimizer, model)
     template.pop("adam_step")
     loaded: dict[str, Any] = dist_checkpointing.load(template | (extra or {}), str(path))
-    for i, chunk in enumerate(chunks):
-        chunk.gpt.load_state_dict(loaded["model" + (str(i) if i else "")], strict=False)
+    if model is None:
+        for i, chunk in enumerate(chunks):
+            chunk.gpt.load_state_dict(loaded["model" + (str(i) if i else "")], strict=False)
+    else:
+        with torch.no_grad():
+            for key, sharded in model.items():
+                sharded.data.copy_(loaded[key])
     load_adamw_state(loaded["optimizer"], params, masters, optimizer, saved.get("adam_step", 0.0),
                      saved.get("adam_lrs", []))  # fmt: skip
     return loaded
@@ -138,7 +146,7 @@ def full_hf_state(
         if chunk.mtp is not None:  # the MTP modules beside the last stage's GPTModel (megatron_mtp.py)
             state |= chunk.mtp.hf_source()
         out |= _chunk_hf_tensors(chunk, state, layout)
-    return _gather_stages(out, device)
+    return gather_stages(out, device)
 
 
 def _gathered(tensor: torch.Tensor, group: str) -> list[torch.Tensor]:
@@ -176,7 +184,7 @@ def _chunk_hf_tensors(
     return out
 
 
-def _gather_stages(local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def gather_stages(local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Every pipeline stage's HF tensors on every stage, broadcast from their stage (a tied model's embedding,
     which the first and the last stage both hold, is the first stage's)."""
     from megatron.core import parallel_state as ps

@@ -73,9 +73,9 @@ class RunConfig(Section):
 
     def _megatron_backend(self) -> None:
         """trainer.backend.name=megatron: what the Megatron backend needs and what it does not support yet
-        (docs/megatron.md): the critic, the online MTP draft, routing replay, the MoE losses and memory budgets run
-        on it as on FSDP2, and true on-policy (kernel.mode=deterministic) on the layouts its Miles layers run
-        exactly (docs/true-on-policy.md)."""
+        (docs/megatron.md): the critic, the online MTP draft, routing replay, the MoE losses, memory budgets and LoRA
+        (tp = etp = 1) run on it as on FSDP2, and true on-policy (kernel.mode=deterministic) on the layouts its Miles
+        layers run exactly (docs/true-on-policy.md)."""
         if self.trainer.backend.name != "megatron":
             return
         backend = self.trainer.backend
@@ -101,7 +101,10 @@ class RunConfig(Section):
                 in_routers and backend.megatron.sequence_parallel
             ),
             "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
-            "trainer.lora (LoRA adapters)": self.trainer.lora.is_enabled,
+            "trainer.lora (LoRA adapters) with trainer.backend.megatron.tp > 1 or etp > 1 (the adapters would need "
+            "splitting the way the weights are: LoRA runs with tp = etp = 1)": (
+                self.trainer.lora.is_enabled and (backend.megatron.tp > 1 or (backend.megatron.etp or 1) > 1)
+            ),
         }
         named = [name for name, used in unsupported.items() if used]
         if named:
