@@ -15,7 +15,9 @@ trains the MTP draft online its loss, accuracy and accept length (means over the
 run's JSON adds the critic's explained variance (mean over the first and the last 10 steps) and its value loss; an
 MoE policy's adds the largest routing flip fraction of any step and the expert load imbalance and router entropy
 (means over the first and the last 10 steps); an agentic run's (rollout.agent.env) adds its per-step reward,
-tool-use share and turns, and their means over the first and the last 5 steps.
+tool-use share and turns, and their means over the first and the last 5 steps; a LoRA run's (trainer.lora) adds
+the bytes each weight sync sent, the median sync time, the last checkpoint's bytes, and the exported adapter's and
+merged model's bytes.
 
     uv run python benchmarks/default_run.py --cold --out benchmarks/results/default_run.json
     uv run python benchmarks/default_run.py --cluster local --baseline runs/before   # a refactor check
@@ -23,6 +25,8 @@ tool-use share and turns, and their means over the first and the last 5 steps.
         --out benchmarks/results/ppo_example.json
     uv run python benchmarks/default_run.py --cold --cluster ray --config examples/agentic_calculator.yaml \
         --out benchmarks/results/agentic_example.json
+    uv run python benchmarks/default_run.py --cluster ray --config examples/lora.yaml \
+        --out benchmarks/results/lora_example.json
 """
 
 from __future__ import annotations
@@ -127,12 +131,25 @@ def run_once(cluster: str, run_dir: Path, env: dict[str, str], config: str | Non
         for key in ("reward_mean", "agent_tool_use_frac", "agent_turns_mean", "agent_tokens_per_turn"):
             agent[f"{key}_first_5_steps"] = round(statistics.mean(line[key] for line in steps[:5]), 4)
             agent[f"{key}_last_5_steps"] = round(statistics.mean(line[key] for line in steps[-5:]), 4)
+    lora = {}
+    if (run_dir / "final" / "adapter_config.json").is_file():  # a LoRA run: what it syncs, checkpoints and exports
+        checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+        lora = {
+            "sync_bytes_per_step": max(line.get("sync_bytes", 0.0) for line in steps),
+            "median_sync_time_s": round(statistics.median(line["sync_time_s"] for line in steps), 4),
+            "checkpoint_bytes": sum(f.stat().st_size for f in checkpoints[-1].rglob("*") if f.is_file())
+            if checkpoints
+            else None,
+            "adapter_bytes": (run_dir / "final" / "adapter_model.safetensors").stat().st_size,
+            "policy_bytes": sum(f.stat().st_size for f in (run_dir / "final" / "merged").glob("*.safetensors")),
+        }
     return (
         critic
         | moe
         | off_policy
         | draft
         | agent
+        | lora
         | {
             "command": " ".join(command),
             "wall_time_s": round(wall, 1),
