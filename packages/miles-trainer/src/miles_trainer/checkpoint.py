@@ -202,8 +202,9 @@ def _policy_state(backend: FSDP2Backend) -> tuple[dict[str, Any], dict[str, Any]
     """The policy's model and optimizer state as a checkpoint holds them: with LoRA, only the parameters that train
     (the adapters, and MTP layers): the frozen base is the model directory the run started from."""
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    if backend.lora is not None:
-        trains = {name for name, p in backend.model.named_parameters() if p.requires_grad}
+    if backend.lora is not None:  # what an optimizer trains: the adapters, and MTP layers an auxiliary loss trains
+        trained = {id(p) for p in backend._trainable_params()}
+        trains = {name for name, p in backend.model.named_parameters() if id(p) in trained}
         model_state = {name: value for name, value in model_state.items() if name in trains}
     return model_state, optim_state
 
