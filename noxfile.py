@@ -23,8 +23,9 @@ PACKAGES = [
     "miles-orchestrator",
 ]
 PYTHON = "3.11"
-# Optional extras a package's tests exercise on this CPU (megatron-core is pure Python: its CPU paths are tested).
-TEST_EXTRAS = {"miles-trainer": ("--extra", "megatron"), "miles-spec": ("--extra", "megatron")}
+# Optional extras (and dependency groups) a package's tests exercise on this CPU (megatron-core is pure Python: its CPU
+# paths are tested; peft loads the trainer's LoRA export).
+TEST_EXTRAS = {"miles-trainer": ("--extra", "megatron", "--group", "peft"), "miles-spec": ("--extra", "megatron")}
 # Two threads match this project's reference machine; determinism tests set their own counts. Bytecode is written
 # even where the environment says not to (PYTHONDONTWRITEBYTECODE=1, as on the CI image): the suite starts hundreds of
 # Python processes (rank workers, Ray actors, CLI runs, megatron-core's checkpoint writers), and each one compiled
