@@ -370,7 +370,8 @@ def _check_key(model: type[BaseModel], prefix: str, key: str, *, source: str) ->
     named = [n for n in _fields_named(RunConfig, key) if n.startswith(prefix)] or _fields_named(RunConfig, key)
     nearest = [name for name in named if name.count(".") == min(n.count(".") for n in named)]
     elsewhere = MOVED.get(prefix + key) or ", ".join(nearest)
-    hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (now {elsewhere})" if elsewhere else ""
+    # a field of that very name elsewhere says more than a near spelling here (trainer.lr: not trainer.lora)
+    hint = f" (now {elsewhere})" if elsewhere else f" (did you mean {prefix}{close[0]}?)" if close else ""
     where = prefix.rstrip(".") or "the top level"
     raise ValueError(f"{source}: unknown key {prefix + key!r}{hint}; valid keys of {where}: {', '.join(valid)}")
 
