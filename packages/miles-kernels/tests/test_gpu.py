@@ -44,10 +44,12 @@ def test_cuda_linear_and_norm_rows_do_not_depend_on_the_batch(dtype: torch.dtype
             assert torch.equal(normed[r : r + 1], alone[r][1]), f"norm row {r} with M={m}"
 
 
-def assert_decode_equals_prefill(model, seqs: list[torch.Tensor], dtype: str) -> None:
+def assert_decode_equals_prefill(
+    model, seqs: list[torch.Tensor], dtype: str, reference: list[torch.Tensor] | None = None
+) -> None:
     """Each sequence's last token decoded in one batched step after its prefill gives the logits of its packed
-    forward, bit for bit."""
-    reference = packed_logits(model, seqs)
+    forward (or of `reference`, another model's packed logits), bit for bit."""
+    reference = reference or packed_logits(model, seqs)
     runner = PagedRunner(model)
     runner.step({i: s[:-1] for i, s in enumerate(seqs)})
     last = runner.step({i: s[-1:] for i, s in enumerate(seqs)})
@@ -114,13 +116,7 @@ def test_cuda_lora_merged_each_forward_equals_the_engines_folded_weights(dtype: 
     seqs = [torch.randint(0, 256, (n,), generator=generator).cuda() for n in (40, 17, 65)]
     lens = [len(s) for s in seqs]
     batch = build_packed_batch(lens, kernel.page_size, kernel.attention_query_tile, seqs[0].device)
-    for param in trainer.parameters():
-        param.requires_grad_(False)
     for name, param in trainer.named_parameters():
         param.requires_grad_(name.endswith(("lora_A", "lora_B")))
     trained = torch.split(trainer.logits(trainer.forward_hidden(torch.cat(seqs), batch)), lens)  # autograd on
-    runner = PagedRunner(engine)
-    runner.step({i: s[:-1] for i, s in enumerate(seqs)})
-    last = runner.step({i: s[-1:] for i, s in enumerate(seqs)})
-    for i, logits in last.items():
-        assert torch.equal(logits, trained[i][-1:].detach()), f"seq {i}: the engine's merged decode differs ({dtype})"
+    assert_decode_equals_prefill(engine, seqs, dtype, reference=[t.detach() for t in trained])

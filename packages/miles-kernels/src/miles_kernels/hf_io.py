@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from miles_kernels.config import KernelConfig
+from miles_kernels.lora import is_adapter_name
 from miles_kernels.model import CausalLM
 from miles_kernels.model_config import ModelConfig
 
@@ -75,7 +76,7 @@ def _num_absent_mtp_layers(directory: Path, config: ModelConfig) -> int:
     if not declared or not ((directory / INDEX_FILE).is_file() or (directory / SINGLE_FILE).is_file()):
         return 0
     names = tensor_files(directory)
-    if all(name.endswith((".lora_A", ".lora_B")) for name in names):
+    if all(is_adapter_name(name) for name in names):
         return 0  # a LoRA run's weight update: its adapters, not a checkpoint that lost its MTP modules
     mtp_prefixes = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(declared))
     holds_mtp = any(name.startswith(mtp_prefixes) for name in names)
@@ -161,7 +162,7 @@ def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[t
         required = set(checkpoint_tensors(model)) - set(copies)  # a checkpoint may leave the MTP copies out
         # A model with LoRA adapters takes a complete base checkpoint or a complete set of adapters (what a LoRA
         # run's weight sync sends; lora.py), or both.
-        adapters = {name for name in required if name.endswith((".lora_A", ".lora_B"))}
+        adapters = {name for name in required if is_adapter_name(name)}
         if adapters:
             required = adapters if adapters & seen else required - adapters
         missing = sorted(required - seen)

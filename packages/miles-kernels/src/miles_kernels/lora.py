@@ -36,15 +36,21 @@ from miles_kernels.ops.linear import merge_lora
 if TYPE_CHECKING:
     from miles_kernels.model import CausalLM
 
-# PEFT's `all-linear` leaves the output layer out; routers stay frozen too (an adapter would move the routing that
-# routing replay and the MoE load balance depend on), as do MTP layers (their own loss trains them whole).
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+
+
+def _matches(name: str, target: str) -> bool:
+    """PEFT's rule for a `target_modules` list entry: the layer's name, or its last dotted parts."""
+    return name == target or name.endswith("." + target)
 
 
 def target_names(model: CausalLM, config: LoraConfig) -> list[str]:
     """The names of the linear layers `config.target_modules` selects (PEFT's matching: a list entry equal to the
     name or to its last dotted parts; 'all-linear'; or one regex over the full name), among the decoder's trunk
-    layers. ValueError when it selects nothing, or names a layer that cannot take an adapter."""
+    layers. ValueError when it selects nothing, or names a layer that cannot take an adapter.
+
+    PEFT's `all-linear` leaves the output layer out; routers stay frozen too (an adapter would move the routing that
+    routing replay and the MoE load balance depend on), as do MTP layers (their own loss trains them whole)."""
     trunk = [f"model.layers.{i}." for i in range(model.config.num_hidden_layers)]
     candidates = {
         name: module
@@ -58,8 +64,8 @@ def target_names(model: CausalLM, config: LoraConfig) -> list[str]:
     elif isinstance(targets, str):
         chosen = [name for name in candidates if re.fullmatch(targets, name)]
     else:
-        chosen = [name for name in candidates if any(name == t or name.endswith("." + t) for t in targets)]
-        unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in candidates)]
+        chosen = [name for name in candidates if any(_matches(name, t) for t in targets)]
+        unknown = [t for t in targets if not any(_matches(name, t) for name in candidates)]
         if unknown:
             kinds = sorted({name.rsplit(".", 1)[-1] for name in candidates})
             raise ValueError(

@@ -221,14 +221,15 @@ class FSDP2Backend:
         log-probs of fast mode, or the reference's for the KL term / a KL reward penalty."""
         if reference and not self.has_reference:
             raise ValueError("this backend keeps no reference model: create it with keep_reference=True")
-        model = self.reference or self.model if reference else self.model
+        base_only = reference and self.reference is None  # LoRA: the reference is the policy, adapters off
+        model = self.reference if reference and self.reference is not None else self.model
         self._check_onloaded()
         replay = self.routing_replay and not reference
         micro_batches = pack_samples(
             samples, self.kernel, self.max_tokens, routing_shape=moe_shape(model) if replay else None,
             require_routing=replay,
         )  # fmt: skip
-        with disabled_adapters(model) if reference else contextlib.nullcontext():
+        with disabled_adapters(model) if base_only else contextlib.nullcontext():
             return batch_logprobs(
                 model, micro_batches, len(samples), self._num_passes(samples), self.loss_config.temperature, replay
             )
