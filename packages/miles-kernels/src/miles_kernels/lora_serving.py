@@ -108,7 +108,10 @@ class AdapterSlots:
         for row, name in enumerate(row_adapters):
             if name is not None:
                 by_name.setdefault(name, []).append(row)
-        self._groups = [(self.adapters[name], torch.tensor(rows)) for name, rows in sorted(by_name.items())]
+        device = next(iter(self.layers.values())).weight.device  # once per forward, not once per layer
+        self._groups = [
+            (self.adapters[name], torch.tensor(rows, device=device)) for name, rows in sorted(by_name.items())
+        ]
 
     def clear_rows(self) -> None:
         self._groups = []
@@ -123,7 +126,6 @@ class AdapterSlots:
             if weights is None:
                 continue
             a_RK, b_OR = weights
-            rows = rows.to(x.device)
             delta = adapter.config.scaling * linear(linear(x_NK[rows], a_RK, self.kernel), b_OR, self.kernel)
             out_NO = out_NO.index_add(0, rows, delta.to(out_NO.dtype))
         return out_NO.reshape(out.shape)
