@@ -9,6 +9,7 @@ from .hf_io import (
     load_state,
     num_absent_mtp_layers,
     read_model_config,
+    read_quantization,
     save_model,
     tensor_files,
 )
@@ -45,6 +46,7 @@ from .ops.moe import (
     select_experts,
 )
 from .ops.norm import rms_norm
+from .ops.quant import dequantize, fake_quantize, pack_int4, part_layout, quantize, unpack_int4
 from .ops.rope import apply_rope, inv_frequencies, rope_cos_sin
 from .ops.sampling import (
     RowSampling,
@@ -54,6 +56,15 @@ from .ops.sampling import (
     token_logprobs,
     uniform,
     uniforms,
+)
+from .quantization import (
+    WeightQuantizer,
+    check_format,
+    fake_quantize_model,
+    normalized_items,
+    quantize_model,
+    quantized_layers,
+    store_quantized,
 )
 from .registry import Backend, available_backends, get_backend, register_backend, registered_ops
 from .weight_sync.buckets import (
@@ -104,6 +115,7 @@ __all__ = [
     "Routing",
     "RowSampling",
     "TensorSlot",
+    "WeightQuantizer",
     "WeightUpdateGroup",
     "adapted_layers",
     "adapter_tensors",
@@ -114,9 +126,11 @@ __all__ = [
     "broadcast_tensors",
     "build_attention_batch",
     "build_packed_batch",
+    "check_format",
     "checkpoint_tensors",
     "combine_ranks",
     "decode_bucket",
+    "dequantize",
     "describe_kernel",
     "destroy_weight_update_group",
     "disabled_adapters",
@@ -124,6 +138,8 @@ __all__ = [
     "encode_bucket",
     "expert_mlp",
     "experts_forward",
+    "fake_quantize",
+    "fake_quantize_model",
     "fold_adapters",
     "folded_weights",
     "full_logprobs",
@@ -142,12 +158,19 @@ __all__ = [
     "load_state",
     "logprob_temperatures",
     "merge_lora",
+    "normalized_items",
     "num_absent_mtp_layers",
+    "pack_int4",
     "packed_attention",
     "parse_dtype",
+    "part_layout",
     "plan_buckets",
+    "quantize",
+    "quantize_model",
+    "quantized_layers",
     "read_model_config",
     "read_peft_adapter",
+    "read_quantization",
     "register_backend",
     "registered_ops",
     "rendezvous_store",
@@ -162,6 +185,7 @@ __all__ = [
     "save_model",
     "save_peft_adapter",
     "select_experts",
+    "store_quantized",
     "swiglu",
     "target_names",
     "tensor_files",
@@ -169,5 +193,6 @@ __all__ = [
     "token_logprobs",
     "uniform",
     "uniforms",
+    "unpack_int4",
     "weights_checksum",
 ]

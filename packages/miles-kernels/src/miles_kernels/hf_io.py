@@ -10,6 +10,13 @@ out: `transformers` does not model them, so its `save_pretrained` keeps the coun
 checkpoint fine-tuned with Hugging Face tooling). Such a directory is read as the trunk alone
 (`num_nextn_predict_layers = 0`: no speculative-decoding draft), and the first read says so in the log. A
 checkpoint that holds some of an MTP module's tensors and misses others is refused, naming the missing ones.
+
+Quantized checkpoints (config.json's `quantization_config`: DeepSeek-V3's block FP8, compressed-tensors' per-channel
+FP8 or group-wise INT4; quantization.py) load into any model: a layer the model stores in the checkpoint's format
+takes its parts as they are, any other gets them dequantized (a full-precision trainer loads the dequantized
+weights). `load_model(..., weights=...)` stores the trunk's linear layers quantized (the low-precision engine); a
+full-precision checkpoint is then quantized as it loads. `save_model` of such a model writes its format's
+`quantization_config`.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from miles_kernels.config import KernelConfig
+from miles_kernels.config import KernelConfig, WeightQuantConfig
 from miles_kernels.lora import is_adapter_name
 from miles_kernels.model import CausalLM
 from miles_kernels.model_config import ModelConfig
+from miles_kernels.quantization import normalized_items, quantize_model, quantized_layers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -60,6 +68,13 @@ def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
             directory, absent, absent,
         )  # fmt: skip
     return dataclasses.replace(config, num_nextn_predict_layers=0)
+
+
+def read_quantization(model_dir: str | os.PathLike[str]) -> WeightQuantConfig:
+    """The format of a model directory's weights: its config.json's `quantization_config` (none: `kernel`).
+    ValueError for a quantization Miles does not read."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    return WeightQuantConfig.from_hf(hf.get("quantization_config"))
 
 
 def num_absent_mtp_layers(model_dir: str | os.PathLike[str]) -> int:
@@ -122,15 +137,22 @@ def iter_checkpoint(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, to
                 yield name, f.get_tensor(name)
 
 
-def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_state(
+    model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]],
+    source: WeightQuantConfig | None = None,
+) -> None:  # fmt: skip
     """Copy HF-named tensors into the model, bit for bit after the dtype cast; errors name bad tensors.
 
     Missing tensors are an error only when loading a complete checkpoint (a Mapping); an iterator of
-    tensors (a bucket stream) may update any subset.
+    tensors (a bucket stream) may update any subset. `source`: the format of a quantized checkpoint's parts
+    (`read_quantization`); a layer the model stores quantized takes a full-precision weight quantized, or stored
+    parts of its own format as they are (quantization.normalized_items).
     """
     # GLM-4.5's float32 router bias is a buffer that the checkpoint stores like a weight (model.TopkRouter).
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    if quantized_layers(model) or (source is not None and source.is_enabled):
+        items = normalized_items(model, items, source)
     copies = model.mtp_copy_names()
     seen = set()
     copied: dict[str, torch.Tensor] = {}  # MTP copies of a trunk tensor, checked against it once all are loaded
@@ -145,6 +167,10 @@ def load_state(model: CausalLM, tensors: Mapping[str, torch.Tensor] | Iterator[t
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
+            fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+            is_cast = tensor.is_floating_point() and target.is_floating_point() and fp8.count(tensor.dtype) == 0
+            if tensor.dtype != target.dtype and not (is_cast and target.dtype not in fp8):
+                raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, the model holds {target.dtype}")
             value = tensor.to(dtype=target.dtype, device=target.device)
             if name in copies and isinstance(tensors, Mapping) and copies[name] in tensors:
                 copied[name] = value
@@ -176,10 +202,13 @@ def load_model(
     kernel: KernelConfig | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    weights: WeightQuantConfig | None = None,
 ) -> CausalLM:
     """Build a `CausalLM` from a Hugging Face directory, parameters in `dtype` (default: the kernel config's).
 
-    A trainer keeps float32 master weights (`dtype=torch.float32`) and computes in the kernel dtype.
+    A trainer keeps float32 master weights (`dtype=torch.float32`) and computes in the kernel dtype. `weights`: the
+    trunk's linear layers are stored in this low-precision format (quantization.py; the engine). A quantized
+    checkpoint loads into either (see the module docstring).
     """
     kernel = kernel or KernelConfig()
     config = read_model_config(model_dir)
@@ -187,7 +216,9 @@ def load_model(
         model = CausalLM(config, kernel)
     model = model.to_empty(device=device).to(dtype or kernel.torch_dtype)
     model.tie_weights()
-    load_state(model, dict(iter_checkpoint(model_dir)))
+    if weights is not None and weights.is_enabled:
+        quantize_model(model, weights, from_weights=False)
+    load_state(model, dict(iter_checkpoint(model_dir)), read_quantization(model_dir))
     model.eval()
     return model
 
@@ -202,6 +233,9 @@ def save_model(
     out = Path(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config.to_hf(dtype=model.kernel.dtype)
+    formats = [layer.weight_quant for layer in quantized_layers(model).values() if layer.weight_quant is not None]
+    if formats:
+        config["quantization_config"] = formats[0].to_hf()
     if tokenizer is not None:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if config.get(key) is None and getattr(tokenizer, key, None) is not None:

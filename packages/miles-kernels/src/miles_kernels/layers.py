@@ -3,14 +3,15 @@ parameter names, each running miles' kernel op with the model's `KernelConfig`."
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from miles_kernels.config import KernelConfig
+from miles_kernels.config import KernelConfig, WeightQuantConfig
 from miles_kernels.ops.linear import linear, merge_lora
 from miles_kernels.ops.norm import rms_norm
+from miles_kernels.ops.quant import PART_NAMES, dequantize, fake_quantize
 
 
 class RMSNorm(nn.Module):
@@ -25,10 +26,13 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """A linear layer (HF `nn.Linear` parameter names) that runs miles' kernel, optionally with a LoRA adapter
-    (lora.py: `lora_A` (R, K), `lora_B` (O, R), `lora_scaling`, PEFT's names) and adapters served per request."""
+    (lora.py: `lora_A` (R, K), `lora_B` (O, R), `lora_scaling`, PEFT's names) and adapters served per request, or
+    with low-precision weights (quantization.py): stored quantized (`weight_quant`, the engine: the checkpoint's
+    parts replace `weight`), or fake-quantized in the forward (`fake_quant`, quantization-aware training)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, kernel: KernelConfig) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.kernel = kernel
@@ -41,9 +45,18 @@ class Linear(nn.Module):
         # Adapters chosen per request (the engine's multi-LoRA serving, lora_serving.py), under this layer's name.
         self.served: ServedAdapters | None = None
         self.served_name = ""
+        self.weight_quant: WeightQuantConfig | None = None  # stored in this format (quantization.store_quantized)
+        self.fake_quant: WeightQuantConfig | None = None  # QAT: computes with the weight as the engine stores it
 
     def effective_weight(self) -> torch.Tensor:
-        """The weight this layer computes with: the base, or base + scaling * B @ A with an adapter (lora.py)."""
+        """The weight this layer computes with: the base, or base + scaling * B @ A with an adapter (lora.py); with
+        low-precision weights, the stored parts dequantized to the kernel dtype (or, in QAT, the weight
+        fake-quantized the same way)."""
+        if self.weight_quant is not None:
+            parts = {name: p for name, p in self._parameters.items() if name in PART_NAMES and p is not None}
+            return dequantize(self.weight_quant, parts, self.kernel.torch_dtype)
+        if self.fake_quant is not None:
+            return fake_quantize(self.fake_quant, self.weight)
         if self.lora_A is None or self.lora_disabled:
             return self.weight
         if self.folded is not None:
@@ -67,6 +80,19 @@ class Linear(nn.Module):
         if self.served is not None:
             out = self.served.apply(self.served_name, x, out)
         return out
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        """Stored quantized parts follow device moves, never dtype casts (a float32 scale cast to bfloat16 would
+        round)."""
+        if self.weight_quant is None:
+            return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]
+        before = {name: p for name, p in self._parameters.items() if p is not None}
+        out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        for name, old in before.items():
+            new = self._parameters[name]
+            if new is not None and new.dtype != old.dtype:
+                self._parameters[name] = nn.Parameter(old.detach().to(new.device), requires_grad=False)
+        return out  # type: ignore[no-any-return]
 
 
 class ServedAdapters(Protocol):

@@ -51,13 +51,7 @@ def target_names(model: CausalLM, config: LoraConfig) -> list[str]:
 
     PEFT's `all-linear` leaves the output layer out; routers stay frozen too (an adapter would move the routing that
     routing replay and the MoE load balance depend on), as do MTP layers (their own loss trains them whole)."""
-    trunk = [f"model.layers.{i}." for i in range(model.config.num_hidden_layers)]
-    candidates = {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, Linear) and any(name.startswith(prefix) for prefix in trunk)
-        and not name.endswith("mlp.gate")  # Qwen3-MoE's router is a linear layer: it stays frozen
-    }  # fmt: skip
+    candidates = model.trunk_linears()
     targets = config.target_modules
     if targets == "all-linear":
         chosen = list(candidates)

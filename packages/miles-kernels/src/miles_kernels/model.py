@@ -325,6 +325,16 @@ class CausalLM(nn.Module):
         """The MTP modules, in order (empty for a model without them)."""
         return cast(list[MTPLayer], list(self.model.layers)[self.config.num_hidden_layers :])
 
+    def trunk_linears(self) -> dict[str, Linear]:
+        """The decoder trunk's linear layers by name (attention, MLP, routed and shared experts, MLA projections):
+        the ones LoRA adapts and low-precision weights quantize. The LM head, embeddings, routers (Qwen3-MoE's
+        `mlp.gate` is a linear layer) and MTP layers are left out."""
+        trunk = tuple(f"model.layers.{i}." for i in range(self.config.num_hidden_layers))
+        return {
+            name: module for name, module in self.named_modules()
+            if isinstance(module, Linear) and name.startswith(trunk) and not name.endswith("mlp.gate")
+        }  # fmt: skip
+
     def mtp_parameters(self) -> list[nn.Parameter]:
         """The MTP modules' own weights, in order: the embedding and LM head they share with the trunk excluded."""
         shared = {id(self.model.embed_tokens.weight), id(self.lm_head.weight)}

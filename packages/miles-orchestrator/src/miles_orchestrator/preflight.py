@@ -152,11 +152,12 @@ async def check_on_policy(cfg: RunConfig, cluster: Cluster, version: int, log: A
         return
     described = (await cluster.engine.get_server_info())["kernel_config"]
     fingerprint = described["fingerprint"]
-    if cfg.kernel.is_deterministic and fingerprint != cluster.trainer_fingerprint:
+    if cfg.is_true_on_policy and fingerprint != cluster.trainer_fingerprint:
         raise RuntimeError(
             f"true on-policy refused: the engine runs kernel config {described} (fingerprint {fingerprint}), the "
             f"trainer {cluster.trainer_fingerprint}; give both the same KernelConfig (dtype, mode, tile and page "
-            "sizes), the same torch version and the same kind of device"
+            "sizes, and the weight format: rollout.engine.weight_dtype with trainer.qat), the same torch version and "
+            "the same kind of device"
         )
     engine_checksum, checksum = await cluster.engine.weights_checksum(), await cluster.trainer_checksum()
     if engine_checksum != checksum:

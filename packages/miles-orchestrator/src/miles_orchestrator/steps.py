@@ -108,7 +108,7 @@ async def train(
     began = time.perf_counter()
     metrics: dict[str, float] = {}
     off_policy = trained_version is not None and has_off_policy_tokens(batch, trained_version)
-    recompute = off_policy or not cfg.kernel.is_deterministic
+    recompute = off_policy or not cfg.is_true_on_policy
     old_logprobs = await cluster.compute_logprobs(batch) if recompute else None
     if off_policy:
         assert old_logprobs is not None and trained_version is not None

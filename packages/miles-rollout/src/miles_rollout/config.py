@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from miles_kernels.config import KernelConfig, LoraConfig
+from miles_kernels.config import KernelConfig, LoraConfig, WeightFormat, WeightQuantConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DRAFT_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names that draft with the model's own MTP layers
@@ -117,6 +117,19 @@ class EngineConfig(BaseModel):
         "(rank 0: none). The engine keeps the base and merges each adapter update into it with the trainer's "
         "kernel (docs/lora.md); a run derives it from trainer.lora.",
     )
+    weight_dtype: WeightFormat = Field(
+        default="kernel",
+        description="How the decoder's linear layers (attention, MLP, experts) are stored and computed: kernel "
+        "(kernel.dtype), fp8_block (FP8 e4m3 with 128x128 block scales, DeepSeek-V3's checkpoints), fp8_channel "
+        "(FP8 with per-channel scales) or int4_group (symmetric INT4 with group scales, compressed-tensors' "
+        "pack-quantized); dequantized into the batch-invariant matmul (docs/low-precision.md).",
+    )
+    weight_block_size: tuple[int, int] = Field(
+        default=(128, 128), description="fp8_block: (output rows, input columns) sharing one scale."
+    )
+    weight_group_size: int = Field(
+        default=128, ge=8, le=4096, description="int4_group: input columns sharing one scale (a multiple of 8)."
+    )
 
     @field_validator("speculative_algorithm", mode="before")
     @classmethod
@@ -154,6 +167,23 @@ class EngineConfig(BaseModel):
                 "it unset"
             )
         return self
+
+    @model_validator(mode="after")
+    def _weight_format(self) -> EngineConfig:
+        self.weight_quant()  # a bad block or group size names itself now
+        if self.weight_dtype != "kernel" and self.policy_lora.is_enabled:
+            raise ValueError(
+                f"weight_dtype={self.weight_dtype} with LoRA adapters (policy_lora) is not supported: the adapters "
+                "are merged into the base, which a quantized engine does not hold in full precision; use "
+                "weight_dtype=kernel"
+            )
+        return self
+
+    def weight_quant(self) -> WeightQuantConfig:
+        """The low-precision format of the decoder's linear weights (`weight_dtype` and its block / group size)."""
+        return WeightQuantConfig(
+            format=self.weight_dtype, block_size=self.weight_block_size, group_size=self.weight_group_size
+        )
 
     @property
     def num_draft_steps(self) -> int:

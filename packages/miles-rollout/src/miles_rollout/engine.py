@@ -114,7 +114,8 @@ class Engine(EngineControls, LoraControls):
 
     def _setup(self) -> None:
         config, kernel, tokenizer = self.config, self.kernel, self.tokenizer
-        self.model = model = load_model(self.model_path, kernel, config.device)
+        # low-precision weights (docs/low-precision.md): the trunk's linear layers stored in the engine's format
+        self.model = model = load_model(self.model_path, kernel, config.device, weights=config.weight_quant())
         if config.policy_lora.is_enabled:  # LoRA RL: weight updates send adapters, merged into the base (docs/lora.md)
             add_lora(model, config.policy_lora)
             fold_adapters(model)
@@ -442,8 +443,11 @@ class Engine(EngineControls, LoraControls):
             "speculative_eagle_topk": 1 if self.config.num_draft_steps else None,
             "speculative_num_draft_tokens": self.config.num_draft_steps + 1 if self.config.num_draft_steps else None,
             "enable_return_routed_experts": self.config.enable_return_routed_experts,
+            "weight_dtype": self.config.weight_dtype,
             **(self.loras.server_info() if self.loras is not None else {"enable_lora": False}),
-            "kernel_config": describe_kernel(self.kernel, torch.device(self.config.device).type),
+            "kernel_config": describe_kernel(
+                self.kernel, torch.device(self.config.device).type, self.config.weight_quant()
+            ),
             "num_kv_pages": self.config.num_kv_pages,
             "kv_bytes_per_token": self.runner.store.bytes_per_token,
             "weight_version": version_string(self.weight_version),

@@ -43,6 +43,7 @@ from miles_kernels import (
     parse_dtype,
     plan_buckets,
     read_model_config,
+    read_quantization,
     weights_checksum,
 )
 from miles_rollout.engine_error import EngineError
@@ -88,7 +89,7 @@ class WeightReceiver:
         if not load_mapped(self.model, self._weights_file, path):
             self._weights_file.close()  # not a file laid out like the model: read it the general way
             try:
-                load_state(self.model, dict(iter_checkpoint(path)))
+                load_state(self.model, dict(iter_checkpoint(path)), read_quantization(path))
             except (FileNotFoundError, ValueError) as error:
                 raise EngineError(f"model_path {model_path!r}: {error}") from error
         if not in_shared_memory(path):

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig, MTPLayer, disabled_adapters, load_model
+from miles_kernels.config import WeightQuantConfig
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, OptimizerConfig, PolicyLossConfig
@@ -39,6 +40,7 @@ from miles_trainer.memory import TrainerMemory
 from miles_trainer.moe import moe_shape
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
 from miles_trainer.policy_step import accumulate_policy_gradients
+from miles_trainer.qat import attach_quantization
 from miles_trainer.step import (
     PerSample,
     StepStats,
@@ -126,6 +128,8 @@ class FSDP2Backend:
         memory: MemoryConfig | None = None,
         routing_replay: bool = False,
         lora: LoraTrainConfig | None = None,
+        weight_quant: WeightQuantConfig | None = None,
+        qat: bool = False,
     ) -> None:
         """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
         `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir). `critic`: PPO's
@@ -136,7 +140,10 @@ class FSDP2Backend:
         `routing_replay`: the policy's MoE layers route every sample's tokens to the experts the rollout engine
         recorded (its `routed_experts`; miles_trainer.moe), in the train step and in `compute_logprobs` (the
         reference model routes by itself). `lora`: train adapters on a frozen base (miles_trainer.lora): only they
-        get gradients, optimizer state and checkpoint bytes, and `weights` sends only them."""
+        get gradients, optimizer state and checkpoint bytes, and `weights` sends only them. `weight_quant`: the
+        engine stores the trunk's linear layers in this low-precision format, so `weights` sends them quantized;
+        `qat`: the forward computes with them fake-quantized the same way (quantization-aware training: the
+        log-probs equal the quantized engine's; miles_kernels/quantization.py). The KL reference is too."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
@@ -156,6 +163,7 @@ class FSDP2Backend:
         self.lora = lora if lora is not None and lora.is_enabled else None
         if self.lora is not None:
             attach_adapters(self.model, self.lora, kernel)
+        quantizer = attach_quantization(self.model, weight_quant, qat, self.lora is not None)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         _shard(self.model, kernel)
@@ -163,6 +171,8 @@ class FSDP2Backend:
         self.has_reference = keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0
         if self.has_reference and self.lora is None:  # with LoRA the reference is the base: the policy, adapters off
             self.reference = load_model(model_dir, kernel, device, dtype=torch.float32).eval().requires_grad_(False)
+            if qat:  # the initial policy as the engine ran it
+                attach_quantization(self.reference, weight_quant, qat, has_lora=False)
             _shard(self.reference, kernel)
         self.aux_losses = list(aux_losses)
         aux_ids = {id(p) for aux in self.aux_losses for p in aux.parameters(self.model)}
@@ -206,8 +216,11 @@ class FSDP2Backend:
         self.memory.check_fits()
         # what weight sync sends: buckets, a file, tensors (with LoRA: the adapters and what else trains; the checksum
         # still covers every weight the engine holds, base included)
-        self.weights = WeightSender(self._sync_model if self.lora is not None else self._export_model,
-                                    checksum_model=self._export_model)  # fmt: skip
+        self.weights = WeightSender(
+            self._sync_model if self.lora is not None else self._export_model,
+            checksum_model=self._export_model,
+            quant=quantizer,
+        )
 
     def _num_passes(self, samples: Sequence[Sample]) -> int:
         """Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank."""

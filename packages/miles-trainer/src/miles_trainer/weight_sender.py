@@ -12,6 +12,11 @@ times the largest bucket in `tests/test_fsdp.py`. For an engine on the same node
 whole model as one safetensors file instead (the orchestrator puts it in /dev/shm): serialized whole the first time,
 then streamed into the same file one gathered tensor at a time.
 
+For an engine that stores low-precision weights (`rollout.engine.weight_dtype`; miles_kernels/quantization.py), a
+`WeightQuantizer` turns each quantized layer's gathered weight, already in the kernel dtype, into the parts the
+engine stores (FP8 and its scales, packed INT4 and its scales) before it is sent: the engine loads them as they are,
+and the bytes on the wire drop with the format. The plan, the file layout and the checksum all follow the sent parts.
+
 A backend exposes all of this as one `WeightSender` (`backend.weights`), built from its export model: FSDP2's
 `CausalLM` (its sharded parameters), Megatron's `ExportedWeights` (full tensors gathered over its model-parallel
 groups). The orchestrator's weight transports (`miles_orchestrator/cluster/transport/`) call nothing else.
@@ -19,6 +24,7 @@ groups). The orchestrator's weight transports (`miles_orchestrator/cluster/trans
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +36,7 @@ from safetensors.torch import save_file
 from miles_kernels import (
     KernelConfig,
     MappedSafetensors,
+    WeightQuantizer,
     encode_bucket,
     in_shared_memory,
     plan_buckets,
@@ -77,52 +84,86 @@ def _gathered(param: torch.Tensor, dtype: torch.dtype, fresh: bool = True) -> to
 
 
 def export_tensors(
-    model: ExportModel, dtype: torch.dtype | None = None, fresh: bool = True
+    model: ExportModel, dtype: torch.dtype | None = None, fresh: bool = True, quant: WeightQuantizer | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor on CPU in the engine's dtype), gathered one tensor at a time (every rank iterates).
-    `fresh=False`: a CPU parameter already in `dtype` comes back as itself, for a caller that only reads it."""
+    `fresh=False`: a CPU parameter already in `dtype` comes back as itself, for a caller that only reads it.
+    `quant`: the layers the engine stores quantized come as their parts."""
     dtype = dtype or model.kernel.torch_dtype
     for name, param in export_names(model):
-        yield name, _gathered(param, export_dtype(param, dtype), fresh)
+        tensor = _gathered(param, export_dtype(param, dtype), fresh)
+        yield from [(name, tensor)] if quant is None else quant.parts(name, tensor)
+
+
+def export_layout(
+    model: ExportModel, dtype: torch.dtype, quant: WeightQuantizer | None = None
+) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+    """(sent name, the parameter it comes from, shape, dtype) of every tensor a sync sends, in order."""
+    out: list[tuple[str, str, tuple[int, ...], torch.dtype]] = []
+    for name, param in export_names(model):
+        shape, sent_dtype = tuple(param.shape), export_dtype(param, dtype)
+        parts = [(name, shape, sent_dtype)] if quant is None else quant.layout(name, shape, sent_dtype)
+        out.extend((part, name, part_shape, part_dtype) for part, part_shape, part_dtype in parts)
+    return out
 
 
 def iter_weight_buckets(
-    model: ExportModel, *, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
-) -> Iterator[bytes]:
+    model: ExportModel, *, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
+    quant: WeightQuantizer | None = None,
+) -> Iterator[bytes]:  # fmt: skip
     """Yield the model's full weights as encoded buckets of about `bucket_bytes` each (a tensor larger than that
     gets a bucket of its own). `dtype`: what the engine runs in (default: the model's kernel dtype).
 
     Every rank of a sharded model must consume the iterator to the end (the gathers are collectives); every rank
     gets the same bytes, so any of them can send to its engine.
     """
-    plan = bucket_plan(model, bucket_bytes, dtype)
-    for index, tensors in enumerate(iter_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype)):
+    plan = bucket_plan(model, bucket_bytes, dtype, quant)
+    for index, tensors in enumerate(iter_tensor_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype, quant=quant)):
         data = encode_bucket(tensors, version=version, index=index, count=len(plan))
         del tensors
         yield data
 
 
-def bucket_plan(model: ExportModel, bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
+def bucket_plan(
+    model: ExportModel, bucket_bytes: int, dtype: torch.dtype | None = None, quant: WeightQuantizer | None = None
+) -> list[list[str]]:
     """The HF names of each bucket of a weight sync (`miles_kernels.plan_buckets` over the export sizes)."""
     dtype = dtype or model.kernel.torch_dtype
-    sizes = [(name, param.numel() * export_dtype(param, dtype).itemsize) for name, param in export_names(model)]
-    return plan_buckets(sizes, bucket_bytes)
+    layout = export_layout(model, dtype, quant)
+    return plan_buckets([(name, math.prod(shape) * d.itemsize) for name, _, shape, d in layout], bucket_bytes)
 
 
 def iter_tensor_buckets(
-    model: ExportModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
-) -> Iterator[dict[str, torch.Tensor]]:
+    model: ExportModel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
+    quant: WeightQuantizer | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:  # fmt: skip
     """The model's full weights bucket by bucket (`bucket_plan`), each as {HF name: full CPU tensor in the engine's
     dtype}: what a broadcast over a weight-update group sends, one bucket gathered at a time. Every rank of a
-    sharded model must consume the iterator to the end (the gathers are collectives)."""
+    sharded model must consume the iterator to the end (the gathers are collectives). A quantized layer's parts
+    come from one gather, whichever buckets they fall in."""
     dtype = dtype or model.kernel.torch_dtype
     params = dict(export_names(model))
-    for names in bucket_plan(model, bucket_bytes, dtype):
-        yield {name: _gathered(params[name], export_dtype(params[name], dtype)) for name in names}
+    source = {name: param_name for name, param_name, _, _ in export_layout(model, dtype, quant)}
+    last: tuple[str, dict[str, torch.Tensor]] = ("", {})  # the latest gathered parameter, as sent
+
+    def sent(name: str) -> torch.Tensor:
+        nonlocal last
+        param_name = source[name]
+        if last[0] != param_name:
+            tensor = _gathered(params[param_name], export_dtype(params[param_name], dtype))
+            last = (param_name, dict([(param_name, tensor)] if quant is None else quant.parts(param_name, tensor)))
+        return last[1][name]
+
+    for names in bucket_plan(model, bucket_bytes, dtype, quant):
+        yield {name: sent(name) for name in names}
 
 
 def write_weights_file(
-    model: ExportModel, file: str | os.PathLike[str], write: bool = True, mapping: MappedSafetensors | None = None
+    model: ExportModel,
+    file: str | os.PathLike[str],
+    write: bool = True,
+    mapping: MappedSafetensors | None = None,
+    quant: WeightQuantizer | None = None,
 ) -> int:
     """The model's full weights (HF names, kernel dtype) as one safetensors file: what an engine on the same node
     loads with `/update_weights_from_disk`. Every rank of a sharded model calls it (the gathers are collectives);
@@ -138,7 +179,10 @@ def write_weights_file(
     """
     dtype = model.kernel.torch_dtype
     named = export_names(model)
-    layout = {name: torch.empty(param.shape, dtype=export_dtype(param, dtype), device="meta") for name, param in named}
+    layout = {
+        name: torch.empty(shape, dtype=sent_dtype, device="meta")
+        for name, _, shape, sent_dtype in export_layout(model, dtype, quant)
+    }
     mapping = mapping or MappedSafetensors()
     views = _in_place_views(Path(file), layout, mapping) if write else None
     if views is not None or not write:
@@ -146,11 +190,13 @@ def write_weights_file(
         # peak memory"); ranks that do not write only join the gathers.
         for name, param in named:
             tensor = _gathered(param, export_dtype(param, dtype), fresh=False)  # only read, before the next one
+            parts = [(name, tensor)] if quant is None else quant.parts(name, tensor)
             if views is not None:
-                views[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-            del tensor
+                for part, value in parts:
+                    views[part].copy_(value.contiguous().reshape(-1).view(torch.uint8))
+            del tensor, parts
     else:  # the first write: serialized whole (one full copy in host memory, once)
-        tensors = dict(export_tensors(model, fresh=False))
+        tensors = dict(export_tensors(model, fresh=False, quant=quant))
         staging = f"{os.fspath(file)}.tmp{os.getpid()}"
         save_file(tensors, staging)
         os.replace(staging, file)
@@ -181,9 +227,12 @@ class WeightSender:
     consumes an iterator to the end (the gathers)."""
 
     def __init__(
-        self, model: Callable[[], ExportModel], checksum_model: Callable[[], ExportModel] | None = None
-    ) -> None:
+        self, model: Callable[[], ExportModel], checksum_model: Callable[[], ExportModel] | None = None,
+        quant: WeightQuantizer | None = None,
+    ) -> None:  # fmt: skip
+        """`quant`: the engine stores these layers quantized; their weights are sent as its parts."""
         self._model = model
+        self.quant = quant
         # what `checksum` covers: every weight the engine holds (a LoRA run sends only its adapters, yet the engine's
         # base must match too)
         self._checksum_model = checksum_model or model
@@ -192,27 +241,27 @@ class WeightSender:
     def iter_weight_buckets(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[bytes]:
         """The full weights as weight buckets (docs/architecture.md, "Weight sync"), a few buckets of extra host
         memory at a time."""
-        return iter_weight_buckets(self._model(), version=version, bucket_bytes=bucket_bytes)
+        return iter_weight_buckets(self._model(), version=version, bucket_bytes=bucket_bytes, quant=self.quant)
 
     def iter_tensor_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
         """The full weights bucket by bucket as {HF name: full CPU tensor in the kernel dtype}, for a broadcast to
         engines over a weight-update group."""
-        return iter_tensor_buckets(self._model(), bucket_bytes=bucket_bytes)
+        return iter_tensor_buckets(self._model(), bucket_bytes=bucket_bytes, quant=self.quant)
 
     def write_weights(self, file: str | os.PathLike[str], write: bool = True) -> int:
         """Write the weights an engine loads as one safetensors file (created atomically, then overwritten in place:
         `write_weights_file`); returns its tensor bytes. Ranks with `write=False` only join the gathers. The first
         write holds one full copy of the weights in host memory; later ones stream one gathered tensor at a time
         into the file. A file in /dev/shm stays mapped between calls (no page faults)."""
-        return write_weights_file(self._model(), file, write, self._weights_file)
+        return write_weights_file(self._model(), file, write, self._weights_file, self.quant)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The weights an engine receives, full tensors on the CPU, for an engine in this process to copy
         (`miles_rollout.Engine.weights.load_tensors`): no file, no bucket, one copy. A tensor that needs no gather
         or cast comes back as itself: read it, never write it."""
-        return dict(export_tensors(self._model(), fresh=False))
+        return dict(export_tensors(self._model(), fresh=False, quant=self.quant))
 
     def checksum(self) -> str:
         """`miles_kernels.weights_checksum` of the weights an engine holds after a sync (with LoRA: the base and the
         adapters, though only the adapters are sent); equal to the engine's when the bits match."""
-        return weights_checksum(export_tensors(self._checksum_model(), fresh=False))
+        return weights_checksum(export_tensors(self._checksum_model(), fresh=False, quant=self.quant))

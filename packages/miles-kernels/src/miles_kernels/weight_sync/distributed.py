@@ -23,7 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+    "int32": torch.int32, "float8_e4m3fn": torch.float8_e4m3fn,  # low-precision weights (quantization.py)
+}  # fmt: skip
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -120,7 +123,9 @@ def broadcast_tensors(group: WeightUpdateGroup, tensors: list[torch.Tensor], src
     options = dist.BroadcastOptions()
     options.rootRank = src
     for tensor in tensors:
-        group.group.broadcast([tensor], options).wait()
+        # FP8 travels as its bytes (gloo reduces no float8 dtype); the view shares the storage, so receivers fill it
+        wire = tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+        group.group.broadcast([wire], options).wait()
 
 
 def destroy_weight_update_group(group: WeightUpdateGroup) -> None:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles_kernels.config import KernelConfig
+from miles_kernels.config import KernelConfig, WeightQuantConfig
 from miles_memory.config import MemoryConfig
 from miles_orchestrator.config import RunConfig
 from miles_spec.config import SpecConfig
@@ -29,16 +29,20 @@ class TrainerSettings:
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # offload target, budget, OOM handling
     routing_replay: bool = False  # trainer.routing_replay=rollout: MoE layers route as the engine recorded
     lora: LoraTrainConfig | None = None  # trainer.lora with rank > 0: adapters train on a frozen base
+    weight_quant: WeightQuantConfig | None = None  # rollout.engine.weight_dtype: weight sync sends this format
+    qat: bool = False  # trainer.qat: the forward fake-quantizes to weight_quant
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
     """The trainer's models from the (resolved) run config: the critic for GAE, the MTP draft for spec.mode=online."""
     critic = cfg.trainer.critic if cfg.trainer.uses_critic else None
     spec = cfg.spec if cfg.spec.mode == "online" else None
+    weight_quant = cfg.rollout.engine.weight_quant()
     return TrainerSettings(cfg.kernel, cfg.trainer.optimizer, cfg.trainer.loss, cfg.trainer.backend,
                            str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory,
                            cfg.trainer.routing_replay == "rollout",
-                           cfg.trainer.lora if cfg.trainer.lora.is_enabled else None)  # fmt: skip
+                           cfg.trainer.lora if cfg.trainer.lora.is_enabled else None,
+                           weight_quant if weight_quant.is_enabled else None, cfg.trainer.qat)  # fmt: skip
 
 
 def num_threads(cfg: RunConfig) -> int:

@@ -28,22 +28,27 @@ class TrainerRank:
         self.backend: FSDP2Backend | MegatronBackend
         spec = settings.spec
         backend = MegatronBackend if settings.backend.name == "megatron" else FSDP2Backend
+        # a low-precision engine: FSDP2 only (the run config refuses it with Megatron)
+        quant: dict[str, Any] = {"weight_quant": settings.weight_quant, "qat": settings.qat}
         self.backend = backend(
             model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
             offload_dir=settings.offload_dir, critic=settings.critic,
             aux_losses=[] if spec is None else [MTPLoss(spec.mtp_loss_coef)],
             aux_optimizer=None if spec is None else spec.optimizer, keep_reference=settings.keep_reference or None,
             memory=settings.memory, routing_replay=settings.routing_replay, lora=settings.lora,
+            **(quant if settings.weight_quant is not None else {}),
         )  # fmt: skip
+        self.qat_format = settings.weight_quant if settings.qat else None
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's): the
         engine's for the FSDP2 backend and for Megatron's Miles layers on an exact layout; otherwise one that says
-        which kernels run (`MegatronBackend.kernel_fingerprint`)."""
+        which kernels run (`MegatronBackend.kernel_fingerprint`). A QAT trainer's includes the format it
+        fake-quantizes to, as the engine's includes the one it stores."""
         device = next(self.backend.model.parameters()).device.type
         if isinstance(self.backend, MegatronBackend):
             return self.backend.kernel_fingerprint(device)
-        return kernel_fingerprint(self.kernel, device)
+        return kernel_fingerprint(self.kernel, device, self.qat_format)
 
     def data_parallel(self) -> tuple[int, int]:
         """(rank, size) of this rank's share of a batch: Megatron's TP / PP / CP peers train the same samples."""

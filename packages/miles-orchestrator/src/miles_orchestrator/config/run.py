@@ -67,6 +67,32 @@ class RunConfig(Section):
     _derived: dict[str, Derived] = PrivateAttr(default_factory=dict)
 
     @property
+    def is_true_on_policy(self) -> bool:
+        """Whether the rollout's log-probs are the trainer's bit for bit (docs/true-on-policy.md): deterministic
+        kernels on both sides, and a low-precision engine only with quantization-aware training."""
+        return self.kernel.is_deterministic and (self.rollout.engine.weight_dtype == "kernel" or self.trainer.qat)
+
+    def _low_precision(self) -> None:
+        """rollout.engine.weight_dtype and trainer.qat (docs/low-precision.md)."""
+        weights = self.rollout.engine.weight_dtype
+        if self.trainer.qat and weights == "kernel":
+            raise ValueError(
+                "trainer.qat=true trains against the low-precision engine's weights, but rollout.engine.weight_dtype "
+                "is kernel: set it to fp8_block, fp8_channel or int4_group"
+            )
+        if weights == "kernel":
+            return
+        unsupported = {
+            "trainer.lora (the adapters are merged into a full-precision base)": self.trainer.lora.is_enabled,
+            "trainer.backend.name=megatron (use fsdp2)": self.trainer.backend.name == "megatron",
+            "rollout.backend=sglang (SGLang quantizes on its own: rollout.sglang.extra_args --quantization fp8, with "
+            "kernel.mode=fast)": self.rollout.backend == "sglang",
+        }
+        named = [name for name, used in unsupported.items() if used]
+        if named:
+            raise ValueError(f"rollout.engine.weight_dtype={weights} does not support {', '.join(named)} yet")
+
+    @property
     def derived(self) -> dict[str, Derived]:
         """The fields this config derived from others (dotted name → its row of resolve.DERIVED)."""
         return dict(self._derived)
@@ -162,6 +188,7 @@ class RunConfig(Section):
         """The derived settings (resolve.py), then the checks across sections, which only read the config."""
         self._derived = resolve(self)
         check_batch_identity(self)
+        self._low_precision()
         self._megatron_backend()
         self._sglang_backend()
         if self.kernel.is_deterministic and self.rollout.top_p < 1.0:

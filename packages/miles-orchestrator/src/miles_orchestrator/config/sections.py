@@ -329,6 +329,13 @@ class TrainerSection(Section):
         description="LoRA (miles_trainer.config.LoraTrainConfig): rank > 0 trains adapters on a frozen base "
         "(docs/lora.md); rank 0, the default, trains every weight.",
     )
+    qat: bool = Field(
+        default=False,
+        description="Quantization-aware training: the trainer's forward computes with the weights fake-quantized "
+        "to rollout.engine.weight_dtype (straight-through gradients to the full-precision masters), so its "
+        "log-probs equal the low-precision engine's bit for bit (docs/low-precision.md). Off: the engine's "
+        "quantization is an off-policy gap that trainer.loss.is_mode (TIS / MIS) corrects.",
+    )
     routing_replay: Literal["off", "rollout"] = Field(
         default="off",
         description="MoE policies: 'rollout' routes each token in the trainer's forward passes to the experts the "
