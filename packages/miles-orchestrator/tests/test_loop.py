@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from miles_orchestrator.steps import batch_keys
@@ -290,3 +292,67 @@ def test_a_checkpoint_saved_by_transformers_drafts_online_with_fresh_mtp_modules
     assert with_fresh_draft(online, model_dir, run) == model_dir
     lines = [line for line in (tmp_path / "run" / "run.log").read_text().splitlines() if "fresh" in line]
     assert len(lines) == 1 and source in lines[0] and "declares 1 MTP module" in lines[0]
+
+
+def test_a_low_precision_engine_is_true_on_policy_only_with_qat_and_the_guard_says_so() -> None:
+    """rollout.engine.weight_dtype with trainer.qat is true on-policy: the engine's fingerprint carries its weight
+    format and the trainer's the one it fake-quantizes to, so a QAT trainer facing a kernel-dtype engine (or another
+    format) is refused. Without QAT the run is off-policy: the trainer recomputes old log-probs, the fingerprints may
+    differ, the synced weights are still verified. Combinations that cannot run are refused by name at load."""
+    import asyncio
+
+    from miles_kernels import KernelConfig, describe_kernel, kernel_fingerprint
+    from miles_kernels.config import WeightQuantConfig
+    from miles_orchestrator import preflight
+    from miles_orchestrator.cluster.settings import trainer_settings
+    from miles_orchestrator.config import RunConfig, load_config
+
+    fp8 = WeightQuantConfig(format="fp8_block")
+    qat = load_config(None, ["rollout.engine.weight_dtype=fp8_block", "trainer.qat=true"])
+    off = load_config(None, ["rollout.engine.weight_dtype=fp8_block"])
+    assert qat.is_true_on_policy and not off.is_true_on_policy and RunConfig().is_true_on_policy
+    assert not load_config(None, ["kernel.mode=fast"]).is_true_on_policy
+    settings = trainer_settings(qat, Path("/tmp/run"))
+    assert (
+        settings.weight_quant == fp8 and settings.qat and trainer_settings(RunConfig(), Path(".")).weight_quant is None
+    )
+    assert kernel_fingerprint(KernelConfig(), "cpu", fp8) != kernel_fingerprint(KernelConfig())
+    assert kernel_fingerprint(KernelConfig(), "cpu", WeightQuantConfig()) == kernel_fingerprint(KernelConfig())
+
+    class Engine:
+        async def get_server_info(self) -> dict[str, object]:
+            return {"kernel_config": describe_kernel(KernelConfig(), "cpu", fp8)}
+
+        async def weights_checksum(self) -> str:
+            return "a" * 64
+
+    class Cluster:
+        engine, sync_method = Engine(), "a fake"
+
+        def __init__(self, trainer_weights: WeightQuantConfig | None) -> None:
+            self.trainer_fingerprint = kernel_fingerprint(KernelConfig(), "cpu", trainer_weights)
+
+        async def sync_weights(self, version: int, bucket_bytes: int) -> dict[str, int]:
+            return {"num_bytes": 0}
+
+        async def trainer_checksum(self) -> str:
+            return "a" * 64
+
+    def guard(cfg: RunConfig, cluster: Cluster) -> None:
+        asyncio.run(preflight.check_on_policy(cfg, cluster, version=0, log=lambda line: None))  # type: ignore[arg-type]
+
+    guard(qat, Cluster(fp8))
+    with pytest.raises(RuntimeError, match=r"true on-policy refused.*rollout.engine.weight_dtype with trainer.qat"):
+        guard(qat, Cluster(None))
+    guard(off, Cluster(None))  # the off-policy recipe: the trainer recomputes, the mismatch is measured
+    with pytest.raises(ValueError, match=r"trainer\.qat=true .* rollout\.engine\.weight_dtype is kernel"):
+        load_config(None, ["trainer.qat=true"])
+    refused = {
+        "trainer.lora.rank=8": r"does not support trainer.lora",
+        "trainer.backend.name=megatron": r"does not support trainer.backend.name=megatron",
+    }
+    for override, message in refused.items():
+        with pytest.raises(ValueError, match=rf"rollout.engine.weight_dtype=int4_group {message}"):
+            load_config(None, ["rollout.engine.weight_dtype=int4_group", "kernel.mode=fast", override])
+    with pytest.raises(ValueError, match=r"weight_group_size=12|multiple of 8"):
+        load_config(None, ["rollout.engine.weight_dtype=int4_group", "rollout.engine.weight_group_size=12"])

@@ -86,12 +86,13 @@ class Linear(nn.Module):
         round)."""
         if self.weight_quant is None:
             return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]
-        before = {name: p for name, p in self._parameters.items() if p is not None}
+        # `.data`: the stored tensors themselves (torch converts a parameter in place, through `param.data = ...`)
+        before = {name: p.data for name, p in self._parameters.items() if p is not None}
         out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for name, old in before.items():
             new = self._parameters[name]
             if new is not None and new.dtype != old.dtype:
-                self._parameters[name] = nn.Parameter(old.detach().to(new.device), requires_grad=False)
+                self._parameters[name] = nn.Parameter(old.to(new.device), requires_grad=False)
         return out  # type: ignore[no-any-return]
 
 
