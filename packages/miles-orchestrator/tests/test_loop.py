@@ -356,3 +356,17 @@ def test_a_low_precision_engine_is_true_on_policy_only_with_qat_and_the_guard_sa
             load_config(None, ["rollout.engine.weight_dtype=int4_group", "kernel.mode=fast", override])
     with pytest.raises(ValueError, match=r"weight_group_size=12|multiple of 8"):
         load_config(None, ["rollout.engine.weight_dtype=int4_group", "rollout.engine.weight_group_size=12"])
+
+
+def test_a_weight_format_the_policy_cannot_take_is_refused_at_start_up(tmp_path) -> None:
+    """rollout.engine.weight_dtype: a layer whose input size the INT4 group does not divide is named at start-up,
+    with a group size every layer takes (exit 2: a config error), before any actor starts."""
+    from miles_kernels.testing import save_random_model, tiny_config
+    from miles_orchestrator.config import load_config
+    from miles_orchestrator.preflight import ModelRefused, check_model
+
+    deepseek = str(save_random_model(tmp_path / "deepseek", tiny_config("deepseek")))
+    int4 = ["rollout.engine.weight_dtype=int4_group"]
+    check_model(load_config(None, [*int4, "rollout.engine.weight_group_size=8"]), deepseek)
+    with pytest.raises(ModelRefused, match=r"weight_dtype=int4_group: .*q_b_proj.*\(group_size=8 fits every layer\)"):
+        check_model(load_config(None, [*int4, "rollout.engine.weight_group_size=16"]), deepseek)

@@ -11,10 +11,25 @@ import torch
 from test_lora import samples_of
 from test_true_on_policy import rollout  # noqa: F401  (samples_of's sampler: the paged engine path)
 
-from miles_kernels import KernelConfig, checkpoint_tensors, load_model, load_state, save_model, weights_checksum
+from miles_kernels import (
+    KernelConfig,
+    checkpoint_tensors,
+    load_model,
+    load_state,
+    read_quantization,
+    save_model,
+    weights_checksum,
+)
 from miles_kernels.config import WeightQuantConfig
 from miles_kernels.testing import random_model, tiny_config
-from miles_trainer import BackendConfig, FSDP2Backend, LoraTrainConfig, OptimizerConfig, ensure_process_group
+from miles_trainer import (
+    BackendConfig,
+    FSDP2Backend,
+    LoraTrainConfig,
+    OptimizerConfig,
+    ensure_process_group,
+    export_hf,
+)
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 FORMATS = {
@@ -87,3 +102,18 @@ def test_combinations_that_cannot_run_are_refused(model_dirs) -> None:
         trainer(model_dirs["dense"], WeightQuantConfig(), qat=True)
     with pytest.raises(ValueError, match="LoRA adapters is not supported"):
         FSDP2Backend(model_dirs["dense"], KERNEL, lora=LoraTrainConfig(rank=4), weight_quant=FORMATS["fp8_block"])
+
+
+def test_the_export_adds_the_model_as_the_engine_served_it(model_dirs, tmp_path) -> None:
+    weights = FORMATS["int4_group"]
+    backend = trainer(model_dirs["dense"], weights, qat=True)
+    engine = load_model(model_dirs["dense"], KERNEL, weights=weights)
+    samples, advantages = samples_of(engine, seed=0)
+    backend.train_step(samples, advantages)
+    sync(backend, engine)
+    export_hf(backend, tmp_path / "final")
+    assert read_quantization(tmp_path / "final") == WeightQuantConfig()  # the float32 masters
+    assert read_quantization(tmp_path / "final" / "quantized") == weights
+    exported = load_model(tmp_path / "final" / "quantized", KERNEL, weights=weights)
+    served = checkpoint_tensors(engine)
+    assert all(torch.equal(t, served[n]) for n, t in checkpoint_tensors(exported).items())

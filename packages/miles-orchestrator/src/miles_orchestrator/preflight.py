@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from miles_kernels import CausalLM, num_absent_mtp_layers, read_model_config, target_names
+from miles_kernels import CausalLM, check_format, num_absent_mtp_layers, read_model_config, target_names
 from miles_orchestrator.cluster import Cluster
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.data.sources import check_data_source
@@ -52,13 +52,20 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
     """What the run asks of the model's architecture: MTP modules when the engine drafts with them (spec.mode
     frozen or online; online accepts a checkpoint whose config.json declares MTP modules it holds no tensor of,
     which `with_fresh_draft` completes); MoE layers when the run records or replays routing; a Megatron layout that
-    builds its attention (the Miles layers have no MLA yet); LoRA targets that name its layers. (Other runs read the
-    model only when they load it.)"""
+    builds its attention (the Miles layers have no MLA yet); LoRA targets that name its layers; a low-precision
+    weight format its layers' shapes take. (Other runs read the model only when they load it.)"""
     megatron = cfg.trainer.backend.megatron if cfg.trainer.backend.name == "megatron" else None
-    lora = cfg.trainer.lora
-    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts or megatron is not None or lora.is_enabled):
+    lora, weights = cfg.trainer.lora, cfg.rollout.engine.weight_quant()
+    if not (cfg.spec.drafts or cfg.rollout.return_routed_experts or megatron is not None or lora.is_enabled
+            or weights.is_enabled):  # fmt: skip
         return
     model = read_model_config(model_dir)
+    if weights.is_enabled:
+        with torch.device("meta"):
+            try:
+                check_format(CausalLM(model), weights)
+            except ValueError as error:  # a layer the format cannot take, named, with a group size that fits
+                raise ModelRefused(f"rollout.engine.weight_dtype={weights.format}: {error}") from error
     if lora.is_enabled:
         with torch.device("meta"):  # the layer names only: no weight is made
             try:

@@ -36,10 +36,12 @@ from miles_kernels import (
     kernel_fingerprint,
     load_model,
     load_state,
+    quantize_model,
     read_model_config,
     save_model,
     save_peft_adapter,
 )
+from miles_kernels.config import WeightQuantConfig
 from miles_trainer.config import LoraTrainConfig
 from miles_trainer.megatron_backend import MegatronBackend  # megatron-core itself is imported only when used
 
@@ -254,13 +256,18 @@ def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None
 
 def export_hf(backend: Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:
     """Gather the full weights and write a Hugging Face directory in the kernel dtype (rank 0 writes; every
-    rank calls it)."""
+    rank calls it). With a low-precision engine (`rollout.engine.weight_dtype`) also `quantized/`: the weights as the
+    engine served them, in the format's Hugging Face layout and `quantization_config` (a QAT run's deployable model)."""
     state = backend.full_state_dict()
     out = None
     if dist.get_rank() == 0:
         lora = backend.lora
         if lora is None:
             out = _save_hf(backend.model.config, backend.kernel, state, directory, tokenizer)
+            quant = backend.weights.quant
+            if quant is not None:
+                _save_hf(backend.model.config, backend.kernel, state, Path(directory) / "quantized", tokenizer,
+                         quant.config)  # fmt: skip
         else:
             out = export_lora(backend.model.config, backend.kernel, lora, state, directory, tokenizer,
                               base_model=str(backend.model_dir))  # fmt: skip
@@ -303,12 +310,15 @@ def _save_hf(
     state: dict[str, torch.Tensor],
     directory: str | os.PathLike[str],
     tokenizer: Any,
+    weights: WeightQuantConfig | None = None,
 ) -> Path:
     with torch.device("meta"):
         model = CausalLM(config, kernel)
     model = model.to_empty(device="cpu").to(kernel.torch_dtype)
     model.tie_weights()
     load_state(model, state)  # HF names; a missing or mismatched tensor is an error
+    if weights is not None:  # quantized from the kernel dtype's values, as weight sync quantizes them
+        quantize_model(model, weights)
     return save_model(model, directory, tokenizer=tokenizer)
 
 
