@@ -214,10 +214,10 @@ def load_model(
     config = read_model_config(model_dir)
     with torch.device("meta"):
         model = CausalLM(config, kernel)
+        if weights is not None and weights.is_enabled:  # the parts replace the weights before any is allocated
+            quantize_model(model, weights, from_weights=False)
     model = model.to_empty(device=device).to(dtype or kernel.torch_dtype)
     model.tie_weights()
-    if weights is not None and weights.is_enabled:
-        quantize_model(model, weights, from_weights=False)
     load_state(model, dict(iter_checkpoint(model_dir)), read_quantization(model_dir))
     model.eval()
     return model

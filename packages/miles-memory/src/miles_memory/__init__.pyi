@@ -3,10 +3,18 @@
 from .budget import ActivationMeter, MemoryBudget, OOMReport, format_bytes, out_of_memory
 from .census import PeakMeter, live_tensor_bytes
 from .hardware import HARDWARE, HardwareProfile, load_hardware
+from .low_precision import WeightQuantSettings, qat_layer_bytes
 from .memory_plan import Component, Lever, MemoryPlan
 from .model_shape import MODELS, LoraSettings, ModelShape, load_model_profile
 from .offload import OffloadManager, OffloadPlan, storage_bytes, unique_storages
-from .plan_formulas import blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes, lora_layer_bytes
+from .plan_formulas import (
+    blocked_attention_elements,
+    embedded_engine_bytes,
+    engine_weight_bytes,
+    fsdp2_bytes,
+    lora_layer_bytes,
+    weight_sync_bytes,
+)
 from .planner import RUN_KEYS, plan_memory, read_run
 from .stores import CHUNK_BYTES, FileStore, HostStore, OffloadStore, default_store
 
@@ -30,9 +38,11 @@ __all__ = [
     "OffloadPlan",
     "OffloadStore",
     "PeakMeter",
+    "WeightQuantSettings",
     "blocked_attention_elements",
     "default_store",
     "embedded_engine_bytes",
+    "engine_weight_bytes",
     "format_bytes",
     "fsdp2_bytes",
     "live_tensor_bytes",
@@ -41,7 +51,9 @@ __all__ = [
     "lora_layer_bytes",
     "out_of_memory",
     "plan_memory",
+    "qat_layer_bytes",
     "read_run",
     "storage_bytes",
     "unique_storages",
+    "weight_sync_bytes",
 ]

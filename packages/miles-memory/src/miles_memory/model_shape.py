@@ -16,7 +16,8 @@ it plans the checkpoint that holds them).
 LoRA (`LoraSettings`, a run's trainer.lora): `ModelShape.lora_targets` lists the weights of the linear layers that get
 adapters, by the rules of miles_kernels.lora.target_names (PEFT's matching over the module names of the decoder's
 trunk layers; routers, the LM head, embeddings and MTP layers take none), and `lora_tensors` their adapters: lora_A
-(r x in) and lora_B (out x r) for each adapted (out x in) weight.
+(r x in) and lora_B (out x r) for each adapted (out x in) weight. `trunk_linears` lists those linear layers' weights
+as a whole: the ones 'all-linear' adapts and a low-precision engine stores quantized (plan_formulas.py).
 """
 
 from __future__ import annotations
@@ -234,6 +235,16 @@ class ModelShape(BaseModel):
         active = experts * self.num_experts_per_tok // self.num_experts if self.is_moe else 0
         return self.params(mtp=False, expert=False) + active
 
+    def trunk_linears(self) -> list[Tensor]:
+        """The weights of the decoder trunk's linear layers (miles_kernels' `CausalLM.trunk_linears`): attention or MLA
+        projections, dense MLP and shared-expert gate/up/down, the routed experts (one Tensor a layer and projection,
+        `copies` of them): what LoRA may adapt and a low-precision engine stores quantized. Routers (Qwen3-MoE's is a
+        linear layer; GLM-4.5 / DeepSeek-V3's is not), the LM head, embeddings and MTP layers are left out."""
+        return [
+            t for layer in range(self.num_hidden_layers) for t in self._layer(layer)
+            if len(t.shape) == 2 and t.name != "mlp.gate.weight"  # norms and biases are 1-D; the router stays out
+        ]  # fmt: skip
+
     def lora_targets(self, target_modules: str | tuple[str, ...] | list[str]) -> list[Tensor]:
         """The weights of the linear layers that `target_modules` gives LoRA adapters, chosen as
         miles_kernels.lora.target_names chooses them: among the decoder's trunk layers (attention, MLA projections,
@@ -285,20 +296,17 @@ def _tensors(shape: ModelShape) -> list[Tensor]:
 
 @functools.cache
 def _linear_modules(shape: ModelShape) -> list[tuple[str, Tensor]]:
-    """Every linear layer of the decoder's trunk layers that may take an adapter, under its module name in the
-    miles-kernels model (`model.layers.3.mlp.experts.17.up_proj`: each routed expert is its own), with its weight
-    (one copy). Qwen3-MoE's router is a linear layer but stays frozen; GLM-4.5 / DeepSeek-V3's is not linear."""
+    """Every linear layer of the decoder's trunk layers (`ModelShape.trunk_linears`), which may take an adapter, under
+    its module name in the miles-kernels model (`model.layers.3.mlp.experts.17.up_proj`: each routed expert is its
+    own), with its weight (one copy)."""
     out: list[tuple[str, Tensor]] = []
-    for layer in range(shape.num_hidden_layers):
-        for t in shape._layer(layer):
-            if len(t.shape) != 2 or t.name == "mlp.gate.weight":  # norms are 1-D; the router stays frozen
-                continue
-            module, one = t.name.removesuffix(".weight"), t._replace(copies=1)
-            if t.is_expert:
-                group, projection = module.rsplit(".", 1)
-                out += [(f"model.layers.{layer}.{group}.{e}.{projection}", one) for e in range(t.copies)]
-            else:
-                out.append((f"model.layers.{layer}.{module}", one))
+    for t in shape.trunk_linears():
+        module, one = t.name.removesuffix(".weight"), t._replace(copies=1)
+        if t.is_expert:
+            group, projection = module.rsplit(".", 1)
+            out += [(f"model.layers.{t.layer}.{group}.{e}.{projection}", one) for e in range(t.copies)]
+        else:
+            out.append((f"model.layers.{t.layer}.{module}", one))
     return out
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import math
 
+from miles_memory.low_precision import (
+    WeightQuantSettings,
+    check_weight_format,
+    qat_layer_bytes,
+    quantized_weight_bytes,
+)
 from miles_memory.model_shape import LoraSettings, ModelShape, Tensor
 
 __all__ = [
@@ -18,13 +24,16 @@ __all__ = [
     "cuda_graph_bytes",
     "dispatch_bytes",
     "embedded_engine_bytes",
+    "engine_weight_bytes",
     "fsdp2_bytes",
     "kv_bytes_per_token",
     "layer_activation_elements",
+    "layer_extra_bytes",
     "lora_activation_bytes",
     "lora_layer_bytes",
     "nccl_bytes",
     "shard_numel",
+    "weight_sync_bytes",
 ]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -170,17 +179,33 @@ def lora_activation_bytes(
     is_deterministic: bool = True,
     attention_extra: float = 0.0,
 ) -> int:
-    """What LoRA adds to `activation_bytes` of the same micro-batch over `layers` (`lora_layer_bytes` per layer):
-    without recompute every layer keeps its own, so their sum; with full recompute only the layer being recomputed
-    holds them (the checkpointed forward keeps none), so the peak of (that layer's activations + its LoRA bytes) over
-    the layers, less the peak of the activations alone that `activation_bytes` counts."""
+    """What LoRA adds to `activation_bytes` of the same micro-batch over `layers` (`lora_layer_bytes` per layer,
+    `layer_extra_bytes`)."""
     extra = lora_layer_bytes(shape, lora, tokens, act_bytes, is_deterministic)
+    return layer_extra_bytes(shape, extra, tokens, act_bytes, recompute, layers, attention_extra=attention_extra)
+
+
+def layer_extra_bytes(
+    shape: ModelShape,
+    extra: dict[int, float],
+    tokens: float,
+    act_bytes: int,
+    recompute: str,
+    layers: list[int],
+    *,
+    attention_extra: float = 0.0,
+) -> int:
+    """What `extra` bytes kept by each layer (`lora_layer_bytes`, `qat_layer_bytes`) add to `activation_bytes` of the
+    same micro-batch over `layers`: without recompute every layer keeps its own, so their sum; with full recompute
+    only the layer being recomputed holds them (the checkpointed forward keeps none), so the peak of (that layer's
+    activations + its extra bytes) over the layers, less the peak of the activations alone that `activation_bytes`
+    counts."""
     if recompute != "full":
         return int(sum(extra.get(layer, 0.0) for layer in layers))
     per_layer = [(layer_activation_elements(shape, layer) + attention_extra * 4 / act_bytes) * tokens * act_bytes
                  for layer in layers]  # fmt: skip
-    with_lora = [value + extra.get(layer, 0.0) for value, layer in zip(per_layer, layers, strict=True)]
-    return int(max(with_lora, default=0.0) - max(per_layer, default=0.0))
+    with_extra = [value + extra.get(layer, 0.0) for value, layer in zip(per_layer, layers, strict=True)]
+    return int(max(with_extra, default=0.0) - max(per_layer, default=0.0))
 
 
 def dispatch_bytes(shape: ModelShape, tokens: float, act_bytes: int) -> int:
@@ -235,6 +260,7 @@ def fsdp2_bytes(
     attention_extra: float = 0.0,
     lora: LoraSettings | None = None,
     is_deterministic: bool = True,
+    qat: bool = False,
 ) -> dict[str, int]:
     """One rank of Miles' FSDP2 backend (miles_trainer/fsdp.py) after an optimizer step, by key:
     - weights: float32 master parameters (`load_model(..., dtype=torch.float32)`), dim-0 sharded over `world`; the
@@ -259,9 +285,12 @@ def fsdp2_bytes(
       and optimizer are theirs (and gathered counts them in the compute dtype with their layer);
     - lora_activations: what the adapters add to the activations (`lora_activation_bytes`: the merged weight of each
       adapted layer in deterministic mode, x A^T in fast mode).
+    With `qat` (trainer.qat, quantization-aware training; miles_trainer/qat.py):
+    - qat_activations: what the fake-quantized weights add to the activations (`qat_layer_bytes`: one copy of each
+      trunk linear weight in the compute dtype, kept for the backward).
     The keys do not overlap (their sum is the rank's step peak); the trainer's own tags hold weights + adapters
-    (`weights`) and activations + lora_activations (its activation peak). The two LoRA keys are present only with
-    `lora`."""
+    (`weights`) and activations + lora_activations + qat_activations (its activation peak). The two LoRA keys are
+    present only with `lora`, qat_activations only with `qat`."""
     b = DTYPE_BYTES[dtype]
     tensors = [t for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)]
     trunk = [t for t in tensors if t.layer is None or t.layer < shape.num_hidden_layers]
@@ -308,11 +337,39 @@ def fsdp2_bytes(
             shape, lora, tokens, b, recompute, layers, is_deterministic=is_deterministic,
             attention_extra=attention_extra,
         )  # fmt: skip
+    if qat:
+        out["qat_activations"] = layer_extra_bytes(
+            shape, qat_layer_bytes(shape, b), tokens, b, recompute, layers, attention_extra=attention_extra
+        )
     if critic == "separate":
         out["activations"] += activation_bytes(
             shape, tokens, b, recompute, layers, has_logits=False, attention_extra=attention_extra
         )
     return out
+
+
+def engine_weight_bytes(shape: ModelShape, dtype: str, quant: WeightQuantSettings | None = None) -> int:
+    """The rollout engine's weights: every parameter in the kernel dtype (`load_model(dir, kernel)`, MTP modules
+    included, tied tensors once; the routers' float32 score-correction biases are buffers, left out), except, with
+    `quant`, the decoder trunk's linear weights (`ModelShape.trunk_linears`: attention / MLA projections, dense and
+    shared MLPs, every routed expert), stored in its format (`quantized_weight_bytes`; their biases, the embedding,
+    LM head, norms, routers and MTP layers stay in the kernel dtype: miles_kernels/quantization.py)."""
+    b = DTYPE_BYTES[dtype]
+    out = sum(t.numel for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)) * b
+    if quant is None:
+        return out
+    check_weight_format(shape, quant)
+    for t in shape.trunk_linears():
+        out += t.copies * quantized_weight_bytes(quant, *t.shape) - t.numel * b
+    return out
+
+
+def weight_sync_bytes(shape: ModelShape, dtype: str, quant: WeightQuantSettings | None = None) -> int:
+    """Bytes a full weight sync sends (miles_trainer/weight_sender.py, `export_layout`): the engine's weights as it
+    stores them (`engine_weight_bytes`), plus the routers' float32 score-correction biases, which are synced as they
+    are. The same bytes make its buckets and the /dev/shm weights file of a same-node engine."""
+    biases = sum(t.numel for t in shape.tensors() if t.name.endswith(FROZEN_BUFFER))
+    return engine_weight_bytes(shape, dtype, quant) + 4 * biases
 
 
 def embedded_engine_bytes(
@@ -323,10 +380,11 @@ def embedded_engine_bytes(
     *,
     has_draft: bool = False,
     lora: LoraSettings | None = None,
+    weight_quant: WeightQuantSettings | None = None,
 ) -> dict[str, int]:
     """Miles' embedded rollout engine (miles_rollout/scheduler.py, miles_kernels/kv_cache.py), by key:
-    - weights: every parameter in the kernel dtype (`load_model(dir, kernel)`, MTP modules included, tied tensors
-      once);
+    - weights: `engine_weight_bytes`: every parameter in the kernel dtype (MTP modules included, tied tensors once),
+      the trunk's linear weights in `weight_quant`'s format when given (rollout.engine.weight_dtype);
     - lora (only with `lora`): a LoRA policy's adapters (`add_lora`: lora_A and lora_B in the kernel dtype) and the
       merged weight W + s·B·A of each adapted layer that `fold_adapters` keeps beside the base (kernel dtype); the
       engine's own `weights` tag holds weights + lora;
@@ -336,8 +394,7 @@ def embedded_engine_bytes(
     b = DTYPE_BYTES[dtype]
     layers = shape.num_hidden_layers + (1 if has_draft else 0)
     kv = layers * num_kv_pages * page_size * kv_bytes_per_token(shape, b, num_layers=1)
-    params = [t for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)]  # parameters, as the engine tags
-    out = {"weights": sum(t.numel for t in params) * b, "kv_cache": kv}
+    out = {"weights": engine_weight_bytes(shape, dtype, weight_quant), "kv_cache": kv}
     if lora is not None:
         adapters = sum(t.numel for t in shape.lora_tensors(lora.rank, lora.target_modules))
         out["lora"] = (adapters + sum(t.numel for t in shape.lora_targets(lora.target_modules))) * b

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles_memory.hardware import HardwareProfile
+from miles_memory.low_precision import WeightQuantSettings, dequantized_bytes
 from miles_memory.memory_plan import Component
 from miles_memory.model_shape import ModelShape, Tensor
 from miles_memory.plan_formulas import (
@@ -18,10 +19,12 @@ from miles_memory.plan_formulas import (
     cuda_graph_bytes,
     dispatch_bytes,
     embedded_engine_bytes,
+    engine_weight_bytes,
     fsdp2_bytes,
     kv_bytes_per_token,
     layer_activation_elements,
     nccl_bytes,
+    weight_sync_bytes,
 )
 
 if TYPE_CHECKING:
@@ -86,6 +89,7 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
         attention_extra=deterministic_attention_extra(shape, run),
         lora=lora,
         is_deterministic=run.is_deterministic,
+        qat=run.qat,
     )
     fp32 = "fp32 shards: 4 B x params / fsdp world (dim 0 padded)"
     if lora is None:
@@ -126,6 +130,9 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
             else "x·A of the adapted layers, merged routed experts (fast)"
         )
         out.train.append(_c("activations", f"LoRA: {kept}", b["lora_activations"], "lora_activation_bytes"))
+    if run.qat:
+        out.train.append(_c("activations", "QAT: fake-quantized weights of the quantized layers", b["qat_activations"],
+                            "b x out x in per trunk linear layer (qat_layer_bytes)"))  # fmt: skip
     if run.plan.hardware != "cpu" and shape.is_moe:
         out.train.append(_c("comm", "MoE dispatch buffers", dispatch_bytes(shape, run.tokens, DTYPE_BYTES[run.dtype])))
     return out
@@ -244,6 +251,18 @@ def _megatron(shape: ModelShape, run: RunInputs, gpus: int, channels: int, notes
     return best
 
 
+def _sync_note(shape: ModelShape, dtype: str, quant: WeightQuantSettings, weights: int) -> str:
+    """What a low-precision engine saves, and what a weight sync then sends (miles_trainer/weight_sender.py)."""
+    mib = 2**20
+    full = engine_weight_bytes(shape, dtype)
+    return (
+        f"rollout.engine.weight_dtype={quant.format}: the engine holds {weights / mib:,.1f} MiB of weights "
+        f"({full / mib:,.1f} MiB in {dtype}); a weight sync sends them in that format, "
+        f"{weight_sync_bytes(shape, dtype, quant) / mib:,.1f} MiB (its buckets, or a same-node engine's /dev/shm "
+        "weights file); the trainer keeps float32 masters"
+    )
+
+
 def engine_terms(
     shape: ModelShape, run: RunInputs, hw: HardwareProfile, capacity: int, rollout_gpus: int, notes: list[str]
 ) -> EngineTerms:
@@ -254,10 +273,15 @@ def engine_terms(
     prefill = run.max_prefill_tokens
     act_elements = layer_activation_elements(shape, shape.num_hidden_layers - 1)
     if p.rollout_engine == "embedded":
+        quant = run.weight_quant
         e = embedded_engine_bytes(shape, run.dtype, run.num_kv_pages, run.page_size, has_draft=has_draft,
-                                  lora=run.lora)  # fmt: skip
-        weights = Component(tag="weights", phase="rollout", name=f"engine weights ({run.dtype})", bytes=e["weights"])
-        held = [weights]
+                                  lora=run.lora, weight_quant=quant)  # fmt: skip
+        name, formula = f"engine weights ({run.dtype})", ""
+        if quant is not None:  # low-precision rollout: the trunk's linear layers in the engine's format
+            name = f"engine weights: linear layers {quant.describe()} + the rest in {run.dtype}"
+            formula = f"{quant.formula()}; {b} B x other params"
+            notes.append(_sync_note(shape, run.dtype, quant, e["weights"]))
+        held = [Component(tag="weights", phase="rollout", name=name, bytes=e["weights"], formula=formula)]
         if run.lora is not None:
             held.append(Component(
                 tag="weights", phase="rollout", bytes=e["lora"], formula="b x (adapter params + adapted weights)",
@@ -276,6 +300,11 @@ def engine_terms(
             kv,
             Component(tag="activations", phase="rollout", name="engine step (estimate)", bytes=int(acts)),
         ]
+        if quant is not None:
+            out.rollout.append(Component(
+                tag="activations", phase="rollout", bytes=dequantized_bytes(shape, b), formula="dequantized_bytes",
+                name=f"engine: weights dequantized to {run.dtype} in flight (an MoE layer's routed experts at once)",
+            ))  # fmt: skip
         out.resident = [c.model_copy(update={"phase": "train"}) for c in [*held, kv]]
         if run.lora is not None:
             # weight syncs send only the adapters, so a released engine keeps its weights in host memory (its

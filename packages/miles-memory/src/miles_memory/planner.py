@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles_memory.hardware import HardwareProfile, load_hardware
+from miles_memory.low_precision import WEIGHT_FORMATS, WeightQuantSettings, check_weight_format
 from miles_memory.memory_plan import Component, MemoryPlan
 from miles_memory.model_shape import LoraSettings, ModelShape, resolve_model
 from miles_memory.plan_config import PlanConfig, PlanSettings
@@ -52,6 +53,8 @@ class RunInputs(BaseModel):
     limit_bytes: int | None = None
     comm_headroom_bytes: int = 0
     lora: LoraSettings | None = None  # trainer.lora with rank > 0
+    weight_quant: WeightQuantSettings | None = None  # rollout.engine.weight_dtype other than kernel
+    qat: bool = False  # trainer.qat: the trainer's forward fake-quantizes to weight_quant
     plan: PlanConfig = PlanConfig()
 
 
@@ -73,6 +76,9 @@ RUN_KEYS: dict[str, tuple[str, Any]] = {
     "page_size": ("kernel.page_size", 16),
     "max_running_requests": ("rollout.engine.max_running_requests", 64),
     "max_prefill_tokens": ("rollout.engine.max_prefill_tokens", 2048),
+    "weight_dtype": ("rollout.engine.weight_dtype", "kernel"),
+    "weight_block_size": ("rollout.engine.weight_block_size", [128, 128]),  # a list, as YAML and JSON write it
+    "weight_group_size": ("rollout.engine.weight_group_size", 128),
     "max_new_tokens": ("rollout.max_new_tokens", 16),
     "kernel_mode": ("kernel.mode", "deterministic"),
     "query_tile": ("kernel.attention_query_tile", 4),
@@ -83,6 +89,7 @@ RUN_KEYS: dict[str, tuple[str, Any]] = {
     "lora_rank": ("trainer.lora.rank", 0),
     "lora_target_modules": ("trainer.lora.target_modules", "all-linear"),
     "lora_base_dtype": ("trainer.lora.base_dtype", "float32"),
+    "qat": ("trainer.qat", False),
     # the parallel layout: the run's own settings (megatron's read when trainer.backend.name is megatron)
     "trainer_backend": ("trainer.backend.name", "fsdp2"),
     "tp": ("trainer.backend.megatron.tp", 1),
@@ -164,6 +171,23 @@ def _read_lora(config: dict[str, Any], dtype: str) -> LoraSettings | None:
     return LoraSettings(rank, targets, base_dtype)
 
 
+def _read_weight_quant(config: dict[str, Any]) -> WeightQuantSettings | None:
+    """rollout.engine.weight_dtype and its block / group size as the planner needs them (None: kernel, the kernel
+    dtype); ValueError for what the engine's config refuses."""
+    fmt, block, group = (_get(config, key) for key in ("weight_dtype", "weight_block_size", "weight_group_size"))
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"rollout.engine.weight_dtype must be one of {', '.join(WEIGHT_FORMATS)}, not {fmt!r}")
+    is_block = isinstance(block, (list, tuple)) and len(block) == 2
+    if not is_block or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in block):
+        raise ValueError(f"rollout.engine.weight_block_size must be two positive integers ([128, 128]), not {block!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or not 8 <= group <= 4096 or group % 8:
+        raise ValueError(
+            f"rollout.engine.weight_group_size must be a multiple of 8 from 8 to 4096 (eight int4 values per int32), "
+            f"not {group!r}"
+        )
+    return None if fmt == "kernel" else WeightQuantSettings(fmt, (block[0], block[1]), group)
+
+
 def read_run(config: dict[str, Any]) -> RunInputs:
     """The planner's inputs from a run config dict (a run's own resolved config, or a YAML file: `RUN_KEYS`'s
     defaults where a key is absent), with the layout the run trains and rolls out with."""
@@ -209,6 +233,8 @@ def read_run(config: dict[str, Any]) -> RunInputs:
         limit_bytes=_get(config, "limit_bytes"),
         comm_headroom_bytes=int(_get(config, "comm_headroom_bytes")),
         lora=_read_lora(config, _get(config, "dtype")),
+        weight_quant=_read_weight_quant(config),
+        qat=bool(_get(config, "qat")),
         plan=plan,
     )
 
@@ -244,6 +270,24 @@ def _check_layout(shape: ModelShape, run: RunInputs, hw: HardwareProfile, train_
                 "adapters loaded as a LoRA at every sync): use the embedded engine"
             )
         shape.lora_targets(run.lora.target_modules)  # ValueError: targets that select nothing
+    if run.qat and run.weight_quant is None:
+        raise ValueError(
+            "trainer.qat=true trains against the low-precision engine's weights, but rollout.engine.weight_dtype is "
+            "kernel: set it to fp8_block, fp8_channel or int4_group"
+        )
+    if run.weight_quant is not None:  # what a run config refuses with a low-precision engine (miles_orchestrator)
+        unsupported = {
+            "trainer.lora (the adapters are merged into a full-precision base)": run.lora is not None,
+            "trainer.backend.name=megatron (use fsdp2)": p.trainer_backend == "megatron",
+            "rollout.backend=sglang (SGLang quantizes on its own: rollout.sglang.extra_args --quantization fp8)":
+                p.rollout_engine == "sglang",
+        }  # fmt: skip
+        named = [name for name, used in unsupported.items() if used]
+        if named:
+            raise ValueError(
+                f"rollout.engine.weight_dtype={run.weight_quant.format} does not support {', '.join(named)} yet"
+            )
+        check_weight_format(shape, run.weight_quant)  # int4_group: a group size every linear layer's input takes
     for name, size in (("ep", p.ep), ("rollout_ep", p.rollout_ep)):
         if size > 1 and (not shape.is_moe or shape.num_experts % size):
             raise ValueError(f"{name}={size} does not divide the model's {shape.num_experts} experts: lower {name}")
@@ -426,6 +470,8 @@ def _layout(run: RunInputs, gpus: int, train_gpus: int, rollout_gpus: int) -> di
     out |= {"dtype": run.dtype, "tokens_per_micro_batch": run.tokens}
     if run.lora is not None:
         out |= {"lora_rank": run.lora.rank, "lora_base_dtype": run.lora.base_dtype}
+    if run.weight_quant is not None:
+        out |= {"engine_weight_dtype": run.weight_quant.format, "qat": run.qat}
     return out
 
 

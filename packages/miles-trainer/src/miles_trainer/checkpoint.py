@@ -256,8 +256,9 @@ def _load_fsdp(backend: FSDP2Backend, path: Path, state: dict[str, Any]) -> None
 
 def export_hf(backend: Backend, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path | None:
     """Gather the full weights and write a Hugging Face directory in the kernel dtype (rank 0 writes; every
-    rank calls it). With a low-precision engine (`rollout.engine.weight_dtype`) also `quantized/`: the weights as the
-    engine served them, in the format's Hugging Face layout and `quantization_config` (a QAT run's deployable model)."""
+    rank calls it). With a low-precision engine (`rollout.engine.weight_dtype`) also `quantized/`: the weights as
+    the engine served them, in the format's Hugging Face layout and `quantization_config` (a QAT run's deployable
+    model)."""
     state = backend.full_state_dict()
     out = None
     if dist.get_rank() == 0:
