@@ -154,8 +154,12 @@ def iter_tensor_buckets(
             last = (param_name, dict([(param_name, tensor)] if quant is None else quant.parts(param_name, tensor)))
         return last[1][name]
 
-    for names in bucket_plan(model, bucket_bytes, dtype, quant):
-        yield {name: sent(name) for name in names}
+    plan = bucket_plan(model, bucket_bytes, dtype, quant)
+    for index, names in enumerate(plan):
+        bucket = {name: sent(name) for name in names}
+        if index + 1 == len(plan) or source[plan[index + 1][0]] != last[0]:
+            last = ("", {})  # kept only for parts that the next bucket carries
+        yield bucket
 
 
 def write_weights_file(
@@ -190,11 +194,9 @@ def write_weights_file(
         # peak memory"); ranks that do not write only join the gathers.
         for name, param in named:
             tensor = _gathered(param, export_dtype(param, dtype), fresh=False)  # only read, before the next one
-            parts = [(name, tensor)] if quant is None else quant.parts(name, tensor)
             if views is not None:
-                for part, value in parts:
-                    views[part].copy_(value.contiguous().reshape(-1).view(torch.uint8))
-            del tensor, parts
+                _copy_into(views, [(name, tensor)] if quant is None else quant.parts(name, tensor))
+            del tensor
     else:  # the first write: serialized whole (one full copy in host memory, once)
         tensors = dict(export_tensors(model, fresh=False, quant=quant))
         staging = f"{os.fspath(file)}.tmp{os.getpid()}"
@@ -204,6 +206,13 @@ def write_weights_file(
     if write and not in_shared_memory(file):  # only /dev/shm files stay mapped: a deleted file must free its space
         mapping.close()
     return sum(t.numel() * t.element_size() for t in layout.values()) if write else 0
+
+
+def _copy_into(views: dict[str, torch.Tensor], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy each tensor's bytes into its slot of the mapped file (a function: its tensors are gone when it returns,
+    before the next one is gathered)."""
+    for name, tensor in tensors:
+        views[name].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _in_place_views(
