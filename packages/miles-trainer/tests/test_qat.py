@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_lora import samples_of
-from test_true_on_policy import rollout  # noqa: F401  (samples_of's sampler: the paged engine path)
 
 from miles_kernels import (
     KernelConfig,
