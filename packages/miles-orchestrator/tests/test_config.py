@@ -486,3 +486,16 @@ def test_several_engines_spread_requests_unless_told_otherwise() -> None:
     assert load_config(None, [*overlapped, "trainer.loss.is_mode=mask"]).trainer.loss.is_mode == "mask"
     assert load_config(None, [*overlapped, "trainer.loss.is_mode=null"]).trainer.loss.is_mode is None
     assert load_config(None, []).trainer.loss.is_mode is None
+
+
+def test_the_low_precision_settings_reach_the_memory_planner() -> None:
+    """rollout.engine.weight_dtype (and its group size) and trainer.qat, as a run resolves them, are what the planner
+    reads (miles_memory.read_run): the engine's weight bytes follow the format the run stores."""
+    example = Path(__file__).resolve().parents[3] / "examples" / "fp8_qat.yaml"
+    run = read_run(load_config(example, []).model_dump(mode="json"))
+    assert run.weight_quant is not None and run.weight_quant.format == "fp8_block" and run.qat
+    int4 = read_run(load_config(None, ["rollout.engine.weight_dtype=int4_group",
+                                       "rollout.engine.weight_group_size=32"]).model_dump(mode="json"))  # fmt: skip
+    assert int4.weight_quant is not None and (int4.weight_quant.format, int4.weight_quant.group_size) == (
+        "int4_group", 32) and not int4.qat  # fmt: skip
+    assert read_run(RunConfig().model_dump(mode="json")).weight_quant is None
