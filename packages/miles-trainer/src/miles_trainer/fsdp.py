@@ -140,10 +140,8 @@ class FSDP2Backend:
         `routing_replay`: the policy's MoE layers route every sample's tokens to the experts the rollout engine
         recorded (its `routed_experts`; miles_trainer.moe), in the train step and in `compute_logprobs` (the
         reference model routes by itself). `lora`: train adapters on a frozen base (miles_trainer.lora): only they
-        get gradients, optimizer state and checkpoint bytes, and `weights` sends only them. `weight_quant`: the
-        engine stores the trunk's linear layers in this low-precision format, so `weights` sends them quantized;
-        `qat`: the forward computes with them fake-quantized the same way (quantization-aware training: the
-        log-probs equal the quantized engine's; miles_kernels/quantization.py). The KL reference is too."""
+        get gradients, optimizer state and checkpoint bytes, and `weights` sends only them. `weight_quant`, `qat`: a
+        low-precision engine's format, which `weights` sends, and quantization-aware training with it (qat.py)."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
@@ -216,11 +214,8 @@ class FSDP2Backend:
         self.memory.check_fits()
         # what weight sync sends: buckets, a file, tensors (with LoRA: the adapters and what else trains; the checksum
         # still covers every weight the engine holds, base included)
-        self.weights = WeightSender(
-            self._sync_model if self.lora is not None else self._export_model,
-            checksum_model=self._export_model,
-            quant=quantizer,
-        )
+        self.weights = WeightSender(self._sync_model if self.lora is not None else self._export_model,
+                                    checksum_model=self._export_model, quant=quantizer)  # fmt: skip
 
     def _num_passes(self, samples: Sequence[Sample]) -> int:
         """Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank."""
