@@ -313,7 +313,7 @@ def test_policy_loss_bad_arguments() -> None:
     with pytest.raises(ValueError, match="'token', 'sequence'"):
         policy_loss(x, x, x, x, ratio_type="seq")
     with pytest.raises(ValueError, match="clip_low"):
-        policy_loss(x, x, x, x, clip_low=1.0)
+        policy_loss(x, x, x, x, clip_low=1.5)
     with pytest.raises(ValueError, match="token-mean"):
         policy_loss(x, x, x, x, agg_mode="mean")
     with pytest.raises(ValueError, match="is_weights_BT"):
@@ -492,3 +492,15 @@ def test_policy_loss_on_an_all_masked_micro_batch_is_zero() -> None:
     assert loss.item() == 0.0
     assert logprobs.grad is not None and torch.equal(logprobs.grad, torch.zeros(2, 3))
     assert all(value.item() == 0.0 for value in metrics.values())
+
+
+def test_the_cispo_surrogate_is_chosen_by_config_and_refuses_what_it_does_not_take() -> None:
+    from miles_trainer.config import PolicyLossConfig
+    from miles_trainer.losses import cispo_loss
+    from miles_trainer.step import resolve_loss_fn
+
+    assert resolve_loss_fn(None, "cispo") is cispo_loss and resolve_loss_fn(None) is policy_loss
+    assert PolicyLossConfig(surrogate="cispo", clip_low=1.0).clip_low == 1.0
+    for given in ({"dual_clip": 3.0}, {"ratio_type": "sequence"}):
+        with pytest.raises(ValueError, match="surrogate=cispo is a token-level loss"):
+            PolicyLossConfig(surrogate="cispo", **given)

@@ -30,6 +30,7 @@ from reference_inputs import (
     trl_inputs,
     value_and_grad,
 )
+from reference_slime_losses import slime_compute_cispo_loss
 from reference_trl import trl_grpo_compute_loss, trl_per_token_kl, trl_vllm_importance_sampling_ratio
 from reference_verl_losses import (
     reference_agg,
@@ -40,7 +41,7 @@ from reference_verl_losses import (
 )
 
 from miles_trainer.config import AGGREGATION_MODES, KL_KINDS
-from miles_trainer.losses import aggregate_loss, importance_weights, kl_estimate, policy_loss
+from miles_trainer.losses import aggregate_loss, cispo_loss, importance_weights, kl_estimate, policy_loss
 
 # ======================================================================================== PPO policy loss vs verl
 
@@ -375,3 +376,55 @@ def test_kl_k3_matches_trl_per_token_kl_below_verl_clamps() -> None:
     far_logp, far_ref = torch.tensor([-5.0], dtype=F64), torch.tensor([0.0], dtype=F64)
     assert kl_estimate(far_logp, far_ref, "k3").item() == 10.0
     assert_close(trl_per_token_kl(far_logp, far_ref), math.exp(5.0) - 6.0)
+
+
+@pytest.mark.parametrize("with_is", [False, True], ids=["no-is", "is-weights"])
+@pytest.mark.parametrize("clips", [(1.0, 0.2), (0.2, 0.28)], ids=["minimax-m1", "two-sided"])
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_cispo_loss_matches_slime(mode: str, clips: tuple[float, float], with_is: bool) -> None:
+    """`cispo_loss` against slime's compute_cispo_loss (reference_slime_losses.py), aggregated as verl does: value,
+    gradient (only through logp, weighted by the clipped ratio) and clip fraction. slime takes no log-ratio clamp:
+    compared on log-ratios within ±20 (Miles clamps there, as its PPO loss does)."""
+    clip_low, clip_high = clips
+    logp, old = logprob_pair(30, extreme=False)
+    adv = token_advantages(31)
+    weights = _is_weights(32) if with_is else None
+    mask = MASK.to(F64)
+    metrics: dict[str, torch.Tensor] = {}
+
+    def miles(x: torch.Tensor) -> torch.Tensor:
+        loss, m = cispo_loss(x, old, adv, MASK, clip_low=clip_low, clip_high=clip_high, agg_mode=mode,
+                             is_weights_BT=weights)  # fmt: skip
+        metrics.update(m)
+        return loss
+
+    clipped: list[torch.Tensor] = []
+
+    def slime(x: torch.Tensor) -> torch.Tensor:
+        pg_losses, clipfrac = slime_compute_cispo_loss(old - x, x, adv, clip_low, clip_high)
+        clipped.append(clipfrac)
+        if weights is not None:  # slime's TIS multiplies the per-token loss by the weights
+            pg_losses = pg_losses * weights
+        return reference_agg(pg_losses, mask, mode)
+
+    value, grad = value_and_grad(miles, logp)
+    ref_value, ref_grad = value_and_grad(slime, logp)
+    assert_close(value, ref_value)
+    assert_close(grad, ref_grad)
+    assert_close(metrics["clip_fraction"], verl_masked_mean(clipped[0], mask), rtol=1e-6)
+    assert float(metrics["clip_fraction"]) > 0  # the clip is in play on these inputs
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens_where_ppo_drops_it() -> None:
+    """A token far past the clip with A > 0: PPO-clip gives it no gradient, CISPO gives -A (1 + clip_high) per
+    unit of logp (the clipped ratio as a constant weight)."""
+    old = torch.tensor([[-3.0]], dtype=F64)
+    adv = torch.tensor([[2.0]], dtype=F64)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    logp = torch.tensor([[-1.0]], dtype=F64)  # ratio e^2 > 1.2
+    _, ppo_grad = value_and_grad(lambda x: policy_loss(x, old, adv, mask, agg_mode="token-sum")[0], logp)
+    _, cispo_grad = value_and_grad(lambda x: cispo_loss(x, old, adv, mask, agg_mode="token-sum")[0], logp)
+    assert float(ppo_grad) == 0.0
+    assert_close(cispo_grad, torch.tensor([[-2.0 * 1.2]], dtype=F64))
+    with pytest.raises(ValueError, match="token-level"):
+        cispo_loss(logp, old, adv, mask, ratio_type="sequence")

@@ -21,6 +21,7 @@ AggregationMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum", "token-sum-norm"
 ]
 RatioType = Literal["token", "sequence"]
+Surrogate = Literal["ppo", "cispo"]
 # k1 / k2 / k3 / abs and their verl names; a "+" suffix: the value of the estimator, the gradient of k2
 KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "kl", "mse", "low_var_kl", "low_var_kl+"]
 ISLevel = Literal["token", "sequence"]
@@ -32,6 +33,7 @@ MoEAuxLoss = Literal["none", "aux_loss", "seq_aux_loss"]
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimatorName)
 AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
 RATIO_TYPES: tuple[str, ...] = get_args(RatioType)
+SURROGATES: tuple[str, ...] = get_args(Surrogate)
 KL_KINDS: tuple[str, ...] = get_args(KLEstimator)
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
 IS_MODES: tuple[str, ...] = get_args(ISMode)
@@ -106,7 +108,15 @@ class PolicyLossConfig(_Config):
     """The policy loss (`miles_trainer.losses`): PPO-clip with clip-higher and dual-clip, or GSPO's sequence ratio;
     how token losses aggregate; entropy bonus, KL to the reference, and TIS / MIS mismatch correction."""
 
-    clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below 1 (1 - clip_low).")
+    surrogate: Surrogate = Field(
+        default="ppo",
+        description="The policy-gradient surrogate: 'ppo' (PPO-clip, with the options below) or 'cispo' "
+        "(MiniMax-M1's CISPO: -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log p per token: clipped tokens keep "
+        "their gradient, weighted by the clipped ratio; clip_low=1 leaves the ratio unbounded below, as MiniMax-M1).",
+    )
+    clip_low: float = Field(
+        default=0.2, ge=0, le=1, description="PPO ratio clip below 1 (1 - clip_low; 1: no lower clip)."
+    )
     clip_high: float = Field(default=0.2, ge=0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
     dual_clip: float | None = Field(
         default=None, gt=1, description="Dual-clip constant c > 1 for negative advantages; null: off."
@@ -183,6 +193,16 @@ class PolicyLossConfig(_Config):
         "mean over tokens of logsumexp(router logits)^2, summed over MoE layers, reported as moe_z_loss; it keeps "
         "the router logits small. 0: off.",
     )
+
+    @model_validator(mode="after")
+    def _surrogate(self) -> PolicyLossConfig:
+        if self.surrogate == "cispo":
+            given = {"ratio_type=sequence": self.ratio_type == "sequence", "dual_clip": self.dual_clip is not None,
+                     "loss_fn": self.loss_fn is not None}  # fmt: skip
+            named = [name for name, is_set in given.items() if is_set]
+            if named:
+                raise ValueError(f"surrogate=cispo is a token-level loss of its own: it takes no {', '.join(named)}")
+        return self
 
     @model_validator(mode="after")
     def _is_bounds(self) -> PolicyLossConfig:

@@ -154,7 +154,9 @@ class FSDP2Backend:
         self.config = config or BackendConfig()
         if self.optimizer_config.schedule == "cosine" and self.optimizer_config.total_steps is None:
             raise ValueError("optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
-        resolve_loss_fn(self.loss_config.loss_fn)  # a bad plug-in path fails now, not at the first step
+        resolve_loss_fn(
+            self.loss_config.loss_fn, self.loss_config.surrogate
+        )  # a bad plug-in path fails now, not at the first step
         self.max_tokens = self.config.max_tokens_per_micro_batch
         device = self.config.device
         self.model = load_model(model_dir, kernel, device, dtype=torch.float32).train()

@@ -174,8 +174,8 @@ def policy_loss(
     )
     if is_weights_BT is not None and is_weights_BT.shape != shape:
         raise ValueError(f"is_weights_BT must have shape {tuple(shape)}, got {tuple(is_weights_BT.shape)}")
-    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (the cap on the ratio for negative advantages), got {dual_clip}")
     if ratio_type not in RATIO_TYPES:
@@ -225,6 +225,70 @@ def policy_loss(
             "ppo_kl": _masked_mean(-log_ratio_BT.detach().float(), is_valid),
             "ratio_mean": _masked_mean(ratio.float(), is_valid),
             # ratios are > 0, so the clamp turns "no valid token" (-inf) into 0 without a host sync
+            "ratio_max": torch.where(is_valid, ratio.float(), float("-inf")).amax().clamp(min=0.0)
+            if ratio.numel()
+            else ratio.new_zeros((), dtype=torch.float32),
+        }
+    return loss, metrics
+
+
+def cispo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_type: str = "token",
+    agg_mode: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_len: int | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4-5; slime's `compute_cispo_loss`), aggregated by `aggregate_loss`:
+
+        loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * logp_t,   r_t = exp(logp_t - old_t)
+
+    The clipped importance ratio is a constant weight (stop-gradient): unlike PPO-clip, a token past the clip keeps
+    its gradient, A_t * grad logp_t scaled by the clipped ratio. MiniMax-M1 bounds the ratio above only
+    (clip_low = 1, this function's default: clip(r, 0, ...) leaves it as is). Token level only: no sequence ratio,
+    no dual clip. With IS weights w (train / rollout mismatch): loss_t = w_t * loss_t. Metrics as `policy_loss`'s:
+    clip_fraction (tokens whose ratio the clip changed; high: above 1 + clip_high, low: below 1 - clip_low),
+    ppo_kl, ratio_mean, ratio_max.
+    """
+    shape = _check_same_shape(
+        logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT, mask_BT=mask_BT
+    )
+    if is_weights_BT is not None and is_weights_BT.shape != shape:
+        raise ValueError(f"is_weights_BT must have shape {tuple(shape)}, got {tuple(is_weights_BT.shape)}")
+    if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if ratio_type != "token" or dual_clip is not None:
+        raise ValueError("CISPO is a token-level loss: it takes no ratio_type=sequence and no dual_clip")
+    is_valid = mask_BT.bool()
+    # Padding may hold anything (even inf / nan): zero it before exp or the product, so it cannot poison the loss.
+    logprobs = torch.where(is_valid, logprobs_BT, torch.zeros_like(logprobs_BT))
+    log_ratio_BT = torch.where(is_valid, logprobs_BT - old_logprobs_BT.detach(), torch.zeros_like(logprobs_BT))
+    advantages = torch.where(is_valid, advantages_BT.detach(), torch.zeros_like(advantages_BT))
+    ratio = torch.exp(log_ratio_BT.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = -clipped * advantages * logprobs
+    if is_weights_BT is not None:
+        loss_BT = loss_BT * is_weights_BT.detach()
+    loss = aggregate_loss(
+        loss_BT, mask_BT, agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+        max_response_len=max_response_len,
+    )  # fmt: skip
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": _masked_mean((clipped != ratio).float(), is_valid),
+            "clip_fraction_high": _masked_mean((ratio > 1.0 + clip_high).float(), is_valid),
+            "clip_fraction_low": _masked_mean((ratio < 1.0 - clip_low).float(), is_valid),
+            "ppo_kl": _masked_mean(-log_ratio_BT.float(), is_valid),
+            "ratio_mean": _masked_mean(ratio.float(), is_valid),
             "ratio_max": torch.where(is_valid, ratio.float(), float("-inf")).amax().clamp(min=0.0)
             if ratio.numel()
             else ratio.new_zeros((), dtype=torch.float32),

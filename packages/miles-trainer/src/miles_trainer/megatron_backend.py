@@ -146,7 +146,7 @@ class MegatronBackend:
             )
         if self.optimizer_config.schedule == "cosine" and self.optimizer_config.total_steps is None:
             raise ValueError("optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
-        resolve_loss_fn(self.loss_config.loss_fn)
+        resolve_loss_fn(self.loss_config.loss_fn, self.loss_config.surrogate)
         _check_device(self.config.device)
         self.device = torch.device(self.config.device)
         self.max_tokens = self.config.max_tokens_per_micro_batch

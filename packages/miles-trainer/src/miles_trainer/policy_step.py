@@ -79,7 +79,7 @@ class PolicyStep:
         check_per_token("ref_logprobs", samples, ref_logprobs)
         if config.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the responses)")
-        self.loss_fn = resolve_loss_fn(config.loss_fn)
+        self.loss_fn = resolve_loss_fn(config.loss_fn, config.surrogate)
         self.is_metrics: dict[str, torch.Tensor] = {}
         if config.is_mode is not None and is_weights is None:
             is_weights, self.is_metrics = mismatch_weights(samples, old_logprobs, config)

@@ -27,6 +27,7 @@ from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import PolicyLossConfig
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import (
+    cispo_loss,
     importance_weight_sums,
     importance_weights,
     normalize_importance_weights,
@@ -61,10 +62,11 @@ class PolicyLossFn(Protocol):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-def resolve_loss_fn(path: str | None) -> PolicyLossFn:
-    """The default `policy_loss`, or the plug-in at `path` checked to take 4 positional tensors."""
+def resolve_loss_fn(path: str | None, surrogate: str = "ppo") -> PolicyLossFn:
+    """The built-in loss of `surrogate` (`policy_loss`: PPO-clip; `cispo_loss`), or the plug-in at `path` checked to
+    take 4 positional tensors."""
     if path is None:
-        return cast(PolicyLossFn, policy_loss)
+        return cast(PolicyLossFn, cispo_loss if surrogate == "cispo" else policy_loss)
     fn: PolicyLossFn = load_checked_plugin(
         path, PolicyLossFn, "loss", ("logprobs_BT", "old_logprobs_BT", "advantages_BT", "mask_BT")
     )
