@@ -214,6 +214,11 @@ class RunConfig(Section):
                     f"({resources}); add a GPU, e.g. {field}={{CPU: 8, GPU: 1}}, or use the cpu device"
                 )
         check_scale_out(self)
+        if self.reward.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} must be below rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}: the punishment ramps over the last overlong_buffer tokens before it"
+            )
         if self.filter.dynamic_sampling and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(
                 "filter.dynamic_sampling drops groups whose rewards are all equal, which is every group when "

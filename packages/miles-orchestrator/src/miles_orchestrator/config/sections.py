@@ -188,6 +188,16 @@ class RewardSection(Section):
     timeout_s: float = Field(
         default=10.0, gt=0, description="Seconds per reward call (http: per attempt) before it counts as failed."
     )
+    overlong_buffer: int = Field(
+        default=0,
+        ge=0,
+        description="DAPO's soft overlong punishment (verl's reward_model.overlong_buffer.len): a response longer "
+        "than rollout.max_new_tokens - overlong_buffer loses overlong_penalty x (the excess / overlong_buffer) of "
+        "reward, the whole penalty at max_new_tokens. 0: off.",
+    )
+    overlong_penalty: float = Field(
+        default=1.0, ge=0, description="The overlong punishment at rollout.max_new_tokens (verl's penalty_factor)."
+    )
     num_workers: int = Field(
         default=2, ge=1, le=256, description="Reward worker processes (unused by reward.name=http)."
     )
@@ -270,6 +280,11 @@ class FilterSection(Section):
 
     dynamic_sampling: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
     max_oversample_rounds: int = Field(default=4, ge=0, description="Extra rollouts to refill dropped groups.")
+    overlong: bool = Field(
+        default=False,
+        description="DAPO's overlong filtering: a truncated response (it hit rollout.max_new_tokens or the context) "
+        "leaves the loss (its loss mask is zeroed); its reward still counts in its group's advantages.",
+    )
     custom: PluginPath | None = Field(
         default=None, description="'module:function' SampleFilter applied to each group."
     )

@@ -28,6 +28,7 @@ from miles_orchestrator.cluster import EngineFailed
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.rollout.agent_metrics import agent_metrics
 from miles_orchestrator.rollout.filters import apply_filters
+from miles_orchestrator.rollout.overlong import filter_overlong, punish_overlong, task_reward
 from miles_orchestrator.run_dir import RunDir
 from miles_rollout import CoalescingClient
 
@@ -130,7 +131,8 @@ async def generate_batch(
     kept: list[list[Sample]] = []
     dropped: list[list[Sample]] = []
     generated: list[Sample] = []
-    num_failed_groups = 0
+    num_failed_groups = num_rounds = num_overlong_filtered = 0
+    penalties: list[float] = []
     reward_seconds = 0.0
     began = time.perf_counter()
     for round_index in range(1 + (cfg.filter.max_oversample_rounds if filters else 0)):
@@ -140,6 +142,7 @@ async def generate_batch(
         prompts = source.get_samples(needed)
         if not prompts:
             break  # a file source at the end of its last epoch
+        num_rounds = round_index
         groups = expand_groups(prompts, r.n_samples_per_prompt, parts.encode)
         label = "rollout" if round_index == 0 else f"rollout (over-sampling round {round_index})"
         with run.progress(label, len(groups)) as advance:
@@ -158,7 +161,13 @@ async def generate_batch(
         if stats.num_failed:
             run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
                     + "; ".join(stats.errors))  # fmt: skip
-        generated += [s for g in groups for s in g]
+        scored = [s for g in groups for s in g]
+        if cfg.reward.overlong_buffer:  # DAPO's soft overlong punishment, before the filters see the rewards
+            penalties.append(punish_overlong(scored, r.max_new_tokens, cfg.reward.overlong_buffer,
+                                             cfg.reward.overlong_penalty))  # fmt: skip
+        if cfg.filter.overlong:
+            num_overlong_filtered += filter_overlong(scored)
+        generated += scored
         result = apply_filters(groups, filters)
         kept += result.kept
         dropped += result.dropped
@@ -173,11 +182,14 @@ async def generate_batch(
     lengths = [len(s.response_tokens) for s in generated]
     return batch, {
         "reward_mean": sum(s.reward or 0.0 for s in generated) / max(len(generated), 1),
-        "pass_rate": sum(1 for s in generated if (s.reward or 0.0) >= 1.0) / max(len(generated), 1),
+        "pass_rate": sum(1 for s in generated if task_reward(s) >= 1.0) / max(len(generated), 1),
         "num_reward_failures": float(sum(1 for s in generated if s.status == SampleStatus.FAILED)),
         "num_failed_groups": float(num_failed_groups),
         "num_groups_filtered": float(len(dropped)),
         "num_filtered_groups_trained": float(min(num_short, len(dropped))),
+        "num_oversample_rounds": float(num_rounds),
+        **({"overlong_penalty_mean": sum(penalties) / len(penalties)} if penalties else {}),
+        **({"num_overlong_filtered": float(num_overlong_filtered)} if cfg.filter.overlong else {}),
         "response_len_mean": sum(lengths) / max(len(lengths), 1),
         "truncated_fraction": sum(1 for s in generated if s.status == SampleStatus.TRUNCATED) / max(len(generated), 1),
         "rollout_time_s": seconds,
