@@ -85,8 +85,8 @@ class RunConfig(Section):
         unsupported = {
             "trainer.lora (the adapters are merged into a full-precision base)": self.trainer.lora.is_enabled,
             "trainer.backend.name=megatron (use fsdp2)": self.trainer.backend.name == "megatron",
-            "rollout.backend=sglang (SGLang quantizes on its own: rollout.sglang.extra_args --quantization fp8, with "
-            "kernel.mode=fast)": self.rollout.backend == "sglang",
+            "rollout.backend=sglang (SGLang quantizes on its own: rollout.sglang.server_args={quantization: fp8}, "
+            "with kernel.mode=fast)": self.rollout.backend == "sglang",
         }
         named = [name for name, used in unsupported.items() if used]
         if named:
