@@ -19,6 +19,22 @@ def plugins_on_path() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, object]]:
+    """An in-process embedded engine on a small random dense model with a test tokenizer, and its `PromptEncoder`."""
+    from miles_kernels import KernelConfig
+    from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
+    from miles_orchestrator.rollout.batch import PromptEncoder
+    from miles_rollout import Engine, EngineConfig
+
+    path = tmp_path_factory.mktemp("model")
+    tokenizer = build_tokenizer(vocab_size=300)
+    save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=2, tokenizer=tokenizer)
+    engine = Engine(str(path), KernelConfig(page_size=16), EngineConfig(num_kv_pages=256))
+    yield engine, PromptEncoder(str(path))
+    engine.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """A local cluster sets the driver's torch thread count (`run.num_threads`): every test gets the count back."""

@@ -11,15 +11,13 @@ from dataclasses import dataclass
 import pytest
 
 from miles_contracts import Sample, SampleStatus
-from miles_kernels import KernelConfig
-from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator.config import load_config
 from miles_orchestrator.rollout.batch import PromptEncoder, generate_batch
 from miles_orchestrator.rollout.filters import build_filters
 from miles_orchestrator.rollout.overlong import overlong_penalty
 from miles_orchestrator.rollout.single_turn import single_turn
 from miles_orchestrator.run_dir import RunDir
-from miles_rollout import Engine, EngineConfig, InProcessClient
+from miles_rollout import InProcessClient
 
 
 # verl (0.9.1), verl/workers/reward_manager/dapo.py, DAPORewardManager.__call__, the overlong_buffer branch
@@ -35,16 +33,6 @@ def test_the_overlong_punishment_is_verls() -> None:
     for length in range(0, 21):
         assert overlong_penalty(length, 20, 8, 1.5) == verl_overlong_reward(length, 20, 8, 1.5)
     assert overlong_penalty(12, 20, 8, 1.0) == 0.0 and overlong_penalty(20, 20, 8, 1.0) == -1.0
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    tokenizer = build_tokenizer(vocab_size=300)
-    save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=2, tokenizer=tokenizer)
-    engine = Engine(str(path), KernelConfig(page_size=16), EngineConfig(num_kv_pages=256))
-    yield engine, PromptEncoder(str(path))
-    engine.shutdown()
 
 
 class Prompts:
@@ -82,8 +70,8 @@ class Parts:
     rollout_fn: object = single_turn
 
 
-def test_dynamic_sampling_fires_an_over_sampling_round_and_dapos_overlong_tools_apply(engine, tmp_path) -> None:
-    eng, encode = engine
+def test_dynamic_sampling_fires_an_over_sampling_round_and_dapos_overlong_tools_apply(tiny_engine, tmp_path) -> None:
+    eng, encode = tiny_engine
     overrides = ["rollout.num_prompts_per_step=3", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=6",
                  "rollout.temperature=1.0", "reward.overlong_buffer=3", "reward.overlong_penalty=0.5",
                  "filter.overlong=true", "trainer.global_batch_size=6"]  # fmt: skip

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 
-import pytest
-
 from miles_contracts import Sample, SampleStatus, SamplingParams
 from miles_kernels import KernelConfig
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
@@ -17,16 +15,6 @@ from miles_orchestrator.rollout.single_turn import single_turn
 from miles_rollout import Engine, EngineConfig, InProcessClient
 
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    tokenizer = build_tokenizer(vocab_size=300)
-    save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=2, tokenizer=tokenizer)
-    engine = Engine(str(path), KernelConfig(page_size=16), EngineConfig(num_kv_pages=256))
-    yield engine, PromptEncoder(str(path))
-    engine.shutdown()
 
 
 def prompts(first: int, count: int) -> list[Sample]:
@@ -38,8 +26,8 @@ def outcome(groups) -> dict[int, tuple]:
     return {s.index: (tuple(s.response_tokens), tuple(s.rollout_logprobs)) for g in groups for s in g}
 
 
-def test_groups_are_reproducible_whatever_else_runs(engine) -> None:
-    eng, encode = engine
+def test_groups_are_reproducible_whatever_else_runs(tiny_engine) -> None:
+    eng, encode = tiny_engine
     client = InProcessClient(eng)
     together = asyncio.run(run_groups(client, expand_groups(prompts(0, 4), 3, encode), PARAMS, 7, single_turn))
     assert [s.index for g in together for s in g] == list(range(12))  # sample-index order
@@ -55,8 +43,8 @@ def test_groups_are_reproducible_whatever_else_runs(engine) -> None:
     assert sample_seed(7, 6) != sample_seed(8, 6) and sample_seed(7, 6) + 1 == sample_seed(7, 7)
 
 
-def test_a_failing_rollout_function_fails_only_its_group(engine) -> None:
-    eng, encode = engine
+def test_a_failing_rollout_function_fails_only_its_group(tiny_engine) -> None:
+    eng, encode = tiny_engine
 
     async def flaky(client, group, params):
         if group[0].group_index == 1:

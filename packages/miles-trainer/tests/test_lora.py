@@ -21,17 +21,14 @@ from miles_kernels import (
     fold_adapters,
     load_model,
     load_state,
-    save_model,
     weights_checksum,
 )
-from miles_kernels.testing import random_model, tiny_config
 from miles_trainer import (
     BackendConfig,
     FSDP2Backend,
     LoraTrainConfig,
     OptimizerConfig,
     PolicyLossConfig,
-    ensure_process_group,
     export_hf,
     load_checkpoint,
     save_checkpoint,
@@ -39,17 +36,6 @@ from miles_trainer import (
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 LORA = LoraTrainConfig(rank=4, alpha=8)
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    ensure_process_group()
-    dirs = {}
-    for kind in ("dense", "moe"):
-        save_model(random_model(tiny_config(kind), seed=5), root / kind)
-        dirs[kind] = str(root / kind)
-    return dirs
 
 
 def trainer(

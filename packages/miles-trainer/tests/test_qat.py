@@ -16,17 +16,14 @@ from miles_kernels import (
     load_model,
     load_state,
     read_quantization,
-    save_model,
     weights_checksum,
 )
 from miles_kernels.config import WeightQuantConfig
-from miles_kernels.testing import random_model, tiny_config
 from miles_trainer import (
     BackendConfig,
     FSDP2Backend,
     LoraTrainConfig,
     OptimizerConfig,
-    ensure_process_group,
     export_hf,
 )
 
@@ -35,17 +32,6 @@ FORMATS = {
     "fp8_block": WeightQuantConfig(format="fp8_block", block_size=(32, 32)),
     "int4_group": WeightQuantConfig(format="int4_group", group_size=32),
 }
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("qat")
-    ensure_process_group()
-    dirs = {}
-    for kind in ("dense", "moe"):
-        save_model(random_model(tiny_config(kind), seed=5), root / kind)
-        dirs[kind] = str(root / kind)
-    return dirs
 
 
 def trainer(model_dir: str, weights: WeightQuantConfig, qat: bool) -> FSDP2Backend:

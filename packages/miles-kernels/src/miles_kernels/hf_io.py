@@ -40,6 +40,7 @@ from miles_kernels.model_config import ModelConfig
 from miles_kernels.quantization import normalized_items, quantize_model, quantized_layers
 
 SINGLE_FILE = "model.safetensors"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INDEX_FILE = "model.safetensors.index.json"
 
 logger = logging.getLogger("miles_kernels.hf_io")
@@ -167,9 +168,9 @@ def load_state(
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
-            fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-            is_cast = tensor.is_floating_point() and target.is_floating_point() and fp8.count(tensor.dtype) == 0
-            if tensor.dtype != target.dtype and not (is_cast and target.dtype not in fp8):
+            # a float weight takes another float dtype's values (a cast); FP8 bytes mean nothing without their scale
+            is_castable = all(t.is_floating_point() and t.dtype not in FP8_DTYPES for t in (tensor, target))
+            if tensor.dtype != target.dtype and not is_castable:
                 raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, the model holds {target.dtype}")
             value = tensor.to(dtype=target.dtype, device=target.device)
             if name in copies and isinstance(tensors, Mapping) and copies[name] in tensors:

@@ -11,7 +11,7 @@ from torch import nn
 from miles_kernels.config import KernelConfig, WeightQuantConfig
 from miles_kernels.ops.linear import linear, merge_lora
 from miles_kernels.ops.norm import rms_norm
-from miles_kernels.ops.quant import PART_NAMES, dequantize, fake_quantize
+from miles_kernels.ops.quant import PARTS_OF, dequantize, fake_quantize
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +53,7 @@ class Linear(nn.Module):
         low-precision weights, the stored parts dequantized to the kernel dtype (or, in QAT, the weight
         fake-quantized the same way)."""
         if self.weight_quant is not None:
-            parts = {name: p for name, p in self._parameters.items() if name in PART_NAMES and p is not None}
+            parts = {n: p for n in PARTS_OF[self.weight_quant.format] if (p := self._parameters[n]) is not None}
             return dequantize(self.weight_quant, parts, self.kernel.torch_dtype)
         if self.fake_quant is not None:
             return fake_quantize(self.fake_quant, self.weight)

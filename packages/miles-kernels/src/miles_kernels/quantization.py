@@ -24,7 +24,7 @@ from torch import nn
 
 from miles_kernels.config import WeightQuantConfig
 from miles_kernels.layers import Linear
-from miles_kernels.ops.quant import dequantize, part_layout, quantize
+from miles_kernels.ops.quant import PARTS_OF, dequantize, part_layout, quantize
 
 if TYPE_CHECKING:
     from miles_kernels.model import CausalLM
@@ -126,7 +126,7 @@ def normalized_items(
     stored = quantized_layers(model)
     dtype = model.kernel.torch_dtype
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    needed = set(part_layout(source, (1, source.group_size))) if source is not None and source.is_enabled else set()
+    needed = set(PARTS_OF[source.format]) if source is not None and source.is_enabled else set()
     for name, tensor in items:
         layer_name, _, part = name.rpartition(".")
         layer = stored.get(layer_name)

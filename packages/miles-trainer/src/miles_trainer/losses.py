@@ -70,6 +70,28 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def _check_policy_inputs(
+    logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor, mask_BT: torch.Tensor,
+    is_weights_BT: torch.Tensor | None, clip_low: float, clip_high: float,
+) -> None:  # fmt: skip
+    """A policy loss's tensors share one shape (IS weights too) and its clip bounds are in range; ValueError if not."""
+    shape = _check_same_shape(
+        logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT, mask_BT=mask_BT
+    )
+    if is_weights_BT is not None and is_weights_BT.shape != shape:
+        raise ValueError(f"is_weights_BT must have shape {tuple(shape)}, got {tuple(is_weights_BT.shape)}")
+    if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+
+
+def _ratio_max(ratio_BT: torch.Tensor, is_valid: torch.Tensor) -> torch.Tensor:
+    """The largest ratio over valid tokens, 0 when there is none."""
+    if not ratio_BT.numel():
+        return ratio_BT.new_zeros((), dtype=torch.float32)
+    # ratios are > 0, so the clamp turns "no valid token" (-inf) into 0 without a host sync
+    return torch.where(is_valid, ratio_BT.float(), float("-inf")).amax().clamp(min=0.0)
+
+
 def aggregate_loss(
     loss_BT: torch.Tensor,
     mask_BT: torch.Tensor,
@@ -169,13 +191,7 @@ def policy_loss(
     dual_clip_fraction (A < 0 tokens capped by -A c; verl calls this pg_clipfrac_lower), ppo_kl (mean of
     old - logp), ratio_mean, ratio_max.
     """
-    shape = _check_same_shape(
-        logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT, mask_BT=mask_BT
-    )
-    if is_weights_BT is not None and is_weights_BT.shape != shape:
-        raise ValueError(f"is_weights_BT must have shape {tuple(shape)}, got {tuple(is_weights_BT.shape)}")
-    if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    _check_policy_inputs(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, is_weights_BT, clip_low, clip_high)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (the cap on the ratio for negative advantages), got {dual_clip}")
     if ratio_type not in RATIO_TYPES:
@@ -224,10 +240,7 @@ def policy_loss(
             "dual_clip_fraction": _masked_mean(is_dual_clipped.float(), is_valid),
             "ppo_kl": _masked_mean(-log_ratio_BT.detach().float(), is_valid),
             "ratio_mean": _masked_mean(ratio.float(), is_valid),
-            # ratios are > 0, so the clamp turns "no valid token" (-inf) into 0 without a host sync
-            "ratio_max": torch.where(is_valid, ratio.float(), float("-inf")).amax().clamp(min=0.0)
-            if ratio.numel()
-            else ratio.new_zeros((), dtype=torch.float32),
+            "ratio_max": _ratio_max(ratio, is_valid),
         }
     return loss, metrics
 
@@ -259,13 +272,7 @@ def cispo_loss(
     clip_fraction (tokens whose ratio the clip changed; high: above 1 + clip_high, low: below 1 - clip_low),
     ppo_kl, ratio_mean, ratio_max.
     """
-    shape = _check_same_shape(
-        logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT, mask_BT=mask_BT
-    )
-    if is_weights_BT is not None and is_weights_BT.shape != shape:
-        raise ValueError(f"is_weights_BT must have shape {tuple(shape)}, got {tuple(is_weights_BT.shape)}")
-    if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    _check_policy_inputs(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, is_weights_BT, clip_low, clip_high)
     if ratio_type != "token" or dual_clip is not None:
         raise ValueError("CISPO is a token-level loss: it takes no ratio_type=sequence and no dual_clip")
     is_valid = mask_BT.bool()
@@ -289,9 +296,7 @@ def cispo_loss(
             "clip_fraction_low": _masked_mean((ratio < 1.0 - clip_low).float(), is_valid),
             "ppo_kl": _masked_mean(-log_ratio_BT.float(), is_valid),
             "ratio_mean": _masked_mean(ratio.float(), is_valid),
-            "ratio_max": torch.where(is_valid, ratio.float(), float("-inf")).amax().clamp(min=0.0)
-            if ratio.numel()
-            else ratio.new_zeros((), dtype=torch.float32),
+            "ratio_max": _ratio_max(ratio, is_valid),
         }
     return loss, metrics
 

@@ -128,8 +128,10 @@ def bucket_plan(
     model: ExportModel, bucket_bytes: int, dtype: torch.dtype | None = None, quant: WeightQuantizer | None = None
 ) -> list[list[str]]:
     """The HF names of each bucket of a weight sync (`miles_kernels.plan_buckets` over the export sizes)."""
-    dtype = dtype or model.kernel.torch_dtype
-    layout = export_layout(model, dtype, quant)
+    return _plan(export_layout(model, dtype or model.kernel.torch_dtype, quant), bucket_bytes)
+
+
+def _plan(layout: list[tuple[str, str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[list[str]]:
     return plan_buckets([(name, math.prod(shape) * d.itemsize) for name, _, shape, d in layout], bucket_bytes)
 
 
@@ -143,7 +145,8 @@ def iter_tensor_buckets(
     come from one gather, whichever buckets they fall in."""
     dtype = dtype or model.kernel.torch_dtype
     params = dict(export_names(model))
-    source = {name: param_name for name, param_name, _, _ in export_layout(model, dtype, quant)}
+    layout = export_layout(model, dtype, quant)
+    source = {name: param_name for name, param_name, _, _ in layout}
     last: tuple[str, dict[str, torch.Tensor]] = ("", {})  # the latest gathered parameter, as sent
 
     def sent(name: str) -> torch.Tensor:
@@ -154,7 +157,7 @@ def iter_tensor_buckets(
             last = (param_name, dict([(param_name, tensor)] if quant is None else quant.parts(param_name, tensor)))
         return last[1][name]
 
-    plan = bucket_plan(model, bucket_bytes, dtype, quant)
+    plan = _plan(layout, bucket_bytes)
     for index, names in enumerate(plan):
         bucket = {name: sent(name) for name in names}
         if index + 1 == len(plan) or source[plan[index + 1][0]] != last[0]:

@@ -27,8 +27,12 @@ from miles_kernels.config import WeightQuantConfig
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 INT4_MIN, INT4_MAX = -8, 7
 INT4_PER_INT32 = 8
-# every stored part of every format, under the layer's name (`q_proj.weight_scale_inv`)
-PART_NAMES = ("weight", "weight_scale_inv", "weight_scale", "weight_packed", "weight_shape")
+# each format's stored parts, under the layer's name (`q_proj.weight_scale_inv`)
+PARTS_OF = {
+    "fp8_block": ("weight", "weight_scale_inv"),
+    "fp8_channel": ("weight", "weight_scale"),
+    "int4_group": ("weight_packed", "weight_scale", "weight_shape"),
+}
 
 
 def part_layout(config: WeightQuantConfig, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
