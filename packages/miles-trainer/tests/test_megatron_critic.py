@@ -64,16 +64,16 @@ def outputs(out_dir: Path, params: dict, metrics: dict) -> dict:
     return {"params": params, "metrics": metrics, "critic": load_file(out_dir / "critic.safetensors"), **values}
 
 
-def assert_matches_fsdp2(run: dict, fsdp: dict, model_atol: float = 2e-6) -> None:
-    """The step's numbers within test_megatron.py's tolerances: losses and norms 1e-6 relative, values and the head's
-    parameters 2e-6, the models' (the policy's, a separate critic's) `model_atol`."""
+def assert_matches_fsdp2(run: dict, fsdp: dict, model_atol: float = 2e-6, values_atol: float = 2e-6) -> None:
+    """The step's numbers within test_megatron.py's tolerances: losses and norms 1e-6 relative, the head's parameters
+    2e-6, the values `values_atol`, the models' (the policy's, a separate critic's) `model_atol`."""
     metrics, expected = run["metrics"], fsdp["metrics"]
     for key in ("vf_loss", "vf_clip_fraction", "value_mean", "critic_grad_norm", "critic_lr", "critic_values_sum",
                 "loss", "pg_loss", "grad_norm", "entropy", "num_tokens", "skipped_update"):  # fmt: skip
         assert metrics[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-7), key
     for when in ("before", "after"):
         for got, want in zip(run[when], fsdp[when], strict=True):
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=2e-6)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=values_atol)
     for name in ("params", "critic"):
         assert run[name].keys() == fsdp[name].keys(), name
         for key, tensor in fsdp[name].items():
@@ -91,8 +91,9 @@ def test_a_separate_critic_on_two_stages_matches_fsdp2_and_resumes_bit_exact(mod
     assert any(v != 0.0 for row in straight["before"] for v in row)  # the warm-up step trained the critic
     assert straight["metrics"]["skipped_update"] == 0.0 and "pg_loss" in straight["metrics"]
     # models: 5e-5, test_megatron.py's bound for weights whose gradients are near AdamW's eps, where the normalized
-    # step magnifies float32 rounding (here one weight in thousands of a few tensors, after two steps: up to 3e-5)
-    assert_matches_fsdp2(straight, fsdp, model_atol=5e-5)
+    # step magnifies float32 rounding (here one weight in thousands of a few tensors, after two steps: up to 3e-5);
+    # values: 1e-5 (torch.testing's float32 atol), megatron-core's GEMMs on those weights (up to 2.4e-6 on AVX-512)
+    assert_matches_fsdp2(straight, fsdp, model_atol=5e-5, values_atol=1e-5)
     assert {"value_head.score.weight", "model.norm.weight"} <= straight["critic"].keys()
     resumed = outputs(tmp_path / "resume", *run_ranks(model_dir, tmp_path / "resume", 2, "resume",
                                                       extra_env=env, worker=WORKER))  # fmt: skip

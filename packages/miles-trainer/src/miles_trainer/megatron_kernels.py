@@ -6,6 +6,7 @@ megatron-core builds its decoder from a `ModuleSpec`; `miles_block_spec` takes t
 arithmetic (`miles_kernels.model`) on the same parameters:
 
 - `MilesRMSNorm` (every norm, q/k norms and the final one included): miles' `rms_norm`.
+- `MilesColumnParallelLinear` (an MTP module's `eh_proj`): miles' `linear` on this TP rank's output columns.
 - `MilesSelfAttention`: q, k and v each by miles' `linear` on its own rows of the fused `linear_qkv` weight (the
   engine's separate q/k/v projections: the same GEMM shapes), q/k norms, RoPE from `rotary_cos_sin`, the engine's
   `packed_attention` over the micro-batch's packed sequences, `linear_proj`.
@@ -428,6 +429,38 @@ def miles_spec(spec: Any, kernel: KernelConfig, model: ModelConfig, config: Mega
     """megatron-core's local-module `spec` (a layer spec, an MTP layer spec or a block's submodules) with the Miles
     classes in place of the ones that compute."""
     return swap_modules(spec, _swaps(kernel, model, config.tp_reduce))
+
+
+@functools.cache
+def _column_linear_class() -> type:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class MilesColumnParallelLinear(ColumnParallelLinear):  # type: ignore[misc]
+        """megatron-core's column-parallel linear (an MTP module's `eh_proj`) computed by miles' `linear` on this TP
+        rank's output columns (bitwise the unsplit GEMM's columns); its output stays split (`gather_output=False`)
+        and the caller gathers it, as megatron-core's MTP layer does."""
+
+        def __init__(self, *args: Any, kernel: KernelConfig, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if self.gather_output or self.skip_bias_add:
+                raise ValueError("the Miles column-parallel linear returns its own columns, bias added")
+            self.kernel = kernel
+
+        def forward(self, input_: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+            x_NH = _column_input(_rows(input_), self.config)
+            out = linear(x_NH, self.weight, self.kernel, self.bias)
+            return out.view(*input_.shape[:-1], -1), None
+
+    return MilesColumnParallelLinear
+
+
+def miles_mtp_spec(spec: Any, kernel: KernelConfig, model: ModelConfig, config: MegatronConfig) -> Any:
+    """megatron-core's local-module MTP layer spec with the Miles classes (`miles_spec`), its `eh_proj` included."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = miles_spec(spec, kernel, model, config)
+    eh_proj = ModuleSpec(module=_column_linear_class(), params={"kernel": kernel})
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, eh_proj=eh_proj))
 
 
 def miles_block_spec(

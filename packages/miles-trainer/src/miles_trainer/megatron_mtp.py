@@ -42,7 +42,7 @@ from miles_kernels import KernelConfig, ModelConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import MegatronConfig, OptimizerConfig
 from miles_trainer.megatron_convert import MTP_PREFIX
-from miles_trainer.megatron_kernels import building_miles_layers, miles_spec
+from miles_trainer.megatron_kernels import building_miles_layers, miles_mtp_spec
 from miles_trainer.megatron_model import MegatronCausalLM, PaddedBatch, layer_spec, rope_table, transformer_config
 from miles_trainer.megatron_optimizer import adamw, adamw_step, state_tensors
 from miles_trainer.megatron_state import adamw_sharded_state, load_adamw_state
@@ -54,7 +54,7 @@ def build_mtp_block(
 ) -> Any:  # fmt: skip
     """megatron-core's `MultiTokenPredictionBlock` of `model`'s MTP modules for the last stage (its model chunk
     `vp_stage`), parameters on the CPU; the caller loads the weights (`hf_to_megatron`'s `mtp.` tensors). With
-    `kernel` where the trunk runs the Miles layers, so do the modules' norms and decoder layers."""
+    `kernel` where the trunk runs the Miles layers, so do the modules' norms, `eh_proj` and decoder layers."""
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock,
         MultiTokenPredictionBlockSubmodules,
@@ -67,7 +67,7 @@ def build_mtp_block(
         for i in range(model.num_nextn_predict_layers)
     ]
     if kernel is not None and config.uses_miles_layers(kernel.is_deterministic):
-        specs = [miles_spec(spec, kernel, model, config) for spec in specs]
+        specs = [miles_mtp_spec(spec, kernel, model, config) for spec in specs]
     with building_miles_layers():
         return MultiTokenPredictionBlock(
             config=transformer_config(model, config, dtype),
