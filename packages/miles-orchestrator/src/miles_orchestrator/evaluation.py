@@ -41,3 +41,13 @@ async def evaluate_held_out(cfg: RunConfig, parts: RunParts, client: GenerateCli
         done = await _evaluate_groups(cfg, parts, client, groups, params, key, run)
         out[key] = sum(1.0 for g in done if any((s.reward or 0.0) >= 1.0 for s in g)) / max(len(done), 1)
     return out
+
+
+async def evaluate_teacher(cfg: RunConfig, parts: RunParts, run: RunDir) -> dict[str, float]:
+    """On-policy distillation: the teacher's own held-out pass@1 (and pass@k), the student's target, logged with
+    step 0 as `teacher_eval_pass@1`; nothing without a teacher."""
+    if parts.teacher is None:
+        return {}
+    async with parts.teacher.client_factory() as client:
+        scores = await evaluate_held_out(cfg, parts, client, run)
+    return {f"teacher_{key}": value for key, value in scores.items()}

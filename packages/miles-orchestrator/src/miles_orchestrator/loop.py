@@ -18,7 +18,7 @@ from typing import Any
 
 from miles_orchestrator.cluster import Cluster, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
-from miles_orchestrator.evaluation import evaluate_held_out
+from miles_orchestrator.evaluation import evaluate_held_out, evaluate_teacher
 from miles_orchestrator.parts import open_parts
 from miles_orchestrator.preflight import check_model, check_on_policy, with_fresh_draft
 from miles_orchestrator.producer import Produced, Producer
@@ -39,7 +39,7 @@ async def _run_training(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     check_batch_identity(cfg)
     model_dir = with_fresh_draft(cfg, model_dir, run)
     check_model(cfg, model_dir)
-    with open_parts(cfg, model_dir) as parts:
+    with open_parts(cfg, model_dir, run.log) as parts:
         cluster = await start_cluster(cfg, model_dir, run.path, run.log)
         turns = Turns(cluster, is_colocated=cfg.run.colocate, is_partial=cfg.memory.partial_offload)
         try:
@@ -48,7 +48,8 @@ async def _run_training(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
             await check_on_policy(cfg, cluster, version=start, log=run.log)
             await turns.engine_turn()
             if start == 0 and parts.eval_prompts and cfg.run.eval_every:
-                run.record(0, await evaluate_held_out(cfg, parts, cluster.engine, run))
+                run.record(0, await evaluate_held_out(cfg, parts, cluster.engine, run) | await evaluate_teacher(
+                    cfg, parts, run))  # fmt: skip
             last_position = parts.source.state_dict()  # the data position the next checkpoint follows
             finished = time.perf_counter()
             async with Producer(cfg, cluster, run, parts, start) as producer:

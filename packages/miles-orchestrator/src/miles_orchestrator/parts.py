@@ -1,6 +1,7 @@
 """`RunParts`: the components every step of a run uses — data source, rewards, filters, rollout function, prompt
-encoder, held-out prompts and their rollout function — built once at start-up by `open_parts` (which also owns the
-reward and environment workers: they stop when it exits)."""
+encoder, held-out prompts and their rollout function, the distillation teacher — built once at start-up by
+`open_parts` (which also owns the reward and environment workers and an embedded teacher: they stop when it
+exits)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from miles_contracts import RolloutFn, Sample
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.data.sources import build_data_source, build_eval_samples
+from miles_orchestrator.opd import Teacher, open_teacher
 from miles_orchestrator.reward.pool import RewardPool
 from miles_orchestrator.rollout.agentic import agent_rollout
 from miles_orchestrator.rollout.batch import PromptEncoder
@@ -30,15 +32,20 @@ class RunParts:
     encode: PromptEncoder
     eval_prompts: list[Sample]
     eval_fn: RolloutFn  # the rollout function of held-out evaluation
+    teacher: Teacher | None = None  # on-policy distillation's teacher (the opd section), or None
 
 
 @contextlib.contextmanager
-def open_parts(cfg: RunConfig, model_dir: str) -> Iterator[RunParts]:
-    """The run's parts; the reward workers and the agentic environments stop on exit."""
+def open_parts(cfg: RunConfig, model_dir: str, log: Any = print) -> Iterator[RunParts]:
+    """The run's parts; the reward workers, the agentic environments and an embedded teacher stop on exit."""
     source, eval_prompts = build_data_source(cfg.data), build_eval_samples(cfg.data)
     encode = PromptEncoder(model_dir)
     filters = build_filters(cfg.filter)
-    with RewardPool.from_config(cfg.reward) as rewards, agent_rollout(cfg.rollout, encode.tokenizer) as agent:
+    with (
+        RewardPool.from_config(cfg.reward) as rewards,
+        agent_rollout(cfg.rollout, encode.tokenizer) as agent,
+        open_teacher(cfg, model_dir, log) as teacher,
+    ):
         yield RunParts(
             source=source,
             rewards=rewards,
@@ -49,4 +56,5 @@ def open_parts(cfg: RunConfig, model_dir: str) -> Iterator[RunParts]:
             # a held-out episode plays as a training one, through the same rollout function (slime's eval
             # function defaults to its rollout function), without the routed experts only training replays
             eval_fn=agent or resolve_rollout_fn(cfg.rollout.rollout_fn),
+            teacher=teacher,
         )

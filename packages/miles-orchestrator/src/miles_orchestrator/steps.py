@@ -13,6 +13,7 @@ import torch
 from miles_contracts import Sample
 from miles_orchestrator.cluster import Cluster, CriticTargets
 from miles_orchestrator.config import RunConfig
+from miles_orchestrator.opd import opd_advantages
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.staleness import bound_staleness, has_off_policy_tokens, onpolicy_mismatch
 from miles_orchestrator.turns import Turns
@@ -101,7 +102,9 @@ async def train(
     critic: CriticTargets | None = None, trained_version: int | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs); with
-    `critic`, each step trains PPO's critic on its part of the batch too. `trained_version` (overlapped runs): the
+    `critic`, each step trains PPO's critic on its part of the batch too; with on-policy distillation, the
+    advantages first take the reverse KL to the teacher (opd.py) on the student's log-probs (the recomputed ones
+    where they are not the rollout's). `trained_version` (overlapped runs): the
     version of the trainer's weights; when some tokens come from another one, π_old is the trainer's recomputation
     at this version (whatever the kernels) and the mismatch metric covers the tokens this version generated only
     (staleness.onpolicy_mismatch)."""
@@ -113,6 +116,10 @@ async def train(
     if off_policy:
         assert old_logprobs is not None and trained_version is not None
         metrics |= onpolicy_mismatch(batch, old_logprobs, trained_version)
+    if cfg.opd.is_enabled:  # on-policy distillation: the reverse KL to the teacher enters the advantages (opd.py)
+        student = old_logprobs if old_logprobs is not None else [s.rollout_logprobs or [] for s in batch]
+        advantages, opd_metrics = opd_advantages(advantages, batch, student, cfg.opd.kl_coef, cfg.opd.task_reward)
+        metrics |= opd_metrics
     size = len(batch) // cfg.trainer.steps_per_rollout
     with run.progress("train", cfg.trainer.steps_per_rollout) as advance:
         for k in range(cfg.trainer.steps_per_rollout):

@@ -32,6 +32,7 @@ from miles_orchestrator.config.sections import (
     DataSection,
     FilterSection,
     ModelSection,
+    OPDSection,
     RewardSection,
     RunSection,
     Section,
@@ -54,6 +55,9 @@ class RunConfig(Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="How responses are generated.")
     reward: RewardSection = Field(default_factory=RewardSection, description="How responses are scored.")
     filter: FilterSection = Field(default_factory=FilterSection, description="Which prompt groups train.")
+    opd: OPDSection = Field(
+        default_factory=OPDSection, description="On-policy distillation from a teacher (off without a teacher)."
+    )
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="The policy update.")
     spec: SpecConfig = Field(
         default_factory=SpecConfig,
@@ -183,6 +187,21 @@ class RunConfig(Section):
                 f"as many: e.g. rollout.engine_resources={{CPU: 8, GPU: {gpus}}}"
             )
 
+    def _opd(self) -> None:
+        """On-policy distillation (miles_orchestrator.opd) against the other sections."""
+        if not self.opd.is_enabled:
+            return
+        if not self.opd.task_reward and self.filter.dynamic_sampling:
+            raise ValueError(
+                "opd.task_reward=false trains every prompt group on the teacher's signal, but filter.dynamic_sampling "
+                "drops the groups whose rewards are all equal; set filter.dynamic_sampling=false"
+            )
+        if self.opd.teacher is not None and self.opd.teacher.path is None and self.model.path is not None:
+            raise ValueError(
+                "opd.teacher bootstraps a built-in teacher on the built-in task's tokenizer, but model.path is your "
+                "own model: give the teacher's directory as opd.teacher.path (or a server as opd.teacher_url)"
+            )
+
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
         """The derived settings (resolve.py), then the checks across sections, which only read the config."""
@@ -191,6 +210,7 @@ class RunConfig(Section):
         self._low_precision()
         self._megatron_backend()
         self._sglang_backend()
+        self._opd()
         if self.kernel.is_deterministic and self.rollout.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p={self.rollout.top_p} samples from a truncated distribution, while true on-policy "
@@ -356,8 +376,9 @@ def _help_lines(model: type[BaseModel], prefix: str, lines: list[str], defaults:
         default = getattr(defaults, name)
         section = section_model(info.annotation)
         if section is not None:
-            lines += ["", f"{dotted}: {' '.join((section.__doc__ or '').split())}"]
-            _help_lines(section, f"{dotted}.", lines, default)
+            optional = " (optional: null until one of its keys is set)" if default is None else ""
+            lines += ["", f"{dotted}: {' '.join((section.__doc__ or '').split())}{optional}"]
+            _help_lines(section, f"{dotted}.", lines, section.model_construct() if default is None else default)
             continue
         text = yaml.safe_dump(list(default) if isinstance(default, tuple) else default, default_flow_style=True)
         text = text.strip().removesuffix("...").strip()
@@ -381,6 +402,11 @@ def type_text(annotation: Any) -> str:
 
 
 def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds: its annotation, or X of an optional section `X | None` (e.g. opd.teacher,
+    null until one of its keys is given)."""
+    if get_origin(annotation) in (Union, UnionType):
+        models = [a for a in get_args(annotation) if a is not type(None)]
+        return section_model(models[0]) if len(models) == 1 else None
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 

@@ -83,13 +83,13 @@ def _corpus_line(row: dict[str, Any]) -> str:
     return f"{row['prompt']} {row['response']}"
 
 
-def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
-    """Qwen3: hidden 256, intermediate 768, 4 layers, 8 heads / 4 KV heads, head dim 32, tied embeddings; one MTP
-    module (DeepSeek-V3's layout, `model.layers.4`). Qwen2.5 (`qwen2`: q/k/v biases, no QK-norm) and Llama 3.x
-    (`llama`: no QK-norm, Llama 3.1's RoPE scaling, factor 8 over an original context of 256 with the trunk's RoPE
-    base 10,000: at head dim 32 Llama's base 500,000 leaves a 4-layer model too few position-sensitive dimensions to
-    learn the task) keep that shape. The MoE
-    families keep that trunk and swap the MLPs:
+def policy_config(vocab_size: int, architecture: str = "qwen3", num_layers: int = 4) -> ModelConfig:
+    """Qwen3: hidden 256, intermediate 768, `num_layers` layers (4 by default), 8 heads / 4 KV heads, head dim 32,
+    tied embeddings; one MTP module (DeepSeek-V3's layout, `model.layers.{num_layers}`). Qwen2.5 (`qwen2`: q/k/v
+    biases, no QK-norm) and Llama 3.x (`llama`: no QK-norm, Llama 3.1's RoPE scaling, factor 8 over an original
+    context of 256 with the trunk's RoPE base 10,000: at head dim 32 Llama's base 500,000 leaves a 4-layer model too
+    few position-sensitive dimensions to learn the task) keep that shape. The MoE families keep that trunk and swap
+    the MLPs:
     - qwen3_moe: 8 experts of intermediate 384, top-2 (renormalized): the dense MLP's active size;
     - glm4_moe: the first layer dense (768), then 8 routed experts of 256, top-2 of one group, one shared expert
       of 256, routed scaling 2.5, partial rotary 0.5, q/k/v biases, QK-norm (GLM-4.5's settings, scaled down);
@@ -98,7 +98,7 @@ def policy_config(vocab_size: int, architecture: str = "qwen3") -> ModelConfig:
       by the 8 heads, query / key heads of 32 + 16, value heads of 32; interleaved rotary pairs and YaRN (factor 4
       over 128 original positions, DeepSeek-V3's mscales) (DeepSeek-V3's settings, scaled down)."""
     shape: dict[str, Any] = {
-        "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+        "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": num_layers,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 512,
         "num_nextn_predict_layers": 1,
     }  # fmt: skip
@@ -217,7 +217,7 @@ def _build(cfg: RunConfig, staging: Path, log: Any) -> None:
     corpus = [_corpus_line(row) for row in rows[:2000]]
     chat_format = CHAT_FORMAT.get(cfg.model.bootstrap_architecture, "qwen")
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.model.bootstrap_vocab_size, chat_format=chat_format)
-    config = policy_config(len(tokenizer), cfg.model.bootstrap_architecture)
+    config = policy_config(len(tokenizer), cfg.model.bootstrap_architecture, cfg.model.bootstrap_num_layers)
     save_random_model(staging / "base", config, seed=cfg.data.seed, tokenizer=tokenizer)
     data = staging / "sft.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))

@@ -1,5 +1,6 @@
 """Rollout: steps 2-4 of the RL data path. `generate_batch` is a step's rollout phase: generate prompt groups, score
-them, filter them, and over-sample until enough groups pass (evaluation.py reuses the generation part).
+them, filter them, and over-sample until enough groups pass (evaluation.py reuses the generation part); with
+on-policy distillation, the teacher then scores the batch (miles_orchestrator.opd).
 
 The driver expands each prompt of the data source into a group of `n` pending samples (sample index =
 group_index * n + i), tokenizes the prompt once (tokens in, tokens out: the trainer never re-tokenizes) and hands
@@ -178,6 +179,19 @@ async def generate_batch(
         raise DataExhausted("the data source has no prompts left (data.num_epochs passes done)")
     if not batch:
         raise RuntimeError("no prompt group could be rolled out this step; see run.log for the rollout errors")
+    teacher_metrics: dict[str, float] = {}
+    if parts.teacher is not None:  # on-policy distillation: the teacher scores what trains (miles_orchestrator.opd)
+        scoring = time.perf_counter()
+        batch, errors = await parts.teacher.score(batch)
+        for error in errors:
+            run.log(f"not trained, the teacher could not score it: {error}")
+        if not batch:
+            raise RuntimeError(
+                f"the teacher scored no prompt group of this step ({errors[0]}); the run stops so that it never "
+                "trains without its teacher: fix the teacher and resume (--resume)"
+            )
+        teacher_metrics = {"teacher_time_s": time.perf_counter() - scoring,
+                           "num_teacher_failed_groups": float(len(errors))}  # fmt: skip
     seconds = time.perf_counter() - began
     lengths = [len(s.response_tokens) for s in generated]
     return batch, {
@@ -197,6 +211,7 @@ async def generate_batch(
         "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
         **spec_metrics(generated),
         **agent_metrics(generated),
+        **teacher_metrics,
     }  # fmt: skip
 
 
