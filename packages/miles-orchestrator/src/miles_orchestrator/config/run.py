@@ -376,8 +376,10 @@ def _help_lines(model: type[BaseModel], prefix: str, lines: list[str], defaults:
         default = getattr(defaults, name)
         section = section_model(info.annotation)
         if section is not None:
+            # an optional section says what it is for in its field's description (its class may serve elsewhere)
+            about = (info.description if default is None else None) or section.__doc__ or ""
             optional = " (optional: null until one of its keys is set)" if default is None else ""
-            lines += ["", f"{dotted}: {' '.join((section.__doc__ or '').split())}{optional}"]
+            lines += ["", f"{dotted}: {' '.join(about.split())}{optional}"]
             _help_lines(section, f"{dotted}.", lines, section.model_construct() if default is None else default)
             continue
         text = yaml.safe_dump(list(default) if isinstance(default, tuple) else default, default_flow_style=True)
