@@ -184,7 +184,9 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
     moe, routing_replay, recording = moe_options(model_dir)
     kernel = KernelConfig(**{**KERNEL.model_dump(), "dtype": "bfloat16"}) if mode == "bf16-logprobs" else KERNEL
     backend = FSDP2Backend(
-        model_dir, kernel, OptimizerConfig(lr=1e-3, max_grad_norm=1e9, warmup_steps=2),
+        model_dir, kernel,
+        OptimizerConfig(**{"lr": 1e-3, "max_grad_norm": 1e9, "warmup_steps": 2,
+                           **json.loads(os.environ.get("MILES_TEST_OPTIMIZER", "{}"))}),
         PolicyLossConfig(agg_mode="seq-mean-token-mean", **moe),  # type: ignore[arg-type]
         BackendConfig(max_tokens_per_micro_batch=24, device=device), offload_dir=out_dir,
         routing_replay=routing_replay,

@@ -38,6 +38,7 @@ from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.lora import TrainedWeights, attach_adapters
 from miles_trainer.memory import TrainerMemory
 from miles_trainer.moe import moe_shape
+from miles_trainer.muon import MuonWithAdamW
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
 from miles_trainer.policy_step import accumulate_policy_gradients
 from miles_trainer.qat import attach_quantization
@@ -161,6 +162,11 @@ class FSDP2Backend:
         device = self.config.device
         self.model = load_model(model_dir, kernel, device, dtype=torch.float32).train()
         self.lora = lora if lora is not None and lora.is_enabled else None
+        if self.optimizer_config.name == "muon" and self.lora is not None:
+            raise ValueError("optimizer name=muon orthogonalizes the policy's weight matrices, which LoRA freezes: "
+                             "train the adapters with name=adamw")  # fmt: skip
+        if critic is not None and critic.optimizer.name == "muon":
+            raise ValueError("the critic steps with AdamW: set its optimizer name=adamw (Muon is the policy's)")
         if self.lora is not None:
             attach_adapters(self.model, self.lora, kernel)
         quantizer = attach_quantization(self.model, weight_quant, qat, self.lora is not None)
@@ -184,7 +190,7 @@ class FSDP2Backend:
             p for p in self.model.parameters() if id(p) not in aux_ids | idle_mtp and p.requires_grad
         ]  # with LoRA: the adapters (the frozen base trains in no optimizer)
         self.aux_params = [p for p in self.model.parameters() if id(p) in aux_ids]
-        self.optimizer, self.scheduler = _adamw(self.policy_params, self.optimizer_config)
+        self.optimizer, self.scheduler = _policy_optimizer(self.model, self.policy_params, self.optimizer_config)
         self.aux_optimizer_config = aux_optimizer or self.optimizer_config
         if self.aux_params:
             self.aux_optimizer, self.aux_scheduler = _adamw(self.aux_params, self.aux_optimizer_config)
@@ -509,6 +515,21 @@ class FSDP2Backend:
 
 def _sum_over_ranks(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor)
+
+
+def _policy_optimizer(
+    model: CausalLM, params: list[torch.nn.Parameter], config: OptimizerConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The policy's optimizer: AdamW, or (`name=muon`) Muon for its trunk weight matrices and AdamW for the rest."""
+    if config.name != "muon":
+        return _adamw(params, config)
+    matrices = {id(linear.weight) for linear in model.trunk_linears().values()}
+    optimizer = MuonWithAdamW(
+        [p for p in params if id(p) in matrices], [p for p in params if id(p) not in matrices], lr=config.lr,
+        weight_decay=config.weight_decay, betas=config.betas, eps=config.eps, momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov, ns_steps=config.muon_ns_steps,
+    )  # fmt: skip
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
 
 
 def _adamw(

@@ -131,6 +131,7 @@ class RunConfig(Section):
                 in_routers and backend.megatron.sequence_parallel
             ),
             "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
+            "trainer.optimizer.name=muon (Muon runs on FSDP2)": self.trainer.optimizer.name == "muon",
             "trainer.lora (LoRA adapters) with trainer.backend.megatron.tp > 1 or etp > 1 (the adapters would need "
             "splitting the way the weights are: LoRA runs with tp = etp = 1)": (
                 self.trainer.lora.is_enabled and (backend.megatron.tp > 1 or (backend.megatron.etp or 1) > 1)
@@ -187,6 +188,14 @@ class RunConfig(Section):
                 f"as many: e.g. rollout.engine_resources={{CPU: 8, GPU: {gpus}}}"
             )
 
+    def _optimizer(self) -> None:
+        """trainer.optimizer.name=muon against the other sections (the Megatron backend's refusal is there)."""
+        if self.trainer.optimizer.name == "muon" and self.trainer.lora.is_enabled:
+            raise ValueError(
+                "trainer.optimizer.name=muon orthogonalizes the policy's weight matrices, which trainer.lora freezes: "
+                "train the adapters with name=adamw"
+            )
+
     def _opd(self) -> None:
         """On-policy distillation (miles_orchestrator.opd) against the other sections."""
         if not self.opd.is_enabled:
@@ -211,6 +220,7 @@ class RunConfig(Section):
         self._megatron_backend()
         self._sglang_backend()
         self._opd()
+        self._optimizer()
         if self.kernel.is_deterministic and self.rollout.top_p < 1.0:
             raise ValueError(
                 f"rollout.top_p={self.rollout.top_p} samples from a truncated distribution, while true on-policy "
