@@ -1,7 +1,8 @@
-"""Integration tier (the CLI in a subprocess, the local cluster): the policy-loss and reward-shaping options a
-`miles-orchestrator run` takes end to end. CISPO trains true on-policy (mismatch exactly 0); DAPO's soft overlong
-punishment lowers the rewards while the pass rate stays the task's; over-sampling rounds are counted. On-policy
-distillation from a served teacher: its reverse KL is the advantage, the student stays exactly on-policy."""
+"""Integration tier (the CLI in a subprocess, the local cluster): the policy-loss, optimizer and reward-shaping
+options a `miles-orchestrator run` takes end to end. CISPO, stepped by Muon, trains true on-policy (mismatch exactly
+0); DAPO's soft overlong punishment lowers the rewards while the pass rate stays the task's; over-sampling rounds are
+counted. On-policy distillation from a served teacher: its reverse KL is the advantage, the student stays exactly
+on-policy."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from orchestrator_runs import SMALL, cli, history, policy_dir
 
 
 @pytest.mark.timeout(600)
-def test_cispo_with_dapos_overlong_punishment_runs_on_policy(cold_run, tmp_path) -> None:
+def test_cispo_with_dapos_overlong_punishment_and_muon_runs_on_policy(cold_run, tmp_path) -> None:
     _, cache = cold_run
     run_dir = tmp_path / "cispo"
     options = ["run.num_steps=2", "run.eval_every=0", "run.cluster=local", "trainer.loss.surrogate=cispo",
                "trainer.loss.clip_low=1", "rollout.max_new_tokens=6", "reward.overlong_buffer=4",
-               "filter.overlong=true"]  # fmt: skip
+               "filter.overlong=true", "trainer.optimizer.name=muon"]  # fmt: skip
     result = cli(f"model.path={policy_dir(cache)}", *SMALL, *options, f"run.run_dir={run_dir}", cache=cache)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = [r for r in history(run_dir) if r["step"] > 0]

@@ -67,6 +67,7 @@ from .quantization import (
     store_quantized,
 )
 from .registry import Backend, available_backends, get_backend, register_backend, registered_ops
+from .reward_model import RewardModel, load_reward_model
 from .weight_sync.buckets import (
     BUCKET_FORMAT,
     Bucket,
@@ -112,6 +113,7 @@ __all__ = [
     "MTPLayer",
     "MappedSafetensors",
     "ModelConfig",
+    "RewardModel",
     "Routing",
     "RowSampling",
     "TensorSlot",
@@ -155,6 +157,7 @@ __all__ = [
     "linear",
     "load_mapped",
     "load_model",
+    "load_reward_model",
     "load_state",
     "logprob_temperatures",
     "merge_lora",

@@ -42,7 +42,7 @@ def open_parts(cfg: RunConfig, model_dir: str, log: Any = print) -> Iterator[Run
     encode = PromptEncoder(model_dir)
     filters = build_filters(cfg.filter)
     with (
-        RewardPool.from_config(cfg.reward) as rewards,
+        RewardPool.from_config(cfg.reward, cfg.kernel) as rewards,
         agent_rollout(cfg.rollout, encode.tokenizer) as agent,
         open_teacher(cfg, model_dir, log) as teacher,
     ):

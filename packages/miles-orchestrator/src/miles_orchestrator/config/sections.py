@@ -33,6 +33,15 @@ from miles_trainer.config import (
 
 BUILTIN_REWARD_NAMES = ("exact_match", "math", "task", "env")
 HTTP_REWARD = "http"  # the built-in remote reward (miles_orchestrator.reward.http)
+REWARD_MODEL = "reward_model"  # a sequence-classification reward model in the driver (reward/model.py)
+JUDGE_REWARD = "judge"  # a generative judge: a served model's verdict, parsed (reward/judge.py)
+DRIVER_REWARD_NAMES = (HTTP_REWARD, REWARD_MODEL, JUDGE_REWARD)  # scored without reward worker processes
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the response to the question from 0 (wrong or useless) to 10 (correct and complete).\n\n"
+    "Question: {prompt}\n\nReference answer: {label}\n\nResponse: {response}\n\n"
+    "Think briefly, then end with a line 'Score: N'."
+)
+DEFAULT_JUDGE_PATTERN = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
 DATA_SUFFIXES = (".jsonl", ".parquet")
 HF_PREFIX = "hf:"  # a local Hugging Face dataset (miles_orchestrator.data.hf); reserved, so never a plug-in path
 CLUSTERS = ("ray", "local")
@@ -187,7 +196,9 @@ class RewardSection(Section):
     name: str = Field(
         default="task",
         description="'exact_match', 'math', 'task', 'env' (the episode's environment reward; needs "
-        "rollout.agent.env), 'http' (a reward server at reward.url), or a 'module:function' path.",
+        "rollout.agent.env), 'http' (a reward server at reward.url), 'reward_model' (a sequence-classification "
+        "reward model at reward.model_path), 'judge' (a served model's verdict: reward.judge_url), or a "
+        "'module:function' path.",
     )
     is_group: bool = Field(default=False, description="The function scores a whole prompt group at once.")
     timeout_s: float = Field(
@@ -230,20 +241,48 @@ class RewardSection(Section):
     )
     api_key_env: str | None = Field(
         default=None,
-        description="http reward: environment variable holding an API key, sent as 'Authorization: Bearer KEY' "
-        "(the key itself stays out of config files); null: no key.",
+        description="http reward / judge: environment variable holding an API key, sent as 'Authorization: Bearer "
+        "KEY' (the key itself stays out of config files); null: no key.",
     )
+    model_path: str | None = Field(
+        default=None,
+        description="reward_model: a Hugging Face sequence-classification directory (e.g. a "
+        "Qwen3ForSequenceClassification reward model: AutoModelForSequenceClassification's format), run in the "
+        "driver on the miles-kernels layers; the reward is its score (label 0) of the conversation.",
+    )
+    max_tokens_per_batch: int = Field(
+        default=4096, ge=1, description="reward_model: tokens per forward (a longer sequence runs alone)."
+    )
+    judge_url: str | None = Field(
+        default=None,
+        description="judge: base URL of an OpenAI-compatible server (SGLang, vLLM, miles-rollout serve) whose "
+        "/v1/chat/completions grades each response, e.g. http://127.0.0.1:30020.",
+    )
+    judge_model: str = Field(default="default", description="judge: the `model` field of each chat request.")
+    judge_template: str = Field(
+        default=DEFAULT_JUDGE_TEMPLATE,
+        description="judge: the user message, a Python format string over {prompt}, {response} and {label}.",
+    )
+    judge_pattern: str = Field(
+        default=DEFAULT_JUDGE_PATTERN,
+        description="judge: a regular expression whose first group is the score (its last match in the answer).",
+    )
+    judge_max_score: float = Field(
+        default=10.0, gt=0, description="judge: the reward is the parsed score / judge_max_score."
+    )
+    judge_max_new_tokens: int = Field(default=256, ge=1, description="judge: most tokens of a verdict.")
 
     @field_validator("name")
     @classmethod
     def _known(cls, value: str) -> str:
-        if value in BUILTIN_REWARD_NAMES or value == HTTP_REWARD or is_plugin_path(value):
+        if value in (*BUILTIN_REWARD_NAMES, *DRIVER_REWARD_NAMES) or is_plugin_path(value):
             return value
         raise ValueError(
-            f"reward.name={value!r}: use one of {[*BUILTIN_REWARD_NAMES, HTTP_REWARD]} or a 'module:function' path"
+            f"reward.name={value!r}: use one of {[*BUILTIN_REWARD_NAMES, *DRIVER_REWARD_NAMES]} or a "
+            "'module:function' path"
         )
 
-    @field_validator("url", "health_url")
+    @field_validator("url", "health_url", "judge_url")
     @classmethod
     def _http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None:
@@ -272,12 +311,43 @@ class RewardSection(Section):
                 f"reward.url / reward.health_url are for reward.name=http, not reward.name={self.name!r}; set "
                 "reward.name=http or drop them"
             )
+        needs = {REWARD_MODEL: ("model_path", self.model_path), JUDGE_REWARD: ("judge_url", self.judge_url)}
+        for name, (field, value) in needs.items():
+            if self.name == name and value is None:
+                raise ValueError(f"reward.name={name} needs reward.{field}")
+            if self.name != name and value is not None:
+                raise ValueError(
+                    f"reward.{field} is for reward.name={name}, not {self.name!r}: set the name or drop it"
+                )
+        if self.name in (REWARD_MODEL, JUDGE_REWARD) and self.is_group:
+            raise ValueError(f"reward.name={self.name} scores each sample on its own: set reward.is_group=false")
+        if self.name == JUDGE_REWARD:
+            _check_judge(self.judge_template, self.judge_pattern)
         if self.max_backoff_s < self.backoff_s:
             raise ValueError(
                 f"reward.max_backoff_s={self.max_backoff_s:g} is below reward.backoff_s={self.backoff_s:g}; raise "
                 "max_backoff_s or lower backoff_s"
             )
         return self
+
+
+def _check_judge(template: str, pattern: str) -> None:
+    """reward.judge_template formats with {prompt}, {response}, {label} only; judge_pattern has a score group."""
+    import re
+    import string
+
+    fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    if "response" not in fields or not fields <= {"prompt", "response", "label"}:
+        raise ValueError(
+            f"reward.judge_template has fields {sorted(fields)}: it must use {{response}} and may use {{prompt}} "
+            "and {label} (write a literal brace as {{ or }})"
+        )
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as error:
+        raise ValueError(f"reward.judge_pattern={pattern!r} is not a regular expression: {error}") from None
+    if groups < 1:
+        raise ValueError(f"reward.judge_pattern={pattern!r} has no group: put the score in one, e.g. 'Score: (\\d+)'")
 
 
 class OPDSection(Section):

@@ -70,9 +70,13 @@ class _Answer(NamedTuple):
 class HttpReward:
     """Scores reward calls by POSTing them to `reward.url` (see the module docstring for the contract)."""
 
-    def __init__(self, cfg: RewardSection) -> None:
-        assert cfg.url is not None, "RewardSection requires reward.url for reward.name=http"
-        self.url, self.health_url, self.is_group = cfg.url, cfg.health_url, cfg.is_group
+    label, url_field, health_field = "http reward", "reward.url", "reward.health_url"  # what errors name
+
+    def __init__(self, cfg: RewardSection, url: str | None = None, health_url: str | None = None) -> None:
+        """`url` / `health_url`: another endpoint than reward.url / reward.health_url (the judge's)."""
+        url, health_url = url or cfg.url, health_url or cfg.health_url
+        assert url is not None, "RewardSection requires reward.url for reward.name=http"
+        self.url, self.health_url, self.is_group = url, health_url, cfg.is_group
         self.timeout_s, self.max_retries, self.max_concurrency = cfg.timeout_s, cfg.max_retries, cfg.max_concurrency
         self.backoff_s, self.max_backoff_s = cfg.backoff_s, cfg.max_backoff_s
         self.headers: dict[str, str] = {}
@@ -92,7 +96,7 @@ class HttpReward:
     def check_reachable(self) -> None:
         """Raise ValueError naming reward.url (or reward.health_url) unless the server answers (see the module
         docstring); connection errors and timeouts are retried like a reward call."""
-        field, url = ("reward.health_url", self.health_url) if self.health_url else ("reward.url", self.url)
+        field, url = (self.health_field, self.health_url) if self.health_url else (self.url_field, self.url)
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff(attempt))
@@ -108,13 +112,17 @@ class HttpReward:
             )
         if self.health_url and not response.is_success:
             raise ValueError(
-                f"reward.health_url={url!r} answered {response.status_code} {response.reason_phrase}, not 2xx; "
+                f"{self.health_field}={url!r} answered {response.status_code} {response.reason_phrase}, not 2xx; "
                 "is the reward server healthy?"
             )
         if response.status_code == 404:
             raise ValueError(
-                f"reward.url={url!r}: the server answers 404 Not Found there; fix the path of the scoring endpoint"
+                f"{self.url_field}={url!r}: the server answers 404 Not Found there; fix the path of the scoring "
+                "endpoint"
             )
+
+    def close(self) -> None:
+        """Nothing held between steps: each `score_calls` opens and closes its own connections."""
 
     async def score_calls(self, calls: Sequence[list[Sample]]) -> list[CallResult]:
         """One result per call (one sample, or one prompt group), in order; never raises for a failed call."""
@@ -128,11 +136,15 @@ class HttpReward:
         try:
             return await self._attempts(client, limit, call)
         except Exception as error:  # e.g. OverflowError, RecursionError: whatever an answer provokes fails its call
-            return None, f"http reward at {self.url}: {_cut(f'{type(error).__name__}: {error}')}", False
+            return None, f"{self.label} at {self.url}: {_cut(f'{type(error).__name__}: {error}')}", False
+
+    def _body(self, call: list[Sample]) -> dict[str, Any]:
+        """The JSON a call POSTs (see the module docstring)."""
+        samples = [s.model_dump(mode="json") for s in call]
+        return {"samples": samples} if self.is_group else {"sample": samples[0]}
 
     async def _attempts(self, client: httpx.AsyncClient, limit: asyncio.Semaphore, call: list[Sample]) -> CallResult:
-        samples = [s.model_dump(mode="json") for s in call]
-        body = {"samples": samples} if self.is_group else {"sample": samples[0]}
+        body = self._body(call)
         failure = _Retryable("no attempt made")
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -144,9 +156,9 @@ class HttpReward:
             except _Retryable as retryable:
                 failure = retryable
             except ValueError as error:  # a 4xx or a malformed answer: asking again gets the same
-                return None, f"http reward at {self.url}: {error}", False
+                return None, f"{self.label} at {self.url}: {error}", False
         attempts = f"{self.max_retries + 1} attempt(s)"
-        return None, f"http reward at {self.url}: {failure} ({attempts})", failure.timed_out
+        return None, f"{self.label} at {self.url}: {failure} ({attempts})", failure.timed_out
 
     async def _post(self, client: httpx.AsyncClient, body: dict[str, Any]) -> _Answer:
         try:

@@ -29,10 +29,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
+from miles_kernels import KernelConfig
 from miles_orchestrator.config import HTTP_REWARD, RewardSection
+from miles_orchestrator.config.sections import JUDGE_REWARD, REWARD_MODEL
 from miles_orchestrator.data import task
 from miles_orchestrator.reward.http import CallResult, HttpReward
 from miles_orchestrator.rollout.sandbox import Worker, exit_code, spawn_worker, stop_worker, wait_ready
@@ -124,9 +126,18 @@ def resolve_reward(name: str, *, is_group: bool = False) -> RewardFn | GroupRewa
 
 
 def check_reward(cfg: RewardSection) -> None:
-    """The start-up check of `reward`: a plug-in imports and fits its Protocol; the http reward's server answers."""
+    """The start-up check of `reward`: a plug-in imports and fits its Protocol; the http reward's or the judge's
+    server answers; the reward model's directory is a sequence-classification checkpoint."""
     if cfg.name == HTTP_REWARD:
         HttpReward(cfg).check_reachable()
+    elif cfg.name == JUDGE_REWARD:
+        from miles_orchestrator.reward.judge import JudgeReward
+
+        JudgeReward(cfg).check_reachable()
+    elif cfg.name == REWARD_MODEL:
+        from miles_orchestrator.reward.model import check_reward_model_dir
+
+        check_reward_model_dir(cfg.model_path)
     else:
         resolve_reward(cfg.name, is_group=cfg.is_group)
 
@@ -149,6 +160,16 @@ class RewardStats:
         }
 
 
+class RemoteScorer(Protocol):
+    """What scores a pool's calls instead of its worker processes: the http reward, the judge, the reward model."""
+
+    def check_reachable(self) -> None: ...
+
+    async def score_calls(self, calls: Sequence[list[Sample]]) -> list[CallResult]: ...
+
+    def close(self) -> None: ...
+
+
 class RewardPool:
     """Runs a reward function in `num_workers` worker processes, each call under `timeout_s`; or, given `remote`
     (the http reward), sends each call to its server instead.
@@ -166,7 +187,7 @@ class RewardPool:
         timeout_s: float = 10.0,
         num_workers: int = 2,
         start_method: Literal["spawn", "forkserver"] = "spawn",
-        remote: HttpReward | None = None,
+        remote: RemoteScorer | None = None,
     ) -> None:
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"timeout_s={timeout_s}, num_workers={num_workers}: both must be positive")
@@ -193,9 +214,20 @@ class RewardPool:
             raise
 
     @classmethod
-    def from_config(cls, cfg: RewardSection) -> RewardPool:
-        """The pool that a run config's `reward` section names (the http reward's server checked on the way)."""
-        remote = HttpReward(cfg) if cfg.name == HTTP_REWARD else None
+    def from_config(cls, cfg: RewardSection, kernel: KernelConfig | None = None) -> RewardPool:
+        """The pool that a run config's `reward` section names (a server checked, a reward model loaded on the way;
+        `kernel`: the reward model's kernels, the run's)."""
+        remote: RemoteScorer | None = None
+        if cfg.name == HTTP_REWARD:
+            remote = HttpReward(cfg)
+        elif cfg.name == JUDGE_REWARD:
+            from miles_orchestrator.reward.judge import JudgeReward
+
+            remote = JudgeReward(cfg)
+        elif cfg.name == REWARD_MODEL:
+            from miles_orchestrator.reward.model import RewardModelScorer
+
+            remote = RewardModelScorer(cfg, kernel or KernelConfig())
         return cls(cfg.name, is_group=cfg.is_group, timeout_s=cfg.timeout_s, num_workers=cfg.num_workers,
                    remote=remote)  # fmt: skip
 
@@ -237,6 +269,8 @@ class RewardPool:
             return
         self._closed = True
         self._threads.shutdown(wait=True)
+        if self.remote is not None:
+            self.remote.close()
         while not self._idle.empty():
             self._stop(self._idle.get_nowait())
 
