@@ -2,9 +2,13 @@
 options a `miles-orchestrator run` takes end to end. CISPO, stepped by Muon, trains true on-policy (mismatch exactly
 0); DAPO's soft overlong punishment lowers the rewards while the pass rate stays the task's; over-sampling rounds are
 counted. On-policy distillation from a served teacher: its reverse KL is the advantage, the student stays exactly
-on-policy."""
+on-policy. A reward model and a generative judge score every sample of a run."""
 
 from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from orchestrator_runs import SMALL, cli, history, policy_dir
@@ -46,4 +50,70 @@ def test_on_policy_distillation_from_a_served_teacher(cold_run, tmp_path) -> Non
     trained = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in trained] == [1, 2]
     assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in trained)
-    assert all(r["opd_reverse_kl"] > 1.0 and r["num_teacher_failed_groups"] == 0.0 for r in trained)  # a random teacher
+    assert all(r["num_teacher_failed_groups"] == 0.0 for r in trained)
+    assert all(r["opd_reverse_kl"] > 1.0 for r in trained)  # a random teacher
+
+
+class _Judge(BaseHTTPRequestHandler):
+    """An OpenAI-compatible judge that grades 10 when the response holds the reference answer, else 0."""
+
+    def do_GET(self) -> None:
+        self._answer({"data": [{"id": "judge"}]})
+
+    def do_POST(self) -> None:
+        text = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][0]["content"]
+        label, response = text.split("Reference answer: ")[1].split("\n")[0], text.split("Response: ")[1]
+        score = 10 if label and label in response.split("\n\n")[0] else 0
+        self._answer({"choices": [{"message": {"role": "assistant", "content": f"Score: {score}"}}]})
+
+    def _answer(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(600)
+def test_model_based_rewards_train_a_run(cold_run, tmp_path) -> None:
+    """reward.name=reward_model (a random sequence-classification model on the policy's tokenizer, in the driver)
+    and reward.name=judge (a served judge over HTTP): two steps each, every sample scored, true on-policy."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    _, cache = cold_run
+    policy = policy_dir(cache)
+    hf = json.loads((policy / "config.json").read_text())
+    hf |= {"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 1, "num_nextn_predict_layers": 0}
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(AutoConfig.for_model(**hf), dtype=torch.float32).save_pretrained(
+        rm_dir
+    )
+    AutoTokenizer.from_pretrained(policy).save_pretrained(rm_dir)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    judge_url = f"http://127.0.0.1:{server.server_address[1]}"
+    rewards = {"rm": ["reward.name=reward_model", f"reward.model_path={rm_dir}"],
+               "judge": ["reward.name=judge", f"reward.judge_url={judge_url}"]}  # fmt: skip
+    try:
+        for name, options in rewards.items():
+            run_dir = tmp_path / name
+            common = ["run.num_steps=2", "run.eval_every=0", "run.cluster=local", *options]
+            result = cli(f"model.path={policy}", *SMALL, *common, f"run.run_dir={run_dir}", cache=cache)
+            assert result.returncode == 0, result.stderr[-5000:]
+            rows = [r for r in history(run_dir) if r["step"] > 0]
+            assert [r["step"] for r in rows] == [1, 2], name
+            assert all(r["num_reward_failures"] == 0.0 for r in rows)
+            assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in rows)
+            if name == "judge":  # the judge's verdicts are the task's: its reward mean is the pass rate
+                assert all(r["reward_mean"] == r["pass_rate"] for r in rows)
+            else:  # a random reward model's scores: real numbers, not the task's 0 / 1
+                assert all(abs(r["reward_mean"]) > 0.0 and r["reward_mean"] != r["pass_rate"] for r in rows)
+    finally:
+        server.shutdown()
+        server.server_close()
