@@ -46,11 +46,13 @@ def _restore_torch_threads():
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    from miles_orchestrator.config.run import section_model
+
     names = []
     for name, info in model.model_fields.items():
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            names += _leaf_fields(annotation, f"{prefix}{name}.")
+        section = section_model(info.annotation)  # optional sections (opd.teacher) included
+        if section is not None:
+            names += _leaf_fields(section, f"{prefix}{name}.")
         else:
             names.append(f"{prefix}{name}")
     return names

@@ -499,3 +499,24 @@ def test_the_low_precision_settings_reach_the_memory_planner() -> None:
     assert int4.weight_quant is not None and (int4.weight_quant.format, int4.weight_quant.group_size) == (
         "int4_group", 32) and not int4.qat  # fmt: skip
     assert read_run(RunConfig().model_dump(mode="json")).weight_quant is None
+
+
+def test_a_partial_section_keeps_the_runs_defaults(tmp_path) -> None:
+    """A section whose run default is not its class's keeps that default's values for the keys a config leaves out:
+    trainer.optimizer (lr 2e-4, not OptimizerConfig's 1e-5), rollout.engine (64 running requests), the critic's
+    optimizer (lr 1e-4), from overrides and from a file alike."""
+    default = load_config(None, [])
+    cfg = load_config(None, ["trainer.optimizer.warmup_steps=3", "rollout.engine.weight_dtype=fp8_block",
+                             "trainer.critic.kind=separate", "trainer.critic.optimizer.warmup_steps=1"])  # fmt: skip
+    assert (
+        (cfg.trainer.optimizer.lr, cfg.trainer.optimizer.warmup_steps)
+        == (default.trainer.optimizer.lr, 3)
+        == (2e-4, 3)
+    )
+    assert cfg.rollout.engine.max_running_requests == default.rollout.engine.max_running_requests == 64
+    assert (cfg.trainer.critic.optimizer.lr, cfg.trainer.critic.optimizer.warmup_steps) == (1e-4, 1)
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  optimizer:\n    name: muon\n")
+    from_file = load_config(path, [])
+    assert (from_file.trainer.optimizer.name, from_file.trainer.optimizer.lr) == ("muon", 2e-4)
+    assert load_config(None, ["trainer.optimizer.lr=1e-3"]).trainer.optimizer.lr == 1e-3  # what is given wins

@@ -49,12 +49,6 @@ class OptimizerConfig(_Config):
     """AdamW (or Muon for the policy's matrices) and its learning-rate schedule (linear warm-up, then constant or
     cosine), with gradient clipping."""
 
-    name: Literal["adamw", "muon"] = Field(
-        default="adamw",
-        description="adamw; or muon: Muon for the policy's trunk weight matrices and AdamW for everything else "
-        "(embeddings, LM head, norms, biases, routers), Moonlight's recipe (miles_trainer.muon; the FSDP2 policy's "
-        "optimizer only: a critic and the MTP draft step with AdamW).",
-    )
     lr: float = Field(default=1e-5, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas (beta1, beta2), each in [0, 1).")
@@ -69,6 +63,12 @@ class OptimizerConfig(_Config):
     )
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Cosine floor, as a fraction of lr.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    name: Literal["adamw", "muon"] = Field(
+        default="adamw",
+        description="adamw; or muon: Muon for the policy's trunk weight matrices and AdamW for everything else "
+        "(embeddings, LM head, norms, biases, routers), Moonlight's recipe (miles_trainer.muon; the FSDP2 policy's "
+        "optimizer only: a critic and the MTP draft step with AdamW).",
+    )
     muon_momentum: float = Field(default=0.95, ge=0, lt=1, description="name=muon: the momentum of Muon's matrices.")
     muon_nesterov: bool = Field(default=True, description="name=muon: Nesterov momentum.")
     muon_ns_steps: int = Field(

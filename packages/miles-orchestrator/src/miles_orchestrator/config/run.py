@@ -339,9 +339,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for override in overrides:
         _apply_override(data, override)
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(_with_section_defaults(data, RunConfig))
     except ValidationError as error:
         raise ValueError(_describe(error)) from error
+
+
+def _with_section_defaults(data: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """`data` with each given section's run defaults under it: a section whose default is not its class's (e.g.
+    `trainer.optimizer`, lr 2e-4 where OptimizerConfig says 1e-5; `rollout.engine`, 64 running requests) keeps the
+    values its default sets for the keys `data` leaves out, so `trainer.optimizer.warmup_steps=10` changes the
+    warm-up alone, not the learning rate too."""
+    out = dict(data)
+    for name, info in model.model_fields.items():
+        section = section_model(info.annotation)
+        given = out.get(name)
+        if section is None or not isinstance(given, dict):
+            continue
+        default = info.get_default(call_default_factory=True)
+        preset = default.model_dump(exclude_unset=True) if isinstance(default, BaseModel) else {}
+        out[name] = _with_section_defaults(_merged(preset, given), section)
+    return out
+
+
+def _merged(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """`given` over `base`, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in given.items():
+        out[key] = _merged(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
+    return out
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
