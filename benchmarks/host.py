@@ -74,3 +74,15 @@ def host_info() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "versions": {package: version for package in PACKAGES if (version := _version(package))},
     }
+
+
+def write_results(out: str | Path, results: dict[str, Any], began: float) -> None:
+    """`results` with its `wall_time_s` (since `began`, a `time.perf_counter()`) as indented JSON at `out`."""
+    import json
+    import time
+
+    results["wall_time_s"] = round(time.perf_counter() - began, 1)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path} ({results['wall_time_s']} s)")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from default_run import metric_lines
-from host import host_info
+from host import host_info, write_results
 from lora_sync import SHAPES
 
 from miles_kernels import KernelConfig, checkpoint_tensors
@@ -252,11 +251,7 @@ def main() -> None:
                 "num_steps": args.steps, "eval_every": EVAL_EVERY,
                 "runs": training(args.training_formats or args.formats, args.steps, Path(tmp)),
             }  # fmt: skip
-    results["wall_time_s"] = round(time.perf_counter() - began, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out} ({results['wall_time_s']} s)")
+    write_results(args.out, results, began)
 
 
 if __name__ == "__main__":

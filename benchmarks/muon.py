@@ -14,7 +14,6 @@ Newton-Schulz iterations on every matrix), the wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from default_run import metric_lines
-from host import host_info
+from host import host_info, write_results
 from low_precision import run_config
 
 
@@ -62,12 +61,8 @@ def main() -> None:
         "pass_at_1_gain": gains,
         "muon_over_adamw_train_time": train_time_ratio,
         "runs": runs,
-        "wall_time_s": round(time.perf_counter() - began, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out} ({results['wall_time_s']} s)")
+    write_results(args.out, results, began)
 
 
 if __name__ == "__main__":

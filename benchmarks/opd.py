@@ -17,7 +17,6 @@ student closed, (last - first) / (teacher - first), for each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from host import host_info
+from host import host_info, write_results
 from low_precision import run_config
 
 
@@ -95,12 +94,8 @@ def main() -> None:
         "teacher_eval_pass_at_1": teacher,
         "gap_closed_per_seed": per_seed,
         "runs": runs,
-        "wall_time_s": round(time.perf_counter() - began, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out} ({results['wall_time_s']} s)")
+    write_results(args.out, results, began)
 
 
 if __name__ == "__main__":
