@@ -490,8 +490,9 @@ class FSDP2Backend:
         self._zero_grad()
         return self.memory.offload(room_for).freed_bytes
 
-    def _optimizers(self) -> list[torch.optim.AdamW]:
-        """The policy's AdamW, then the critic's and the auxiliary losses' when there are any."""
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The policy's optimizer (AdamW or Muon's), then the critic's and the auxiliary losses' AdamW when there are
+        any."""
         optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic_config is not None else [])
         return optimizers + ([self.aux_optimizer] if self.aux_params else [])
 

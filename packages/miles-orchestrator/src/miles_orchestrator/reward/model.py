@@ -84,8 +84,8 @@ class RewardModelScorer:
                 results[i] = (None, f"reward model {self.path}: cannot render the sample: {error}", False)
                 continue
             if not ids or len(ids) > self.context:
-                error = f"reward model {self.path}: {len(ids)} tokens, its context is {self.context}"
-                results[i] = (None, error, False)
+                too_long = f"reward model {self.path}: {len(ids)} tokens, its context is {self.context}"
+                results[i] = (None, too_long, False)
             else:
                 sequences.append((i, ids))
         for micro in _micro_batches(sequences, self.max_tokens):
