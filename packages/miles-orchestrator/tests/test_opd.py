@@ -210,6 +210,8 @@ def test_a_failing_teacher_is_retried_on_5xx_and_its_group_dropped_on_4xx() -> N
     [(["opd.teacher.path=/m", "opd.teacher_url=http://h:1"], "are two teachers"),
      (["opd.teacher_url=http://h:1", "opd.task_reward=false"], r"set filter\.dynamic_sampling=false"),
      (["opd.teacher_api_key_env=KEY"], "is the key of opd.teacher_url"),
+     (["opd.teacher_url=http://h:1", "opd.task_reward=false", "filter.dynamic_sampling=false",
+       "trainer.advantage_estimator=gae"], "PPO's critic would learn"),
      (["opd.teacher_url=ftp://h"], "is not an http"),
      (["model.path=/mine", "opd.teacher.bootstrap_num_layers=8"], "give the teacher's directory")],
 )  # fmt: skip

@@ -205,6 +205,11 @@ class RunConfig(Section):
                 "opd.task_reward=false trains every prompt group on the teacher's signal, but filter.dynamic_sampling "
                 "drops the groups whose rewards are all equal; set filter.dynamic_sampling=false"
             )
+        if not self.opd.task_reward and self.trainer.uses_critic:
+            raise ValueError(
+                "opd.task_reward=false trains on the teacher's KL alone, so PPO's critic would learn task returns no "
+                "advantage uses; use a group estimator (trainer.advantage_estimator=grpo) or keep opd.task_reward"
+            )
         if self.opd.teacher is not None and self.opd.teacher.path is None and self.model.path is not None:
             raise ValueError(
                 "opd.teacher bootstraps a built-in teacher on the built-in task's tokenizer, but model.path is your "
