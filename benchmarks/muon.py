@@ -1,6 +1,6 @@
 """Muon beside AdamW, measured: the default example (the built-in task, GRPO, true on-policy) with
-`trainer.optimizer.name=muon` (Muon for the policy's trunk matrices, AdamW for the rest; the same learning rate and
-weight decay, Moonlight's RMS-matched update) and with AdamW (the default), per seed, as JSON.
+`trainer.optimizer.algorithm=muon` (Muon for the policy's trunk matrices, AdamW for the rest; the same learning rate
+and weight decay, Moonlight's RMS-matched update) and with AdamW (the default), per seed, as JSON.
 
 Each run is `miles-orchestrator run` in a subprocess on the local cluster (`run.seed=s`; the bootstrapped policy is
 the same for every run, cached). Per run: held-out greedy pass@1 at every evaluation, the mismatch (0 under true
@@ -38,8 +38,8 @@ def main() -> None:
         for seed in args.seeds:
             for name in ("adamw", "muon"):
                 label, run_dir = f"{name}_seed{seed}", Path(tmp) / f"{name}_seed{seed}"
-                overrides = [f"trainer.optimizer.name={name}", f"run.num_steps={args.num_steps}", "run.eval_every=20",
-                             "run.cluster=local", f"run.seed={seed}"]  # fmt: skip
+                overrides = [f"trainer.optimizer.algorithm={name}", f"run.num_steps={args.num_steps}",
+                             "run.eval_every=20", "run.cluster=local", f"run.seed={seed}"]  # fmt: skip
                 summary = run_config(label, overrides, run_dir)
                 steps = [line for line in metric_lines(run_dir) if line["step"] > 0]
                 summary["median_train_time_s"] = round(statistics.median(line["train_time_s"] for line in steps), 4)

@@ -20,7 +20,7 @@ def test_cispo_with_dapos_overlong_punishment_and_muon_runs_on_policy(cold_run, 
     run_dir = tmp_path / "cispo"
     options = ["run.num_steps=2", "run.eval_every=0", "run.cluster=local", "trainer.loss.surrogate=cispo",
                "trainer.loss.clip_low=1", "rollout.max_new_tokens=6", "reward.overlong_buffer=4",
-               "filter.overlong=true", "trainer.optimizer.name=muon"]  # fmt: skip
+               "filter.overlong=true", "trainer.optimizer.algorithm=muon"]  # fmt: skip
     result = cli(f"model.path={policy_dir(cache)}", *SMALL, *options, f"run.run_dir={run_dir}", cache=cache)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = [r for r in history(run_dir) if r["step"] > 0]

@@ -518,5 +518,5 @@ def test_a_partial_section_keeps_the_runs_defaults(tmp_path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("trainer:\n  optimizer:\n    name: muon\n")
     from_file = load_config(path, [])
-    assert (from_file.trainer.optimizer.name, from_file.trainer.optimizer.lr) == ("muon", 2e-4)
+    assert (from_file.trainer.optimizer.algorithm, from_file.trainer.optimizer.lr) == ("muon", 2e-4)
     assert load_config(None, ["trainer.optimizer.lr=1e-3"]).trainer.optimizer.lr == 1e-3  # what is given wins

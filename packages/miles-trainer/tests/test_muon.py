@@ -1,4 +1,4 @@
-"""Muon for the policy's matrices, AdamW for the rest (miles_trainer.muon; `OptimizerConfig.name=muon`).
+"""Muon for the policy's matrices, AdamW for the rest (miles_trainer.muon; `OptimizerConfig.algorithm=muon`).
 
 - The orthogonalization against a plain SVD-based reference: Newton-Schulz maps G = U S V^T to about U S' V^T
   (torch's quintic coefficients: S' spread around 1; the classic cubic iteration, run long: U V^T itself).
@@ -77,7 +77,7 @@ def test_muon_under_fsdp2_trains_the_matrices_and_resumes_bit_exact(tmp_path) ->
 
     model_dir = tmp_path / "model"
     save_model(random_model(tiny_config("dense"), seed=6), model_dir)
-    muon = {"MILES_TEST_OPTIMIZER": json.dumps({"name": "muon", "weight_decay": 0.01})}
+    muon = {"MILES_TEST_OPTIMIZER": json.dumps({"algorithm": "muon", "weight_decay": 0.01})}
     straight, metrics = run_ranks(model_dir, tmp_path / "straight", world=2, mode="two-steps", extra_env=muon)
     resumed, metrics_resumed = run_ranks(model_dir, tmp_path / "resumed", world=2, mode="resume", extra_env=muon)
     assert metrics_resumed == metrics

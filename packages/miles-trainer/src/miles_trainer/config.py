@@ -63,16 +63,18 @@ class OptimizerConfig(_Config):
     )
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="Cosine floor, as a fraction of lr.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    name: Literal["adamw", "muon"] = Field(
+    algorithm: Literal["adamw", "muon"] = Field(
         default="adamw",
         description="adamw; or muon: Muon for the policy's trunk weight matrices and AdamW for everything else "
         "(embeddings, LM head, norms, biases, routers), Moonlight's recipe (miles_trainer.muon; the FSDP2 policy's "
         "optimizer only: a critic and the MTP draft step with AdamW).",
     )
-    muon_momentum: float = Field(default=0.95, ge=0, lt=1, description="name=muon: the momentum of Muon's matrices.")
-    muon_nesterov: bool = Field(default=True, description="name=muon: Nesterov momentum.")
+    muon_momentum: float = Field(
+        default=0.95, ge=0, lt=1, description="algorithm=muon: the momentum of Muon's matrices."
+    )
+    muon_nesterov: bool = Field(default=True, description="algorithm=muon: Nesterov momentum.")
     muon_ns_steps: int = Field(
-        default=5, ge=1, le=99, description="name=muon: Newton-Schulz iterations that orthogonalize each update."
+        default=5, ge=1, le=99, description="algorithm=muon: Newton-Schulz iterations that orthogonalize each update."
     )
 
     @field_validator("betas")

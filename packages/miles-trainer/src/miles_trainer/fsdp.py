@@ -162,11 +162,11 @@ class FSDP2Backend:
         device = self.config.device
         self.model = load_model(model_dir, kernel, device, dtype=torch.float32).train()
         self.lora = lora if lora is not None and lora.is_enabled else None
-        if self.optimizer_config.name == "muon" and self.lora is not None:
-            raise ValueError("optimizer name=muon orthogonalizes the policy's weight matrices, which LoRA freezes: "
-                             "train the adapters with name=adamw")  # fmt: skip
-        if critic is not None and critic.optimizer.name == "muon":
-            raise ValueError("the critic steps with AdamW: set its optimizer name=adamw (Muon is the policy's)")
+        if self.optimizer_config.algorithm == "muon" and self.lora is not None:
+            raise ValueError("optimizer algorithm=muon orthogonalizes the policy's weight matrices, which LoRA "
+                             "freezes: train the adapters with algorithm=adamw")  # fmt: skip
+        if critic is not None and critic.optimizer.algorithm == "muon":
+            raise ValueError("the critic steps with AdamW: set its optimizer algorithm=adamw (Muon is the policy's)")
         if self.lora is not None:
             attach_adapters(self.model, self.lora, kernel)
         quantizer = attach_quantization(self.model, weight_quant, qat, self.lora is not None)
@@ -521,8 +521,9 @@ def _sum_over_ranks(tensor: torch.Tensor) -> None:
 def _policy_optimizer(
     model: CausalLM, params: list[torch.nn.Parameter], config: OptimizerConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The policy's optimizer: AdamW, or (`name=muon`) Muon for its trunk weight matrices and AdamW for the rest."""
-    if config.name != "muon":
+    """The policy's optimizer: AdamW, or (`algorithm=muon`) Muon for its trunk weight matrices and AdamW for the
+    rest."""
+    if config.algorithm != "muon":
         return _adamw(params, config)
     matrices = {id(linear.weight) for linear in model.trunk_linears().values()}
     optimizer = MuonWithAdamW(

@@ -146,9 +146,11 @@ class MegatronBackend:
             )
         if self.optimizer_config.schedule == "cosine" and self.optimizer_config.total_steps is None:
             raise ValueError("optimizer schedule='cosine' needs total_steps (the optimizer steps it spans)")
-        if self.optimizer_config.name == "muon":
-            raise ValueError("optimizer name=muon runs on the FSDP2 backend only (the Megatron backend steps with "
-                             "megatron-core's AdamW); use name=adamw or trainer.backend.name=fsdp2")  # fmt: skip
+        if self.optimizer_config.algorithm == "muon":
+            raise ValueError(
+                "optimizer algorithm=muon runs on the FSDP2 backend only (the Megatron backend steps with "
+                "megatron-core's AdamW); use algorithm=adamw or trainer.backend.name=fsdp2"
+            )
         resolve_loss_fn(self.loss_config.loss_fn, self.loss_config.surrogate)
         _check_device(self.config.device)
         self.device = torch.device(self.config.device)

@@ -1,4 +1,4 @@
-"""Muon for the policy's matrices, AdamW for the rest (`trainer.optimizer.name=muon`; docs/algorithms.md, "Muon").
+"""Muon for the policy's matrices, AdamW for the rest (`trainer.optimizer.algorithm=muon`; docs/algorithms.md, "Muon").
 
 Moonlight / Kimi-K2's recipe: the decoder trunk's weight matrices (`CausalLM.trunk_linears`: attention, MLP,
 experts, MLA projections) step with Muon -- momentum, Nesterov, then the update orthogonalized by Newton-Schulz

@@ -131,7 +131,7 @@ class RunConfig(Section):
                 in_routers and backend.megatron.sequence_parallel
             ),
             "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
-            "trainer.optimizer.name=muon (Muon runs on FSDP2)": self.trainer.optimizer.name == "muon",
+            "trainer.optimizer.algorithm=muon (Muon runs on FSDP2)": self.trainer.optimizer.algorithm == "muon",
             "trainer.lora (LoRA adapters) with trainer.backend.megatron.tp > 1 or etp > 1 (the adapters would need "
             "splitting the way the weights are: LoRA runs with tp = etp = 1)": (
                 self.trainer.lora.is_enabled and (backend.megatron.tp > 1 or (backend.megatron.etp or 1) > 1)
@@ -189,11 +189,11 @@ class RunConfig(Section):
             )
 
     def _optimizer(self) -> None:
-        """trainer.optimizer.name=muon against the other sections (the Megatron backend's refusal is there)."""
-        if self.trainer.optimizer.name == "muon" and self.trainer.lora.is_enabled:
+        """trainer.optimizer.algorithm=muon against the other sections (the Megatron backend's refusal is there)."""
+        if self.trainer.optimizer.algorithm == "muon" and self.trainer.lora.is_enabled:
             raise ValueError(
-                "trainer.optimizer.name=muon orthogonalizes the policy's weight matrices, which trainer.lora freezes: "
-                "train the adapters with name=adamw"
+                "trainer.optimizer.algorithm=muon orthogonalizes the policy's weight matrices, which trainer.lora "
+                "freezes: train the adapters with algorithm=adamw"
             )
 
     def _opd(self) -> None:
