@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
-MUON_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's defaults (Keller Jordan's quintic iteration)
-MUON_EPS = 1e-7
+MUON_NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # torch.optim.Muon's (Keller Jordan's quintic iteration)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -44,7 +43,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adamw = torch.optim.AdamW(adamw, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         muon_group = {
             "params": muon, "algorithm": "muon", "lr": lr, "weight_decay": weight_decay, "momentum": momentum,
-            "nesterov": nesterov, "ns_steps": ns_steps, "ns_coefficients": MUON_NS_COEFFICIENTS, "eps": MUON_EPS,
+            "nesterov": nesterov, "ns_steps": ns_steps, "ns_coefficients": MUON_NS_COEFFICIENTS, "eps": EPS,
             "adjust_lr_fn": "match_rms_adamw",
         }  # fmt: skip
         super().__init__([self._adamw.param_groups[0] | {"algorithm": "adamw"}, muon_group], {})
