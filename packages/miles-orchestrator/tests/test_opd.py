@@ -106,7 +106,10 @@ def teacher_cfg(*overrides: str):
 
 
 def score(cfg, student_dir: Path, batch: list[Sample]) -> tuple[list[Sample], list[str]]:
-    with open_teacher(cfg, str(student_dir), log=lambda _: None) as teacher:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    with open_teacher(cfg, str(student_dir), tokenizer, log=lambda _: None) as teacher:
         assert teacher is not None
         return asyncio.run(teacher.score(batch))
 

@@ -158,11 +158,12 @@ def opd_advantages(
     return out, metrics
 
 
-def check_same_tokenizer(student_dir: str, teacher_dir: str) -> None:
-    """ValueError unless the two model directories' tokenizers have the same vocabulary and special tokens."""
+def check_same_tokenizer(student: Any, student_dir: str, teacher_dir: str) -> None:
+    """ValueError unless the teacher directory's tokenizer has the student's (`student`, the run's prompt encoder's)
+    vocabulary and special tokens."""
     from transformers import AutoTokenizer
 
-    student, teacher = AutoTokenizer.from_pretrained(student_dir), AutoTokenizer.from_pretrained(teacher_dir)
+    teacher = AutoTokenizer.from_pretrained(teacher_dir)
     problems = []
     if student.get_vocab() != teacher.get_vocab():
         only = sorted(set(student.get_vocab().items()) ^ set(teacher.get_vocab().items()))[:3]
@@ -177,12 +178,11 @@ def check_same_tokenizer(student_dir: str, teacher_dir: str) -> None:
         )
 
 
-def check_server_tokenizer(url: str, student_dir: str, headers: dict[str, str], timeout_s: float) -> None:
-    """ValueError unless the server at `url` answers /generate and tokenizes a probe text as the student does (with
-    or without the tokenizer's special tokens: servers differ on adding BOS)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+def check_server_tokenizer(
+    url: str, tokenizer: Any, student_dir: str, headers: dict[str, str], timeout_s: float
+) -> None:
+    """ValueError unless the server at `url` answers /generate and tokenizes a probe text as the student's
+    `tokenizer` does (with or without its special tokens: servers differ on adding BOS)."""
     text = PROBE_TEXT + "".join(tokenizer.all_special_tokens)
     body = {"text": text, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}, "return_logprob": True,
             "logprob_start_len": 0}  # fmt: skip
@@ -236,16 +236,17 @@ def teacher_dir(cfg: RunConfig, log: Any) -> str:
 
 
 @contextlib.contextmanager
-def open_teacher(cfg: RunConfig, student_dir: str, log: Any) -> Iterator[Teacher | None]:
-    """The run's teacher (None without the opd section), its tokenizer checked against the student's; an embedded
-    engine stops on exit."""
+def open_teacher(cfg: RunConfig, student_dir: str, tokenizer: Any, log: Any) -> Iterator[Teacher | None]:
+    """The run's teacher (None without the opd section), its tokenizer checked against the student's (`tokenizer`,
+    the run's prompt encoder's); an embedded engine stops on exit."""
     opd = cfg.opd
     if not opd.is_enabled:
         yield None
         return
     if opd.teacher_url is not None:
         url, key = opd.teacher_url, _api_key(opd.teacher_api_key_env)
-        check_server_tokenizer(url, student_dir, {"Authorization": f"Bearer {key}"} if key else {}, opd.timeout_s)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        check_server_tokenizer(url, tokenizer, student_dir, headers, opd.timeout_s)
 
         def remote() -> contextlib.AbstractAsyncContextManager[GenerateClient]:
             return Client(url, api_key=key, timeout=opd.timeout_s, max_connections=opd.max_concurrency)
@@ -254,7 +255,7 @@ def open_teacher(cfg: RunConfig, student_dir: str, log: Any) -> Iterator[Teacher
         yield Teacher(cfg, remote, f"teacher {url}")
         return
     directory = teacher_dir(cfg, log)
-    check_same_tokenizer(student_dir, directory)
+    check_same_tokenizer(tokenizer, student_dir, directory)
     began = time.perf_counter()
     e = cfg.rollout.engine
     engine = Engine(directory, cfg.kernel, EngineConfig(

@@ -44,7 +44,7 @@ def open_parts(cfg: RunConfig, model_dir: str, log: Any = print) -> Iterator[Run
     with (
         RewardPool.from_config(cfg.reward, cfg.kernel) as rewards,
         agent_rollout(cfg.rollout, encode.tokenizer) as agent,
-        open_teacher(cfg, model_dir, log) as teacher,
+        open_teacher(cfg, model_dir, encode.tokenizer, log) as teacher,
     ):
         yield RunParts(
             source=source,
