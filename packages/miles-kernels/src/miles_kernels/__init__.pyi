@@ -67,7 +67,7 @@ from .quantization import (
     store_quantized,
 )
 from .registry import Backend, available_backends, get_backend, register_backend, registered_ops
-from .reward_model import RewardModel, load_reward_model
+from .reward_model import RewardModel, load_reward_model, read_reward_model_config
 from .weight_sync.buckets import (
     BUCKET_FORMAT,
     Bucket,
@@ -174,6 +174,7 @@ __all__ = [
     "read_model_config",
     "read_peft_adapter",
     "read_quantization",
+    "read_reward_model_config",
     "register_backend",
     "registered_ops",
     "rendezvous_store",

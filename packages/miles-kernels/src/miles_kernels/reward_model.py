@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,12 +63,13 @@ class RewardModel(nn.Module):
         return linear(hidden[rows], self.score, self.kernel).to(torch.float32)
 
 
-def load_reward_model(
-    model_dir: str | os.PathLike[str], kernel: KernelConfig | None = None, device: torch.device | str = "cpu"
-) -> RewardModel:
-    """A `RewardModel` from a Hugging Face sequence-classification directory, parameters in the kernel dtype."""
-    kernel = kernel or KernelConfig()
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
+def read_reward_model_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config.json of a Hugging Face sequence-classification directory; ValueError naming what is wrong
+    otherwise (no config.json, or another architecture: a causal LM is a policy)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} not found: give a Hugging Face sequence-classification directory")
+    hf: dict[str, Any] = json.loads(path.read_text())
     architectures = hf.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
         raise ValueError(
@@ -75,6 +77,15 @@ def load_reward_model(
             "(e.g. Qwen3ForSequenceClassification: a trunk and a `score` head); a causal LM is a policy, not a "
             "reward model"
         )
+    return hf
+
+
+def load_reward_model(
+    model_dir: str | os.PathLike[str], kernel: KernelConfig | None = None, device: torch.device | str = "cpu"
+) -> RewardModel:
+    """A `RewardModel` from a Hugging Face sequence-classification directory, parameters in the kernel dtype."""
+    kernel = kernel or KernelConfig()
+    hf = read_reward_model_config(model_dir)
     config = dataclasses.replace(read_model_config(model_dir), tie_word_embeddings=True, num_nextn_predict_layers=0)
     tensors = dict(iter_checkpoint(model_dir))
     if SCORE_WEIGHT not in tensors:

@@ -15,10 +15,8 @@ context fails on its own.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample
@@ -27,17 +25,6 @@ from miles_orchestrator.config import RewardSection
 from miles_orchestrator.reward.http import CallResult
 
 __all__ = ["RewardModelScorer"]
-
-
-def check_reward_model_dir(path: str | None) -> None:
-    """ValueError unless `path` holds a sequence-classification config.json (the weights load at the run's start)."""
-    config = Path(path or "") / "config.json"
-    if not config.is_file():
-        raise ValueError(f"{config} not found: give a Hugging Face sequence-classification directory")
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        raise ValueError(f"{path}: architectures={architectures}, not a sequence-classification reward model (e.g. "
-                         "Qwen3ForSequenceClassification, AutoModelForSequenceClassification's format)")  # fmt: skip
 
 
 class RewardModelScorer:

@@ -135,9 +135,9 @@ def check_reward(cfg: RewardSection) -> None:
 
         JudgeReward(cfg).check_reachable()
     elif cfg.name == REWARD_MODEL:
-        from miles_orchestrator.reward.model import check_reward_model_dir
+        from miles_kernels import read_reward_model_config
 
-        check_reward_model_dir(cfg.model_path)
+        read_reward_model_config(cfg.model_path or "")
     else:
         resolve_reward(cfg.name, is_group=cfg.is_group)
 
