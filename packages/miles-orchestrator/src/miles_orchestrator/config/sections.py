@@ -49,6 +49,18 @@ CLUSTERS = ("ray", "local")
 RayResources = Annotated[dict[str, Annotated[float, Field(ge=0)]], Field(min_length=1)]
 
 
+def is_http_url(value: str) -> bool:
+    """An http(s) URL with a host, no whitespace and a valid port (if any)."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in value):
+        return False
+    try:
+        _ = parts.port  # an out-of-range or non-numeric port raises here
+    except ValueError:
+        return False
+    return True
+
+
 class Section(BaseModel):
     """A config section: unknown keys are errors (the loader names the closest valid one)."""
 
@@ -285,15 +297,8 @@ class RewardSection(Section):
     @field_validator("url", "health_url", "judge_url")
     @classmethod
     def _http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
+        if value is None or is_http_url(value):
             return value
-        parts = urlsplit(value)
-        if parts.scheme in ("http", "https") and parts.hostname and not any(c.isspace() for c in value):
-            try:
-                _ = parts.port  # an out-of-range or non-numeric port raises here
-                return value
-            except ValueError:
-                pass
         raise ValueError(
             f"reward.{info.field_name}={value!r} is not an http(s) URL with a host; give e.g. "
             "http://127.0.0.1:8000/reward"
@@ -391,10 +396,7 @@ class OPDSection(Section):
     @field_validator("teacher_url")
     @classmethod
     def _server_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        parts = urlsplit(value)
-        if parts.scheme in ("http", "https") and parts.hostname and not any(c.isspace() for c in value):
+        if value is None or is_http_url(value):
             return value
         raise ValueError(f"opd.teacher_url={value!r} is not an http(s) URL with a host; give the server's base URL, "
                          "e.g. http://127.0.0.1:30010")  # fmt: skip
