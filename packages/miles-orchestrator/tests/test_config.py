@@ -516,7 +516,7 @@ def test_a_partial_section_keeps_the_runs_defaults(tmp_path) -> None:
     assert cfg.rollout.engine.max_running_requests == default.rollout.engine.max_running_requests == 64
     assert (cfg.trainer.critic.optimizer.lr, cfg.trainer.critic.optimizer.warmup_steps) == (1e-4, 1)
     path = tmp_path / "run.yaml"
-    path.write_text("trainer:\n  optimizer:\n    name: muon\n")
+    path.write_text("trainer:\n  optimizer:\n    algorithm: muon\n")
     from_file = load_config(path, [])
     assert (from_file.trainer.optimizer.algorithm, from_file.trainer.optimizer.lr) == ("muon", 2e-4)
     assert load_config(None, ["trainer.optimizer.lr=1e-3"]).trainer.optimizer.lr == 1e-3  # what is given wins
