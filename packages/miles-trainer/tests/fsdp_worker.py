@@ -257,9 +257,20 @@ def main(model_dir: str, out_dir: str, mode: str, checkpoint: str) -> None:
         write_critic(out_dir, fsdp_critic_state(backend), values)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "params.safetensors"))
+        with open(os.path.join(out_dir, "optimizer.json"), "w") as f:  # which optimizer, and where the shards live
+            json.dump(describe_optimizer(backend), f)
         with open(os.path.join(out_dir, "metrics.json"), "w") as f:
             json.dump(metrics, f)
     leave_together()
+
+
+def describe_optimizer(backend: FSDP2Backend) -> dict[str, object]:
+    layer = backend.model.model.layers[0]
+    group = layer._get_fsdp_state()._fsdp_param_group if hasattr(layer, "_get_fsdp_state") else None
+    policy = type(group.offload_policy).__name__ if group is not None else None
+    state = [v for s in backend.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    return {"class": type(backend.optimizer).__name__, "offload_policy": policy,
+            "moments_dtype": str(state[0].dtype) if state else None}  # fmt: skip
 
 
 def critic_config() -> CriticConfig | None:

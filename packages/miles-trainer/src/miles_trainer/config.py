@@ -77,12 +77,47 @@ class OptimizerConfig(_Config):
         default=5, ge=1, le=99, description="algorithm=muon: Newton-Schulz iterations that orthogonalize each update."
     )
 
+    offload: Literal["none", "moments", "moments_and_master"] = Field(
+        default="none",
+        description="AdamW's state in host memory, stepped on the CPU (miles_trainer.host_adam; docs/memory.md): "
+        "none; moments (exp_avg and exp_avg_sq in pinned host memory, the weights' chunks streamed through it); "
+        "moments_and_master (also the float32 weights and gradients, FSDP2's CPU offload). FSDP2 backend, AdamW only.",
+    )
+    moments_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="offload: the host moments' dtype; bfloat16 halves them (4 instead of 8 bytes per parameter), "
+        "each chunk widened to float32 for the update and rounded back.",
+    )
+    offload_chunk_mb: int = Field(
+        default=32, ge=1, le=4096,
+        description="offload: the float32 MiB of one chunk of the host step (two chunks are staged at a time).",
+    )  # fmt: skip
+
     @field_validator("betas")
     @classmethod
     def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
         if not all(0 <= beta < 1 for beta in value):
             raise ValueError(f"betas={list(value)}: each must be in [0, 1), e.g. [0.9, 0.999]")
         return value
+
+    @model_validator(mode="after")
+    def _offload(self) -> OptimizerConfig:
+        if self.offload != "none" and self.algorithm == "muon":
+            raise ValueError(
+                f"offload={self.offload} is AdamW's host-memory optimizer; algorithm=muon steps on the device: set "
+                "offload=none, or algorithm=adamw"
+            )
+        if self.moments_dtype != "float32" and self.offload == "none":
+            raise ValueError(
+                f"moments_dtype={self.moments_dtype} is the host-memory optimizer's: set offload=moments (or "
+                "moments_and_master), or moments_dtype=float32"
+            )
+        return self
+
+    @property
+    def is_master_offloaded(self) -> bool:
+        """The float32 weights and their gradients live in host memory (FSDP2's CPUOffloadPolicy)."""
+        return self.offload == "moments_and_master"
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of `lr` at optimizer step `step` (0-based)."""

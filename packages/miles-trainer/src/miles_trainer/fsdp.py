@@ -18,13 +18,20 @@ import functools
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
@@ -38,7 +45,7 @@ from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.lora import TrainedWeights, attach_adapters
 from miles_trainer.memory import TrainerMemory
 from miles_trainer.moe import moe_shape
-from miles_trainer.muon import MuonWithAdamW
+from miles_trainer.optimizers import adamw, policy_optimizer
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
 from miles_trainer.policy_step import accumulate_policy_gradients
 from miles_trainer.qat import attach_quantization
@@ -55,6 +62,8 @@ from miles_trainer.step import (
     resolve_loss_fn,
 )
 from miles_trainer.weight_sender import WeightSender
+
+T = TypeVar("T", bound=torch.Tensor)
 
 
 def apply_activation_checkpointing(model: CausalLM) -> None:
@@ -79,23 +88,30 @@ def use_deterministic_backward() -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
 
-def _needs_fsdp(kernel: KernelConfig) -> bool:
+def _needs_fsdp(kernel: KernelConfig, offload_params: bool) -> bool:
     """One float32 rank has nothing to shard, reduce or cast: the model stays a plain module (FSDP2's hooks cost
-    ~15 ms per step of the 3.2M-parameter policy on 2 cores, about an eighth of the step)."""
-    return dist.get_world_size() > 1 or kernel.torch_dtype != torch.float32
+    ~15 ms per step of the 3.2M-parameter policy on 2 cores, about an eighth of the step), unless its weights are to
+    live in host memory (FSDP2's CPU offload uploads them layer by layer)."""
+    return dist.get_world_size() > 1 or kernel.torch_dtype != torch.float32 or offload_params
 
 
-def _shard(model: CausalLM, kernel: KernelConfig, root: torch.nn.Module | None = None) -> None:
+def _shard(
+    model: CausalLM, kernel: KernelConfig, root: torch.nn.Module | None = None, offload_params: bool = False
+) -> None:
     """Shard each decoder layer, then `root` (the module whose forward the caller runs: `model` itself, or the
-    critic's `ValueModel` around it)."""
-    if not _needs_fsdp(kernel):
+    critic's `ValueModel` around it). `offload_params`: the sharded float32 weights and their gradients in host
+    memory (`OptimizerConfig.offload=moments_and_master`): FSDP2's `CPUOffloadPolicy`, whose all-gather uploads
+    a layer's weights when its forward runs and whose reduce-scatter downloads the gradients."""
+    if not _needs_fsdp(kernel, offload_params):
         return
     policy = MixedPrecisionPolicy(param_dtype=kernel.torch_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
     # an MTP module's embedding and LM head are the trunk's (tied): the root's group manages them, not the module's
     tied = {cast(torch.nn.Parameter, model.model.embed_tokens.weight), model.lm_head.weight}
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy, ignored_params=tied if isinstance(layer, MTPLayer) else None)
-    top = fully_shard(model if root is None else root, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, offload_policy=offload,
+                    ignored_params=tied if isinstance(layer, MTPLayer) else None)  # fmt: skip
+    top = fully_shard(model if root is None else root, mp_policy=policy, offload_policy=offload)
     if model.config.is_moe and dist.get_world_size() > 1:
         # Experts that no token of this rank chose still join the gradient reduction.
         if not hasattr(top, "set_reduce_scatter_unused_params"):
@@ -172,7 +188,7 @@ class FSDP2Backend:
         quantizer = attach_quantization(self.model, weight_quant, qat, self.lora is not None)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        _shard(self.model, kernel)
+        _shard(self.model, kernel, offload_params=self.optimizer_config.is_master_offloaded)
         self.reference: CausalLM | None = None
         self.has_reference = keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0
         if self.has_reference and self.lora is None:  # with LoRA the reference is the base: the policy, adapters off
@@ -190,10 +206,10 @@ class FSDP2Backend:
             p for p in self.model.parameters() if id(p) not in aux_ids | idle_mtp and p.requires_grad
         ]  # with LoRA: the adapters (the frozen base trains in no optimizer)
         self.aux_params = [p for p in self.model.parameters() if id(p) in aux_ids]
-        self.optimizer, self.scheduler = _policy_optimizer(self.model, self.policy_params, self.optimizer_config)
+        self.optimizer, self.scheduler = policy_optimizer(self.model, self.policy_params, self.optimizer_config)
         self.aux_optimizer_config = aux_optimizer or self.optimizer_config
         if self.aux_params:
-            self.aux_optimizer, self.aux_scheduler = _adamw(self.aux_params, self.aux_optimizer_config)
+            self.aux_optimizer, self.aux_scheduler = adamw(self.aux_params, self.aux_optimizer_config)
         self.critic_config = critic
         self.critic_model: ValueModel | None = None  # kind="separate"
         self.value_head: ValueHead | None = None  # kind="value_head"
@@ -205,19 +221,22 @@ class FSDP2Backend:
                 if self.config.activation_checkpointing:
                     apply_activation_checkpointing(backbone)
                 self.critic_model = ValueModel(backbone)
-                _shard(backbone, kernel, root=self.critic_model)
+                _shard(backbone, kernel, root=self.critic_model, offload_params=critic.optimizer.is_master_offloaded)
                 critic_params = list(self.critic_model.parameters())
             else:
                 self.value_head = ValueHead(self.model.config.hidden_size, device)
                 critic_params = list(self.value_head.parameters())
-            self.critic_optimizer, self.critic_scheduler = _adamw(critic_params, critic.optimizer)
+            self.critic_optimizer, self.critic_scheduler = adamw(critic_params, critic.optimizer)
         self.step_count = 0
         mtp_ids = {id(p) for p in self.model.mtp_parameters()}
+        held = functools.partial(_device_held, device)  # state in host memory (optimizer offload) stays put
         self.memory = TrainerMemory(
             memory or MemoryConfig(), device, offload_dir=offload_dir,
-            weights=lambda: (p for m in self._models() for p in m.parameters() if id(p) not in mtp_ids),
-            mtp=self.model.mtp_parameters, optimizer=self._optimizer_state, trainable=self._trainable_params,
-            grads=lambda: (p.grad for m in self._models() for p in m.parameters() if p.grad is not None),
+            weights=held(lambda: (p for m in self._models() for p in m.parameters() if id(p) not in mtp_ids)),
+            mtp=held(self.model.mtp_parameters), optimizer=held(self._optimizer_state),
+            trainable=held(self._trainable_params),
+            grads=held(lambda: (p.grad for m in self._models() for p in m.parameters() if p.grad is not None)),
+            host_optimizer=self.optimizer_config.offload != "none",
         )  # fmt: skip
         self.memory.check_fits()
         # what weight sync sends: buckets, a file, tensors (with LoRA: the adapters and what else trains; the checksum
@@ -514,31 +533,18 @@ class FSDP2Backend:
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
 
 
+def _device_held(device: str, tensors: Callable[[], Iterable[T]]) -> Callable[[], Iterator[T]]:
+    """`tensors`, less those in host memory beside a GPU: the host-memory optimizer's state, and with
+    `offload=moments_and_master` the weights and gradients, are not the device's to free or count."""
+
+    def held() -> Iterator[T]:
+        for tensor in tensors():
+            shard = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            if torch.device(device).type == "cpu" or shard.device.type != "cpu":
+                yield tensor
+
+    return held
+
+
 def _sum_over_ranks(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor)
-
-
-def _policy_optimizer(
-    model: CausalLM, params: list[torch.nn.Parameter], config: OptimizerConfig
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The policy's optimizer: AdamW, or (`algorithm=muon`) Muon for its trunk weight matrices and AdamW for the
-    rest."""
-    if config.algorithm != "muon":
-        return _adamw(params, config)
-    matrices = {id(linear.weight) for linear in model.trunk_linears().values()}
-    optimizer = MuonWithAdamW(
-        [p for p in params if id(p) in matrices], [p for p in params if id(p) not in matrices], lr=config.lr,
-        weight_decay=config.weight_decay, betas=config.betas, eps=config.eps, momentum=config.muon_momentum,
-        nesterov=config.muon_nesterov, ns_steps=config.muon_ns_steps,
-    )  # fmt: skip
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
-
-
-def _adamw(
-    params: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter], config: OptimizerConfig
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    optimizer = torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-        fused=True,  # one fused kernel per step (CPU and CUDA): ~6x faster
-    )  # fmt: skip
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)

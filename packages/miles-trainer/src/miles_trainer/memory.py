@@ -68,8 +68,12 @@ class TrainerMemory:
         grads: Callable[[], Iterable[torch.Tensor]],
         trainable: Callable[[], Iterable[torch.nn.Parameter]],
         offload_dir: str | os.PathLike[str] | None = None,
+        host_optimizer: bool = False,
     ) -> None:
+        """`host_optimizer`: the optimizer's state lives in host memory (`OptimizerConfig.offload`): a step holds
+        none of it on the device."""
         self.config = config
+        self.host_optimizer = host_optimizer
         limit = config.limit_bytes
         self.budget = MemoryBudget(limit, config.comm_headroom_bytes) if limit is not None else None
         store = default_store(device, config.offload_to, config.offload_dir or offload_dir)
@@ -107,7 +111,8 @@ class TrainerMemory:
         held = dict(resident)
         trainable = _trainable_bytes(self._trainable())
         held["grads"] = trainable
-        held["optimizer"] = max(held["optimizer"], 2 * trainable)
+        if not self.host_optimizer:
+            held["optimizer"] = max(held["optimizer"], 2 * trainable)
         return held
 
     def check_fits(self) -> None:

@@ -72,6 +72,8 @@ def export_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 def _gathered(param: torch.Tensor, dtype: torch.dtype, fresh: bool = True) -> torch.Tensor:
     value = param.detach()
+    if hasattr(value, "device_mesh") and value.device.type != value.device_mesh.device_type:
+        value = value.to(value.device_mesh.device_type)  # shards in host memory (offload=moments_and_master): NCCL
     full = value.full_tensor() if hasattr(value, "full_tensor") else value
     out = full.to(device="cpu", dtype=dtype)
     # Unless the caller only reads it at once (`fresh=False`), never hand out the parameter's own storage (one rank,
