@@ -180,6 +180,42 @@ def test_the_planner_predicts_what_the_trainer_holds_by_tag(tmp_path, family: st
     assert planned["activations"] == pytest.approx(measured, rel=0.10), (planned["activations"], measured)
 
 
+@pytest.mark.parametrize(("offload", "moments_dtype"), [("moments", "float32"), ("moments", "bfloat16"),
+                                                       ("moments_and_master", "bfloat16")])  # fmt: skip
+def test_the_planner_predicts_the_host_optimizers_bytes(tmp_path, offload: str, moments_dtype: str) -> None:
+    """`fsdp2_bytes(..., offload=)` against the tensors of an FSDP2 trainer with its AdamW state in host memory
+    (miles_trainer.host_adam) after a step, one rank: the moments (and `step`s) exactly, in their dtype, and with
+    `moments_and_master` the float32 shards and gradients FSDP2's CPU offload keeps there, none of it planned on the
+    device."""
+    config = tiny_config("dense", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_nextn_predict_layers=1)  # fmt: skip
+    save_model(random_model(config, seed=1), tmp_path / "model")
+    ensure_process_group()
+    optimizer = OptimizerConfig(offload=offload, moments_dtype=moments_dtype)
+    trainer = FSDP2Backend(tmp_path / "model", KernelConfig(), optimizer, PolicyLossConfig(),
+                           BackendConfig(max_tokens_per_micro_batch=512), offload_dir=tmp_path)  # fmt: skip
+    samples, advantages = batch()
+    trainer.train_step(samples, advantages)
+    shape = ModelShape.from_hf(json.loads((tmp_path / "model" / "config.json").read_text()))
+    planned = fsdp2_bytes(shape, 1, "float32", 512, offload=offload, moments_dtype=moments_dtype)
+
+    def local_bytes(tensors) -> int:  # type: ignore[no-untyped-def]
+        return storage_bytes(t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+
+    state = [v for s in trainer.optimizer.state.values() for v in s.values()]
+    assert {v.dtype for v in state if v.dim() > 0} == {getattr(torch, moments_dtype)}
+    assert planned["host_optimizer"] == local_bytes(state)
+    assert planned["optimizer"] == 0
+    trunk = [p for p in trainer.model.parameters() if id(p) not in {id(q) for q in trainer.model.mtp_parameters()}]
+    if offload == "moments_and_master":
+        assert planned["host_weights"] == local_bytes(trainer.model.parameters())
+        assert planned["host_grads"] == local_bytes(p.grad for p in trunk if p.grad is not None) > 0
+        assert planned["weights"] == planned["grads"] == planned["mtp"] == 0
+        assert planned["gathered"] > 0  # one float32 rank is sharded for the offload: FSDP2 uploads its layers
+    else:
+        assert planned["weights"] == local_bytes(trunk) and "host_weights" not in planned
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_the_planner_predicts_a_gpu_steps_peak(tmp_path) -> None:

@@ -51,8 +51,13 @@ def candidates(run: RunInputs, hw: HardwareProfile, plan: MemoryPlan) -> list[tu
                 plan_change(f"trainer.backend.megatron.tp {p.tp} -> {2 * p.tp}", tp=2 * p.tp)
             if 2 * p.pp <= shape.num_hidden_layers:
                 plan_change(f"trainer.backend.megatron.pp {p.pp} -> {2 * p.pp}", pp=2 * p.pp)
-        if not p.cpu_adam and not hw.is_cpu:
-            plan_change("memory.plan.cpu_adam: true (optimizer state in host memory)", cpu_adam=True)
+        if p.trainer_backend == "fsdp2" and not hw.is_cpu:  # the host optimizer, one step further each time
+            if p.optimizer_offload == "none":
+                plan_change("trainer.optimizer.offload: moments (AdamW's moments in host memory)",
+                            optimizer_offload="moments")  # fmt: skip
+            elif p.optimizer_offload == "moments":
+                plan_change("trainer.optimizer.offload: moments_and_master (the fp32 shards too)",
+                            optimizer_offload="moments_and_master")  # fmt: skip
     if not is_train_peak:
         if p.rollout_engine == "sglang":
             if p.mem_fraction_static > 0.55:

@@ -40,8 +40,9 @@ class PlanSettings(BaseModel):
     )
     cpu_adam: bool = Field(
         default=False,
-        description="Keep the optimizer state and fp32 master weights in host memory (Megatron's optimizer CPU "
-        "offload); the plan checks host memory per node.",
+        description="megatron: plan megatron-core's optimizer CPU offload (fp32 masters and Adam moments in host "
+        "memory), which Miles' Megatron backend does not run; the plan checks host memory per node. FSDP2's host "
+        "optimizer is the run's own trainer.optimizer.offload.",
     )
     sequence_length: int | None = Field(
         default=None,
@@ -78,6 +79,14 @@ class PlanConfig(PlanSettings):
         default=None,
         description="Activation recompute: none, selective (core attention only), full (each layer's input kept); "
         "null: full when trainer.backend.activation_checkpointing, else none.",
+    )
+    optimizer_offload: Literal["none", "moments", "moments_and_master"] = Field(
+        default="none",
+        description="fsdp2: the policy's AdamW state in host memory (trainer.optimizer.offload): none, moments, or "
+        "moments_and_master (the fp32 shards and gradients too).",
+    )
+    moments_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="fsdp2 with optimizer_offload: the host moments' dtype."
     )
     rollout_engine: Literal["embedded", "sglang"] = Field(
         default="embedded", description="The rollout engine: embedded (miles-rollout) or sglang."

@@ -261,6 +261,8 @@ def fsdp2_bytes(
     lora: LoraSettings | None = None,
     is_deterministic: bool = True,
     qat: bool = False,
+    offload: str = "none",
+    moments_dtype: str = "float32",
 ) -> dict[str, int]:
     """One rank of Miles' FSDP2 backend (miles_trainer/fsdp.py) after an optimizer step, by key:
     - weights: float32 master parameters (`load_model(..., dtype=torch.float32)`), dim-0 sharded over `world`; the
@@ -288,9 +290,17 @@ def fsdp2_bytes(
     With `qat` (trainer.qat, quantization-aware training; miles_trainer/qat.py):
     - qat_activations: what the fake-quantized weights add to the activations (`qat_layer_bytes`: one copy of each
       trunk linear weight in the compute dtype, kept for the backward).
-    The keys do not overlap (their sum is the rank's step peak); the trainer's own tags hold weights + adapters
-    (`weights`) and activations + lora_activations + qat_activations (its activation peak). The two LoRA keys are
-    present only with `lora`, qat_activations only with `qat`."""
+    With `offload` (trainer.optimizer.offload, the policy's AdamW state in host memory; miles_trainer/host_adam.py):
+    - host_optimizer: the policy's AdamW moments, `moments_dtype` (4 or 2 B per trained element, two moments) plus the
+      float32 `step` per tensor, in host memory instead of `optimizer` (the critic's and the MTP draft's optimizers
+      have their own settings: planned on the device);
+    - host_weights, host_grads (`moments_and_master`): the policy's float32 shards (trunk, adapters, MTP modules) and
+      its gradients, in host memory instead of `weights` / `adapters` / `mtp` / `grads` (FSDP2's CPUOffloadPolicy,
+      which shards even one float32 rank: `gathered` counts its uploads).
+    The keys do not overlap (their sum is the rank's step peak; the host_ keys' sum is its host memory); the trainer's
+    own tags hold weights + adapters (`weights`) and activations + lora_activations + qat_activations (its activation
+    peak). The two LoRA keys are present only with `lora`, qat_activations only with `qat`, the host_ keys only with
+    `offload`."""
     b = DTYPE_BYTES[dtype]
     tensors = [t for t in shape.tensors() if not t.name.endswith(FROZEN_BUFFER)]
     trunk = [t for t in tensors if t.layer is None or t.layer < shape.num_hidden_layers]
@@ -305,10 +315,23 @@ def fsdp2_bytes(
     def adam(ts: list[Tensor]) -> int:
         return 8 * shard(ts) + 4 * sum(t.copies for t in ts)
 
-    out = {"weights": base_b * shard(trunk), "grads": 4 * shard(trained), "optimizer": adam(trained)}
+    width = 2 * DTYPE_BYTES[moments_dtype]  # two moments a trained element
+    policy_optimizer = width * shard(trained) + 4 * sum(t.copies for t in trained)
+    out = {"weights": base_b * shard(trunk), "grads": 4 * shard(trained), "optimizer": 0}
     if lora is not None:
         out["adapters"] = 4 * shard(adapters)
     out["mtp"] = 4 * shard(mtp) + ((4 * shard(mtp) + adam(mtp)) if is_mtp_trained else 0)
+    if offload == "none":
+        out["optimizer"] = policy_optimizer
+    else:
+        host = {"host_optimizer": policy_optimizer}
+        if offload == "moments_and_master":  # every shard of the policy model, and its gradients
+            host["host_weights"] = out["weights"] + out.pop("adapters", 0) + 4 * shard(mtp)
+            host["host_grads"] = out["grads"] + (4 * shard(mtp) if is_mtp_trained else 0)
+            out["weights"], out["grads"] = 0, 0  # the MTP modules' AdamW (spec.optimizer's) stays on the device
+            out["mtp"] = adam(mtp) if is_mtp_trained else 0
+            if lora is not None:
+                out["adapters"] = 0
     if keep_reference and lora is None:  # a LoRA run's reference is its base (the policy with adapters off)
         out["weights"] += 4 * shard(tensors)
     if critic == "separate":
@@ -322,7 +345,7 @@ def fsdp2_bytes(
         out["weights"] += 4 * (shape.hidden_size + 1)
         out["grads"] += 4 * (shape.hidden_size + 1)
         out["optimizer"] += 8 * (shape.hidden_size + 1) + 8
-    needs_fsdp = world > 1 or dtype != "float32"
+    needs_fsdp = world > 1 or dtype != "float32" or offload == "moments_and_master"
     gathered = 0
     if needs_fsdp:
         root = sum(t.numel for t in tensors if t.layer is None)
@@ -345,7 +368,7 @@ def fsdp2_bytes(
         out["activations"] += activation_bytes(
             shape, tokens, b, recompute, layers, has_logits=False, attention_extra=attention_extra
         )
-    return out
+    return out if offload == "none" else out | host
 
 
 def engine_weight_bytes(shape: ModelShape, dtype: str, quant: WeightQuantSettings | None = None) -> int:

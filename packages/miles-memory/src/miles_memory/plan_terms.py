@@ -90,6 +90,8 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
         lora=lora,
         is_deterministic=run.is_deterministic,
         qat=run.qat,
+        offload=run.plan.optimizer_offload,
+        moments_dtype=run.plan.moments_dtype,
     )
     fp32 = "fp32 shards: 4 B x params / fsdp world (dim 0 padded)"
     if lora is None:
@@ -112,12 +114,18 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
                "8 B x adapter params / world"),
         ]  # fmt: skip
     state.append(_c("mtp", "MTP modules" + (" + grads + AdamW" if online else " (weights only)"), b["mtp"]))
+    state = [c for c in state if c.bytes]  # what offload moved to host memory is not the device's
     out = TrainerTerms(resident=[c for c in state if c.tag != "grads"])
-    if run.plan.cpu_adam:
-        opt = next(c for c in state if c.tag == "optimizer")
-        state.remove(opt)
-        out.host.append(opt.model_copy(update={"phase": "host", "name": "CPU Adam: " + opt.name}))
-        out.resident = [c for c in out.resident if c.tag != "optimizer"]
+    if run.plan.optimizer_offload != "none":
+        moments = f"{2 * DTYPE_BYTES[run.plan.moments_dtype]} B x trained params / world + 4 B per tensor"
+        out.host.append(_c("optimizer", f"host AdamW: exp_avg + exp_avg_sq ({run.plan.moments_dtype}, pinned)",
+                           b["host_optimizer"], moments))  # fmt: skip
+        if run.plan.optimizer_offload == "moments_and_master":
+            out.host += [
+                _c("weights", "host fp32 policy shards (FSDP2 CPU offload)", b["host_weights"], fp32),
+                _c("grads", "host fp32 policy gradients (FSDP2 CPU offload)", b["host_grads"], fp32),
+            ]
+        out.host = [c.model_copy(update={"phase": "host"}) for c in out.host]
     out.train = [
         *state,
         _c("weights", "FSDP2 all-gathered params (root + 2 layers)", b["gathered"], "compute dtype"),

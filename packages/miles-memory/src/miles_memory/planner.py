@@ -90,6 +90,8 @@ RUN_KEYS: dict[str, tuple[str, Any]] = {
     "lora_target_modules": ("trainer.lora.target_modules", "all-linear"),
     "lora_base_dtype": ("trainer.lora.base_dtype", "float32"),
     "qat": ("trainer.qat", False),
+    "optimizer_offload": ("trainer.optimizer.offload", "none"),
+    "moments_dtype": ("trainer.optimizer.moments_dtype", "float32"),
     # the parallel layout: the run's own settings (megatron's read when trainer.backend.name is megatron)
     "trainer_backend": ("trainer.backend.name", "fsdp2"),
     "tp": ("trainer.backend.megatron.tp", 1),
@@ -108,6 +110,7 @@ LAYOUT_KEYS = {
     "trainer_backend": "trainer.backend.name", "tp": "trainer.backend.megatron.tp",
     "pp": "trainer.backend.megatron.pp", "ep": "trainer.backend.megatron.ep", "etp": "trainer.backend.megatron.etp",
     "cp": "trainer.backend.megatron.cp", "recompute": "trainer.backend.megatron.recompute",
+    "optimizer_offload": "trainer.optimizer.offload", "moments_dtype": "trainer.optimizer.moments_dtype",
     "rollout_engine": "rollout.backend", "rollout_tp": "rollout.sglang.tp_size",
     "rollout_ep": "rollout.sglang.ep_size", "mem_fraction_static": "rollout.sglang.mem_fraction_static",
 }  # fmt: skip
@@ -208,6 +211,18 @@ def read_run(config: dict[str, Any]) -> RunInputs:
     }
     if sglang and _get(config, "mem_fraction_static") is not None:
         layout["mem_fraction_static"] = float(_get(config, "mem_fraction_static"))
+    offload, moments = _get(config, "optimizer_offload"), _get(config, "moments_dtype")
+    if offload != "none" and megatron:
+        raise ValueError(
+            f"trainer.optimizer.offload={offload} runs on the FSDP2 backend only (trainer.backend.name=megatron "
+            "refuses it); for megatron-core's optimizer CPU offload plan memory.plan.cpu_adam: true"
+        )
+    if settings.cpu_adam and not megatron:
+        raise ValueError(
+            "memory.plan.cpu_adam plans megatron-core's optimizer offload; the FSDP2 backend's is the run's own "
+            "trainer.optimizer.offload (moments or moments_and_master)"
+        )
+    layout |= {"optimizer_offload": offload, "moments_dtype": moments}
     plan = PlanConfig.model_validate({**settings.model_dump(exclude_unset=True), **layout})
     spec_mode = _get(config, "spec_mode")
     is_gae = _get(config, "advantage_estimator") == "gae"
@@ -403,10 +418,13 @@ def _plan(run: RunInputs, hw: HardwareProfile) -> MemoryPlan:
             f"host memory: {host / GIB:.0f} GiB per node needed, {hw.host_bytes_per_node / GIB:.0f} GiB there"
         )
     fits = peak <= capacity and host_ok and engine.is_ok
-    supported = ["fsdp2"] if p.trainer_backend == "fsdp2" and not p.cpu_adam else []
-    if p.trainer_backend == "fsdp2" and p.cpu_adam:
-        notes.append("cpu_adam: Miles' FSDP2 backend keeps AdamW on the device; the plan assumes a CPU optimizer")
-    if p.trainer_backend == "megatron" or p.cpu_adam:
+    supported = ["fsdp2"] if p.trainer_backend == "fsdp2" else []
+    if p.trainer_backend == "megatron" and p.cpu_adam:
+        notes.append(
+            "cpu_adam: megatron-core's optimizer CPU offload, which Miles' Megatron backend does not run (its AdamW "
+            "stays on the device); FSDP2's host optimizer is trainer.optimizer.offload"
+        )
+    elif p.trainer_backend == "megatron":
         supported.append("megatron (miles-trainer[megatron], trainer.backend.name=megatron; docs/megatron.md)")
     params = {"total": shape.params(mtp=False), "active": shape.active_params(), "mtp": shape.params(mtp=True)}
     if run.lora is not None:
@@ -463,6 +481,9 @@ def _layout(run: RunInputs, gpus: int, train_gpus: int, rollout_gpus: int) -> di
         out["distributed_optimizer"] = p.distributed_optimizer
     else:
         out["fsdp"] = run.num_ranks if gpus == 1 else train_gpus
+        out["optimizer_offload"] = p.optimizer_offload
+        if p.optimizer_offload != "none":
+            out["moments_dtype"] = p.moments_dtype
     out |= {"cpu_adam": p.cpu_adam, "recompute": run.recompute, "train_gpus": train_gpus}
     out |= {"rollout_engine": p.rollout_engine, "rollout_gpus": rollout_gpus}
     if p.rollout_engine == "sglang":

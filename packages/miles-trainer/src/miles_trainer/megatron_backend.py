@@ -151,6 +151,11 @@ class MegatronBackend:
                 "optimizer algorithm=muon runs on the FSDP2 backend only (the Megatron backend steps with "
                 "megatron-core's AdamW); use algorithm=adamw or trainer.backend.name=fsdp2"
             )
+        if self.optimizer_config.offload != "none":
+            raise ValueError(
+                f"optimizer offload={self.optimizer_config.offload} (AdamW's state in host memory) runs on the FSDP2 "
+                "backend only; use offload=none or trainer.backend.name=fsdp2"
+            )
         resolve_loss_fn(self.loss_config.loss_fn, self.loss_config.surrogate)
         _check_device(self.config.device)
         self.device = torch.device(self.config.device)
