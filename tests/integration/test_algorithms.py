@@ -2,7 +2,8 @@
 options a `miles-orchestrator run` takes end to end. CISPO, stepped by Muon, trains true on-policy (mismatch exactly
 0); DAPO's soft overlong punishment lowers the rewards while the pass rate stays the task's; over-sampling rounds are
 counted. On-policy distillation from a served teacher: its reverse KL is the advantage, the student stays exactly
-on-policy. A reward model and a generative judge score every sample of a run."""
+on-policy. A reward model and a generative judge score every sample of a run. The host-memory AdamW (moments,
+weights and gradients in host memory, bfloat16 moments) trains true on-policy and checkpoints its moments as such."""
 
 from __future__ import annotations
 
@@ -117,3 +118,26 @@ def test_model_based_rewards_train_a_run(cold_run, tmp_path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.timeout(600)
+def test_host_memory_adamw_with_bfloat16_moments_runs_on_policy(cold_run, tmp_path) -> None:
+    """`miles-orchestrator run` with trainer.optimizer.offload=moments_and_master and bfloat16 moments: the policy's
+    AdamW state, weights and gradients in host memory (miles_trainer.host_adam, FSDP2's CPU offload), every step true
+    on-policy, and the checkpoint holds the moments in bfloat16."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, cache = cold_run
+    run_dir = tmp_path / "host_adam"
+    options = ["run.num_steps=2", "run.eval_every=0", "run.cluster=local", "run.checkpoint_every=2",
+               "trainer.optimizer.offload=moments_and_master", "trainer.optimizer.moments_dtype=bfloat16"]  # fmt: skip
+    result = cli(f"model.path={policy_dir(cache)}", *SMALL, *options, f"run.run_dir={run_dir}", cache=cache)
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = [r for r in history(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in rows)
+    metadata = FileSystemReader(str(run_dir / "checkpoints" / "step_000002")).read_metadata().state_dict_metadata
+    moments = {key: m.properties.dtype for key, m in metadata.items() if key.startswith("optim.state.")
+               and key.endswith(("exp_avg", "exp_avg_sq"))}  # fmt: skip
+    assert moments and set(moments.values()) == {torch.bfloat16}, moments

@@ -328,6 +328,8 @@ def test_the_megatron_backend_is_checked_against_what_it_needs() -> None:
                            "trainer.backend.megatron.transformer_impl=transformer_engine"])  # fmt: skip
     with pytest.raises(ValueError, match=r"does not support trainer\.backend\.megatron\.cp > 1 \(context"):
         load_config(None, [*fast, "trainer.num_ranks=2", "trainer.backend.megatron.cp=2"])
+    with pytest.raises(ValueError, match=r"does not support trainer\.optimizer\.offload, .*runs on FSDP2"):
+        load_config(None, [*fast, "trainer.critic.optimizer.offload=moments"])
     piped = load_config(None, [*fast, "trainer.num_ranks=6", "trainer.backend.megatron.pp=3",
                                "trainer.backend.megatron.vpp=2"])  # fmt: skip
     assert (piped.trainer.backend.megatron.pp, read_run(piped.model_dump(mode="json")).plan.pp) == (3, 3)

@@ -65,9 +65,9 @@ class _Staging:
         self.params = [torch.empty(num_elements, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self.grads = [torch.empty(num_elements, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         if self.is_cuda:
-            self.down, self.up = torch.cuda.Stream(device), torch.cuda.Stream(device)
-            self.downloaded = [torch.cuda.Event() for _ in range(2)]
-            self.uploaded = [torch.cuda.Event() for _ in range(2)]
+            self.down, self.up = torch.cuda.Stream(device), torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            self.downloaded = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
+            self.uploaded = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
             self.down.wait_stream(torch.cuda.current_stream(device))  # the gradients are ready
 
     def download(self, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -139,7 +139,7 @@ class HostAdamW(torch.optim.Optimizer):
         return host
 
     def _init_state(self, param: torch.Tensor) -> dict[str, Any]:
-        state = self.state[param]
+        state: dict[str, Any] = self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0)
             for key in MOMENTS:

@@ -134,7 +134,8 @@ class RunConfig(Section):
             "trainer.optimizer.algorithm=muon (Muon runs on FSDP2)": self.trainer.optimizer.algorithm == "muon",
             "trainer.optimizer.offload, trainer.critic.optimizer.offload or spec.optimizer.offload (the host-memory "
             "AdamW runs on FSDP2)": any(
-                o.offload != "none" for o in (self.trainer.optimizer, self.trainer.critic.optimizer, self.spec.optimizer)
+                o.offload != "none"
+                for o in (self.trainer.optimizer, self.trainer.critic.optimizer, self.spec.optimizer)
             ),
             "trainer.lora (LoRA adapters) with trainer.backend.megatron.tp > 1 or etp > 1 (the adapters would need "
             "splitting the way the weights are: LoRA runs with tp = etp = 1)": (
