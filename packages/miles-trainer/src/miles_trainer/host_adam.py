@@ -68,7 +68,10 @@ class _Staging:
             self.down, self.up = torch.cuda.Stream(device), torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             self.downloaded = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
             self.uploaded = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
-            self.down.wait_stream(torch.cuda.current_stream(device))  # the gradients are ready
+
+    def begin(self, device: torch.device) -> None:
+        if self.is_cuda:
+            self.down.wait_stream(torch.cuda.current_stream(device))  # the step's gradients are ready
 
     def download(self, slot: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         n = param.numel()
@@ -124,6 +127,8 @@ class HostAdamW(torch.optim.Optimizer):
         self.moments_dtype = getattr(torch, moments_dtype)
         self.chunk_elements = chunk_bytes // 4 // VECTOR_ELEMENTS * VECTOR_ELEMENTS
         self.staging = staging
+        self._scratch: torch.Tensor | None = None
+        self._staging: _Staging | None = None
         for group in self.param_groups:
             for param in group["params"]:
                 if param.dtype != torch.float32:
@@ -184,7 +189,10 @@ class HostAdamW(torch.optim.Optimizer):
     def _step_staged(self, chunks: list[tuple[dict[str, Any], dict[str, Any], torch.Tensor, torch.Tensor, int, int]]
                      ) -> None:  # fmt: skip
         device = chunks[0][2].device
-        staging = _Staging(device, self.chunk_elements)
+        if self._staging is None:  # pinned slots are slow to allocate: once, then reused every step
+            self._staging = _Staging(device, self.chunk_elements)
+        staging = self._staging
+        staging.begin(device)
         staging.download(0, chunks[0][2][chunks[0][4] : chunks[0][5]], chunks[0][3][chunks[0][4] : chunks[0][5]])
         for i, (group, state, flat, _, start, end) in enumerate(chunks):
             slot = i % 2
@@ -204,7 +212,12 @@ class HostAdamW(torch.optim.Optimizer):
         """torch's fused AdamW on one chunk in host memory; bfloat16 moments widened and rounded back."""
         exp_avg, exp_avg_sq = (_flat(local(state[key]))[start:end] for key in MOMENTS)
         wide = self.moments_dtype != torch.float32
-        m, v = (exp_avg.float(), exp_avg_sq.float()) if wide else (exp_avg, exp_avg_sq)
+        if wide:  # widened into two float32 scratch chunks, allocated once (a fresh 2 x chunk every time costs more)
+            if self._scratch is None:
+                self._scratch = torch.empty(2, self.chunk_elements, dtype=torch.float32)
+            m, v = self._scratch[0, : end - start].copy_(exp_avg), self._scratch[1, : end - start].copy_(exp_avg_sq)
+        else:
+            m, v = exp_avg, exp_avg_sq
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(
             [param], [grad], [m], [v], [], [state["step"]], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
