@@ -2,8 +2,9 @@
 options a `miles-orchestrator run` takes end to end. CISPO, stepped by Muon, trains true on-policy (mismatch exactly
 0); DAPO's soft overlong punishment lowers the rewards while the pass rate stays the task's; over-sampling rounds are
 counted. On-policy distillation from a served teacher: its reverse KL is the advantage, the student stays exactly
-on-policy. A reward model and a generative judge score every sample of a run. The host-memory AdamW (moments,
-weights and gradients in host memory, bfloat16 moments) trains true on-policy and checkpoints its moments as such."""
+on-policy; from an embedded teacher's top-k: their forward KL is a loss term. A reward model and a generative judge
+score every sample of a run. The host-memory AdamW (moments, weights and gradients in host memory, bfloat16 moments)
+trains true on-policy and checkpoints its moments as such."""
 
 from __future__ import annotations
 
@@ -118,6 +119,27 @@ def test_model_based_rewards_train_a_run(cold_run, tmp_path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.timeout(600)
+def test_on_policy_distillation_from_the_teachers_top_k(cold_run, tmp_path) -> None:
+    """`miles-orchestrator run` with an embedded teacher (the bootstrap's random base, on the policy's tokenizer) and
+    opd.top_k: pure distillation on the teacher's top-4 forward KL (a loss term; the advantages are 0), logged every
+    step, the student true on-policy."""
+    _, cache = cold_run
+    policy = policy_dir(cache)
+    run_dir = tmp_path / "opd_topk"
+    options = ["run.num_steps=2", "run.eval_every=0", "run.cluster=local", "opd.task_reward=false",
+               f"opd.teacher.path={policy.parent / 'base'}", "filter.dynamic_sampling=false", "opd.top_k=4",
+               "opd.kl_coef=0.5"]  # fmt: skip
+    result = cli(f"model.path={policy}", *SMALL, *options, f"run.run_dir={run_dir}", cache=cache)
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = [r for r in history(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in rows)
+    assert all(r["opd_topk_kl"] > 0 and r["opd_topk_loss"] == pytest.approx(0.5 * r["opd_topk_kl"], rel=1e-4)
+               for r in rows)  # fmt: skip
+    assert all(r["pg_loss"] == 0.0 for r in rows)  # pure distillation: no advantage
 
 
 @pytest.mark.timeout(600)

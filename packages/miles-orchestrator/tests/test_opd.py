@@ -156,6 +156,37 @@ def test_embedded_and_served_teachers_score_the_students_tokens(models) -> None:
         score(teacher_cfg("opd.teacher_url=http://127.0.0.1:9/", "opd.timeout_s=2"), models["student"], batch)
 
 
+def test_the_teachers_top_k_comes_with_its_sampled_token_log_probs(models) -> None:
+    """opd.top_k: each response position's k most likely teacher tokens (SGLang's top_logprobs_num), embedded and
+    served alike, most likely first, agreeing with the sampled token's own log-prob where it is among them; the
+    trainer's loss term takes opd.kl_coef, the advantage none of it."""
+    cfg = teacher_cfg(f"opd.teacher.path={models['teacher']}", "opd.top_k=3", "opd.kl_coef=0.25")
+    assert cfg.trainer.loss.opd_topk_coef == 0.25
+    batch = rollouts(cfg, models["student"])
+    embedded, errors = score(cfg, models["student"], batch)
+    assert not errors
+    for s in embedded:
+        top = s.teacher_top_logprobs
+        assert top is not None and len(top) == len(s.response_tokens) and all(len(row) == 3 for row in top)
+        for token, logprob, row in zip(s.response_tokens, s.teacher_logprobs or [], top, strict=True):
+            values = [lp for _, lp in row]
+            assert values == sorted(values, reverse=True) and len({i for i, _ in row}) == 3
+            assert values[0] >= logprob  # the sampled token is at most as likely as the teacher's first choice
+            if token in dict(row):
+                assert dict(row)[token] == logprob
+    itself, _ = score(teacher_cfg(f"opd.teacher.path={models['student']}", "opd.top_k=64"), models["student"], batch)
+    found = [(dict(row)[t], lp) for s in itself for t, lp, row in
+             zip(s.response_tokens, s.teacher_logprobs or [], s.teacher_top_logprobs or [], strict=True)
+             if t in dict(row)]  # fmt: skip
+    assert found and all(a == b for a, b in found)  # the sampled tokens among the student's own top-64
+    with launch_server(models["teacher"], "--num-kv-pages", "256") as url:
+        served, errors = score(teacher_cfg(f"opd.teacher_url={url}", "opd.top_k=3"), models["student"], batch)
+    assert not errors and [s.teacher_top_logprobs for s in served] == [s.teacher_top_logprobs for s in embedded]
+    without = teacher_cfg(f"opd.teacher.path={models['teacher']}")
+    assert without.trainer.loss.opd_topk_coef == 0.0
+    assert all(s.teacher_top_logprobs is None for s in score(without, models["student"], batch)[0])
+
+
 class FlakyTeacher:
     """Answers each prompt group from a script: a status to fail with, or the response tokens' log-probs."""
 
@@ -216,7 +247,11 @@ def test_a_failing_teacher_is_retried_on_5xx_and_its_group_dropped_on_4xx() -> N
      (["opd.teacher_url=http://h:1", "opd.task_reward=false", "filter.dynamic_sampling=false",
        "trainer.advantage_estimator=gae"], "PPO's critic would learn"),
      (["opd.teacher_url=ftp://h"], "is not an http"),
-     (["model.path=/mine", "opd.teacher.bootstrap_num_layers=8"], "give the teacher's directory")],
+     (["model.path=/mine", "opd.teacher.bootstrap_num_layers=8"], "give the teacher's directory"),
+     (["opd.top_k=4"], r"distills from a teacher's top-k: set opd\.teacher"),
+     (["opd.teacher_url=http://h:1", "opd.top_k=4", "trainer.backend.name=megatron"],
+      r"does not support opd\.top_k"),
+     (["opd.teacher_url=http://h:1", "opd.top_k=4", "trainer.loss.opd_topk_coef=2"], "opd_topk_coef")],
 )  # fmt: skip
 def test_the_config_refuses_what_opd_cannot_do(overrides: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -1,9 +1,10 @@
 """`Sample`: one prompt and (after rollout) one response, as it travels through the RL data path.
 
 Data source → rollout (fills tokens, log-probs, versions) → reward → filter → advantages → trainer.
-Every per-response-token list (`rollout_logprobs`, `teacher_logprobs`, `loss_mask`, `weight_versions`) has one
-entry per `response_tokens` entry; this is checked on construction and on assignment. `routed_experts` (MoE routing
-replay) covers every token but the last, as SGLang's `meta_info.routed_experts` with `routed_experts_start_len=0`.
+Every per-response-token list (`rollout_logprobs`, `teacher_logprobs`, `teacher_top_logprobs`, `loss_mask`,
+`weight_versions`) has one entry per `response_tokens` entry; this is checked on construction and on assignment.
+`routed_experts` (MoE routing replay) covers every token but the last, as SGLang's `meta_info.routed_experts` with
+`routed_experts_start_len=0`.
 
 A rollout fills a sample from engine responses with `Sample.extended` (one more generation appended: the one-turn
 rollout, a partial rollout's continuation, each turn of an agentic episode) and `Sample.with_observation` (tokens
@@ -65,6 +66,11 @@ class Sample(BaseModel):
         description="On-policy distillation: the teacher's log-prob of each response token, at the rollout's "
         "temperature (filled after the rewards; see the orchestrator's opd section).",
     )
+    teacher_top_logprobs: list[list[tuple[int, float]]] | None = Field(
+        default=None,
+        description="On-policy distillation with the teacher's top-k (opd.top_k): per response token, the teacher's "
+        "k most likely next tokens as (token id, log-prob) pairs, most likely first, at the rollout's temperature.",
+    )
     loss_mask: list[int] | None = Field(
         default=None,
         description="1 where a response token trains (the model's own tokens), 0 elsewhere (tool output).",
@@ -108,7 +114,7 @@ class Sample(BaseModel):
     @model_validator(mode="after")
     def _per_token_lists_match(self) -> Sample:
         num_response = len(self.response_tokens)
-        for name in ("rollout_logprobs", "teacher_logprobs", "loss_mask", "weight_versions"):
+        for name in ("rollout_logprobs", "teacher_logprobs", "teacher_top_logprobs", "loss_mask", "weight_versions"):
             values: list[Any] | None = getattr(self, name)
             if values is not None and len(values) != num_response:
                 raise ValueError(

@@ -37,6 +37,7 @@ from miles_contracts import GenerateClient, GenerateRequest, Sample, SamplingPar
 from miles_orchestrator.config import RunConfig
 from miles_rollout import Client, Engine, EngineConfig, InProcessClient, RolloutClientError
 
+Scores = tuple[list[float], list[list[tuple[int, float]]] | None]  # a sample's teacher log-probs, and its top-k
 PROBE_TEXT = 'What is 12 + 34? The answer is 46.\nHello, world! 0123456789 (x*y - z) = 7; "quoted" text.'
 
 
@@ -70,16 +71,17 @@ class Teacher:
             if isinstance(result, str):
                 errors.append(f"prompt group {group[0].group_index}: {result}")
                 continue
-            for s, logprobs in zip(group, result, strict=True):
-                scored[s.index] = s.model_copy(update={"teacher_logprobs": logprobs})
+            for s, (logprobs, top) in zip(group, result, strict=True):
+                scored[s.index] = s.model_copy(update={"teacher_logprobs": logprobs, "teacher_top_logprobs": top})
         return [scored[s.index] for s in batch if s.index in scored], errors
 
     async def _group(
         self, client: GenerateClient, limit: asyncio.Semaphore, group: list[Sample]
-    ) -> list[list[float]] | str:
-        """The teacher's log-probs of each sample's response tokens, or why they could not be had."""
+    ) -> list[Scores] | str:
+        """The teacher's log-probs of each sample's response tokens (and with `opd.top_k` its top-k at each
+        position), or why they could not be had."""
         todo = [s for s in group if s.response_tokens]
-        out: dict[int, list[float]] = {s.index: [] for s in group}
+        out: dict[int, Scores] = {s.index: ([], [] if self.opd.top_k else None) for s in group}
         if not todo:
             return [out[s.index] for s in group]
         # logprob_start_len one before the response: servers differ on whether the first scored position has a
@@ -88,13 +90,18 @@ class Teacher:
             input_ids=[s.prompt_tokens + s.response_tokens for s in todo],
             sampling_params=SamplingParams(max_new_tokens=0, temperature=self.temperature),
             return_logprob=True, logprob_start_len=[len(s.prompt_tokens) - 1 for s in todo],
+            top_logprobs_num=self.opd.top_k,
         )  # fmt: skip
         try:
             responses = await self._generate(client, limit, request)
             if len(responses) != len(todo):
                 raise TeacherError(f"the teacher answered {len(responses)} sequences for {len(todo)}")
             for sample, response in zip(todo, responses, strict=True):
-                out[sample.index] = response_logprobs(sample, response.meta_info.input_token_logprobs or [])
+                meta = response.meta_info
+                top = None
+                if self.opd.top_k:
+                    top = response_top_logprobs(sample, meta.input_top_logprobs or [], self.opd.top_k)
+                out[sample.index] = (response_logprobs(sample, meta.input_token_logprobs or []), top)
         except (TeacherError, RolloutClientError) as error:
             return f"{self.description}: {error}"
         return [out[s.index] for s in group]
@@ -129,6 +136,25 @@ def response_logprobs(sample: Sample, entries: Sequence[Sequence[Any]]) -> list[
     if any(entry[0] is None for entry in tail):
         raise TeacherError("the teacher returned no log-prob for a response token")
     return [float(entry[0]) for entry in tail]
+
+
+def response_top_logprobs(
+    sample: Sample, entries: Sequence[Sequence[Sequence[Any]] | None], k: int
+) -> list[list[tuple[int, float]]]:
+    """The teacher's top-k (token id, log-prob) pairs at each response position, from its `input_top_logprobs`
+    (one list of (log-prob, token id, text) per scored position, ending with the response's)."""
+    n = len(sample.response_tokens)
+    tail = list(entries[-n:]) if len(entries) >= n else []
+    if len(tail) != n:
+        raise TeacherError(f"the teacher returned {len(entries)} positions of top log-probs for a response of {n} "
+                           "tokens (does it support top_logprobs_num?)")  # fmt: skip
+    out = []
+    for position in tail:
+        pairs = [(int(e[1]), float(e[0])) for e in position or [] if e[0] is not None]
+        if len(pairs) != k:
+            raise TeacherError(f"the teacher returned {len(pairs)} top log-probs at a position, not opd.top_k={k}")
+        out.append(pairs)
+    return out
 
 
 def opd_advantages(

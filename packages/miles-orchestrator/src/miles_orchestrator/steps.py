@@ -118,7 +118,8 @@ async def train(
         metrics |= onpolicy_mismatch(batch, old_logprobs, trained_version)
     if cfg.opd.is_enabled:  # on-policy distillation: the reverse KL to the teacher enters the advantages (opd.py)
         student = old_logprobs if old_logprobs is not None else [s.rollout_logprobs or [] for s in batch]
-        advantages, opd_metrics = opd_advantages(advantages, batch, student, cfg.opd.kl_coef, cfg.opd.task_reward)
+        kl_coef = 0.0 if cfg.opd.top_k else cfg.opd.kl_coef  # top-k: the trainer's loss term (opd_topk_coef) instead
+        advantages, opd_metrics = opd_advantages(advantages, batch, student, kl_coef, cfg.opd.task_reward)
         metrics |= opd_metrics
     size = len(batch) // cfg.trainer.steps_per_rollout
     with run.progress("train", cfg.trainer.steps_per_rollout) as advance:

@@ -192,6 +192,14 @@ class PolicyLossConfig(_Config):
     )
     entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight (0: entropy only reported).")
     kl_coef: float = Field(default=0.0, ge=0, description="KL penalty weight against the initial policy (0: off).")
+    opd_topk_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="On-policy distillation from the teacher's top-k (a run's opd.top_k, which sets it to "
+        "opd.kl_coef): weight of the loss term sum_j p_T(j) (log p_T(j) - log p_S(j)) over each trained token's "
+        "teacher top-k (verl's compute_forward_kl_topk; miles_trainer.distillation); needs the samples' "
+        "teacher_top_logprobs. 0: off.",
+    )
     kl_estimator: KLEstimator = Field(
         default="k3",
         description="KL estimator: k1 (verl 'kl'), k2 ('mse'), k3 ('low_var_kl', TRL's), abs; with a '+' suffix "

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from miles_kernels import CausalLM, token_logprobs
+from miles_trainer.distillation import student_logprobs_at
 from miles_trainer.losses import entropy_from_logits
 from miles_trainer.packing import MicroBatch, padded_passes
 
@@ -26,12 +27,14 @@ def micro_batch_forward(
     with_hidden: bool = False,
     replay: bool = False,
     entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    top_ids_KJ: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """float32 log-prob of each response token of the micro-batch (K,) and, when asked, the entropy of
-    softmax(logits / T) on the row that predicts it (K,) and the final-norm hidden states of every packed row
-    (N, H), which a value head or an auxiliary loss reads. `replay`: the MoE layers use the micro-batch's recorded
-    routing (routing replay). `entropy_grad` False: the entropy is computed outside autograd (a metric only: no graph,
-    none of its K x V float32 intermediates kept for the backward); its values are the same."""
+    softmax(logits / T) on the row that predicts it (K,), the final-norm hidden states of every packed row
+    (N, H), which a value head or an auxiliary loss reads, and the log-probs at `top_ids_KJ` (K, J: a teacher's
+    top-k, miles_trainer.distillation). `replay`: the MoE layers use the micro-batch's recorded routing (routing
+    replay). `entropy_grad` False: the entropy is computed outside autograd (a metric only: no graph, none of its
+    K x V float32 intermediates kept for the backward); its values are the same."""
     device = _device(model)
     routing = None
     if replay:
@@ -46,7 +49,8 @@ def micro_batch_forward(
     if with_entropy:
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
             entropy = entropy_from_logits(logits_KV / temps)
-    return logprobs, entropy, hidden if with_hidden else None
+    top = None if top_ids_KJ is None else student_logprobs_at(logits_KV, top_ids_KJ.to(device), temps)
+    return logprobs, entropy, hidden if with_hidden else None, top
 
 
 def micro_batch_logprobs(

@@ -18,6 +18,7 @@ from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, value_loss_part
+from miles_trainer.distillation import check_teacher_top, teacher_top_K, topk_forward_kl
 from miles_trainer.logprobs import micro_batch_forward
 from miles_trainer.losses import aggregate_loss, entropy_bonus_loss, kl_estimate, train_rollout_logprob_abs_diff
 from miles_trainer.moe import balance_loss, moe_shape, routing_metrics, z_loss
@@ -77,6 +78,8 @@ class PolicyStep:
             raise ValueError(f"samples {missing[:5]} have no rollout_logprobs; request return_logprob=True")
         check_per_token("old_logprobs", samples, old_logprobs)
         check_per_token("ref_logprobs", samples, ref_logprobs)
+        if config.opd_topk_coef > 0:
+            check_teacher_top(samples)
         if config.kl_coef > 0 and ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs of the responses)")
         self.loss_fn = resolve_loss_fn(config.loss_fn, config.surrogate)
@@ -126,7 +129,11 @@ class PolicyStep:
         auxiliary losses; times `weight`, 0 for a padding pass, and the loss scale, by the caller), and a function
         that adds the micro-batch's stats once the backward has run (nothing for a padding pass)."""
         config, counts = self.config, self.counts
-        logprobs_K, entropy_K, hidden_NH = micro_batch_forward(
+        rows = micro.sample_indices
+        teacher_top = None
+        if config.opd_topk_coef > 0:
+            teacher_top = teacher_top_K(self.samples, rows, torch.device("cpu"))
+        logprobs_K, entropy_K, hidden_NH, student_top_KJ = micro_batch_forward(
             model,
             micro,
             config.temperature,
@@ -134,11 +141,11 @@ class PolicyStep:
             with_hidden=self.joint_value is not None or bool(self.aux_losses),
             replay=self.routing_replay,
             entropy_grad=config.entropy_coef > 0,  # else only reported
+            top_ids_KJ=None if teacher_top is None else teacher_top[0],
         )
         assert entropy_K is not None
         logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
         device = logprobs_BT.device
-        rows = micro.sample_indices
         rollout_BT = padded_lists([self.samples[i].rollout_logprobs or [] for i in rows], device)
         old_logprobs = self.old_logprobs
         old_BT = rollout_BT if old_logprobs is None else padded_lists([old_logprobs[i] for i in rows], device)
@@ -167,6 +174,11 @@ class PolicyStep:
                 kl_BT = kl_BT * torch.exp(torch.where(mask_BT, logprobs_BT - old_BT, 0.0).clamp(-20.0, 20.0))
             if config.kl_coef > 0:
                 parts["kl_loss"] = config.kl_coef * aggregate_loss(kl_BT, mask_BT, config.agg_mode, **counts)
+        opd_kl_BT = None
+        if teacher_top is not None and student_top_KJ is not None:  # the teacher's top-k forward KL, a loss term
+            opd_kl_BT, _ = rows_to_padded(topk_forward_kl(student_top_KJ, teacher_top[1].to(device)), micro)
+            parts["opd_topk_loss"] = config.opd_topk_coef * aggregate_loss(opd_kl_BT, mask_BT, config.agg_mode,
+                                                                           **counts)  # fmt: skip
         vf_metrics: dict[str, torch.Tensor] = {}
         if self.joint_value is not None:
             assert hidden_NH is not None
@@ -214,6 +226,9 @@ class PolicyStep:
                 stats.add_mean("entropy", float(entropy_BT[is_valid].mean()) if num_valid else 0.0, num_valid)
                 if kl_BT is not None:
                     stats.add_mean("kl", float(kl_BT.detach()[is_valid].mean()) if num_valid else 0.0, num_valid)
+                if opd_kl_BT is not None:
+                    mean = float(opd_kl_BT.detach()[is_valid].mean()) if num_valid else 0.0
+                    stats.add_mean("opd_topk_kl", mean, num_valid)
                 for name, value in pg_metrics.items():
                     if name.endswith("_max"):
                         stats.add_max(name, float(value))

@@ -286,7 +286,7 @@ def accumulate_sft_gradients(
     micro_batches = pack_samples(samples, kernel, max_tokens_per_micro_batch)
     for micro, weight in padded_passes(micro_batches, num_micro_batches):
         with torch.set_grad_enabled(train_policy):
-            logprobs_K, _, hidden_NH = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
+            logprobs_K, _, hidden_NH, _ = micro_batch_forward(model, micro, with_hidden=bool(aux_losses))
             logprobs_BT, mask_BT = rows_to_padded(logprobs_K, micro)
             loss = sft_loss(logprobs_BT, mask_BT, agg_mode, **counts)
         aux_parts = aux_parts_of(model, micro, hidden_NH, samples, aux_losses, aux_counts)

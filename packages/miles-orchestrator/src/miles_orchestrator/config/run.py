@@ -25,15 +25,14 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 
 from miles_kernels.config import KernelConfig
 from miles_memory.config import MemoryConfig
+from miles_orchestrator.config.opd import OPDSection
 from miles_orchestrator.config.resolve import Derived, resolve
+from miles_orchestrator.config.reward import BUILTIN_REWARD_NAMES, RewardSection
 from miles_orchestrator.config.rollout import RolloutSection
 from miles_orchestrator.config.sections import (
-    BUILTIN_REWARD_NAMES,
     DataSection,
     FilterSection,
     ModelSection,
-    OPDSection,
-    RewardSection,
     RunSection,
     Section,
     TrainerSection,
@@ -132,6 +131,7 @@ class RunConfig(Section):
             ),
             "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
             "trainer.optimizer.algorithm=muon (Muon runs on FSDP2)": self.trainer.optimizer.algorithm == "muon",
+            "opd.top_k (the teacher's top-k loss is the FSDP2 step's)": self.opd.is_enabled and self.opd.top_k > 0,
             "trainer.optimizer.offload, trainer.critic.optimizer.offload or spec.optimizer.offload (the host-memory "
             "AdamW runs on FSDP2)": any(
                 o.offload != "none"

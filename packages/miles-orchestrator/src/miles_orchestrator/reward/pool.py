@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 from miles_contracts import GroupRewardFn, RewardFn, Sample, SampleStatus, load_plugin
 from miles_kernels import KernelConfig
 from miles_orchestrator.config import HTTP_REWARD, RewardSection
-from miles_orchestrator.config.sections import JUDGE_REWARD, REWARD_MODEL
+from miles_orchestrator.config.reward import JUDGE_REWARD, REWARD_MODEL
 from miles_orchestrator.data import task
 from miles_orchestrator.reward.http import CallResult, HttpReward
 from miles_orchestrator.rollout.sandbox import Worker, exit_code, spawn_worker, stop_worker, wait_ready
