@@ -12,6 +12,10 @@ student closed, (last - first) / (teacher - first), for each.
 
     uv run python benchmarks/opd.py --out benchmarks/results/opd.json          # 3 seeds x 3 runs, ~20 min
     uv run python benchmarks/opd.py --seeds 0 --num-steps 10 --out /tmp/opd.json   # a quick check
+    uv run python benchmarks/opd.py --variants opd opd_topk --out benchmarks/results/opd_topk.json  # the top-k loss
+
+`opd_topk` is examples/opd.yaml with `opd.top_k=8`: the teacher's top-8 forward KL as a loss term instead of the
+sampled token's reverse KL in the advantage (its first / last 10 steps' mean `opd_topk_kl` recorded too).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ def summarize(run: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     if kls:
         out["opd_reverse_kl_first_10_steps"] = round(statistics.mean(kls[:10]), 4)
         out["opd_reverse_kl_last_10_steps"] = round(statistics.mean(kls[-10:]), 4)
+    topk = [line["opd_topk_kl"] for line in steps if "opd_topk_kl" in line]
+    if topk:
+        out["opd_topk_kl_first_10_steps"] = round(statistics.mean(topk[:10]), 4)
+        out["opd_topk_kl_last_10_steps"] = round(statistics.mean(topk[-10:]), 4)
     return out
 
 
@@ -59,6 +67,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/opd.json")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--num-steps", type=int, default=None, help="override the example's run.num_steps")
+    parser.add_argument("--variants", nargs="+", default=["opd", "opd_plus_task", "grpo"],
+                        choices=["opd", "opd_plus_task", "grpo", "opd_topk"])  # fmt: skip
     parser.add_argument("--cache", default=None, help="MILES_CACHE_DIR for the bootstraps (default: the user's)")
     args = parser.parse_args()
     if args.cache:
@@ -71,7 +81,10 @@ def main() -> None:
         # the teacher's KL added to GRPO's advantage on the task reward (dynamic sampling back on, as in GRPO)
         "opd_plus_task": ["--config", "examples/opd.yaml", "opd.task_reward=true", "filter.dynamic_sampling=true"],
         "grpo": ["run.num_steps=60", "run.eval_every=20"],
+        # the teacher's top-8 forward KL as a loss term instead of the sampled token's reverse KL in the advantage
+        "opd_topk": ["--config", "examples/opd.yaml", "opd.top_k=8"],
     }
+    configs = {label: configs[label] for label in args.variants}
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="miles-opd-") as tmp:
         for seed in args.seeds:

@@ -140,6 +140,7 @@ def test_on_policy_distillation_from_the_teachers_top_k(cold_run, tmp_path) -> N
     assert all(r["opd_topk_kl"] > 0 and r["opd_topk_loss"] == pytest.approx(0.5 * r["opd_topk_kl"], rel=1e-4)
                for r in rows)  # fmt: skip
     assert all(r["pg_loss"] == 0.0 for r in rows)  # pure distillation: no advantage
+    assert all(r["skipped_update"] == 0.0 for r in rows)  # the loss term alone moves the student
 
 
 @pytest.mark.timeout(600)

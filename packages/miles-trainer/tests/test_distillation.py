@@ -5,7 +5,7 @@ CPU numerics.
   (reference_verl_distillation.py), at temperature 1 and below.
 - In a policy step: the `opd_topk_loss` term is `opd_topk_coef` times the token mean of the formula over the trained
   tokens (a loss-masked span left out), exactly 0 when the teacher is the student itself, and a step on it alone
-  (zero advantages) moves the student toward the teacher: the KL falls.
+  (zero advantages) moves the student toward the teacher: the KL falls; a batch of zero advantages still steps.
 """
 
 from __future__ import annotations
@@ -87,6 +87,16 @@ def test_the_loss_term_in_a_step_follows_the_formula_and_pulls_toward_the_teache
     student.zero_grad(set_to_none=True)
     assert accumulate_policy_gradients(student, own, zero, KERNEL, config, 20).summary()["opd_topk_kl"] == \
         pytest.approx(0.0, abs=1e-6)  # fmt: skip
+
+
+def test_zero_advantages_still_step_on_the_distillation_term() -> None:
+    """Pure distillation has no advantage: the backend must still apply the step (it skips all-zero batches)."""
+    from miles_trainer import ensure_process_group
+    from miles_trainer.step import has_update_signal
+
+    ensure_process_group()
+    assert not has_update_signal([0.0, 0.0], PolicyLossConfig())
+    assert has_update_signal([0.0, 0.0], PolicyLossConfig(opd_topk_coef=0.5))
 
 
 def test_samples_without_the_teachers_top_k_are_refused() -> None:

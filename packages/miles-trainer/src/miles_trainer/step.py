@@ -210,10 +210,10 @@ def batch_normalizers(
 def has_update_signal(advantages: PerSample, config: PolicyLossConfig) -> bool:
     """Whether any rank's batch moves the policy. A batch whose advantages are all zero (every group's rewards equal)
     has no policy-gradient signal; an AdamW step would still move the weights along stale momentum, so the update is
-    skipped (unless a KL or entropy term trains)."""
+    skipped (unless a KL, entropy or distillation term trains)."""
     signal = torch.tensor([float(any(is_nonzero(a) for a in advantages))])
     dist.all_reduce(signal, op=dist.ReduceOp.MAX)
-    return bool(signal.item()) or config.kl_coef > 0 or config.entropy_coef > 0
+    return bool(signal.item()) or config.kl_coef > 0 or config.entropy_coef > 0 or config.opd_topk_coef > 0
 
 
 def token_advantages(samples: Sequence[Sample], advantages: PerSample) -> list[list[float]]:
