@@ -312,11 +312,10 @@ def fsdp2_bytes(
     def shard(ts: list[Tensor]) -> int:
         return sum(shard_numel(t, world) for t in ts)
 
-    def adam(ts: list[Tensor]) -> int:
-        return 8 * shard(ts) + 4 * sum(t.copies for t in ts)
+    def adam(ts: list[Tensor], moment_bytes: int = 8) -> int:  # the two moments a trained element, a step a tensor
+        return moment_bytes * shard(ts) + 4 * sum(t.copies for t in ts)
 
-    width = 2 * DTYPE_BYTES[moments_dtype]  # two moments a trained element
-    policy_optimizer = width * shard(trained) + 4 * sum(t.copies for t in trained)
+    policy_optimizer = adam(trained, 2 * DTYPE_BYTES[moments_dtype])
     out = {"weights": base_b * shard(trunk), "grads": 4 * shard(trained), "optimizer": 0}
     if lora is not None:
         out["adapters"] = 4 * shard(adapters)

@@ -38,15 +38,14 @@ def check_teacher_top(samples: Sequence[Sample]) -> int:
     return ks.pop() if ks else 0
 
 
-def teacher_top_K(samples: Sequence[Sample], rows: Sequence[int], device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def teacher_top_K(samples: Sequence[Sample], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's top-k ids (K, J) int64 and log-probs (K, J) float32 of `rows`' response tokens, in the order
-    a micro-batch lays them out (sample by sample)."""
+    a micro-batch lays them out (sample by sample), on the CPU."""
     positions = [position for i in rows for position in samples[i].teacher_top_logprobs or []]
     k = len(positions[0]) if positions else 0
     ids = torch.tensor([[p[0] for p in position] for position in positions], dtype=torch.int64).view(-1, k)
     logprobs = torch.tensor([[p[1] for p in position] for position in positions], dtype=torch.float32).view(-1, k)
-    return ids.to(device), logprobs.to(device)
+    return ids, logprobs
 
 
 def student_logprobs_at(logits_KV: torch.Tensor, ids_KJ: torch.Tensor, temps_K1: torch.Tensor) -> torch.Tensor:

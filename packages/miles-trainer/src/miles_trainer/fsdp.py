@@ -18,8 +18,8 @@ import functools
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
@@ -43,7 +42,7 @@ from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, O
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
 from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.lora import TrainedWeights, attach_adapters
-from miles_trainer.memory import TrainerMemory
+from miles_trainer.memory import TrainerMemory, device_held
 from miles_trainer.moe import moe_shape
 from miles_trainer.optimizers import adamw, policy_optimizer
 from miles_trainer.packing import MicroBatch, pack_samples, plan_samples
@@ -62,8 +61,6 @@ from miles_trainer.step import (
     resolve_loss_fn,
 )
 from miles_trainer.weight_sender import WeightSender
-
-T = TypeVar("T", bound=torch.Tensor)
 
 
 def apply_activation_checkpointing(model: CausalLM) -> None:
@@ -229,7 +226,7 @@ class FSDP2Backend:
             self.critic_optimizer, self.critic_scheduler = adamw(critic_params, critic.optimizer)
         self.step_count = 0
         mtp_ids = {id(p) for p in self.model.mtp_parameters()}
-        held = functools.partial(_device_held, device)  # state in host memory (optimizer offload) stays put
+        held = functools.partial(device_held, device)  # state in host memory (optimizer offload) stays put
         self.memory = TrainerMemory(
             memory or MemoryConfig(), device, offload_dir=offload_dir,
             weights=held(lambda: (p for m in self._models() for p in m.parameters() if id(p) not in mtp_ids)),
@@ -531,19 +528,6 @@ class FSDP2Backend:
     def _check_onloaded(self) -> None:
         if self.memory.manager.is_offloaded():
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
-
-
-def _device_held(device: str, tensors: Callable[[], Iterable[T]]) -> Callable[[], Iterator[T]]:
-    """`tensors`, less those in host memory beside a GPU: the host-memory optimizer's state, and with
-    `offload=moments_and_master` the weights and gradients, are not the device's to free or count."""
-
-    def held() -> Iterator[T]:
-        for tensor in tensors():
-            shard = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            if torch.device(device).type == "cpu" or shard.device.type != "cpu":
-                yield tensor
-
-    return held
 
 
 def _sum_over_ranks(tensor: torch.Tensor) -> None:

@@ -151,11 +151,6 @@ class HostAdamW(torch.optim.Optimizer):
                 state[key] = self._host_like(param, self.moments_dtype)
         return state
 
-    def host_state_bytes(self) -> int:
-        """The host bytes of the moments (every parameter's, initialized or not: the steady state)."""
-        width = torch.finfo(self.moments_dtype).bits // 8
-        return sum(2 * width * local(p).numel() for group in self.param_groups for p in group["params"])
-
     def _chunks(self) -> Iterator[tuple[dict[str, Any], dict[str, Any], torch.Tensor, torch.Tensor, int, int]]:
         """(group, state, flat param shard, flat grad shard, start, end) of every chunk of every parameter with a
         gradient; each parameter's step counter advances once, before its first chunk."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import torch
@@ -38,6 +38,7 @@ from miles_memory.config import MemoryConfig
 
 logger = logging.getLogger("miles_trainer")
 T = TypeVar("T")
+Held = TypeVar("Held", bound=torch.Tensor)
 
 
 def _trainable_bytes(params: Iterable[torch.nn.Parameter]) -> int:
@@ -48,6 +49,22 @@ def _trainable_bytes(params: Iterable[torch.nn.Parameter]) -> int:
             local = param.to_local() if hasattr(param, "to_local") else param
             total += local.numel() * local.element_size()
     return total
+
+
+def device_held(device: str, tensors: Callable[[], Iterable[Held]]) -> Callable[[], Iterator[Held]]:
+    """`tensors`, less those in host memory beside a GPU: the host-memory optimizer's state, and with
+    `offload=moments_and_master` the weights and gradients, are not the device's to free or count (on a CPU device
+    every tensor is the device's)."""
+    if torch.device(device).type == "cpu":
+        return lambda: iter(tensors())
+
+    def held() -> Iterator[Held]:
+        for tensor in tensors():
+            shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if shard.device.type != "cpu":
+                yield tensor
+
+    return held
 
 
 def _describe(held: dict[str, int]) -> str:

@@ -130,9 +130,7 @@ class PolicyStep:
         that adds the micro-batch's stats once the backward has run (nothing for a padding pass)."""
         config, counts = self.config, self.counts
         rows = micro.sample_indices
-        teacher_top = None
-        if config.opd_topk_coef > 0:
-            teacher_top = teacher_top_K(self.samples, rows, torch.device("cpu"))
+        teacher_top = teacher_top_K(self.samples, rows) if config.opd_topk_coef > 0 else None
         logprobs_K, entropy_K, hidden_NH, student_top_KJ = micro_batch_forward(
             model,
             micro,
