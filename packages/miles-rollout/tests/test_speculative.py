@@ -211,7 +211,7 @@ def test_the_engines_drafts_are_the_offline_mtp_forwards(mtp_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("engine", "message"),
     [
-        ({"speculative_algorithm": "EAGLE3"}, "need another draft model"),
+        ({"speculative_algorithm": "NGRAM"}, "STANDALONE and NGRAM are not implemented"),
         ({"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 2}, "only 1 is supported"),
         ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_num_draft_tokens": 5}, "= 3"),
         ({"speculative_num_steps": 2}, "add speculative_algorithm=NEXTN"),

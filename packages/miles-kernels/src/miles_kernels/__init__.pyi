@@ -1,6 +1,16 @@
 """Types of the lazily loaded public API (lazy_loader reads the imports below; see __init__.py)."""
 
 from .config import KernelConfig
+from .eagle3 import (
+    EAGLE3_ARCHITECTURE,
+    Eagle3Config,
+    Eagle3Draft,
+    draft_vocab_from_counts,
+    is_eagle3_dir,
+    load_eagle3,
+    new_eagle3,
+    save_eagle3,
+)
 from .fingerprint import describe_kernel, kernel_fingerprint, resolved_backends
 from .hf_io import (
     checkpoint_tensors,
@@ -99,6 +109,7 @@ __version__: str
 
 __all__ = [
     "BUCKET_FORMAT",
+    "EAGLE3_ARCHITECTURE",
     "NULL_PAGE",
     "PEFT_CONFIG",
     "PEFT_WEIGHTS",
@@ -108,6 +119,8 @@ __all__ = [
     "Bucket",
     "BucketAssembler",
     "CausalLM",
+    "Eagle3Config",
+    "Eagle3Draft",
     "KVStore",
     "KernelConfig",
     "MTPLayer",
@@ -136,6 +149,7 @@ __all__ = [
     "describe_kernel",
     "destroy_weight_update_group",
     "disabled_adapters",
+    "draft_vocab_from_counts",
     "dtype_name",
     "encode_bucket",
     "expert_mlp",
@@ -151,16 +165,19 @@ __all__ = [
     "initial_adapter",
     "inv_frequencies",
     "is_adapter_name",
+    "is_eagle3_dir",
     "iter_buckets",
     "iter_checkpoint",
     "kernel_fingerprint",
     "linear",
+    "load_eagle3",
     "load_mapped",
     "load_model",
     "load_reward_model",
     "load_state",
     "logprob_temperatures",
     "merge_lora",
+    "new_eagle3",
     "normalized_items",
     "num_absent_mtp_layers",
     "pack_int4",
@@ -186,6 +203,7 @@ __all__ = [
     "route_softmax",
     "safetensors_layout",
     "sample",
+    "save_eagle3",
     "save_model",
     "save_peft_adapter",
     "select_experts",

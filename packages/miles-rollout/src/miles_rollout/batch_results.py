@@ -17,7 +17,7 @@ from miles_rollout.page_allocator import PageAllocator, num_shared_pages
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.row_sampling import record_input_logprobs
 from miles_rollout.sequence import DraftState, Group, Sequence, finish_reason
-from miles_rollout.speculative import Drafter, accept_drafts, add_pending
+from miles_rollout.speculative import Drafter, accept_drafts
 
 
 class BatchResults:
@@ -51,7 +51,7 @@ class BatchResults:
                 to_sample.append((owner, start, chunk[1:]))
                 continue
             if self.drafter is not None:
-                add_pending(owner.draft, hidden[start : start + length])
+                self.drafter.add_rows(owner.draft, hidden[start : start + length])
                 extended.append(owner)
             if kind == "refill":  # a retracted sequence's KV recomputed: it decodes again from the next step
                 owner.num_computed += length
@@ -63,7 +63,8 @@ class BatchResults:
             first_position = group.num_computed
             group.num_computed += length
             if group.needs_input_logprobs:
-                record_input_logprobs(self.runner.model, group, hidden[start : start + length], first_position)
+                rows = self.runner.hidden_states(hidden[start : start + length])
+                record_input_logprobs(self.runner.model, group, rows, first_position)
             if group.is_prefilled:
                 to_sample.append((group, start + length - 1, []))
         if self.drafter is not None and extended:

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from miles_kernels.config import KernelConfig, LoraConfig, WeightFormat, WeightQuantConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DRAFT_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names that draft with the model's own MTP layers
+MTP_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names that draft with the model's own MTP layers
+DRAFT_ALGORITHMS = (*MTP_ALGORITHMS, "EAGLE3")  # EAGLE3: a separate EAGLE-3 draft (speculative_draft_model_path)
 DEFAULT_DRAFT_STEPS = 3
 
 
@@ -87,13 +88,19 @@ class EngineConfig(BaseModel):
     speculative_algorithm: str | None = Field(
         default=None,
         description="Speculative decoding, SGLang's flag: NEXTN (or EAGLE, the same for an MTP draft) drafts with "
-        "the model's own MTP layers (num_nextn_predict_layers >= 1 in config.json); null: off.",
+        "the model's own MTP layers (num_nextn_predict_layers >= 1 in config.json); EAGLE3 with the EAGLE-3 draft "
+        "at speculative_draft_model_path (SpecForge's layout); null: off.",
+    )
+    speculative_draft_model_path: str | None = Field(
+        default=None,
+        description="EAGLE3's draft: a SpecForge-format EAGLE-3 checkpoint directory (LlamaForCausalLMEagle3) for "
+        "this model (its vocabulary, hidden size and layers).",
     )
     speculative_num_steps: int | None = Field(
         default=None,
         ge=1,
         le=16,
-        description=f"Draft tokens proposed per decoding step (MTP module 0 applied recursively); "
+        description=f"Draft tokens proposed per decoding step (the draft applied recursively); "
         f"default {DEFAULT_DRAFT_STEPS} when speculative decoding is on.",
     )
     speculative_eagle_topk: int | None = Field(
@@ -139,8 +146,9 @@ class EngineConfig(BaseModel):
         name = str(value).upper()
         if name not in DRAFT_ALGORITHMS:
             raise ValueError(
-                f"speculative_algorithm {value!r} is not supported: Miles drafts with the policy's own MTP layers, "
-                f"SGLang's {' or '.join(DRAFT_ALGORITHMS)} (EAGLE3, STANDALONE and NGRAM need another draft model)"
+                f"speculative_algorithm {value!r} is not supported: Miles drafts with the policy's own MTP layers "
+                f"({' or '.join(MTP_ALGORITHMS)}) or an EAGLE-3 draft (EAGLE3); STANDALONE and NGRAM are not "
+                "implemented"
             )
         return name
 
@@ -154,6 +162,16 @@ class EngineConfig(BaseModel):
         if self.speculative_algorithm is None and any(v is not None for v in given.values()):
             names = ", ".join(k for k, v in given.items() if v is not None)
             raise ValueError(f"{names} set without speculative_algorithm: add speculative_algorithm=NEXTN")
+        has_path = self.speculative_draft_model_path is not None
+        if self.speculative_algorithm == "EAGLE3" and not has_path:
+            raise ValueError("speculative_algorithm=EAGLE3 drafts with an EAGLE-3 checkpoint: set "
+                             "speculative_draft_model_path (miles-spec train --draft eagle3 writes one)")  # fmt: skip
+        if self.speculative_algorithm != "EAGLE3" and has_path:
+            raise ValueError(
+                f"speculative_draft_model_path is EAGLE3's draft; speculative_algorithm="
+                f"{self.speculative_algorithm} drafts with the model's own MTP layers: set speculative_algorithm=EAGLE3 "
+                "or leave the path unset"
+            )
         if (self.speculative_eagle_topk or 1) > 1:
             raise ValueError(
                 f"speculative_eagle_topk={self.speculative_eagle_topk}: only 1 is supported (the draft proposes one "
@@ -184,6 +202,13 @@ class EngineConfig(BaseModel):
         return WeightQuantConfig(
             format=self.weight_dtype, block_size=self.weight_block_size, group_size=self.weight_group_size
         )
+
+    @property
+    def draft_kind(self) -> Literal["mtp", "eagle3"] | None:
+        """Which draft proposes tokens: the model's MTP layers, an EAGLE-3 checkpoint, or none."""
+        if self.speculative_algorithm is None:
+            return None
+        return "eagle3" if self.speculative_algorithm == "EAGLE3" else "mtp"
 
     @property
     def num_draft_steps(self) -> int:

@@ -33,7 +33,15 @@ from typing import Any
 import torch
 
 from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, version_string
-from miles_kernels import KernelConfig, add_lora, describe_kernel, fold_adapters, folded_weights, load_model
+from miles_kernels import (
+    KernelConfig,
+    add_lora,
+    describe_kernel,
+    fold_adapters,
+    folded_weights,
+    load_eagle3,
+    load_model,
+)
 from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig, ServedLoraConfig
 from miles_rollout.engine_controls import EngineControls
@@ -125,9 +133,13 @@ class Engine(EngineControls, LoraControls):
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         drafter = None
-        if config.num_draft_steps:
+        if config.draft_kind == "eagle3":
+            assert config.speculative_draft_model_path is not None
+            model.attach_eagle3(load_eagle3(config.speculative_draft_model_path, model.config, kernel, config.device))
+        if config.draft_kind is not None:
             tile = kernel.attention_query_tile
-            drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids)
+            drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids,
+                              config.draft_kind)  # fmt: skip
         lora = self.lora_config
         self.loras = ServedLoras(model, kernel, lora) if lora.is_enabled else None
         self.runner = ModelRunner(model, config, kernel, self.eos_ids, self.grammars, drafter is not None,
@@ -439,6 +451,7 @@ class Engine(EngineControls, LoraControls):
             "device": self.config.device,
             "enable_deterministic_inference": self.kernel.is_deterministic,
             "speculative_algorithm": self.config.speculative_algorithm,
+            "speculative_draft_model_path": self.config.speculative_draft_model_path,
             "speculative_num_steps": self.config.num_draft_steps or None,
             "speculative_eagle_topk": 1 if self.config.num_draft_steps else None,
             "speculative_num_draft_tokens": self.config.num_draft_steps + 1 if self.config.num_draft_steps else None,

@@ -59,7 +59,8 @@ class ModelRunner:
         adapters: list[str | None] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The trunk's forward over a step's rows (their K/V written to the store), each chunk's rows with its LoRA
-        adapter (`adapters`, one id per chunk; None: the base model); the hidden states (rows, H)."""
+        adapter (`adapters`, one id per chunk; None: the base model); the rows' states: the hidden states (rows, H),
+        followed with an EAGLE-3 draft by its features (rows, H + 3H; `hidden_states` takes the first part)."""
         batch = build_attention_batch(query_lens, prefix_lens, tables, self.page_size, self.query_tile, self.device)
         slots = self.adapters if adapters is not None and any(a is not None for a in adapters) else None
         if slots is not None:
@@ -72,7 +73,12 @@ class ModelRunner:
                 slots.clear_rows()
         if self.routed_experts is not None:  # before the draft's forwards (their MoE layers are not the trunk's)
             self.routed_experts.record(batch, self.model.last_routing())
-        return hidden
+        features = self.model.last_draft_features if self.model.eagle3 is not None else None
+        return hidden if features is None else torch.cat((hidden, features), dim=-1)
+
+    def hidden_states(self, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (N, H) of a step's rows (`forward`)."""
+        return rows[:, : self.model.config.hidden_size]
 
     def forward_each(
         self, chunks: list[tuple[int, list[int], int, list[int], str | None]]
@@ -93,8 +99,8 @@ class ModelRunner:
         return failed, [(k, hidden) for k, hidden in kept if chunks[k][0] not in failed]
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The LM head's logits of `rows` of a step's hidden states."""
-        return self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        """The LM head's logits of `rows` of a step's rows (`forward`)."""
+        return self.model.logits(self.hidden_states(hidden[torch.tensor(rows, device=hidden.device)]))
 
     def copy_page(self, source: int, targets: list[int]) -> None:
         """Copy page `source`'s K/V (and recorded routing) into each page of `targets`: one copy per layer and K/V for

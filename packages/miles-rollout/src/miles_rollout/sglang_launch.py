@@ -35,7 +35,7 @@ MANAGED = frozenset({
     "model_path", "host", "port", "tp_size", "dp_size", "ep_size", "dtype", "random_seed", "max_running_requests",
     "context_length", "mem_fraction_static", "attention_backend", "chunked_prefill_size", "log_level",
     "enable_deterministic_inference", "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
-    "speculative_num_draft_tokens", "enable_return_routed_experts", "enable_memory_saver", "admin_api_key",
+    "speculative_num_draft_tokens", "speculative_draft_model_path", "enable_return_routed_experts", "enable_memory_saver", "admin_api_key",
     "api_key", "weight_version", "skip_tokenizer_init",
 })  # fmt: skip
 
@@ -81,6 +81,8 @@ def sglang_server_args(
         steps = engine.num_draft_steps
         args |= {"speculative_algorithm": engine.speculative_algorithm, "speculative_num_steps": steps,
                  "speculative_eagle_topk": 1, "speculative_num_draft_tokens": steps + 1}  # fmt: skip
+        if engine.speculative_draft_model_path is not None:
+            args["speculative_draft_model_path"] = engine.speculative_draft_model_path
     if engine.enable_return_routed_experts:
         args["enable_return_routed_experts"] = True
     if memory_saver:

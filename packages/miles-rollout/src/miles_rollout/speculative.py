@@ -7,9 +7,10 @@ Where it sits in a scheduler step (scheduler.py, batch_results.py): `Drafter.pro
 sequence's draft tokens become its verify rows), `Drafter.extend` after the forward for prompt and recomputed chunks,
 and `accept_drafts` when the verify rows are sampled.
 
-The draft (SGLang's NEXTN, EAGLE's chain with topk 1): MTP module 0, applied recursively on its own output. Its
-row t combines the trunk's hidden state at t with token t + 1 (`CausalLM.mtp_hidden`), and its K/V sits in the KV
-store's layer L (`KVStore.allocate(num_draft_layers=1)`) at the sequence's own pages and slots, so allocation,
+The draft (SGLang's NEXTN, EAGLE's chain with topk 1): MTP module 0, or an EAGLE-3 draft (EAGLE3), applied
+recursively on its own output. Its row t combines the trunk's state at t (its final hidden state for MTP,
+`CausalLM.mtp_hidden`; its three feature layers for EAGLE-3, `CausalLM.eagle3_hidden`) with token t + 1, and its K/V
+sits in the KV store's layer L (`KVStore.allocate(num_draft_layers=1)`) at the sequence's own pages and slots, so allocation,
 the prefix cache, retract, abort and memory release need nothing more. Per sequence, `DraftState` (sequence.py)
 says which draft rows are exact (`computed`) and holds the trunk hidden states whose draft rows wait for their
 next token (`pending`). One step of a sequence with n computed tokens and last sampled token x_n:
@@ -28,9 +29,11 @@ that writer's next token.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from miles_kernels import CausalLM, KVStore, build_attention_batch
+from miles_kernels import CausalLM, Eagle3Draft, KVStore, build_attention_batch
 from miles_rollout.row_sampling import Row, sample_tokens
 from miles_rollout.sequence import DraftState, Sequence, SpecCounts
 
@@ -64,7 +67,8 @@ def accept_drafts(drafts: list[int], targets: list[int]) -> list[int]:
 
 
 class Drafter:
-    """Runs the MTP draft for the scheduler: `extend` (prompt / recomputed chunks) and `propose` (decoding)."""
+    """Runs the draft for the scheduler: `extend` (prompt / recomputed chunks) and `propose` (decoding). `kind`:
+    the model's MTP module 0, or its attached EAGLE-3 draft (`CausalLM.attach_eagle3`)."""
 
     def __init__(
         self,
@@ -74,8 +78,12 @@ class Drafter:
         query_tile: int,
         device: str,
         eos_ids: set[int],
+        kind: Literal["mtp", "eagle3"] = "mtp",
     ) -> None:
-        if not model.mtp_layers:
+        self.kind = kind
+        if kind == "eagle3" and model.eagle3 is None:
+            raise ValueError("EAGLE3 drafting needs an EAGLE-3 draft attached to the model (speculative_draft_model_path)")
+        if kind == "mtp" and not model.mtp_layers:
             raise ValueError(
                 "speculative decoding drafts with the model's MTP layers, and this model has none "
                 "(num_nextn_predict_layers = 0 in config.json, or MTP layers it declares and the checkpoint holds no "
@@ -102,9 +110,18 @@ class Drafter:
         left = min(seq.group.params.max_new_tokens - len(seq.output_ids), context_length - len(seq.tokens))
         return max(min(self.num_steps, left - 1), 0)
 
-    def verified(self, seq: Sequence, proposed: int, emitted: int, kept_NH: torch.Tensor) -> None:
-        """After `seq`'s decode step: `proposed` drafts, `emitted` tokens (`accept_drafts`), `kept_NH` the trunk's
-        hidden states of the rows kept. Counts the drafts, and the kept rows wait for their draft rows."""
+    def add_rows(self, draft: DraftState, rows: torch.Tensor) -> None:
+        """Newly computed positions' rows of a step (`ModelRunner.forward`) wait for their draft rows."""
+        add_pending(draft, self.features(rows))
+
+    def features(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the draft reads of the trunk's rows: the final hidden states (MTP) or the feature layers (EAGLE-3)."""
+        hidden_size = self.model.config.hidden_size
+        return rows[:, hidden_size:] if self.kind == "eagle3" else rows[:, :hidden_size]
+
+    def verified(self, seq: Sequence, proposed: int, emitted: int, kept_rows: torch.Tensor) -> None:
+        """After `seq`'s decode step: `proposed` drafts, `emitted` tokens (`accept_drafts`), `kept_rows` the trunk's
+        rows kept. Counts the drafts, and the kept rows wait for their draft rows."""
         if proposed:
             accepted = emitted - 1
             if seq.spec is None:
@@ -115,7 +132,7 @@ class Drafter:
                 self.proposed_at[j] += 1
                 self.correct_at[j] += j < accepted
         if seq.finish is None:
-            add_pending(seq.draft, kept_NH)
+            self.add_rows(seq.draft, kept_rows)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -146,6 +163,7 @@ class Drafter:
             [d.computed for d, _, _, _ in work],
             [tokens[d.computed + 1 : n] for d, tokens, _, n in work],
             [pages for _, _, pages, _ in work],
+            from_trunk=True,
         )
         for d, _, _, n in work:
             d.pending, d.computed = d.pending[-1:], n - 1
@@ -164,13 +182,14 @@ class Drafter:
             [seqs[i].draft.computed for i in active],
             [seqs[i].tokens[seqs[i].draft.computed + 1 :] for i in active],
             [seqs[i].pages for i in active],
+            from_trunk=True,
         )
         for i in active:
             seqs[i].draft.computed, seqs[i].draft.pending = seqs[i].num_computed, None
         last = torch.stack([out[-1] for out in outs])
         # 2. sample d_j from the last output; then module 0 again on (its output, d_j) one slot further
         while True:
-            logits = self.model.mtp_logits(last)
+            logits = self.model.mtp_logits(last) if self.kind == "mtp" else self._eagle3().logits(last)
             rows = [Row(seqs[i], drafts[i]) for i in active]
             for i, token in zip(active, sample_tokens(logits, rows, self.eos_ids).tolist(), strict=True):
                 drafts[i].append(token)
@@ -184,6 +203,7 @@ class Drafter:
                 [seqs[i].num_computed + len(drafts[i]) - 1 for i in active],
                 [drafts[i][-1:] for i in active],
                 [seqs[i].pages for i in active],
+                from_trunk=False,
             )
             last = torch.cat(outs)
 
@@ -194,11 +214,19 @@ class Drafter:
         first_positions: list[int],
         next_ids: list[list[int]],
         tables: list[list[int]],
+        from_trunk: bool,
     ) -> list[torch.Tensor]:
-        """MTP module 0 over rows first_positions[s] .. of each sequence s (writing their draft K/V); its output
-        rows, split per sequence."""
+        """The draft over rows first_positions[s] .. of each sequence s (writing their draft K/V); its output rows,
+        split per sequence. `from_trunk`: `hidden` holds the trunk's rows (`features`), else the draft's outputs."""
         lengths = [len(ids) for ids in next_ids]
         batch = build_attention_batch(lengths, first_positions, tables, self.page_size, self.query_tile, self.device)
         ids = torch.tensor([t for row in next_ids for t in row], device=self.device)
-        out = self.model.mtp_hidden(torch.cat(hidden), ids, batch, 0, kv_store=store)
+        if self.kind == "eagle3":
+            out = self.model.eagle3_hidden(torch.cat(hidden), ids, batch, project=from_trunk, kv_store=store)
+        else:
+            out = self.model.mtp_hidden(torch.cat(hidden), ids, batch, 0, kv_store=store)
         return list(torch.split(out, lengths))
+
+    def _eagle3(self) -> Eagle3Draft:
+        assert self.model.eagle3 is not None
+        return self.model.eagle3
