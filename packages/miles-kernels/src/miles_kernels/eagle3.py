@@ -3,10 +3,10 @@ EAGLE3` loads with `--speculative-draft-model-path`).
 
 One Llama decoder layer over the target's own features (docs/speculative-training.md, "EAGLE-3"):
 
-    f_t = fc([a_t ; b_t ; c_t])                       the target's residual stream after three of its layers (low,
-                                                      mid, high: `aux_layers`, SpecForge's [1, L/2 - 1, L - 4]), 3H -> H
-    h_t = midlayer(embed(x_{t+1}), f_t)               attention over the sequence's draft rows <= t
-    logits_t = lm_head(norm(h_t))                     over the draft's own vocabulary (`draft_vocab_size`)
+    f_t = fc([a_t ; b_t ; c_t])                  the target's residual stream after three of its layers (low, mid,
+                                                 high: `aux_layers`, SpecForge's [1, L/2 - 1, L - 4]), 3H -> H
+    h_t = midlayer(embed(x_{t+1}), f_t)          attention over the sequence's draft rows <= t
+    logits_t = lm_head(norm(h_t))                over the draft's own vocabulary (`draft_vocab_size`)
 
 `midlayer` is a decoder layer whose attention reads 2H: [input_layernorm(embedding) ; hidden_norm(f_t)], with f_t
 the residual. Row t predicts token t + 2. Drafting further, the layer runs on its own output h_t in place of f_t
@@ -73,8 +73,9 @@ class Eagle3Config:
                 f"[{EAGLE3_ARCHITECTURE!r}] (SpecForge's layout)"
             )
         eagle = hf.get("eagle_config") or {}
-        variants = [key for key in ("fc_norm", "norm_before_fc", "use_aux_norm")
-                    if hf.get(key) or eagle.get(key)] + (["norm_output=false"] if hf.get("norm_output") is False else [])  # fmt: skip
+        variants = [key for key in ("fc_norm", "norm_before_fc", "use_aux_norm") if hf.get(key) or eagle.get(key)]
+        if hf.get("norm_output") is False:
+            variants.append("norm_output=false")
         if variants:
             raise ValueError(
                 f"unsupported EAGLE-3 variant: {', '.join(variants)} (Miles runs SpecForge's default "
@@ -394,7 +395,7 @@ def ttt_attention(
     step s = 1 .. k, to step s's key at its own row t (the draft rows it ran on its own outputs), exactly the keys
     the engine's draft row at position t + k sees. `keys[s]` / `values[s]`: (N, Hkv, D) per packed row; sequences
     are packed back to back (`seq_lens`)."""
-    num_heads, head_dim = q_NHD.shape[1], q_NHD.shape[2]
+    num_heads = q_NHD.shape[1]
     group = num_heads // keys[0].shape[1]
     q = q_NHD.to(torch.float32)
     expand = [(k.to(torch.float32).repeat_interleave(group, 1), v.to(torch.float32).repeat_interleave(group, 1))

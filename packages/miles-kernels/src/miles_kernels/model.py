@@ -477,7 +477,8 @@ class CausalLM(nn.Module):
         if draft is None:
             raise ValueError("the model has no EAGLE-3 draft: attach one (attach_eagle3)")
         if kv_store is None or len(kv_store.k) <= self.config.num_hidden_layers:
-            raise ValueError("the EAGLE-3 draft runs in the KV store's draft layer: allocate it with num_draft_layers=1")
+            raise ValueError("the EAGLE-3 draft runs in the KV store's draft layer: allocate the store with "
+                             "num_draft_layers=1")  # fmt: skip
         embedded = F.embedding(next_ids_N, self.model.embed_tokens.weight.detach())
         hidden = draft.project(hidden_NH.detach().to(embedded.dtype)) if project else hidden_NH
         batch = batch.to(embedded.device)

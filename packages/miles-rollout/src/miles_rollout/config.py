@@ -168,9 +168,8 @@ class EngineConfig(BaseModel):
                              "speculative_draft_model_path (miles-spec train --draft eagle3 writes one)")  # fmt: skip
         if self.speculative_algorithm != "EAGLE3" and has_path:
             raise ValueError(
-                f"speculative_draft_model_path is EAGLE3's draft; speculative_algorithm="
-                f"{self.speculative_algorithm} drafts with the model's own MTP layers: set speculative_algorithm=EAGLE3 "
-                "or leave the path unset"
+                f"speculative_draft_model_path is EAGLE3's draft; speculative_algorithm={self.speculative_algorithm} "
+                "drafts with the model's own MTP layers: set speculative_algorithm=EAGLE3 or leave the path unset"
             )
         if (self.speculative_eagle_topk or 1) > 1:
             raise ValueError(

@@ -35,8 +35,8 @@ MANAGED = frozenset({
     "model_path", "host", "port", "tp_size", "dp_size", "ep_size", "dtype", "random_seed", "max_running_requests",
     "context_length", "mem_fraction_static", "attention_backend", "chunked_prefill_size", "log_level",
     "enable_deterministic_inference", "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
-    "speculative_num_draft_tokens", "speculative_draft_model_path", "enable_return_routed_experts", "enable_memory_saver", "admin_api_key",
-    "api_key", "weight_version", "skip_tokenizer_init",
+    "speculative_num_draft_tokens", "speculative_draft_model_path", "enable_return_routed_experts",
+    "enable_memory_saver", "admin_api_key", "api_key", "weight_version", "skip_tokenizer_init",
 })  # fmt: skip
 
 

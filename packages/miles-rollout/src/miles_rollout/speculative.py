@@ -9,10 +9,10 @@ and `accept_drafts` when the verify rows are sampled.
 
 The draft (SGLang's NEXTN, EAGLE's chain with topk 1): MTP module 0, or an EAGLE-3 draft (EAGLE3), applied
 recursively on its own output. Its row t combines the trunk's state at t (its final hidden state for MTP,
-`CausalLM.mtp_hidden`; its three feature layers for EAGLE-3, `CausalLM.eagle3_hidden`) with token t + 1, and its K/V
-sits in the KV store's layer L (`KVStore.allocate(num_draft_layers=1)`) at the sequence's own pages and slots, so allocation,
-the prefix cache, retract, abort and memory release need nothing more. Per sequence, `DraftState` (sequence.py)
-says which draft rows are exact (`computed`) and holds the trunk hidden states whose draft rows wait for their
+`CausalLM.mtp_hidden`; its three feature layers for EAGLE-3, `CausalLM.eagle3_hidden`) with token t + 1, and its
+K/V sits in the KV store's layer L (`KVStore.allocate(num_draft_layers=1)`) at the sequence's own pages and slots, so
+allocation, the prefix cache, retract, abort and memory release need nothing more. Per sequence, `DraftState`
+(sequence.py) says which draft rows are exact (`computed`) and holds the trunk rows whose draft rows wait for their
 next token (`pending`). One step of a sequence with n computed tokens and last sampled token x_n:
 1. extend: draft rows for the pending positions (up to n - 1, whose next token x_n is now known): exact K/V, and
    the last row's output drafts d_1;
@@ -82,7 +82,7 @@ class Drafter:
     ) -> None:
         self.kind = kind
         if kind == "eagle3" and model.eagle3 is None:
-            raise ValueError("EAGLE3 drafting needs an EAGLE-3 draft attached to the model (speculative_draft_model_path)")
+            raise ValueError("EAGLE3 drafts with an EAGLE-3 draft attached (--speculative-draft-model-path)")
         if kind == "mtp" and not model.mtp_layers:
             raise ValueError(
                 "speculative decoding drafts with the model's MTP layers, and this model has none "
