@@ -276,8 +276,9 @@ class OracleDrafter(Drafter):
         reference: dict[tuple[tuple[int, ...], int], list[int]],
         is_wrong: Callable[[int, int], bool],
     ) -> None:
-        super().__init__(base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids,
-                         base.kind)
+        super().__init__(
+            base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids, base.kind
+        )
         self.reference = reference
         self.is_wrong = is_wrong
 
