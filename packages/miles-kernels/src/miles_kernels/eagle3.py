@@ -229,6 +229,22 @@ class Eagle3Draft(nn.Module):
         out = draft.new_full((draft.shape[0], self.config.layer.vocab_size), float("-inf"))
         return out.index_copy_(1, self.target_ids, draft)
 
+    def forward(
+        self, features_N3H: torch.Tensor, embedded_KNH: torch.Tensor, seq_lens: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """The training-time test (TTT) unrolled over K = embedded_KNH.shape[0] steps, with autograd: the draft
+        logits (N, D) of each step. Step 0 runs on the projected features, step k on step k - 1's outputs, each
+        sequence's row t at position t + k with the token embedded at `embedded_KNH[k]` (its token t + 1 + k),
+        attending as `ttt_attention` says: what the engine's draft computes k drafts past the target's row t."""
+        offsets = torch.cat([torch.arange(n, device=features_N3H.device) for n in seq_lens])
+        hidden = self.project(features_N3H.to(embedded_KNH.dtype))
+        cache: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        out = []
+        for step in range(embedded_KNH.shape[0]):
+            hidden = ttt_layer(self, embedded_KNH[step], hidden, offsets + step, seq_lens, cache)
+            out.append(self.draft_logits(hidden))
+        return out
+
 
 def init_eagle3(draft: Eagle3Draft, seed: int = 0, std: float = 0.02) -> Eagle3Draft:
     """Fill a new draft's weights reproducibly (Hugging Face's Llama init: normal(0, std) matrices, unit norms)."""

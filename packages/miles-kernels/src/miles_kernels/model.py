@@ -460,6 +460,10 @@ class CausalLM(nn.Module):
         out = mtp(embedded, hidden_NH, cos, sin, batch, kv_store.k[layer], kv_store.v[layer])
         return out
 
+    def token_embeddings(self, ids_N: torch.Tensor) -> torch.Tensor:
+        """The trunk's embedding of `ids_N` (N, H), detached: a draft's input that trains nothing of the trunk."""
+        return F.embedding(ids_N, self.model.embed_tokens.weight.detach())
+
     def eagle3_hidden(
         self,
         hidden_NH: torch.Tensor,
@@ -479,7 +483,7 @@ class CausalLM(nn.Module):
         if kv_store is None or len(kv_store.k) <= self.config.num_hidden_layers:
             raise ValueError("the EAGLE-3 draft runs in the KV store's draft layer: allocate the store with "
                              "num_draft_layers=1")  # fmt: skip
-        embedded = F.embedding(next_ids_N, self.model.embed_tokens.weight.detach())
+        embedded = self.token_embeddings(next_ids_N)
         hidden = draft.project(hidden_NH.detach().to(embedded.dtype)) if project else hidden_NH
         batch = batch.to(embedded.device)
         cos, sin = rotary_cos_sin(draft.config.layer, batch.positions_N, embedded)

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from miles_kernels import (
     CausalLM,
+    Eagle3Draft,
     KernelConfig,
     adapted_layers,
     add_lora,
@@ -39,9 +40,11 @@ from miles_kernels import (
     quantize_model,
     read_model_config,
     save_model,
+    save_eagle3,
     save_peft_adapter,
 )
 from miles_kernels.config import WeightQuantConfig
+from miles_kernels.eagle3 import DRAFT_PREFIX, load_eagle3_state
 from miles_trainer.config import LoraTrainConfig
 from miles_trainer.megatron_backend import MegatronBackend  # megatron-core itself is imported only when used
 
@@ -258,10 +261,13 @@ def export_hf(backend: Backend, directory: str | os.PathLike[str], tokenizer: An
     """Gather the full weights and write a Hugging Face directory in the kernel dtype (rank 0 writes; every
     rank calls it). With a low-precision engine (`rollout.engine.weight_dtype`) also `quantized/`: the weights as
     the engine served them, in the format's Hugging Face layout and `quantization_config` (a QAT run's deployable
-    model)."""
+    model). An attached EAGLE-3 draft goes to `eagle3/` in SpecForge's layout (`export_eagle3`)."""
     state = backend.full_state_dict()
+    draft = {name: state.pop(name) for name in list(state) if name.startswith(DRAFT_PREFIX)}
     out = None
     if dist.get_rank() == 0:
+        if draft:
+            _save_eagle3(backend, draft, Path(directory) / EAGLE3_EXPORT_DIR)
         lora = backend.lora
         if lora is None:
             out = _save_hf(backend.model.config, backend.kernel, state, directory, tokenizer)
@@ -274,6 +280,31 @@ def export_hf(backend: Backend, directory: str | os.PathLike[str], tokenizer: An
                               base_model=str(backend.model_dir))  # fmt: skip
     dist.barrier()
     return out
+
+
+EAGLE3_EXPORT_DIR = "eagle3"  # where `export_hf` writes an attached EAGLE-3 draft
+
+
+def export_eagle3(backend: Backend, directory: str | os.PathLike[str]) -> Path | None:
+    """Gather the attached EAGLE-3 draft and write it in SpecForge's layout (rank 0 writes; every rank calls it):
+    what `--speculative-algorithm EAGLE3 --speculative-draft-model-path` serves."""
+    state = backend.full_state_dict()
+    draft = {name: t for name, t in state.items() if name.startswith(DRAFT_PREFIX)}
+    if not draft:
+        raise ValueError("the trainer's model has no EAGLE-3 draft attached: there is nothing to export")
+    out = _save_eagle3(backend, draft, directory) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out
+
+
+def _save_eagle3(backend: Backend, state: dict[str, torch.Tensor], directory: str | os.PathLike[str]) -> Path:
+    attached = backend.model.eagle3
+    assert attached is not None
+    with torch.device("meta"):
+        draft = Eagle3Draft(attached.config, backend.kernel)
+    draft = draft.to_empty(device="cpu").to(backend.kernel.torch_dtype)
+    load_eagle3_state(draft, {name.removeprefix(DRAFT_PREFIX): t for name, t in state.items()}, complete=True)
+    return save_eagle3(draft, directory)
 
 
 def export_lora(

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import (
 from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, MTPLayer, disabled_adapters, load_model
+from miles_kernels import CausalLM, KernelConfig, MTPLayer, disabled_adapters, load_eagle3, load_model
 from miles_kernels.config import WeightQuantConfig
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
@@ -108,6 +108,8 @@ def _shard(
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy, offload_policy=offload,
                     ignored_params=tied if isinstance(layer, MTPLayer) else None)  # fmt: skip
+    if model.eagle3 is not None:  # an attached EAGLE-3 draft: its own group, gathered in its (TTT) forward
+        fully_shard(model.eagle3, mp_policy=policy, offload_policy=offload)
     top = fully_shard(model if root is None else root, mp_policy=policy, offload_policy=offload)
     if model.config.is_moe and dist.get_world_size() > 1:
         # Experts that no token of this rank chose still join the gradient reduction.
@@ -118,7 +120,7 @@ def _shard(
             )
         top.set_reduce_scatter_unused_params(True)
     if root is None:
-        for method in ("forward_hidden", "logits", "mtp_hidden", "mtp_logits"):  # the root's weights gathered
+        for method in ("forward_hidden", "logits", "mtp_hidden", "mtp_logits", "token_embeddings"):  # root's gathered
             register_fsdp_forward_method(model, method)
 
 
@@ -144,6 +146,7 @@ class FSDP2Backend:
         lora: LoraTrainConfig | None = None,
         weight_quant: WeightQuantConfig | None = None,
         qat: bool = False,
+        eagle3_draft: str | os.PathLike[str] | None = None,
     ) -> None:
         """`keep_reference`: keep the initial policy as the KL reference (default: when `loss.kl_coef > 0`).
         `offload_dir`: where `offload()` writes on a CPU run (default: the system temp dir). `critic`: PPO's
@@ -155,7 +158,10 @@ class FSDP2Backend:
         recorded (its `routed_experts`; miles_trainer.moe), in the train step and in `compute_logprobs` (the
         reference model routes by itself). `lora`: train adapters on a frozen base (miles_trainer.lora): only they
         get gradients, optimizer state and checkpoint bytes, and `weights` sends only them. `weight_quant`, `qat`: a
-        low-precision engine's format, which `weights` sends, and quantization-aware training with it (qat.py)."""
+        low-precision engine's format, which `weights` sends, and quantization-aware training with it (qat.py).
+        `eagle3_draft`: a SpecForge-format EAGLE-3 draft directory attached to the policy (`CausalLM.attach_eagle3`,
+        float32 like the policy): it shards, checkpoints and weight-syncs with it, trains when an auxiliary loss
+        trains it (miles-spec's `Eagle3Loss`), and `export_hf` writes it beside the policy."""
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Backend needs torch.distributed initialized (torchrun, or init_process_group)")
         self.kernel = kernel
@@ -174,6 +180,9 @@ class FSDP2Backend:
         self.max_tokens = self.config.max_tokens_per_micro_batch
         device = self.config.device
         self.model = load_model(model_dir, kernel, device, dtype=torch.float32).train()
+        if eagle3_draft is not None:
+            draft = load_eagle3(eagle3_draft, self.model.config, kernel, device, dtype=torch.float32)
+            self.model.attach_eagle3(draft.train())
         self.lora = lora if lora is not None and lora.is_enabled else None
         if self.optimizer_config.algorithm == "muon" and self.lora is not None:
             raise ValueError("optimizer algorithm=muon orthogonalizes the policy's weight matrices, which LoRA "
@@ -195,9 +204,9 @@ class FSDP2Backend:
             _shard(self.reference, kernel)
         self.aux_losses = list(aux_losses)
         aux_ids = {id(p) for aux in self.aux_losses for p in aux.parameters(self.model)}
-        # MTP modules no auxiliary loss trains stay as loaded (spec.mode off / frozen): outside every optimizer,
+        # drafts no auxiliary loss trains stay as loaded (spec.mode off / frozen): outside every optimizer,
         # so a checkpoint holds optimizer state for exactly the parameters that train
-        idle_mtp = {id(p) for p in self.model.mtp_parameters()} - aux_ids
+        idle_mtp = {id(p) for p in self.model.draft_parameters()} - aux_ids
         # the policy's parameters (the trunk's), in the model's order: its optimizer and its clipping see these
         self.policy_params = [
             p for p in self.model.parameters() if id(p) not in aux_ids | idle_mtp and p.requires_grad
@@ -225,12 +234,12 @@ class FSDP2Backend:
                 critic_params = list(self.value_head.parameters())
             self.critic_optimizer, self.critic_scheduler = adamw(critic_params, critic.optimizer)
         self.step_count = 0
-        mtp_ids = {id(p) for p in self.model.mtp_parameters()}
+        mtp_ids = {id(p) for p in self.model.draft_parameters()}
         held = functools.partial(device_held, device)  # state in host memory (optimizer offload) stays put
         self.memory = TrainerMemory(
             memory or MemoryConfig(), device, offload_dir=offload_dir,
             weights=held(lambda: (p for m in self._models() for p in m.parameters() if id(p) not in mtp_ids)),
-            mtp=held(self.model.mtp_parameters), optimizer=held(self._optimizer_state),
+            mtp=held(self.model.draft_parameters), optimizer=held(self._optimizer_state),
             trainable=held(self._trainable_params),
             grads=held(lambda: (p.grad for m in self._models() for p in m.parameters() if p.grad is not None)),
             host_optimizer=self.optimizer_config.offload != "none",

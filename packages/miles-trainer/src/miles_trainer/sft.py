@@ -201,6 +201,7 @@ def run_sft(
     aux_losses: Sequence[AuxLoss] = (),
     aux_optimizer: OptimizerConfig | None = None,
     train_policy: bool = True,
+    eagle3_draft: str | os.PathLike[str] | None = None,
 ) -> list[dict[str, float]]:
     """Fine-tune the Hugging Face model at `model_dir` on the JSONL `data` and write a Hugging Face directory
     (weights, config, tokenizer) to `out`. Returns one metrics dict per epoch (mean loss, tokens/s).
@@ -210,14 +211,17 @@ def run_sft(
     `aux_losses` / `aux_optimizer`: auxiliary losses trained on the same forward (`FSDP2Backend`), e.g. the MTP
     draft's (`miles_spec.MTPLoss`), which leave the policy's update unchanged; their optimizer defaults to the
     SFT's, and either one's schedule spans the SFT's steps unless it sets `total_steps`. `train_policy=False`
-    trains the auxiliary losses alone: the policy's weights are exported as loaded (e.g. `miles-spec train`)."""
+    trains the auxiliary losses alone: the policy's weights are exported as loaded (e.g. `miles-spec train`).
+    `eagle3_draft`: an EAGLE-3 draft attached to the policy (`FSDP2Backend(eagle3_draft=)`); with
+    `train_policy=False` only the draft is written to `out` (SpecForge's layout), else `export_hf` writes it to
+    `out/eagle3`."""
     import time
 
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from miles_kernels import KernelConfig, read_model_config
-    from miles_trainer.checkpoint import export_hf
+    from miles_trainer.checkpoint import export_eagle3, export_hf
     from miles_trainer.fsdp import FSDP2Backend
 
     config = config or SFTConfig()
@@ -245,7 +249,8 @@ def run_sft(
 
         aux = aux_optimizer and over_the_sft(aux_optimizer)
         backend = FSDP2Backend(model_dir, kernel, over_the_sft(config.optimizer), config=config.backend,
-                               aux_losses=aux_losses, aux_optimizer=aux, lora=config.lora)  # fmt: skip
+                               aux_losses=aux_losses, aux_optimizer=aux, lora=config.lora,
+                               eagle3_draft=eagle3_draft)  # fmt: skip
         per_epoch = max(1, len(batches) // config.epochs)
         history: list[dict[str, float]] = []
         aux_prefixes = tuple(f"{aux.name}_" for aux in aux_losses)
@@ -268,7 +273,10 @@ def run_sft(
                 kept, tokens, start = [], 0.0, time.perf_counter()
             if stop:
                 break
-        export_hf(backend, out, tokenizer=tokenizer)
+        if eagle3_draft is not None and not train_policy:
+            export_eagle3(backend, out)
+        else:
+            export_hf(backend, out, tokenizer=tokenizer)
         return history
     finally:
         if created:
