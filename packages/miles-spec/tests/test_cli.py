@@ -180,3 +180,37 @@ def test_bad_flags_are_refused_with_the_setting_named(checkpoints, tmp_path, cap
                          str(checkpoints["rows"]), "--out", str(tmp_path / "out"), *flags)  # fmt: skip
     assert code == 2 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_train_eagle3_writes_a_specforge_draft_that_learns_the_policy(checkpoints, tmp_path) -> None:
+    """`--draft eagle3`: a new draft whose vocabulary is the rows' 64 most frequent trained tokens, trained on the
+    checkpoint's own distributions; only the draft is written, in SpecForge's layout, and it loads for the target."""
+    from miles_kernels import load_eagle3, read_model_config
+
+    out = tmp_path / "eagle3"
+    result = cli("train", "--model", str(checkpoints["without_mtp"]), "--data", str(checkpoints["rows"]), "--out",
+                 str(out), "--draft", "eagle3", "--draft-vocab-size", "64", "--ttt-length", "2", "--epochs", "6",
+                 "--batch-size", "8", "--lr", "3e-3")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    assert not any(name.startswith("model.") for name in tensors(out))  # the draft alone, no trunk
+    draft = load_eagle3(out, read_model_config(checkpoints["without_mtp"]))
+    rows = [json.loads(line) for line in checkpoints["rows"].read_text().splitlines()]
+    counts = torch.bincount(torch.tensor([t for r in rows for t in r["response_tokens"]]), minlength=300)
+    assert set(draft.target_ids.tolist()) >= set(torch.nonzero(counts >= counts.topk(64).values[-1] + 1).flatten()
+                                                 .tolist())  # fmt: skip
+    lines = [line for line in result.stdout.splitlines() if line.startswith("epoch") and "eagle3_loss" in line]
+    first, last = (float(line.split("eagle3_loss ")[1].split(",")[0]) for line in lines[::5])
+    assert last < first, (first, last)
+    start, end = (float(line.split("eagle3_accuracy_0 ")[1].split(",")[0]) for line in lines[::5])
+    assert end > start + 0.3, (start, end)  # the draft's top token is the policy's far more often
+    history = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert history[-1]["skipped_update"] == 1.0  # the policy's optimizer never stepped
+
+
+def test_eagle3_refuses_mtp_flags(checkpoints, tmp_path, capsys) -> None:
+    code, err = run_main(capsys, "train", "--model", str(checkpoints["without_mtp"]), "--data",
+                         str(checkpoints["rows"]), "--out", str(tmp_path / "x"), "--draft", "eagle3",
+                         "--num-mtp-layers", "1")  # fmt: skip
+    assert code == 2 and "drop it" in err and not (tmp_path / "x").exists()

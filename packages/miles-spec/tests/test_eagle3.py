@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_specforge_eagle3 import ttt_logits
 from safetensors.torch import load_file, save_file
 
 from miles_contracts import Sample
@@ -27,8 +28,6 @@ from miles_kernels import (
 from miles_kernels.testing import random_model, tiny_config
 from miles_spec.eagle3_loss import Eagle3Loss, eagle3_targets
 from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig, accumulate_policy_gradients
-
-from reference_specforge_eagle3 import ttt_logits
 
 KERNEL = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
 

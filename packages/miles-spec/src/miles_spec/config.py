@@ -61,17 +61,34 @@ class DraftTrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    draft: Literal["mtp", "eagle3"] = Field(
+        default="mtp",
+        description="mtp: the checkpoint's own MTP modules (written back with the trunk); eagle3: an EAGLE-3 draft "
+        "(SpecForge's layout, written alone to --out: what --speculative-algorithm EAGLE3 serves).",
+    )
+    draft_vocab_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="eagle3: the draft's vocabulary, the most frequent trained tokens of the rows (SpecForge's "
+        "d2t / t2d); default: the target's whole vocabulary. Ignored with --init-draft (its own).",
+    )
+    ttt_length: int = Field(
+        default=7, ge=1, le=16, description="eagle3: training-time test steps (SpecForge's default 7)."
+    )
+    init_draft: str | None = Field(
+        default=None, description="eagle3: start from this EAGLE-3 draft directory instead of a new one."
+    )
     epochs: int = Field(default=1, ge=1, description="Passes over the rows.")
     batch_size: int = Field(default=32, ge=1, description="Rows per optimizer step.")
     lr: float = Field(default=1e-4, gt=0, description="Peak AdamW learning rate (linear warm-up, then cosine).")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps of the learning rate.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    mtp_loss_coef: float = Field(default=1.0, gt=0, description="Weight of the MTP loss.")
+    mtp_loss_coef: float = Field(default=1.0, gt=0, description="Weight of the draft's loss (MTP or EAGLE-3).")
     num_mtp_layers: int | None = Field(
         default=None,
         ge=1,
         description="Add this many new MTP modules to a checkpoint that has none (default for one whose config.json "
         "declares MTP layers it holds no tensor of, as transformers saves GLM-4.5: that many).",
     )
-    seed: int = Field(default=0, description="Row order, and the initialization of new MTP modules.")
+    seed: int = Field(default=0, description="Row order, and the initialization of a new draft.")
     chat_template: bool = Field(default=False, description="Text prompts go through the chat template.")

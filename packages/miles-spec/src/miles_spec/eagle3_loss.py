@@ -68,7 +68,9 @@ class Eagle3Loss:
     @staticmethod
     def _draft(model: CausalLM) -> Eagle3Draft:
         if model.eagle3 is None:
-            raise ValueError("the model has no EAGLE-3 draft attached (FSDP2Backend(eagle3_draft=...)): nothing to train")
+            raise ValueError(
+                "the model has no EAGLE-3 draft attached (FSDP2Backend(eagle3_draft=...)): nothing to train"
+            )
         return model.eagle3
 
     def parameters(self, model: CausalLM) -> list[nn.Parameter]:

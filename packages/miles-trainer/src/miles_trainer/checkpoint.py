@@ -39,8 +39,8 @@ from miles_kernels import (
     load_state,
     quantize_model,
     read_model_config,
-    save_model,
     save_eagle3,
+    save_model,
     save_peft_adapter,
 )
 from miles_kernels.config import WeightQuantConfig
