@@ -7,9 +7,9 @@ Miles spec: train a speculative-decoding draft.
 
 trains (or refreshes) the MTP modules of a Hugging Face checkpoint, or an EAGLE-3 draft for it (SpecForge's
 layout), on a JSONL of rows, the policy's own weights frozen (`miles_spec.train.train_draft`). The flags are generated
-(tyro) from `TrainCommand` and the `DraftTrainConfig` it nests, as the other Miles CLIs are from their config models. Bad input (a bad flag or value,
-no such model, a model of another family, a malformed row, a full --out) is an error that says what is wrong, with
-exit status 2; nothing is written then.
+(tyro) from `TrainCommand` and the `DraftTrainConfig` it nests, as the other Miles CLIs are from their config models.
+Bad input (a bad flag or value, no such model, a model of another family, a malformed row, a full --out) is an error
+that says what is wrong, with exit status 2; nothing is written then.
 """
 
 from __future__ import annotations
