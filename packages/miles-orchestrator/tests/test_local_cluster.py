@@ -158,3 +158,34 @@ def test_a_glm45_saved_by_transformers_trains_its_trunk_and_a_fresh_draft_online
     assert (tmp_path / "online" / "model_with_draft" / "model-mtp.safetensors").is_file()
     final = json.loads((tmp_path / "online" / "final" / "config.json").read_text())
     assert final["num_nextn_predict_layers"] == 1  # the exported policy carries the draft it trained
+
+
+@pytest.mark.timeout(400)
+def test_an_eagle3_draft_trains_online_and_resumes_exactly(policy, tmp_path) -> None:
+    """spec.draft=eagle3 spec.mode=online: a fresh EAGLE-3 draft (RUN_DIR/eagle3_draft) drafts in the engine and
+    trains on every rollout batch on the policy's own features (the forward the step runs anyway), synced with the
+    policy's weights; the policy's own metrics are those of spec.mode=off (no token changes, no policy gradient
+    moves), the run exports the trained draft beside the policy (final/eagle3), which then drafts frozen, and a
+    stopped run resumes with exactly the same steps (the draft's weights and AdamW state in the checkpoint)."""
+    online = ("spec.mode=online", "spec.draft=eagle3", "spec.optimizer.lr=1e-2", "run.eval_every=0")
+    straight = run(policy, tmp_path / "straight", *online, "run.num_steps=3")
+    trained = [r for r in straight if r["step"] > 0]
+    assert all(r["eagle3_loss"] > 0 and 0 <= r["eagle3_accuracy_0"] <= 1 and r["aux_grad_norm"] > 0 for r in trained)
+    assert all(r["spec_accept_length"] >= 1 and r["train_rollout_logprob_abs_diff"] == 0.0 for r in trained)
+    assert (tmp_path / "straight" / "eagle3_draft" / "config.json").is_file()
+    off = [r for r in run(policy, tmp_path / "off", "run.eval_every=0", "run.num_steps=3") if r["step"] > 0]
+    for drafted, without in zip(trained, off, strict=True):
+        assert drafted["grad_norm"] == without["grad_norm"] and drafted["reward_mean"] == without["reward_mean"]
+    exported = tmp_path / "straight" / "final" / "eagle3"
+    fresh = load_file(tmp_path / "straight" / "eagle3_draft" / "model.safetensors")
+    final = load_file(exported / "model.safetensors")
+    assert final.keys() == fresh.keys() and not torch.equal(final["fc.weight"], fresh["fc.weight"])
+    assert not any(name.startswith("eagle3.") for name in load_file(tmp_path / "straight" / "final" /
+                                                                     "model.safetensors"))  # fmt: skip
+    frozen = run(policy, tmp_path / "frozen", "spec.mode=frozen", "spec.draft=eagle3", f"spec.draft_path={exported}",
+                 "run.eval_every=0", "run.num_steps=1")  # fmt: skip
+    (step,) = [r for r in frozen if r["step"] == 1]
+    assert "eagle3_loss" not in step and step["spec_accept_length"] >= 1 and step["grad_norm"] == off[0]["grad_norm"]
+    stopped = tmp_path / "stopped"
+    run(policy, stopped, *online, "run.num_steps=2")
+    assert deterministic(run(policy, stopped, *online, "run.num_steps=3")) == deterministic(straight)

@@ -355,8 +355,8 @@ def load_eagle3_state(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], comp
             target.copy_(tensor.to(dtype=target.dtype, device=target.device))
             seen.add(name)
         if "d2t" in tensors or "t2d" in tensors:
-            d2t = tensors.get("d2t", draft.d2t.cpu())
-            t2d = tensors.get("t2d", draft.t2d.cpu())
+            d2t = tensors["d2t"] if "d2t" in tensors else draft.d2t.cpu()
+            t2d = tensors["t2d"] if "t2d" in tensors else draft.t2d.cpu()
             set_draft_vocab(draft, d2t.to(torch.int64).cpu(), t2d.to(torch.bool).cpu())
             seen |= {"d2t", "t2d"} & set(tensors)
     missing = sorted(set(own) - seen)

@@ -20,7 +20,7 @@ from miles_orchestrator.cluster import Cluster, start_cluster
 from miles_orchestrator.config import RunConfig, check_batch_identity
 from miles_orchestrator.evaluation import evaluate_held_out, evaluate_teacher
 from miles_orchestrator.parts import open_parts
-from miles_orchestrator.preflight import check_model, check_on_policy, with_fresh_draft
+from miles_orchestrator.preflight import check_model, check_on_policy, with_fresh_draft, with_fresh_eagle3
 from miles_orchestrator.producer import Produced, Producer
 from miles_orchestrator.rollout.batch import DataExhausted
 from miles_orchestrator.run_dir import RunDir
@@ -38,6 +38,7 @@ def run_training(cfg: RunConfig, model_dir: str, run: RunDir) -> list[dict[str, 
 async def _run_training(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
     check_batch_identity(cfg)
     model_dir = with_fresh_draft(cfg, model_dir, run)
+    with_fresh_eagle3(cfg, model_dir, run)
     check_model(cfg, model_dir)
     with open_parts(cfg, model_dir, run.log) as parts:
         cluster = await start_cluster(cfg, model_dir, run.path, run.log)

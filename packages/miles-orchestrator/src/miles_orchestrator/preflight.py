@@ -11,7 +11,18 @@ from typing import Any
 
 import torch
 
-from miles_kernels import CausalLM, check_format, num_absent_mtp_layers, read_model_config, target_names
+from miles_kernels import (
+    CausalLM,
+    Eagle3Config,
+    check_format,
+    is_eagle3_dir,
+    load_eagle3,
+    new_eagle3,
+    num_absent_mtp_layers,
+    read_model_config,
+    save_eagle3,
+    target_names,
+)
 from miles_orchestrator.cluster import Cluster
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.data.sources import check_data_source
@@ -91,6 +102,14 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
             f"{setting} records MoE routing, but {model_dir} is a dense {model.model_type} model; drop the setting, "
             "or use an MoE policy (e.g. model.bootstrap_architecture=qwen3_moe)"
         )
+    if cfg.spec.drafts and cfg.spec.draft == "eagle3":
+        path = cfg.rollout.engine.speculative_draft_model_path
+        if cfg.spec.draft_path is not None and path is not None:
+            try:  # the draft must read this model's features and vocabulary
+                load_eagle3(path, model, device="meta")
+            except (ValueError, FileNotFoundError) as error:
+                raise ModelRefused(f"spec.draft_path={path}: {error}") from error
+        return
     if not cfg.spec.drafts or model.num_nextn_predict_layers:
         return
     absent = num_absent_mtp_layers(model_dir)
@@ -113,6 +132,22 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
 
 
 FRESH_DRAFT_DIR = "model_with_draft"  # in the run directory
+
+
+def with_fresh_eagle3(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
+    """spec.mode=online spec.draft=eagle3 without spec.draft_path: a new EAGLE-3 draft for the model, over its whole
+    vocabulary, initialized from `run.seed`, in RUN_DIR/eagle3_draft (where the engine and the trainer load it; a
+    resumed run finds it there, and its checkpoint holds the trained draft)."""
+    path = cfg.rollout.engine.speculative_draft_model_path
+    if not (cfg.spec.drafts and cfg.spec.draft == "eagle3" and cfg.spec.draft_path is None) or path is None:
+        return
+    if is_eagle3_dir(path):
+        return
+    model = read_model_config(model_dir)
+    save_eagle3(new_eagle3(model, seed=cfg.run.seed), path)
+    run.log(f"spec.draft=eagle3: a fresh EAGLE-3 draft for {model_dir} in {path} (feature layers "
+            f"{list(Eagle3Config.for_target(model).aux_layers)}, the whole vocabulary), trained from scratch on the "
+            "rollouts")  # fmt: skip
 
 
 def with_fresh_draft(cfg: RunConfig, model_dir: str, run: RunDir) -> str:

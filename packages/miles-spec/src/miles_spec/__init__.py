@@ -1,5 +1,6 @@
-"""miles-spec: the MTP draft trained online on the rollout data (`MTPLoss`, an auxiliary loss of the trainer's
-step; see docs/architecture.md, "Auxiliary losses").
+"""miles-spec: the speculative-decoding draft trained online on the rollout data: the policy's MTP modules
+(`MTPLoss`) or an EAGLE-3 draft (`Eagle3Loss`), auxiliary losses of the trainer's step (docs/architecture.md,
+"Auxiliary losses").
 
 Attributes load on first use (`lazy_loader`, from the imports listed in `__init__.pyi`): importing the package
 does not import torch.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from miles_trainer.config import OptimizerConfig
 
@@ -16,9 +16,12 @@ def _draft_optimizer() -> OptimizerConfig:
     return OptimizerConfig(lr=1e-4)
 
 
+EAGLE3_DRAFT_DIR = "eagle3_draft"  # a fresh EAGLE-3 draft of spec.draft=eagle3, in the run directory
+
+
 class SpecConfig(BaseModel):
-    """Speculative decoding with the policy's MTP draft, and whether the draft trains online on the rollout data
-    (`MTPLoss` in the policy's train step)."""
+    """Speculative decoding with the policy's MTP draft or an EAGLE-3 draft, and whether the draft trains online on
+    the rollout data (`MTPLoss` / `Eagle3Loss` in the policy's train step)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -32,13 +35,33 @@ class SpecConfig(BaseModel):
         "built-in example (64 sequences of ~4-token answers) rolls out fastest without a draft (benchmarks/spec.py); "
         "few sequences with long outputs are where online pays.",
     )
+    draft: Literal["mtp", "eagle3"] = Field(
+        default="mtp",
+        description="mtp: the policy's own MTP modules (SGLang's NEXTN); eagle3: an EAGLE-3 draft (SGLang's EAGLE3, "
+        "SpecForge's layout) fed the policy's own features: spec.draft_path, or for mode=online without one a fresh "
+        "draft in RUN_DIR/eagle3_draft over the whole vocabulary, trained from scratch on the rollouts.",
+    )
+    draft_path: str | None = Field(
+        default=None,
+        description="eagle3: the EAGLE-3 draft to start from (miles-spec train --draft eagle3 writes one; SpecForge "
+        "checkpoints load as they are); needed by mode=frozen.",
+    )
+    ttt_length: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="eagle3, mode=online: training-time test steps of the draft's loss; null: num_steps (the "
+        "drafts the engine runs per step).",
+    )
     num_steps: int = Field(
         default=3,
         ge=1,
         le=16,
         description="Draft tokens per decoding step (the engine's speculative_num_steps) when mode is not off.",
     )
-    mtp_loss_coef: float = Field(default=1.0, gt=0, description="Weight of the MTP loss (its own backward).")
+    mtp_loss_coef: float = Field(
+        default=1.0, gt=0, description="Weight of the draft's loss, MTP or EAGLE-3 (its own backward)."
+    )
     optimizer: OptimizerConfig = Field(
         default_factory=_draft_optimizer,
         description="The draft's own AdamW and clipping (here lr defaults to 1e-4).",
@@ -50,10 +73,27 @@ class SpecConfig(BaseModel):
         """YAML reads a bare `off` as false (`spec.mode=off` on the command line, `mode: off` in a file)."""
         return "off" if value is False else value
 
+    @model_validator(mode="after")
+    def _eagle3_draft(self) -> SpecConfig:
+        if self.draft != "eagle3" and (self.draft_path is not None or self.ttt_length is not None):
+            given = "draft_path" if self.draft_path is not None else "ttt_length"
+            raise ValueError(f"spec.{given} is the EAGLE-3 draft's: set spec.draft=eagle3, or drop it")
+        if self.draft == "eagle3" and self.mode == "frozen" and self.draft_path is None:
+            raise ValueError(
+                "spec.mode=frozen drafts with the EAGLE-3 draft as loaded: set spec.draft_path (miles-spec train "
+                "--draft eagle3 writes one), or use spec.mode=online (a fresh draft, trained on the rollouts)"
+            )
+        return self
+
     @property
     def drafts(self) -> bool:
         """The engine decodes speculatively (frozen or online)."""
         return self.mode != "off"
+
+    @property
+    def eagle3_steps(self) -> int:
+        """TTT steps of the EAGLE-3 draft's online loss."""
+        return self.ttt_length or self.num_steps
 
 
 class DraftTrainConfig(BaseModel):

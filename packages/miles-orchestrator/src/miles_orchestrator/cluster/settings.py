@@ -24,7 +24,8 @@ class TrainerSettings:
     backend: BackendConfig
     offload_dir: str
     critic: CriticConfig | None = None
-    spec: SpecConfig | None = None  # the MTP draft trains online (spec.mode=online)
+    spec: SpecConfig | None = None  # the draft trains online (spec.mode=online)
+    eagle3_draft: str | None = None  # an EAGLE-3 draft the policy carries (spec.draft=eagle3, synced with it)
     keep_reference: bool = False  # trainer.log_kl: the initial policy stays, for the kl metric
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # offload target, budget, OOM handling
     routing_replay: bool = False  # trainer.routing_replay=rollout: MoE layers route as the engine recorded
@@ -34,12 +35,16 @@ class TrainerSettings:
 
 
 def trainer_settings(cfg: RunConfig, run_dir: Path) -> TrainerSettings:
-    """The trainer's models from the (resolved) run config: the critic for GAE, the MTP draft for spec.mode=online."""
+    """The trainer's models from the (resolved) run config: the critic for GAE, the draft for spec.mode=online, an
+    EAGLE-3 draft attached to the policy whenever the embedded engine drafts with it (frozen too: weight sync and
+    the on-policy checksum cover it as they cover MTP modules; SGLang engines load theirs from spec.draft_path)."""
     critic = cfg.trainer.critic if cfg.trainer.uses_critic else None
     spec = cfg.spec if cfg.spec.mode == "online" else None
     weight_quant = cfg.rollout.engine.weight_quant()
+    carries_eagle3 = cfg.spec.mode == "online" or cfg.rollout.backend != "sglang"
+    eagle3 = cfg.rollout.engine.speculative_draft_model_path if carries_eagle3 else None
     return TrainerSettings(cfg.kernel, cfg.trainer.optimizer, cfg.trainer.loss, cfg.trainer.backend,
-                           str(run_dir / "offload"), critic, spec, cfg.trainer.log_kl, cfg.memory,
+                           str(run_dir / "offload"), critic, spec, eagle3, cfg.trainer.log_kl, cfg.memory,
                            cfg.trainer.routing_replay == "rollout",
                            cfg.trainer.lora if cfg.trainer.lora.is_enabled else None,
                            weight_quant if weight_quant.is_enabled else None, cfg.trainer.qat)  # fmt: skip

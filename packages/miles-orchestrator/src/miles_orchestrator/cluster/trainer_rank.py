@@ -15,8 +15,16 @@ from miles_contracts import Sample
 from miles_kernels import kernel_fingerprint
 from miles_orchestrator.cluster.protocol import CriticTargets
 from miles_orchestrator.cluster.settings import TrainerSettings
-from miles_spec import MTPLoss
+from miles_spec import Eagle3Loss, MTPLoss
+from miles_spec.config import SpecConfig
 from miles_trainer import FSDP2Backend, MegatronBackend, export_hf, load_checkpoint, save_checkpoint
+
+
+def _draft_loss(spec: SpecConfig) -> MTPLoss | Eagle3Loss:
+    """The online draft's loss: the MTP modules', or the attached EAGLE-3 draft's over spec's TTT steps."""
+    if spec.draft == "eagle3":
+        return Eagle3Loss(spec.mtp_loss_coef, spec.eagle3_steps)
+    return MTPLoss(spec.mtp_loss_coef)
 
 
 class TrainerRank:
@@ -33,9 +41,10 @@ class TrainerRank:
         self.backend = backend(
             model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
             offload_dir=settings.offload_dir, critic=settings.critic,
-            aux_losses=[] if spec is None else [MTPLoss(spec.mtp_loss_coef)],
+            aux_losses=[] if spec is None else [_draft_loss(spec)],
             aux_optimizer=None if spec is None else spec.optimizer, keep_reference=settings.keep_reference or None,
             memory=settings.memory, routing_replay=settings.routing_replay, lora=settings.lora,
+            **({"eagle3_draft": settings.eagle3_draft} if settings.eagle3_draft is not None else {}),
             **(quant if settings.weight_quant is not None else {}),
         )  # fmt: skip
         self.qat_format = settings.weight_quant if settings.qat else None

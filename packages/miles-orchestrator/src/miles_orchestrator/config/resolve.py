@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
+
+from miles_spec.config import EAGLE3_DRAFT_DIR
 
 if TYPE_CHECKING:
     from miles_orchestrator.config.run import RunConfig
@@ -55,6 +58,23 @@ def _optimizer_steps(cfg: RunConfig) -> int:
     return cfg.run.num_steps * cfg.trainer.steps_per_rollout
 
 
+def _speculative_algorithm(cfg: RunConfig) -> str | None:
+    if not cfg.spec.drafts:
+        return None
+    if cfg.spec.draft == "eagle3":
+        return "EAGLE3"
+    given = cfg.rollout.engine.speculative_algorithm
+    return given if given in ("NEXTN", "EAGLE") else "NEXTN"
+
+
+def eagle3_draft_path(cfg: RunConfig) -> str | None:
+    """The EAGLE-3 draft the run starts from: spec.draft_path, or the fresh one in RUN_DIR/eagle3_draft (online
+    without a path; `preflight.with_fresh_eagle3` writes it); None for an MTP draft."""
+    if cfg.spec.draft != "eagle3":
+        return None
+    return cfg.spec.draft_path or str(Path(cfg.run.run_dir).resolve() / EAGLE3_DRAFT_DIR)
+
+
 DERIVED: tuple[Derived, ...] = (
     Derived("trainer.loss.temperature", "rollout.temperature",
             "the log-prob contract: the trainer's log-probs are log_softmax(logits / T) at the rollout's T",
@@ -83,10 +103,13 @@ DERIVED: tuple[Derived, ...] = (
             "the engine records each token's experts for the rollout that asks for them",
             lambda c: c.rollout.return_routed_experts, owned=True),
     Derived("rollout.engine.speculative_algorithm", "spec.mode",
-            "spec.mode frozen / online drafts with the policy's MTP modules (SGLang's NEXTN); off does not draft",
-            lambda c: (c.rollout.engine.speculative_algorithm or "NEXTN") if c.spec.drafts else None, owned=True),
+            "spec.mode frozen / online drafts with the policy's MTP modules (SGLang's NEXTN, or EAGLE) or, with "
+            "spec.draft=eagle3, an EAGLE-3 draft (EAGLE3); off does not draft", _speculative_algorithm, owned=True),
+    Derived("rollout.engine.speculative_draft_model_path", "spec.draft_path",
+            "spec.draft=eagle3 drafts with spec.draft_path, or a fresh draft in RUN_DIR/eagle3_draft",
+            lambda c: eagle3_draft_path(c) if c.spec.drafts else None, owned=True),
     Derived("rollout.engine.speculative_num_steps", "spec.num_steps",
-            "the draft tokens per decoding step that the MTP draft trains for",
+            "the draft tokens per decoding step that the draft trains for",
             lambda c: c.spec.num_steps if c.spec.drafts else KEEP, owned=True),
     Derived("rollout.engine.policy_lora", "trainer.lora",
             "the engine merges the adapters each weight sync sends into its base, so it needs their shape",

@@ -60,7 +60,8 @@ class RunConfig(Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="The policy update.")
     spec: SpecConfig = Field(
         default_factory=SpecConfig,
-        description="The MTP draft (miles_spec.config.SpecConfig): trained online on the rollouts, or not.",
+        description="The speculative-decoding draft, MTP or EAGLE-3 (miles_spec.config.SpecConfig): trained online "
+        "on the rollouts, or not.",
     )
     memory: MemoryConfig = Field(
         default_factory=MemoryConfig,
@@ -131,6 +132,9 @@ class RunConfig(Section):
             ),
             "trainer.backend.megatron.cp > 1 (context parallelism)": backend.megatron.cp > 1,
             "trainer.optimizer.algorithm=muon (Muon runs on FSDP2)": self.trainer.optimizer.algorithm == "muon",
+            "spec.draft=eagle3 (the EAGLE-3 draft trains and syncs with FSDP2)": (
+                self.spec.drafts and self.spec.draft == "eagle3"
+            ),
             "opd.top_k (the teacher's top-k loss is the FSDP2 step's)": self.opd.is_enabled and self.opd.top_k > 0,
             "trainer.optimizer.offload, trainer.critic.optimizer.offload or spec.optimizer.offload (the host-memory "
             "AdamW runs on FSDP2)": any(
@@ -157,6 +161,12 @@ class RunConfig(Section):
             raise ValueError(
                 "rollout.backend=sglang launches SGLang servers as Ray actors: use run.cluster=ray (the local "
                 "cluster runs the embedded engine in this process)"
+            )
+        if self.spec.mode == "online" and self.spec.draft == "eagle3":
+            raise ValueError(
+                "spec.mode=online spec.draft=eagle3 with rollout.backend=sglang is not supported yet: weight updates "
+                "reach SGLang's target model, not its EAGLE-3 draft; use the embedded engine, or spec.mode=frozen "
+                "(SGLang drafts with spec.draft_path as loaded)"
             )
         if self.trainer.lora.is_enabled:
             raise ValueError(
