@@ -2,12 +2,14 @@
 
 from .config import KernelConfig
 from .eagle3 import (
+    DRAFT_PREFIX,
     EAGLE3_ARCHITECTURE,
     Eagle3Config,
     Eagle3Draft,
     draft_vocab_from_counts,
     is_eagle3_dir,
     load_eagle3,
+    load_eagle3_state,
     new_eagle3,
     save_eagle3,
 )
@@ -109,6 +111,7 @@ __version__: str
 
 __all__ = [
     "BUCKET_FORMAT",
+    "DRAFT_PREFIX",
     "EAGLE3_ARCHITECTURE",
     "NULL_PAGE",
     "PEFT_CONFIG",
@@ -171,6 +174,7 @@ __all__ = [
     "kernel_fingerprint",
     "linear",
     "load_eagle3",
+    "load_eagle3_state",
     "load_mapped",
     "load_model",
     "load_reward_model",

@@ -38,10 +38,11 @@ from torch import nn
 
 from miles_kernels.config import KernelConfig
 from miles_kernels.layers import Linear, RMSNorm
+from miles_kernels.model import DRAFT_PREFIX, MLP, Attention, rotary_cos_sin
 from miles_kernels.model_config import ModelConfig
+from miles_kernels.ops.rope import apply_rope
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-DRAFT_PREFIX = "eagle3."  # the draft's tensors inside a policy model (`CausalLM.attach_eagle3`)
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 # tensors of a SpecForge checkpoint that Miles reads no value from: the draft embeds with the target's embedding
 _IGNORED = ("embed_tokens.weight",)
@@ -158,8 +159,6 @@ class Eagle3Layer(nn.Module):
     hidden_norm(hidden)] (2H), the hidden state its residual."""
 
     def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
-        from miles_kernels.model import MLP, Attention  # model.py imports this module
-
         super().__init__()
         self.self_attn = Attention(config, kernel, 0)
         heads, kv_heads, dim = self.self_attn.shape
@@ -446,9 +445,6 @@ def ttt_layer(
     """One TTT step of the draft's layer (training): `hidden_NH` the projected features (step 0) or the previous
     step's outputs; `positions_N` the rows' positions (each sequence's row t at t + step, for RoPE); `cache` the
     earlier steps' keys and values, which this step's join. The layer's output (N, H), pre-norm."""
-    from miles_kernels.model import rotary_cos_sin  # model.py imports this module
-    from miles_kernels.ops.rope import apply_rope
-
     layer = draft.midlayer
     attn = layer.self_attn
     heads, kv_heads, dim = attn.shape

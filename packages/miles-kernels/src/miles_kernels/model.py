@@ -18,14 +18,13 @@ Shapes: N tokens, H hidden, V vocab, Hq/Hkv heads, D head dim.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from miles_kernels.config import KernelConfig
-from miles_kernels.eagle3 import DRAFT_PREFIX, Eagle3Draft
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.latent_attention import LatentAttention
 from miles_kernels.layers import Linear, RMSNorm
@@ -43,6 +42,11 @@ from miles_kernels.ops.rope import (
     yarn_inv_frequencies,
 )
 from miles_kernels.ops.sampling import token_logprobs
+
+if TYPE_CHECKING:
+    from miles_kernels.eagle3 import Eagle3Draft
+
+DRAFT_PREFIX = "eagle3."  # an attached EAGLE-3 draft's tensors (`CausalLM.attach_eagle3`; eagle3.py)
 
 
 def _embedding(config: ModelConfig) -> nn.Embedding:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles_kernels import (
+    DRAFT_PREFIX,
     CausalLM,
     Eagle3Draft,
     KernelConfig,
@@ -35,6 +36,7 @@ from miles_kernels import (
     fold_adapters,
     is_adapter_name,
     kernel_fingerprint,
+    load_eagle3_state,
     load_model,
     load_state,
     quantize_model,
@@ -44,7 +46,6 @@ from miles_kernels import (
     save_peft_adapter,
 )
 from miles_kernels.config import WeightQuantConfig
-from miles_kernels.eagle3 import DRAFT_PREFIX, load_eagle3_state
 from miles_trainer.config import LoraTrainConfig
 from miles_trainer.megatron_backend import MegatronBackend  # megatron-core itself is imported only when used
 
@@ -299,7 +300,7 @@ def export_eagle3(backend: Backend, directory: str | os.PathLike[str]) -> Path |
 
 def _save_eagle3(backend: Backend, state: dict[str, torch.Tensor], directory: str | os.PathLike[str]) -> Path:
     attached = backend.model.eagle3
-    assert attached is not None
+    assert isinstance(attached, Eagle3Draft)
     with torch.device("meta"):
         draft = Eagle3Draft(attached.config, backend.kernel)
     draft = draft.to_empty(device="cpu").to(backend.kernel.torch_dtype)

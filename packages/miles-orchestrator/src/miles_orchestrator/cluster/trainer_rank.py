@@ -38,13 +38,15 @@ class TrainerRank:
         backend = MegatronBackend if settings.backend.name == "megatron" else FSDP2Backend
         # a low-precision engine: FSDP2 only (the run config refuses it with Megatron)
         quant: dict[str, Any] = {"weight_quant": settings.weight_quant, "qat": settings.qat}
+        # an EAGLE-3 draft attached to the policy: FSDP2 only (the run config refuses it with Megatron)
+        eagle3: dict[str, Any] = {"eagle3_draft": settings.eagle3_draft}
         self.backend = backend(
             model_dir, settings.kernel, settings.optimizer, settings.loss, settings.backend,
             offload_dir=settings.offload_dir, critic=settings.critic,
             aux_losses=[] if spec is None else [_draft_loss(spec)],
             aux_optimizer=None if spec is None else spec.optimizer, keep_reference=settings.keep_reference or None,
             memory=settings.memory, routing_replay=settings.routing_replay, lora=settings.lora,
-            **({"eagle3_draft": settings.eagle3_draft} if settings.eagle3_draft is not None else {}),
+            **(eagle3 if settings.eagle3_draft is not None else {}),
             **(quant if settings.weight_quant is not None else {}),
         )  # fmt: skip
         self.qat_format = settings.weight_quant if settings.qat else None
