@@ -35,7 +35,7 @@ from miles_kernels import (
 )
 from miles_kernels.testing import build_tokenizer, save_random_model, save_transformers_model, tiny_config
 from miles_rollout import Engine, EngineConfig, InProcessClient, free_port
-from miles_rollout.speculative import accept_drafts
+from miles_rollout.draft_tree import DraftTree
 
 PROMPTS = [[(3 * i + 1) % 500 for i in range(21)], [7, 8, 9], [(11 * i) % 500 for i in range(32)]]  # 32: whole pages
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
@@ -76,11 +76,14 @@ def summary(responses: list) -> list:
     ]  # fmt: skip
 
 
-def test_accept_drafts_keeps_the_agreeing_prefix_and_the_targets_token() -> None:
-    assert accept_drafts([], [5]) == [5]
-    assert accept_drafts([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]  # all accepted: the bonus token
-    assert accept_drafts([1, 2, 3], [1, 9, 3, 4]) == [1, 9]  # the target's token at the first disagreement
-    assert accept_drafts([1, 2, 3], [7, 2, 3, 4]) == [7]
+def test_a_chain_keeps_the_agreeing_prefix_and_the_targets_token() -> None:
+    def emitted(drafts: list[int], targets: list[int]) -> list[int]:
+        return [targets[node] for node in DraftTree.chain(0, drafts).accept_path(targets)]
+
+    assert emitted([], [5]) == [5]
+    assert emitted([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]  # all accepted: the bonus token
+    assert emitted([1, 2, 3], [1, 9, 3, 4]) == [1, 9]  # the target's token at the first disagreement
+    assert emitted([1, 2, 3], [7, 2, 3, 4]) == [7]
 
 
 FILTERED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "max_new_tokens": 30, "sampling_seed": 5,
@@ -212,7 +215,15 @@ def test_the_engines_drafts_are_the_offline_mtp_forwards(mtp_dir: Path) -> None:
     ("engine", "message"),
     [
         ({"speculative_algorithm": "NGRAM"}, "STANDALONE and NGRAM are not implemented"),
-        ({"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 2}, "only 1 is supported"),
+        (
+            {
+                "speculative_algorithm": "NEXTN",
+                "speculative_eagle_topk": 2,
+                "speculative_num_steps": 2,
+                "speculative_num_draft_tokens": 8,
+            },
+            r"at most 1 \+ 2 \+ 1 x 2\^2 = 7",
+        ),
         ({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_num_draft_tokens": 5}, "= 3"),
         ({"speculative_num_steps": 2}, "add speculative_algorithm=NEXTN"),
     ],
@@ -230,8 +241,8 @@ def test_serve_refuses_bad_speculative_flags_and_models_without_mtp(dense_dir: P
     assert main(["serve", "--model-path", str(dense_dir), "--speculative-algorithm", "NEXTN"]) == 2
     assert "has none (num_nextn_predict_layers = 0" in capsys.readouterr().err
     assert main(["serve", "--model-path", str(dense_dir), "--speculative-algorithm", "NEXTN",
-                 "--speculative-eagle-topk", "4"]) == 2  # fmt: skip
-    assert "only 1 is supported" in capsys.readouterr().err
+                 "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "99"]) == 2  # fmt: skip
+    assert "speculative_num_draft_tokens=99: a tree of" in capsys.readouterr().err
 
 
 def test_the_server_speaks_sglangs_speculative_fields(mtp_dir: Path) -> None:

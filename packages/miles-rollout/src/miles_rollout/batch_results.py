@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from miles_contracts import FinishReason
+from miles_rollout.draft_tree import DraftTree
 from miles_rollout.model_runner import Entry, ModelRunner
 from miles_rollout.output import OutputStage
 from miles_rollout.page_allocator import PageAllocator, num_shared_pages
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.row_sampling import record_input_logprobs
 from miles_rollout.sequence import DraftState, Group, Sequence, finish_reason
-from miles_rollout.speculative import Drafter, accept_drafts
+from miles_rollout.speculative import Drafter
 
 
 class BatchResults:
@@ -40,15 +41,15 @@ class BatchResults:
         def _fail_groups(self, failed: dict[int, tuple[Group, BaseException]]) -> None: ...
 
     def _after_forward(
-        self, hidden: torch.Tensor, owners: list[tuple[str, Any, int, list[int]]], query_lens: list[int]
+        self, hidden: torch.Tensor, owners: list[tuple[str, Any, int, DraftTree | None]], query_lens: list[int]
     ) -> None:
         # Rows whose logits are needed: every decode / verify row, the last row of a finished prompt.
-        to_sample: list[tuple[Sequence | Group, int, list[int]]] = []  # (owner, first row, its draft tokens)
+        to_sample: list[tuple[Sequence | Group, int, DraftTree]] = []  # (owner, first row, its rows' tree)
         extended: list[Sequence | Group] = []  # prompt / recomputed chunks: their draft rows (speculative.py)
-        for (kind, owner, start, chunk), length in zip(owners, query_lens, strict=True):
-            if kind == "decode":  # its last token, then its draft tokens (rolled back in `_sample` if rejected)
-                owner.num_computed += length
-                to_sample.append((owner, start, chunk[1:]))
+        for (kind, owner, start, tree), length in zip(owners, query_lens, strict=True):
+            if tree is not None:  # decoding: its last token, then its draft tree (rolled back in `_sample`)
+                owner.num_computed += tree.depth + 1
+                to_sample.append((owner, start, tree))
                 continue
             if self.drafter is not None:
                 self.drafter.add_rows(owner.draft, hidden[start : start + length])
@@ -66,7 +67,7 @@ class BatchResults:
                 rows = self.runner.hidden_states(hidden[start : start + length])
                 record_input_logprobs(self.runner.model, group, rows, first_position)
             if group.is_prefilled:
-                to_sample.append((group, start + length - 1, []))
+                to_sample.append((group, start + length - 1, DraftTree.chain(group.prompt_ids[-1], [])))
         if self.drafter is not None and extended:
             self.drafter.extend(self.runner.store, [
                 (o.draft, o.prompt_ids if isinstance(o, Group) else o.tokens,
@@ -75,18 +76,18 @@ class BatchResults:
         if to_sample:
             self._sample(hidden, to_sample)
 
-    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence | Group, int, list[int]]]) -> None:
-        """Sample every row; a sequence appends one token, or what `accept_drafts` emits from its verify rows."""
-        index = [start + i for _, start, drafts in to_sample for i in range(len(drafts) + 1)]
+    def _sample(self, hidden: torch.Tensor, to_sample: list[tuple[Sequence | Group, int, DraftTree]]) -> None:
+        """Sample every row; a sequence appends one token, or the tokens its draft tree's accepted path emits."""
+        index = [start + i for _, start, tree in to_sample for i in range(len(tree.tokens))]
         logits = self.runner.logits(hidden, index)
         entries: list[Entry] = []
         first = 0
-        for owner, _, drafts in to_sample:
+        for owner, _, tree in to_sample:
             if isinstance(owner, Group):  # its samples start, with the prompt's draft state (`_fork`)
-                entries += [(seq, first, drafts, False) for seq in self._fork(owner)]
+                entries += [(seq, first, tree, False) for seq in self._fork(owner)]
             else:
-                entries.append((owner, first, drafts, True))
-            first += len(drafts) + 1
+                entries.append((owner, first, tree, True))
+            first += len(tree.tokens)
         for seq, *_ in entries:
             if seq.group.params.max_new_tokens == 0:
                 self._finish(seq, finish_reason("length", length=0))
@@ -95,21 +96,25 @@ class BatchResults:
             return
         failed: dict[int, tuple[Group, BaseException]] = {}
         per_entry = self.runner.sample(logits, entries, failed)
-        for (seq, first, drafts, is_decoding), sampled in zip(entries, per_entry, strict=True):
+        for (seq, first, tree, is_decoding), sampled in zip(entries, per_entry, strict=True):
             if sampled is None or id(seq.group) in failed:
                 continue
             try:
-                emitted = accept_drafts(drafts, sampled.tokens)
-                computed = seq.num_computed - len(drafts)  # with the row that samples the first token
-                for i, token in enumerate(emitted):
-                    seq.num_computed = computed + i  # the rows up to the one that sampled `token` are kept
-                    reason = self.output.append_token(seq, token, sampled.logprobs[i], sampled.top[i])
+                path = tree.accept_path(sampled.tokens)  # root first: each node's row samples the next token
+                computed = seq.num_computed - tree.depth  # with the row that samples the first token
+                if len(tree.branches) > 1:  # the accepted path's keys into the sequence's own pages
+                    for source, target in tree.pages_to_keep(path, self.page_size, computed - 1, seq.pages):
+                        self.runner.copy_page(source, [target])
+                for i, node in enumerate(path):
+                    seq.num_computed = computed + i  # the rows up to the one that sampled the token are kept
+                    reason = self.output.append_token(seq, sampled.tokens[node], sampled.logprobs[node],
+                                                      sampled.top[node])  # fmt: skip
                     if reason is not None:
                         self._finish(seq, reason)
                         break
                 if self.drafter is not None and is_decoding:
-                    kept = hidden[torch.tensor(index[first : first + len(emitted)], device=hidden.device)]
-                    self.drafter.verified(seq, len(drafts), len(emitted), kept)
+                    kept = hidden[torch.tensor([index[first + node] for node in path], device=hidden.device)]
+                    self.drafter.verified(seq, tree.depth, len(path), kept)
             except Exception as error:  # one sample's stop, detokenization or grammar: its request alone fails
                 failed[id(seq.group)] = (seq.group, error)
         self._fail_groups(failed)

@@ -104,10 +104,17 @@ class EngineConfig(BaseModel):
         f"default {DEFAULT_DRAFT_STEPS} when speculative decoding is on.",
     )
     speculative_eagle_topk: int | None = Field(
-        default=None, ge=1, description="Draft branches per step: only 1 (a chain of drafts) is supported."
+        default=None,
+        ge=1,
+        le=16,
+        description="Draft branches per level: 1, a chain of drafts (the default); k > 1, a draft tree (SGLang's "
+        "EAGLE tree: each level the k best paths propose their k likeliest tokens), verified with tree attention.",
     )
     speculative_num_draft_tokens: int | None = Field(
-        default=None, ge=2, description="Tokens one verify step checks: with topk 1, num_steps + 1 (the default)."
+        default=None,
+        ge=2,
+        description="Tokens one verify step checks, the last sampled one included: with topk 1, num_steps + 1 (the "
+        "default); with topk k > 1 the tree's size, at most 1 + k + (num_steps - 1) k^2 (default 1 + num_steps k).",
     )
     enable_return_routed_experts: bool = Field(
         default=False,
@@ -171,12 +178,15 @@ class EngineConfig(BaseModel):
                 f"speculative_draft_model_path is EAGLE3's draft; speculative_algorithm={self.speculative_algorithm} "
                 "drafts with the model's own MTP layers: set speculative_algorithm=EAGLE3 or leave the path unset"
             )
-        if (self.speculative_eagle_topk or 1) > 1:
-            raise ValueError(
-                f"speculative_eagle_topk={self.speculative_eagle_topk}: only 1 is supported (the draft proposes one "
-                "chain of tokens; tree drafts are not implemented)"
-            )
-        tokens = self.speculative_num_draft_tokens
+        tokens, topk, steps = self.speculative_num_draft_tokens, self.speculative_eagle_topk or 1, self.num_draft_steps
+        if topk > 1:
+            most = 1 + topk + (steps - 1) * topk * topk
+            if tokens is not None and tokens > most:
+                raise ValueError(
+                    f"speculative_num_draft_tokens={tokens}: a tree of speculative_num_steps={steps} levels with "
+                    f"speculative_eagle_topk={topk} has at most 1 + {topk} + {steps - 1} x {topk}^2 = {most} tokens"
+                )
+            return self
         if tokens is not None and tokens != self.num_draft_steps + 1:
             raise ValueError(
                 f"speculative_num_draft_tokens={tokens} with speculative_num_steps={self.num_draft_steps}: with "
@@ -208,6 +218,15 @@ class EngineConfig(BaseModel):
         if self.speculative_algorithm is None:
             return None
         return "eagle3" if self.speculative_algorithm == "EAGLE3" else "mtp"
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens one verify step checks at most, the last sampled one included (SGLang's
+        speculative_num_draft_tokens); 1 without speculative decoding."""
+        if self.speculative_algorithm is None:
+            return 1
+        topk = self.speculative_eagle_topk or 1
+        return self.speculative_num_draft_tokens or 1 + self.num_draft_steps * topk
 
     @property
     def num_draft_steps(self) -> int:

@@ -11,12 +11,14 @@ hands what was sampled to the output stage (output.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles_kernels import AdapterSlots, CausalLM, KernelConfig, KVStore, build_attention_batch
 from miles_rollout.config import EngineConfig
+from miles_rollout.draft_tree import DraftTree
 from miles_rollout.routed_experts import RoutedExperts
 from miles_rollout.row_sampling import Row, SampledRows, sample_rows
 
@@ -24,8 +26,27 @@ if TYPE_CHECKING:
     from miles_rollout.grammar import Grammars
     from miles_rollout.sequence import Sequence
 
-# (sequence, its first row in the step's sampled rows, its draft tokens, whether it was decoding)
-Entry = tuple["Sequence", int, list[int], bool]
+# (sequence, its first row in the step's sampled rows, its draft tree, whether it was decoding)
+Entry = tuple["Sequence", int, DraftTree, bool]
+
+
+@dataclass
+class ForwardPart:
+    """One owner's rows in a step's forward: its token ids, laid out as one or more sequences of the attention batch
+    (`query_lens`, `prefix_lens`, `tables`: a chunk is one, a draft tree's branches several; draft_tree.py), its
+    copy writes (row of the part, page, offset) and its LoRA adapter (None: the base model)."""
+
+    ids: list[int]
+    query_lens: list[int]
+    prefix_lens: list[int]
+    tables: list[list[int]]
+    adapter: str | None = None
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @classmethod
+    def chunk(cls, ids: list[int], prefix_len: int, table: list[int], adapter: str | None) -> ForwardPart:
+        """Consecutive tokens after `prefix_len` cached ones."""
+        return cls(ids, [len(ids)], [prefix_len], [table], adapter)
 
 
 class ModelRunner:
@@ -54,18 +75,27 @@ class ModelRunner:
         """The KV store's tensors, each once (the trunk's layers, then the draft's; MLA: one latent store a layer)."""
         return self.store.tensors()
 
-    def forward(
-        self, ids: list[int], query_lens: list[int], prefix_lens: list[int], tables: list[list[int]],
-        adapters: list[str | None] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """The trunk's forward over a step's rows (their K/V written to the store), each chunk's rows with its LoRA
-        adapter (`adapters`, one id per chunk; None: the base model); the rows' states: the hidden states (rows, H),
-        followed with an EAGLE-3 draft by its features (rows, H + 3H; `hidden_states` takes the first part)."""
+    def forward(self, parts: list[ForwardPart]) -> torch.Tensor:
+        """The trunk's forward over a step's rows (`parts`, each an owner's, with its LoRA adapter; their K/V written
+        to the store, copy writes included); the rows' states: the hidden states (rows, H), followed with an EAGLE-3
+        draft by its features (rows, H + 3H; `hidden_states` takes the first part)."""
+        query_lens = [n for part in parts for n in part.query_lens]
+        prefix_lens = [n for part in parts for n in part.prefix_lens]
+        tables = [t for part in parts for t in part.tables]
         batch = build_attention_batch(query_lens, prefix_lens, tables, self.page_size, self.query_tile, self.device)
-        slots = self.adapters if adapters is not None and any(a is not None for a in adapters) else None
+        copies, start = [], 0
+        for part in parts:
+            copies += [(start + row, page, offset) for row, page, offset in part.copies]
+            start += len(part.ids)
+        if copies:
+            tokens, pages, offsets = (torch.tensor(c, dtype=torch.int64, device=self.device)
+                                      for c in zip(*copies, strict=True))  # fmt: skip
+            batch = replace(batch, copy_tokens_C=tokens, copy_pages_C=pages, copy_offsets_C=offsets)
+        adapters = [part.adapter for part in parts]
+        slots = self.adapters if any(a is not None for a in adapters) else None
         if slots is not None:
-            assert adapters is not None
-            slots.set_rows([a for a, n in zip(adapters, query_lens, strict=True) for _ in range(n)])
+            slots.set_rows([part.adapter for part in parts for _ in part.ids])
+        ids = [t for part in parts for t in part.ids]
         try:
             hidden = self.model.forward_hidden(torch.tensor(ids, device=self.device), batch, self.store)
         finally:
@@ -76,27 +106,26 @@ class ModelRunner:
         features = self.model.last_draft_features if self.model.eagle3 is not None else None
         return hidden if features is None else torch.cat((hidden, features), dim=-1)
 
-    def hidden_states(self, rows: torch.Tensor) -> torch.Tensor:
-        """The final hidden states (N, H) of a step's rows (`forward`)."""
-        return rows[:, : self.model.config.hidden_size]
-
     def forward_each(
-        self, chunks: list[tuple[int, list[int], int, list[int], str | None]]
+        self, parts: list[tuple[int, ForwardPart]]
     ) -> tuple[dict[int, BaseException], list[tuple[int, torch.Tensor]]]:
-        """A failed step's forward again, one chunk at a time (`chunks`: its request's key, token ids, prefix length,
-        page table and adapter): the requests whose own forward fails (key -> error; their later chunks are skipped),
-        and each other chunk's hidden states by index (the same bits in deterministic mode: every op is
-        batch-invariant)."""
+        """A failed step's forward again, one part at a time (`parts`: its request's key and the part): the requests
+        whose own forward fails (key -> error; their later parts are skipped), and each other part's rows by index
+        (the same bits in deterministic mode: every op is batch-invariant)."""
         failed: dict[int, BaseException] = {}
         kept: list[tuple[int, torch.Tensor]] = []
-        for k, (key, chunk, prefix_len, table, adapter) in enumerate(chunks):
+        for k, (key, part) in enumerate(parts):
             if key in failed:
                 continue
             try:
-                kept.append((k, self.forward(chunk, [len(chunk)], [prefix_len], [table], [adapter])))
+                kept.append((k, self.forward([part])))
             except Exception as error:
                 failed[key] = error
-        return failed, [(k, hidden) for k, hidden in kept if chunks[k][0] not in failed]
+        return failed, [(k, hidden) for k, hidden in kept if parts[k][0] not in failed]
+
+    def hidden_states(self, rows: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (N, H) of a step's rows (`forward`)."""
+        return rows[:, : self.model.config.hidden_size]
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The LM head's logits of `rows` of a step's rows (`forward`)."""
@@ -119,8 +148,8 @@ class ModelRunner:
         others keep their tokens (the same bits: sampling is row by row)."""
 
         def sample(chosen: list[Entry]) -> SampledRows:
-            row_index = [first + i for _, first, drafts, _ in chosen for i in range(len(drafts) + 1)]
-            rows = [Row(seq, drafts[:i]) for seq, _, drafts, _ in chosen for i in range(len(drafts) + 1)]
+            row_index = [first + i for _, first, tree, _ in chosen for i in range(len(tree.tokens))]
+            rows = [Row(seq, tree.drafted(i)) for seq, _, tree, _ in chosen for i in range(len(tree.tokens))]
             constrain = self.grammars().mask if any(row.seq.matcher is not None for row in rows) else None
             return sample_rows(logits[torch.tensor(row_index, device=logits.device)], rows, self.eos_ids, constrain)
 
@@ -140,8 +169,8 @@ class ModelRunner:
             return out
         per_entry: list[SampledRows | None] = []
         at = 0
-        for _, _, drafts, _ in entries:
-            end = at + len(drafts) + 1
+        for _, _, tree, _ in entries:
+            end = at + len(tree.tokens)
             per_entry.append(SampledRows(whole.tokens[at:end], whole.logprobs[at:end], whole.top[at:end]))
             at = end
         return per_entry

@@ -52,6 +52,9 @@ class RoutedExperts:
         assert routing_NLK is not None and routing_NLK.shape[0] == batch.num_tokens, "a trunk forward routes every row"
         slots_N = batch.write_pages_N * self.page_size + batch.write_offsets_N
         self.buffer_SLK[slots_N.cpu()] = routing_NLK.cpu()
+        if batch.copy_tokens_C.numel():  # a draft tree's rows also written where other branches read them
+            copies_C = batch.copy_pages_C * self.page_size + batch.copy_offsets_C
+            self.buffer_SLK[copies_C.cpu()] = routing_NLK[batch.copy_tokens_C].cpu()
 
     def copy_page(self, source: int, targets: list[int]) -> None:
         """Copy page `source`'s slots to each page of `targets` (where the scheduler copies its K/V)."""

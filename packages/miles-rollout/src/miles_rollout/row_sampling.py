@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from miles_kernels import CausalLM, RowSampling, full_logprobs, sample, token_logprobs
+from miles_kernels import CausalLM, RowSampling, full_logprobs, sample, sampling_scores, token_logprobs
 from miles_rollout.sequence import Group, Sequence
 
 
@@ -48,6 +48,14 @@ def sample_tokens(
 ) -> torch.Tensor:
     """The sampled token of every row (penalties, `logit_bias`, `min_new_tokens` and grammars applied)."""
     return sample(_sampling_logits(row_logits, rows, eos_ids, constrain), [row.sampling for row in rows])
+
+
+def candidate_probs(row_logits: torch.Tensor, rows: Seq[Row], eos_ids: set[int]) -> torch.Tensor:
+    """float64 (M, V): how strongly each row's sampler favours each token, as the softmax of the scores it takes the
+    argmax of (penalties and the row's noise included): its most likely token is the one `sample_tokens` draws.
+    A draft tree keeps each node's top-k children by it."""
+    scores = sampling_scores(_sampling_logits(row_logits, rows, eos_ids), [row.sampling for row in rows])
+    return torch.softmax(scores, dim=-1)
 
 
 def sample_rows(

@@ -32,9 +32,10 @@ import torch
 from miles_contracts import WeightVersion
 from miles_rollout.batch_results import BatchResults
 from miles_rollout.config import EngineConfig
-from miles_rollout.model_runner import ModelRunner
+from miles_rollout.draft_tree import DraftTree
+from miles_rollout.model_runner import ForwardPart, ModelRunner
 from miles_rollout.output import OutputStage
-from miles_rollout.page_allocator import PageAllocator, ceil_div
+from miles_rollout.page_allocator import OutOfPages, PageAllocator, ceil_div
 from miles_rollout.radix_cache import RadixCache
 from miles_rollout.sequence import DraftState, Group, Sequence, finish_reason
 from miles_rollout.speculative import Drafter
@@ -314,16 +315,47 @@ class Scheduler(BatchResults):
             pages += self._take_pages(extra)
             owner.reserved_pages -= extra
 
-    def _propose_drafts(self) -> list[list[int]]:
-        """Each running sequence's draft tokens (none without speculative decoding). A sequence drafts at most
-        k tokens, and fewer near its end: a step emits at most drafts + 1 tokens, within max_new_tokens and the
-        context length, so its verify rows stay inside the pages reserved at admission."""
+    def _propose_drafts(self) -> list[DraftTree]:
+        """Each running sequence's draft tree (a chain with topk 1; a lone root without speculative decoding). A
+        sequence drafts at most k tokens deep, and fewer near its end: a step emits at most depth + 1 tokens, within
+        max_new_tokens and the context length, so its verify rows stay inside the pages reserved at admission."""
         if self.drafter is None:
-            return [[] for _ in self._running]
+            return [DraftTree.chain(seq.tokens[-1], []) for seq in self._running]
         budgets = [self.drafter.budget(seq, self.context_length) for seq in self._running]
         for seq, budget in zip(self._running, budgets, strict=True):
             self._grow_pages(seq, seq.pages, seq.num_computed + 1 + budget)
-        return self.drafter.propose(self.runner.store, self._running, budgets)
+        store, topk = self.runner.store, self.config.speculative_eagle_topk or 1
+        if topk > 1:
+            return self.drafter.propose_trees(store, self._running, budgets, topk, self.config.num_draft_tokens,
+                                              self._take_scratch, self.allocator.release)  # fmt: skip
+        drafts = self.drafter.propose(store, self._running, budgets)
+        return [DraftTree.chain(seq.tokens[-1], d) for seq, d in zip(self._running, drafts, strict=True)]
+
+    def _take_scratch(self, count: int) -> list[int]:
+        """Pages a draft tree uses for one step (its beams' and branches' keys): free pages beyond every
+        reservation, never the radix cache's (OutOfPages when there are too few)."""
+        if self.allocator.num_free - self._reserved < count:
+            raise OutOfPages(f"need {count} scratch KV pages, {self.allocator.num_free - self._reserved} spare")
+        return self.allocator.allocate(count)
+
+    def _verify_part(self, seq: Sequence, tree: DraftTree) -> tuple[DraftTree, ForwardPart]:
+        """A decoding sequence's rows: its draft tree's nodes, each branch a sequence of the attention batch (its
+        scratch pages taken now; a tree they do not fit shrinks to its first branch)."""
+        n = seq.num_computed
+        self._grow_pages(seq, seq.pages, n + 1 + tree.depth)
+        try:
+            tree.lay_out(n, seq.pages, self.page_size, self._take_scratch)
+        except OutOfPages:
+            self.allocator.release(tree.scratch_pages())
+            first = tree.path_nodes(tree.leaves()[0])
+            tree = DraftTree.chain(tree.tokens[0], [tree.tokens[node] for node in first[1:]])
+            tree.lay_out(n, seq.pages, self.page_size, self._take_scratch)
+        for source, target in tree.page_copies(self.page_size):
+            self.runner.copy_page(source, [target])
+        branches = tree.branches
+        part = ForwardPart(tree.tokens, tree.own_lengths(), [b.prefix for b in branches], [b.table for b in branches],
+                           seq.group.lora_id, tree.copy_writes(n, self.page_size))  # fmt: skip
+        return tree, part
 
     def _take_pages(self, count: int) -> list[int]:
         if count > self.allocator.num_free:
@@ -342,70 +374,73 @@ class Scheduler(BatchResults):
         self.num_steps += 1
 
     def _step(self) -> None:
-        ids: list[int] = []
-        query_lens: list[int] = []
-        prefix_lens: list[int] = []
-        tables: list[list[int]] = []
-        # (kind, seq or group, first row, its tokens): "decode" | "refill" | "prefill"
-        owners: list[tuple[str, Any, int, list[int]]] = []
+        # (kind, seq or group, first row, its tree: a decode's draft tree, a chunk's None) and its forward part
+        owners: list[tuple[str, Any, int, DraftTree | None]] = []
+        parts: list[ForwardPart] = []
+        rows = 0
 
-        def add(kind: str, owner: Any, chunk: list[int], pages: list[int]) -> None:
-            """Rows for `chunk`, the next tokens of `owner`; its page list (`pages`, grown in place) covers them."""
-            self._grow_pages(owner, pages, owner.num_computed + len(chunk))
-            owners.append((kind, owner, len(ids), chunk))
-            ids.extend(chunk)
-            query_lens.append(len(chunk))
-            prefix_lens.append(owner.num_computed)
-            tables.append(pages)
+        def add(kind: str, owner: Any, tree: DraftTree | None, part: ForwardPart) -> None:
+            nonlocal rows
+            owners.append((kind, owner, rows, tree))
+            parts.append(part)
+            rows += len(part.ids)
 
-        for seq, drafts in zip(self._running, self._propose_drafts(), strict=True):
-            add("decode", seq, seq.tokens[-1:] + drafts, seq.pages)
-        budget = max(self.config.max_prefill_tokens - len(ids), 1)
+        for seq, tree in zip(self._running, self._propose_drafts(), strict=True):
+            add("decode", seq, *self._verify_part(seq, tree))
+        budget = max(self.config.max_prefill_tokens - rows, 1)
         for seq in self._refilling:
             if budget <= 0:
                 break
             chunk = seq.tokens[seq.num_computed : min(seq.resume_at, seq.num_computed + budget)]
             budget -= len(chunk)
             self.num_prefill_tokens += len(chunk)
-            add("refill", seq, chunk, seq.pages)
+            add("refill", seq, None, self._chunk(seq, chunk, seq.pages))
         for group in self._prefilling:
             if budget <= 0:
                 break
             chunk = group.prompt_ids[group.num_computed : group.num_computed + budget]
             budget -= len(chunk)
             self.num_prefill_tokens += len(chunk)
-            add("prefill", group, chunk, group.prefill_pages)
-        adapters = [_group_of(owner).lora_id for _, owner, _, _ in owners]
+            add("prefill", group, None, self._chunk(group, chunk, group.prefill_pages))
+        scratch = [page for _, _, _, tree in owners if tree is not None for page in tree.scratch_pages()]
         try:
-            hidden = self.runner.forward(ids, query_lens, prefix_lens, tables, adapters)
+            self._forward_step(owners, parts)
+        finally:
+            self.allocator.release(scratch)
+
+    def _chunk(self, owner: Any, chunk: list[int], pages: list[int]) -> ForwardPart:
+        """Rows for `chunk`, the next tokens of `owner`; its page list (`pages`, grown in place) covers them."""
+        self._grow_pages(owner, pages, owner.num_computed + len(chunk))
+        return ForwardPart.chunk(chunk, owner.num_computed, pages, _group_of(owner).lora_id)
+
+    def _forward_step(self, owners: list[tuple[str, Any, int, DraftTree | None]], parts: list[ForwardPart]) -> None:
+        try:
+            hidden = self.runner.forward(parts)
         except Exception as error:
             if len({id(_group_of(owner)) for _, owner, _, _ in owners}) == 1:
                 self._fail_groups({id(_group_of(owners[0][1])): (_group_of(owners[0][1]), error)})
                 return
             logger.warning("an engine step failed (%s: %s): running its requests one by one", type(error).__name__,
                            error)  # fmt: skip
-            hidden, owners, query_lens = self._forward_each(owners, prefix_lens, tables)
+            hidden, owners, parts = self._forward_each(owners, parts)
             if not owners:
                 return
-        self._after_forward(hidden, owners, query_lens)
+        self._after_forward(hidden, owners, [len(part.ids) for part in parts])
 
     def _forward_each(
-        self, owners: list[tuple[str, Any, int, list[int]]], prefix_lens: list[int], tables: list[list[int]]
-    ) -> tuple[torch.Tensor, list[tuple[str, Any, int, list[int]]], list[int]]:
+        self, owners: list[tuple[str, Any, int, DraftTree | None]], parts: list[ForwardPart]
+    ) -> tuple[torch.Tensor, list[tuple[str, Any, int, DraftTree | None]], list[ForwardPart]]:
         """A failed step's forward again, one request at a time (`ModelRunner.forward_each`): a request whose own
         forward fails is failed alone, the others go on with their rows."""
         groups = [_group_of(owner) for _, owner, _, _ in owners]
-        chunks = [
-            (id(group), owners[k][3], prefix_lens[k], tables[k], group.lora_id) for k, group in enumerate(groups)
-        ]
-        errors, kept = self.runner.forward_each(chunks)
+        errors, kept = self.runner.forward_each([(id(group), part) for group, part in zip(groups, parts, strict=True)])
         self._fail_groups({id(g): (g, errors[id(g)]) for g in groups if id(g) in errors})
-        new_owners, new_lens, start = [], [], 0
+        new_owners, new_parts, start = [], [], 0
         for k, _ in kept:
-            kind, owner, _, chunk = owners[k]
-            new_owners.append((kind, owner, start, chunk))
-            new_lens.append(len(chunk))
-            start += len(chunk)
+            kind, owner, _, tree = owners[k]
+            new_owners.append((kind, owner, start, tree))
+            new_parts.append(parts[k])
+            start += len(parts[k].ids)
         if not kept:
             return torch.empty(0), [], []
-        return torch.cat([hidden for _, hidden in kept]), new_owners, new_lens
+        return torch.cat([hidden for _, hidden in kept]), new_owners, new_parts

@@ -80,7 +80,8 @@ def sglang_server_args(
     if engine.speculative_algorithm is not None:
         steps = engine.num_draft_steps
         args |= {"speculative_algorithm": engine.speculative_algorithm, "speculative_num_steps": steps,
-                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": steps + 1}  # fmt: skip
+                 "speculative_eagle_topk": engine.speculative_eagle_topk or 1,
+                 "speculative_num_draft_tokens": engine.num_draft_tokens}  # fmt: skip
         if engine.speculative_draft_model_path is not None:
             args["speculative_draft_model_path"] = engine.speculative_draft_model_path
     if engine.enable_return_routed_experts:

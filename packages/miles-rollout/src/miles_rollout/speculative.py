@@ -1,26 +1,30 @@
-"""Speculative decoding in the embedded engine: the policy's own MTP module drafts up to k tokens per running
-sequence, the trunk verifies them in the scheduler's step (k + 1 rows per sequence inside the continuous batch),
-and `accept_drafts` keeps the drafts that equal the target's own samples (docs/architecture.md, "Speculative
-decoding").
+"""Speculative decoding in the embedded engine: a draft proposes up to k tokens per running sequence — a chain, or
+a tree with `speculative_eagle_topk` > 1 — the trunk verifies them in the scheduler's step (one row per draft token
+inside the continuous batch, tree attention for a tree: draft_tree.py), and `DraftTree.accept_path` keeps the drafts
+that equal the target's own samples (docs/architecture.md, "Speculative decoding").
 
-Where it sits in a scheduler step (scheduler.py, batch_results.py): `Drafter.propose` runs before the batch is built (a
-sequence's draft tokens become its verify rows), `Drafter.extend` after the forward for prompt and recomputed chunks,
-and `accept_drafts` when the verify rows are sampled.
+Where it sits in a scheduler step (scheduler.py, batch_results.py): `Drafter.propose` (a chain) or `propose_trees`
+runs before the batch is built (a sequence's draft tokens become its verify rows), `Drafter.extend` after the
+forward for prompt and recomputed chunks, and `accept_path` when the verify rows are sampled.
 
-The draft (SGLang's NEXTN, EAGLE's chain with topk 1): MTP module 0, or an EAGLE-3 draft (EAGLE3), applied
-recursively on its own output. Its row t combines the trunk's state at t (its final hidden state for MTP,
-`CausalLM.mtp_hidden`; its three feature layers for EAGLE-3, `CausalLM.eagle3_hidden`) with token t + 1, and its
-K/V sits in the KV store's layer L (`KVStore.allocate(num_draft_layers=1)`) at the sequence's own pages and slots, so
-allocation, the prefix cache, retract, abort and memory release need nothing more. Per sequence, `DraftState`
-(sequence.py) says which draft rows are exact (`computed`) and holds the trunk rows whose draft rows wait for their
-next token (`pending`). One step of a sequence with n computed tokens and last sampled token x_n:
+The draft (SGLang's NEXTN / EAGLE): MTP module 0, or an EAGLE-3 draft (EAGLE3), applied recursively on its own
+output. Its row t combines the trunk's state at t (its final hidden state for MTP, `CausalLM.mtp_hidden`; its three
+feature layers for EAGLE-3, `CausalLM.eagle3_hidden`) with token t + 1, and its K/V sits in the KV store's layer L
+(`KVStore.allocate(num_draft_layers=1)`) at the sequence's own pages and slots, so allocation, the prefix cache,
+retract, abort and memory release need nothing more. Per sequence, `DraftState` (sequence.py) says which draft rows
+are exact (`computed`) and holds the trunk rows whose draft rows wait for their next token (`pending`). One step of
+a sequence with n computed tokens and last sampled token x_n:
 1. extend: draft rows for the pending positions (up to n - 1, whose next token x_n is now known): exact K/V, and
    the last row's output drafts d_1;
 2. k - 1 recursive steps: row n + j - 2 takes the previous output and d_{j-1}, and drafts d_j (its K/V is
-   provisional: the next extend rewrites those slots with the trunk's hidden states);
-3. verify: the trunk computes rows [x_n, d_1 .. d_k]; `accept_drafts` picks the tokens; the rows after the last
-   emitted one are rolled back by setting num_computed (their pages stay reserved to the sequence, and the radix
-   cache only ever takes full pages of computed tokens); their hidden states become the new pending rows.
+   provisional: the next extend rewrites those slots with the trunk's hidden states). A tree keeps the topk best
+   paths (beams) per level and ranks candidates by the sampler's own scores (`row_sampling.candidate_probs`: the
+   token plain sampling would draw, with the row's noise, first); each beam's provisional rows go to scratch pages
+   of its own;
+3. verify: the trunk computes one row per node ([x_n, d_1 .. d_k] for a chain); `accept_path` picks the tokens; the
+   rows after the last emitted one are rolled back by setting num_computed (their pages stay reserved to the
+   sequence, and the radix cache only ever takes full pages of computed tokens; a tree's accepted branch is copied
+   into the sequence's pages first); their trunk rows become the new pending rows.
 A prompt's n samples share its full pages but each copies the page of the last prompt position, where it writes
 its own draft row (`page_allocator.num_shared_pages`). Where the draft's K/V is approximate — acceptance only, never
 the output: the last slot of a prefix reused from the radix cache keeps the draft row its writer computed, with
@@ -29,41 +33,21 @@ that writer's next token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
 from miles_kernels import CausalLM, Eagle3Draft, KVStore, build_attention_batch
-from miles_rollout.row_sampling import Row, sample_tokens
+from miles_rollout.draft_tree import DraftTree
+from miles_rollout.page_allocator import OutOfPages
+from miles_rollout.row_sampling import Row, candidate_probs, sample_tokens
 from miles_rollout.sequence import DraftState, Sequence, SpecCounts
 
 
 def add_pending(draft: DraftState, hidden_NH: torch.Tensor) -> None:
     """Trunk hidden states of newly computed positions join the rows waiting for their draft rows."""
     draft.pending = hidden_NH if draft.pending is None else torch.cat((draft.pending, hidden_NH))
-
-
-def accept_drafts(drafts: list[int], targets: list[int]) -> list[int]:
-    """The tokens one verify step emits: one or more, ending with a token of the target's own.
-
-    `targets[i]` is the target's sample at draft i's position (i < k), from its logits after the sequence and
-    drafts[:i], drawn with the sampler's per-(seed, position) noise; `targets[k]` is its sample after all k drafts.
-    The draft sampled `drafts[i]` with the same noise at the same position, so where the two agree the draft's
-    token *is* the target's sample: accept it and go on. At the first disagreement the target's sample replaces
-    the draft and the rest is dropped (those rows were computed after a token the sequence does not have). When
-    all k agree, the target's sample after them comes free (the bonus token).
-
-    Every emitted token is the target's own sample at its position, so a speculative run emits exactly the tokens
-    decoding without a draft samples from the same logits: the draft decides how many tokens a step emits, never
-    which. (The acceptance rate is how often the two samples coincide under the shared noise.)
-    """
-    emitted = []
-    for draft, target in zip(drafts, targets, strict=False):
-        emitted.append(target)
-        if draft != target:
-            return emitted
-    emitted.append(targets[len(drafts)])
-    return emitted
 
 
 class Drafter:
@@ -120,8 +104,8 @@ class Drafter:
         return rows[:, hidden_size:] if self.kind == "eagle3" else rows[:, :hidden_size]
 
     def verified(self, seq: Sequence, proposed: int, emitted: int, kept_rows: torch.Tensor) -> None:
-        """After `seq`'s decode step: `proposed` drafts, `emitted` tokens (`accept_drafts`), `kept_rows` the trunk's
-        rows kept. Counts the drafts, and the kept rows wait for their draft rows."""
+        """After `seq`'s decode step: `proposed` draft levels, `emitted` tokens (`accept_path`), `kept_rows` the
+        trunk's rows kept. Counts the drafts, and the kept rows wait for their draft rows."""
         if proposed:
             accepted = emitted - 1
             if seq.spec is None:
@@ -189,7 +173,7 @@ class Drafter:
         last = torch.stack([out[-1] for out in outs])
         # 2. sample d_j from the last output; then module 0 again on (its output, d_j) one slot further
         while True:
-            logits = self.model.mtp_logits(last) if self.kind == "mtp" else self._eagle3().logits(last)
+            logits = self._logits(last)
             rows = [Row(seqs[i], drafts[i]) for i in active]
             for i, token in zip(active, sample_tokens(logits, rows, self.eos_ids).tolist(), strict=True):
                 drafts[i].append(token)
@@ -206,6 +190,111 @@ class Drafter:
                 from_trunk=False,
             )
             last = torch.cat(outs)
+
+    def propose_trees(
+        self,
+        store: KVStore,
+        seqs: list[Sequence],
+        budgets: list[int],
+        topk: int,
+        num_nodes: int,
+        take: Callable[[int], list[int]],
+        release: Callable[[list[int]], None],
+    ) -> list[DraftTree]:
+        """A draft tree per sequence (SGLang's EAGLE tree, `speculative_eagle_topk` = topk): up to `budgets[i]` levels
+        and `num_nodes` - 1 draft tokens. Level by level, the topk best candidates so far (beams, by the product of
+        their tokens' `candidate_probs` along the path) each propose their topk likeliest children; the tree is the
+        `num_nodes` - 1 best candidates, a parent always before its children. A beam's provisional draft K/V goes to
+        scratch pages (`take`, a copy of its parent beam's), handed back with `release` before returning; when none
+        are free the tree stops growing there."""
+        trees = [DraftTree.chain(seq.tokens[-1], []) for seq in seqs]
+        active = [i for i, seq in enumerate(seqs) if budgets[i] > 0 and seq.draft.num_pending > 0]
+        if not active:
+            return trees
+        outs = self._forward(  # 1. extend, as for a chain: the last row's output ranks the first level
+            store,
+            [seqs[i].draft.pending for i in active],
+            [seqs[i].draft.computed for i in active],
+            [seqs[i].tokens[seqs[i].draft.computed + 1 :] for i in active],
+            [seqs[i].pages for i in active],
+            from_trunk=True,
+        )
+        for i in active:
+            seqs[i].draft.computed, seqs[i].draft.pending = seqs[i].num_computed, None
+        # per sequence, every candidate: (score, depth, parent candidate or -1, token)
+        candidates: dict[int, list[tuple[float, int, int, int]]] = {i: [] for i in active}
+        # a level's rows to rank children by: (sequence, parent candidate, the row's output, its tail pages)
+        level: list[tuple[int, int, torch.Tensor, list[int]]] = [
+            (i, -1, out[-1:], []) for i, out in zip(active, outs, strict=True)
+        ]
+        scratch: list[int] = []
+        depth = 1
+        try:
+            while level:
+                logits = torch.cat([self._logits(h) for _, _, h, _ in level])
+                rows = [Row(seqs[i], _path(candidates[i], parent)) for i, parent, _, _ in level]
+                top_p, top_ids = candidate_probs(logits, rows, self.eos_ids).topk(topk, dim=-1)
+                born: dict[int, list[tuple[int, torch.Tensor, list[int]]]] = {}
+                for (i, parent, h, tail), p_k, ids_k in zip(level, top_p.tolist(), top_ids.tolist(), strict=True):
+                    base = 1.0 if parent < 0 else candidates[i][parent][0]
+                    for p, token in zip(p_k, ids_k, strict=True):
+                        born.setdefault(i, []).append((len(candidates[i]), h, tail))
+                        candidates[i].append((base * p, depth, parent, token))
+                depth += 1
+                level = []
+                for i, new in born.items():
+                    if depth <= budgets[i]:
+                        scores = candidates[i]
+                        beams = sorted(new, key=lambda beam: -scores[beam[0]][0])[:topk]
+                        level += self._expand(store, i, seqs[i], candidates[i], beams, depth, take, scratch)
+        finally:
+            release(scratch)
+        for i in active:
+            trees[i] = _select_tree(seqs[i].tokens[-1], candidates[i], num_nodes - 1)
+        return trees
+
+    def _expand(
+        self,
+        store: KVStore,
+        index: int,
+        seq: Sequence,
+        candidates: list[tuple[float, int, int, int]],
+        beams: list[tuple[int, torch.Tensor, list[int]]],
+        depth: int,
+        take: Callable[[int], list[int]],
+        scratch: list[int],
+    ) -> list[tuple[int, int, torch.Tensor, list[int]]]:
+        """The draft one row further for each beam (a candidate at depth - 1, with the output of the row that ranked
+        it and that row's tail): row n + depth - 2 on (that output, the beam's token), its K/V in a tail of the
+        beam's own (a copy of the tail it came from; for the first level, of the sequence's page at n). The next
+        level's rows; none when no scratch page is free."""
+        n, page = seq.num_computed, self.page_size
+        first = n // page
+        count = (n + depth - 2) // page + 1 - first
+        tails = []
+        for _ in beams:
+            try:
+                tails.append(take(count))
+            except OutOfPages:
+                return []
+            scratch += tails[-1]
+        pairs = []
+        for (_, _, parent_tail), tail in zip(beams, tails, strict=True):
+            pairs += list(zip(parent_tail or [seq.pages[first]], tail, strict=False))
+        _copy_draft_pages(store, self.model.config.num_hidden_layers, pairs)
+        outs = self._forward(
+            store,
+            [h for _, h, _ in beams],
+            [n + depth - 2] * len(beams),
+            [[candidates[c][3]] for c, _, _ in beams],
+            [seq.pages[:first] + tail for tail in tails],
+            from_trunk=False,
+        )
+        return [(index, c, out, tail) for (c, _, _), out, tail in zip(beams, outs, tails, strict=True)]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary (MTP's shared LM head, or EAGLE-3's mapped back)."""
+        return self.model.mtp_logits(hidden) if self.kind == "mtp" else self._eagle3().logits(hidden)
 
     def _forward(
         self,
@@ -230,3 +319,49 @@ class Drafter:
     def _eagle3(self) -> Eagle3Draft:
         assert self.model.eagle3 is not None
         return self.model.eagle3
+
+
+def _path(candidates: list[tuple[float, int, int, int]], node: int) -> list[int]:
+    """The draft tokens from the first level down to candidate `node` (none for -1, the root)."""
+    tokens = []
+    while node >= 0:
+        tokens.append(candidates[node][3])
+        node = candidates[node][2]
+    return tokens[::-1]
+
+
+def _select_tree(root: int, candidates: list[tuple[float, int, int, int]], size: int) -> DraftTree:
+    """The `size` best candidates (by score; a tie goes to the shallower, then the earlier) whose parents are kept,
+    as a tree in depth-first order, each node's children best first."""
+    order = sorted(range(len(candidates)), key=lambda c: (-candidates[c][0], candidates[c][1], c))
+    kept: list[int] = []
+    chosen: set[int] = set()
+    for c in order:
+        if len(kept) == size:
+            break
+        if candidates[c][2] < 0 or candidates[c][2] in chosen:
+            kept.append(c)
+            chosen.add(c)
+    children: dict[int, list[int]] = {}
+    for c in kept:  # best first
+        children.setdefault(candidates[c][2], []).append(c)
+    tokens, parents = [root], [-1]
+    stack = [(c, 0) for c in reversed(children.get(-1, []))]
+    while stack:
+        c, parent = stack.pop()
+        node = len(tokens)
+        tokens.append(candidates[c][3])
+        parents.append(parent)
+        stack += [(child, node) for child in reversed(children.get(c, []))]
+    return DraftTree(tokens, parents)
+
+
+def _copy_draft_pages(store: KVStore, layer: int, pairs: list[tuple[int, int]]) -> None:
+    """Copy the draft layer's K/V of page `source` into page `target`, for each (source, target)."""
+    if not pairs:
+        return
+    device = store.k[layer].device
+    sources = torch.tensor([s for s, _ in pairs], device=device)
+    targets = torch.tensor([t for _, t in pairs], device=device)
+    for pages in {id(t): t for t in (store.k[layer], store.v[layer])}.values():
+        pages[targets] = pages[sources]

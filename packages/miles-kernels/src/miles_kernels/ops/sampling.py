@@ -156,3 +156,24 @@ def sample(logits_MV: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor
             scores[j].masked_fill_(~_filter_mask(logits_MV[i], rows[i]), float("-inf"))
     tokens[index] = torch.argmax(scores, dim=-1)
     return tokens
+
+
+def sampling_scores(logits_MV: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """float64 (M, V): the scores `sample` takes the argmax of, per row: the logits of a greedy row; logits / T + g
+    of a sampled one, -inf where its filters drop a token. A speculative draft tree ranks its candidates by them
+    (their softmax): the token `sample` draws is always the first."""
+    if len(rows) != logits_MV.shape[0]:
+        raise ValueError(f"got {len(rows)} sampling rows for {logits_MV.shape[0]} logit rows")
+    scores = logits_MV.to(torch.float64).clone()
+    sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
+    if not sampled:
+        return scores
+    device, vocab = logits_MV.device, logits_MV.shape[1]
+    index = torch.tensor(sampled, device=device)
+    temps = torch.tensor([[rows[i].temperature] for i in sampled], dtype=torch.float64, device=device)
+    noisy = logits_MV[index].to(torch.float64) / temps + gumbel_noise([rows[i] for i in sampled], vocab, device)
+    for j, i in enumerate(sampled):
+        if rows[i].top_k > 0 or rows[i].top_p < 1.0 or rows[i].min_p > 0.0:
+            noisy[j].masked_fill_(~_filter_mask(logits_MV[i], rows[i]), float("-inf"))
+    scores[index] = noisy
+    return scores
