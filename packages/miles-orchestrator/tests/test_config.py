@@ -391,30 +391,6 @@ def test_a_whole_config_validates_without_torch(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stdout.strip() == "1e-06", result.stderr
 
 
-def test_the_spec_section_turns_the_engines_draft_on_and_refuses_what_cannot_run() -> None:
-    assert load_config(None, ["spec.mode=online"]).rollout.engine.speculative_algorithm == "NEXTN"  # built-in policy
-    assert load_config(None, ["spec.mode=off"]).spec.mode == "off"  # YAML's bare off is false
-    with pytest.raises(
-        ValueError, match=r"speculative_algorithm=NEXTN disagrees with spec\.mode=off.*set spec\.mode instead"
-    ):
-        load_config(None, ["model.path=/m", "rollout.engine.speculative_algorithm=NEXTN"])
-    cfg = load_config(None, ["spec.mode=online", "model.path=/models/with-mtp", "spec.mtp_loss_coef=0.3"])
-    assert cfg.spec.mode == "online" and cfg.spec.optimizer.lr == 1e-4 and cfg.spec.mtp_loss_coef == 0.3
-    engine = cfg.rollout.engine  # spec.mode turns the engine's speculative decoding on, SGLang's NEXTN
-    assert (engine.speculative_algorithm, engine.num_draft_steps, engine.max_running_requests) == ("NEXTN", 3, 64)
-    cfg = load_config(None, ["spec.mode=frozen", "model.path=/m", "spec.num_steps=2"])
-    assert cfg.rollout.engine.num_draft_steps == 2
-    # spec owns the speculative settings: the engine's may repeat them, not contradict them
-    cfg = load_config(None, ["spec.mode=frozen", "model.path=/m", "rollout.engine.speculative_algorithm=EAGLE",
-                             "spec.num_steps=5", "rollout.engine.speculative_num_steps=5"])  # fmt: skip
-    assert cfg.rollout.engine.speculative_algorithm == "EAGLE" and cfg.rollout.engine.num_draft_steps == 5
-    with pytest.raises(
-        ValueError, match=r"speculative_num_steps=5 disagrees with spec\.num_steps=3.*set spec\.num_steps"
-    ):
-        load_config(None, ["spec.mode=frozen", "model.path=/m", "rollout.engine.speculative_algorithm=NEXTN",
-                           "rollout.engine.speculative_num_steps=5"])  # fmt: skip
-
-
 def test_routing_replay_asks_the_rollout_and_the_engine_for_routed_experts() -> None:
     cfg = load_config(None, ["trainer.routing_replay=rollout", "model.bootstrap_architecture=glm4_moe"])
     assert cfg.rollout.return_routed_experts and cfg.rollout.engine.enable_return_routed_experts

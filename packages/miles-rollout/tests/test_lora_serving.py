@@ -175,9 +175,9 @@ async def test_max_loras_per_batch_bounds_each_step(
     steps: list[set[str | None]] = []
     forward = bounded.runner.forward
 
-    def recording(*args: Any) -> Any:
-        steps.append(set(args[4]))
-        return forward(*args)
+    def recording(parts: Any) -> Any:
+        steps.append({part.adapter for part in parts})
+        return forward(parts)
 
     bounded.runner.forward = recording  # type: ignore[method-assign]
     try:

@@ -27,10 +27,10 @@ class SpecConfig(BaseModel):
 
     mode: Literal["off", "frozen", "online"] = Field(
         default="off",
-        description="'off': no speculative decoding, the MTP modules are left as they are; 'frozen': the engine "
-        "drafts with the policy's MTP modules as loaded, never trained; 'online': it drafts with them and they "
-        "train on every rollout batch, in the policy's train step. frozen and online need a model with MTP "
-        "layers (num_nextn_predict_layers >= 1); online starts fresh ones when config.json declares MTP layers the "
+        description="'off': no speculative decoding, the drafts are left as they are; 'frozen': the engine drafts "
+        "with spec.draft as loaded, never trained; 'online': it drafts with it and the draft trains on every rollout "
+        "batch, in the policy's train step. With spec.draft=mtp, frozen and online need a model with MTP layers "
+        "(num_nextn_predict_layers >= 1); online starts fresh ones when config.json declares MTP layers the "
         "checkpoint holds no tensor of (saved by transformers), frozen refuses it. off is the default because the "
         "built-in example (64 sequences of ~4-token answers) rolls out fastest without a draft (benchmarks/spec.py); "
         "few sequences with long outputs are where online pays.",
@@ -59,6 +59,21 @@ class SpecConfig(BaseModel):
         le=16,
         description="Draft tokens per decoding step (the engine's speculative_num_steps) when mode is not off.",
     )
+    eagle_topk: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="Draft branches per level (the engine's speculative_eagle_topk): 1, a chain of num_steps drafts; "
+        "k > 1, a draft tree (each level the k best paths propose their k likeliest tokens), verified with tree "
+        "attention; MTP and EAGLE-3 alike.",
+    )
+    num_draft_tokens: int | None = Field(
+        default=None,
+        ge=2,
+        description="Tokens one verify step checks, the last sampled one included (the engine's "
+        "speculative_num_draft_tokens): with eagle_topk 1, num_steps + 1; with k > 1 the tree's size, at most "
+        "1 + k + (num_steps - 1) k^2; null: 1 + num_steps x eagle_topk.",
+    )
     mtp_loss_coef: float = Field(
         default=1.0, gt=0, description="Weight of the draft's loss, MTP or EAGLE-3 (its own backward)."
     )
@@ -78,6 +93,17 @@ class SpecConfig(BaseModel):
         if self.draft != "eagle3" and (self.draft_path is not None or self.ttt_length is not None):
             given = "draft_path" if self.draft_path is not None else "ttt_length"
             raise ValueError(f"spec.{given} is the EAGLE-3 draft's: set spec.draft=eagle3, or drop it")
+        most = 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+        if self.num_draft_tokens is not None and self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                f"spec.num_draft_tokens={self.num_draft_tokens} with spec.eagle_topk=1: a chain verifies num_steps "
+                f"+ 1 = {self.num_steps + 1} tokens; set that, leave it unset, or draw a tree (spec.eagle_topk > 1)"
+            )
+        if self.num_draft_tokens is not None and self.num_draft_tokens > most:
+            raise ValueError(
+                f"spec.num_draft_tokens={self.num_draft_tokens}: a tree of {self.num_steps} levels with "
+                f"spec.eagle_topk={self.eagle_topk} has at most {most} tokens"
+            )
         if self.draft == "eagle3" and self.mode == "frozen" and self.draft_path is None:
             raise ValueError(
                 "spec.mode=frozen drafts with the EAGLE-3 draft as loaded: set spec.draft_path (miles-spec train "
