@@ -21,6 +21,7 @@ from miles_kernels import (
     KVStore,
     RowSampling,
     build_attention_batch,
+    eagle3_hidden,
     load_eagle3,
     load_model,
     new_eagle3,
@@ -134,13 +135,13 @@ def test_the_engines_eagle3_drafts_are_the_offline_draft_forwards(target_and_dra
             assert features is not None
             # draft rows 0 .. length - 2 (row t: features at t, token t + 1); the last one drafts d_1
             rows = build_attention_batch([length - 1], [0], [pages], 16, KERNEL.attention_query_tile)
-            out = model.eagle3_hidden(features[:-1], torch.tensor(full[1:]), rows, project=True, kv_store=store)
+            out = eagle3_hidden(model, features[:-1], torch.tensor(full[1:]), rows, True, store)
             first = RowSampling(temperature=1.0, seed=seed, position=length)
             d1 = int(sample(model.eagle3.logits(out[-1:]), [first]))
             assert d1 == drafts[0], (length, seed)
             if len(drafts) > 1:
                 step = build_attention_batch([1], [length - 1], [pages], 16, KERNEL.attention_query_tile)
-                out2 = model.eagle3_hidden(out[-1:], torch.tensor([d1]), step, project=False, kv_store=store)
+                out2 = eagle3_hidden(model, out[-1:], torch.tensor([d1]), step, False, store)
                 second = RowSampling(temperature=1.0, seed=seed, position=length + 1)
                 assert int(sample(model.eagle3.logits(out2), [second])) == drafts[1], (length, seed)
                 checked += 1

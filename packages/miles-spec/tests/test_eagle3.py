@@ -20,6 +20,7 @@ from miles_kernels import (
     build_attention_batch,
     build_packed_batch,
     draft_vocab_from_counts,
+    eagle3_hidden,
     load_eagle3,
     new_eagle3,
     save_eagle3,
@@ -111,12 +112,12 @@ def test_ttt_step_k_is_what_the_engine_drafts_k_tokens_ahead() -> None:
             store = KVStore.allocate(model.config, 6, KERNEL.page_size, torch.float32, "cpu", num_draft_layers=1)
             pages = [1, 2, 3, 4, 5]
             rows = build_attention_batch([t + 1], [0], [pages], KERNEL.page_size, KERNEL.attention_query_tile)
-            out = model.eagle3_hidden(features[: t + 1], tokens[1 : t + 2], rows, project=True, kv_store=store)
+            out = eagle3_hidden(model, features[: t + 1], tokens[1 : t + 2], rows, True, store)
             last = out[-1:]
             torch.testing.assert_close(model.eagle3.draft_logits(last), ttt[0][t : t + 1], rtol=1e-4, atol=1e-5)
             for k in range(1, steps):
                 step = build_attention_batch([1], [t + k], [pages], KERNEL.page_size, KERNEL.attention_query_tile)
-                last = model.eagle3_hidden(last, tokens[t + 1 + k : t + 2 + k], step, project=False, kv_store=store)
+                last = eagle3_hidden(model, last, tokens[t + 1 + k : t + 2 + k], step, False, store)
                 torch.testing.assert_close(model.eagle3.draft_logits(last), ttt[k][t : t + 1], rtol=1e-4, atol=1e-5)
 
 

@@ -37,9 +37,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from miles_kernels.config import KernelConfig
+from miles_kernels.kv_cache import KVStore
 from miles_kernels.layers import Linear, RMSNorm
-from miles_kernels.model import DRAFT_PREFIX, MLP, Attention, rotary_cos_sin
+from miles_kernels.model import DRAFT_PREFIX, MLP, Attention, CausalLM, rotary_cos_sin
 from miles_kernels.model_config import ModelConfig
+from miles_kernels.ops.attention_batch import AttentionBatch
 from miles_kernels.ops.rope import apply_rope
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -206,6 +208,10 @@ class Eagle3Draft(nn.Module):
             self.t2d = nn.Buffer(maps[1].to(device=self.t2d.device))
         return out  # type: ignore[no-any-return]
 
+    def check_target(self, target: ModelConfig) -> None:
+        """ValueError naming what does not fit when `target` is not a model this draft reads."""
+        _check_fits(self.config.layer.vocab_size, self.config.target_hidden_size, self.config.aux_layers, target)
+
     @property
     def target_ids(self) -> torch.Tensor:
         """The target token id of each draft token (D,)."""
@@ -243,6 +249,36 @@ class Eagle3Draft(nn.Module):
             hidden = ttt_layer(self, embedded_KNH[step], hidden, offsets + step, seq_lens, cache)
             out.append(self.draft_logits(hidden))
         return out
+
+
+def eagle3_hidden(
+    model: CausalLM,
+    hidden_NH: torch.Tensor,
+    next_ids_N: torch.Tensor,
+    batch: AttentionBatch,
+    project: bool,
+    kv_store: KVStore,
+) -> torch.Tensor:
+    """Output hidden states (N, H, pre-norm) of `model`'s attached EAGLE-3 draft over the batch's rows, whose
+    `Eagle3Draft.logits` predict token t + 2 at row t. `hidden_NH`: the trunk's features (N, 3H; `project`: through
+    `fc`) or the draft's own earlier outputs (N, H); the embedding is the trunk's. The rows' K/V go to `kv_store`'s
+    draft layer L (`KVStore.allocate(num_draft_layers=1)`): the engine's drafting. No autograd path is meant here
+    (the trainer's TTT is `Eagle3Draft.forward`)."""
+    draft = model.eagle3
+    if draft is None:
+        raise ValueError("the model has no EAGLE-3 draft: attach one (attach_eagle3)")
+    layer_index = model.config.num_hidden_layers
+    if len(kv_store.k) <= layer_index:
+        raise ValueError("the EAGLE-3 draft runs in the KV store's draft layer: allocate the store with "
+                         "num_draft_layers=1")  # fmt: skip
+    embedded = model.token_embeddings(next_ids_N)
+    hidden = draft.project(hidden_NH.to(embedded.dtype)) if project else hidden_NH
+    batch = batch.to(embedded.device)
+    cos, sin = rotary_cos_sin(draft.config.layer, batch.positions_N, embedded)
+    layer = draft.midlayer
+    attended = layer.self_attn(layer.attention_input(embedded, hidden), cos, sin, batch, kv_store.k[layer_index],
+                               kv_store.v[layer_index])  # fmt: skip
+    return layer.finish(hidden, attended)
 
 
 def init_eagle3(draft: Eagle3Draft, seed: int = 0, std: float = 0.02) -> Eagle3Draft:
@@ -467,6 +503,7 @@ __all__ = [
     "Eagle3Draft",
     "default_aux_layers",
     "draft_vocab_from_counts",
+    "eagle3_hidden",
     "eagle3_tensors",
     "is_eagle3_dir",
     "load_eagle3",

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from miles_kernels.config import KernelConfig, WeightQuantConfig
 from miles_kernels.lora import is_adapter_name
-from miles_kernels.model import CausalLM
+from miles_kernels.model import DRAFT_PREFIX, CausalLM
 from miles_kernels.model_config import ModelConfig
 from miles_kernels.quantization import normalized_items, quantize_model, quantized_layers
 
@@ -111,7 +111,7 @@ def checkpoint_tensors(model: CausalLM, mtp_copies: bool = True) -> dict[str, to
         for name in model.mtp_copy_names():
             state.pop(name, None)
         return state
-    return {name: tensor for name, tensor in state.items() if not model.is_draft_name(name)}
+    return {name: tensor for name, tensor in state.items() if not name.startswith(DRAFT_PREFIX)}
 
 
 def tensor_files(model_dir: str | os.PathLike[str]) -> dict[str, Path]:

@@ -300,8 +300,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, self.kernel)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.kernel)
         self.eagle3: Eagle3Draft | None = None  # an attached EAGLE-3 draft (`attach_eagle3`)
-        # the EAGLE-3 draft's input of the last trunk forward: its feature layers' outputs, (N, 3H)
-        self.last_draft_features: torch.Tensor | None = None
+        self.last_draft_features: torch.Tensor | None = None  # its input from the last trunk forward (N, 3H)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -353,28 +352,10 @@ class CausalLM(nn.Module):
         return self.mtp_parameters() + (list(self.eagle3.parameters()) if self.eagle3 is not None else [])
 
     def attach_eagle3(self, draft: Eagle3Draft) -> None:
-        """Make `draft` this model's EAGLE-3 draft (a submodule, `eagle3.*`: it moves, shards, checkpoints and
-        weight-syncs with the model; Hugging Face saving leaves it out, `eagle3.save_eagle3` writes it). Its trunk
-        forwards then keep the draft's features (`last_draft_features`)."""
-        if draft.config.layer.vocab_size != self.config.vocab_size:
-            raise ValueError(
-                f"the EAGLE-3 draft's vocabulary ({draft.config.layer.vocab_size}) is not this model's "
-                f"({self.config.vocab_size})"
-            )
-        if draft.config.target_hidden_size != self.config.hidden_size or not all(
-            0 <= i < self.config.num_hidden_layers for i in draft.config.aux_layers
-        ):
-            raise ValueError(
-                f"the EAGLE-3 draft reads hidden size {draft.config.target_hidden_size} at layers "
-                f"{list(draft.config.aux_layers)}; this model has {self.config.hidden_size} and "
-                f"{self.config.num_hidden_layers} layers"
-            )
+        """Make `draft` this model's EAGLE-3 draft (submodule `eagle3`: moved, sharded, checkpointed and weight-synced
+        with the model, left out of Hugging Face saving); trunk forwards then keep its `last_draft_features`."""
+        draft.check_target(self.config)
         self.eagle3 = draft
-
-    @staticmethod
-    def is_draft_name(name: str) -> bool:
-        """Whether a tensor name is an attached EAGLE-3 draft's (not part of the Hugging Face checkpoint)."""
-        return name.startswith(DRAFT_PREFIX)
 
     def forward_hidden(
         self,
@@ -467,35 +448,6 @@ class CausalLM(nn.Module):
     def token_embeddings(self, ids_N: torch.Tensor) -> torch.Tensor:
         """The trunk's embedding of `ids_N` (N, H), detached: a draft's input that trains nothing of the trunk."""
         return F.embedding(ids_N, self.model.embed_tokens.weight.detach())
-
-    def eagle3_hidden(
-        self,
-        hidden_NH: torch.Tensor,
-        next_ids_N: torch.Tensor,
-        batch: AttentionBatch,
-        project: bool,
-        kv_store: KVStore | None = None,
-    ) -> torch.Tensor:
-        """Output hidden states (N, H, pre-norm) of the attached EAGLE-3 draft (eagle3.py has the formula), whose
-        `eagle3.logits` predict token t + 2 at row t. `hidden_NH`: the trunk's features (N, 3H; `project`: through
-        `fc`) or the draft's own earlier outputs (N, H). The embedding (the trunk's) and the features enter
-        detached, so a loss on the output trains the draft only. Attention over the batch's positions, in
-        `kv_store`'s draft layer L (the engine's; the trainer's TTT is `eagle3.ttt_layer`)."""
-        draft = self.eagle3
-        if draft is None:
-            raise ValueError("the model has no EAGLE-3 draft: attach one (attach_eagle3)")
-        if kv_store is None or len(kv_store.k) <= self.config.num_hidden_layers:
-            raise ValueError("the EAGLE-3 draft runs in the KV store's draft layer: allocate the store with "
-                             "num_draft_layers=1")  # fmt: skip
-        embedded = self.token_embeddings(next_ids_N)
-        hidden = draft.project(hidden_NH.detach().to(embedded.dtype)) if project else hidden_NH
-        batch = batch.to(embedded.device)
-        cos, sin = rotary_cos_sin(draft.config.layer, batch.positions_N, embedded)
-        layer = draft.midlayer
-        layer_index = self.config.num_hidden_layers
-        attended = layer.self_attn(layer.attention_input(embedded, hidden), cos, sin, batch,
-                                   kv_store.k[layer_index], kv_store.v[layer_index])  # fmt: skip
-        return layer.finish(hidden, attended)
 
     def _rope(self, batch: AttentionBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_cos_sin(self.config, batch.positions_N, like)

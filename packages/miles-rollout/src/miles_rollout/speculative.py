@@ -9,7 +9,7 @@ forward for prompt and recomputed chunks, and `accept_path` when the verify rows
 
 The draft (SGLang's NEXTN / EAGLE): MTP module 0, or an EAGLE-3 draft (EAGLE3), applied recursively on its own
 output. Its row t combines the trunk's state at t (its final hidden state for MTP, `CausalLM.mtp_hidden`; its three
-feature layers for EAGLE-3, `CausalLM.eagle3_hidden`) with token t + 1, and its K/V sits in the KV store's layer L
+feature layers for EAGLE-3, `miles_kernels.eagle3_hidden`) with token t + 1, and its K/V sits in the KV store's layer L
 (`KVStore.allocate(num_draft_layers=1)`) at the sequence's own pages and slots, so allocation, the prefix cache,
 retract, abort and memory release need nothing more. Per sequence, `DraftState` (sequence.py) says which draft rows
 are exact (`computed`) and holds the trunk rows whose draft rows wait for their next token (`pending`). One step of
@@ -38,7 +38,7 @@ from typing import Literal
 
 import torch
 
-from miles_kernels import CausalLM, Eagle3Draft, KVStore, build_attention_batch
+from miles_kernels import CausalLM, Eagle3Draft, KVStore, build_attention_batch, eagle3_hidden
 from miles_rollout.draft_tree import DraftTree
 from miles_rollout.page_allocator import OutOfPages
 from miles_rollout.row_sampling import Row, candidate_probs, sample_tokens
@@ -311,7 +311,7 @@ class Drafter:
         batch = build_attention_batch(lengths, first_positions, tables, self.page_size, self.query_tile, self.device)
         ids = torch.tensor([t for row in next_ids for t in row], device=self.device)
         if self.kind == "eagle3":
-            out = self.model.eagle3_hidden(torch.cat(hidden), ids, batch, project=from_trunk, kv_store=store)
+            out = eagle3_hidden(self.model, torch.cat(hidden), ids, batch, from_trunk, store)
         else:
             out = self.model.mtp_hidden(torch.cat(hidden), ids, batch, 0, kv_store=store)
         return list(torch.split(out, lengths))
