@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from miles_kernels import RowSampling, logprob_temperatures, sample, token_logprobs, uniform, uniforms
+from miles_kernels import RowSampling, logprob_temperatures, sample, sampling_scores, token_logprobs, uniform, uniforms
 
 
 def test_uniform_is_a_pure_function_in_unit_interval() -> None:
@@ -113,3 +113,20 @@ def test_logprob_contract_uses_temperature_and_full_vocabulary() -> None:
 def test_row_count_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="2 sampling rows for 1 logit rows"):
         sample(torch.zeros(1, 4), [RowSampling(), RowSampling()])
+
+
+def test_the_sampling_scores_argmax_is_the_sampled_token() -> None:
+    """A draft tree ranks candidates by `sampling_scores`: its first candidate must be the token `sample` draws,
+    greedy, sampled and filtered alike, and a filtered-out token scores -inf."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    rows = [RowSampling(temperature=0.0, seed=1, position=4), RowSampling(temperature=1.0, seed=1, position=4),
+            RowSampling(temperature=0.7, seed=2, position=9, top_k=5), RowSampling(temperature=1.3, seed=3, position=0,
+            top_p=0.5), RowSampling(temperature=1.0, seed=4, position=2, min_p=0.2),
+            RowSampling(temperature=1.0, seed=1, position=4)]  # fmt: skip
+    scores = sampling_scores(logits, rows)
+    assert scores.dtype == torch.float64
+    assert torch.equal(scores.argmax(-1), sample(logits, rows))
+    assert torch.equal(scores[0], logits[0].double())  # greedy: the logits themselves
+    assert int(torch.isfinite(scores[2]).sum()) == 5  # top_k = 5 keeps five
+    noise = scores[[1, 5]] - logits[[1, 5]].double()  # T = 1: the noise itself
+    torch.testing.assert_close(noise[0], noise[1])  # the same (seed, position): the same noise
