@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from miles_kernels import BucketAssembler, decode_bucket
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout.client import Client
+from miles_rollout.draft_tree import DraftTree
 from miles_rollout.launch import launch_server
 from miles_rollout.speculative import Drafter
 
@@ -297,3 +298,37 @@ class OracleDrafter(Drafter):
 def oracle_drafter() -> type[OracleDrafter]:
     """`OracleDrafter(base, reference, is_wrong)`: a drafter whose proposals a test chooses."""
     return OracleDrafter
+
+
+class OracleTrees(Drafter):
+    """Runs the real tree drafting (its beams, scratch pages and K/V), then proposes its own tree, as deep as allowed:
+    at every level a wrong token first and the reference continuation last (wrong too where `is_wrong`), so that
+    accepted paths go through the later branches."""
+
+    def __init__(self, base: Drafter, reference: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
+        super().__init__(base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids,
+                         base.kind)  # fmt: skip
+        self.reference = reference
+
+    def propose_trees(self, store, seqs, budgets, topk, num_nodes, take, release):  # type: ignore[no-untyped-def]
+        trees = super().propose_trees(store, seqs, budgets, topk, num_nodes, take, release)
+        out = []
+        for seq, tree, budget in zip(seqs, trees, budgets, strict=True):
+            continuation = self.reference[(tuple(seq.group.prompt_ids), seq.sample_index)]
+            tokens, parents, spine = [tree.tokens[0]], [-1], 0
+            for level in range(budget if tree.depth else 0):  # as deep as the step allows
+                p = len(seq.output_ids) + level
+                right = continuation[p] if p < len(continuation) else 0
+                tokens.append((right + 1) % 512)  # a wrong sibling (a leaf), before the spine
+                parents.append(spine)
+                tokens.append((right + 2) % 512 if (seq.sample_index + p) % 5 == 0 else right)
+                parents.append(spine)
+                spine = len(tokens) - 1
+            out.append(DraftTree(tokens, parents))
+        return out
+
+
+@pytest.fixture
+def oracle_trees() -> type[OracleTrees]:
+    """`OracleTrees(base, reference)`: a tree drafter whose accepted paths run through later branches."""
+    return OracleTrees

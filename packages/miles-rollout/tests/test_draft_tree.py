@@ -21,7 +21,6 @@ from miles_kernels import KernelConfig, new_eagle3, read_model_config, save_eagl
 from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_rollout import Engine, EngineConfig, InProcessClient
 from miles_rollout.draft_tree import DraftTree
-from miles_rollout.speculative import Drafter
 
 PROMPTS = [[(3 * i + 1) % 500 for i in range(21)], [7, 8, 9], [(11 * i) % 500 for i in range(32)]]
 KERNEL = KernelConfig(mode="deterministic", page_size=16)
@@ -71,34 +70,6 @@ def summary(responses: list) -> list:
              r.meta_info.output_top_logprobs) for r in responses]  # fmt: skip
 
 
-class OracleTrees(Drafter):
-    """Runs the real tree drafting (its beams, scratch pages and K/V), then proposes its own tree, as deep as allowed:
-    at every level a wrong token first and the reference continuation last (wrong too where `is_wrong`), so that
-    accepted paths go through the later branches."""
-
-    def __init__(self, base: Drafter, reference: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
-        super().__init__(base.model, base.num_steps, base.page_size, base.query_tile, base.device, base.eos_ids,
-                         base.kind)  # fmt: skip
-        self.reference = reference
-
-    def propose_trees(self, store, seqs, budgets, topk, num_nodes, take, release):  # type: ignore[no-untyped-def]
-        trees = super().propose_trees(store, seqs, budgets, topk, num_nodes, take, release)
-        out = []
-        for seq, tree, budget in zip(seqs, trees, budgets, strict=True):
-            continuation = self.reference[(tuple(seq.group.prompt_ids), seq.sample_index)]
-            tokens, parents, spine = [tree.tokens[0]], [-1], 0
-            for level in range(budget if tree.depth else 0):  # as deep as the step allows
-                p = len(seq.output_ids) + level
-                right = continuation[p] if p < len(continuation) else 0
-                tokens.append((right + 1) % 512)  # a wrong sibling (a leaf), before the spine
-                parents.append(spine)
-                tokens.append((right + 2) % 512 if (seq.sample_index + p) % 5 == 0 else right)
-                parents.append(spine)
-                spine = len(tokens) - 1
-            out.append(DraftTree(tokens, parents))
-        return out
-
-
 @pytest.mark.parametrize("draft", ["mtp", "eagle3"])
 @pytest.mark.parametrize(
     "params",
@@ -107,8 +78,8 @@ class OracleTrees(Drafter):
     ids=["greedy", "seeded"],
 )  # fmt: skip
 def test_tree_drafting_emits_what_plain_decoding_emits(
-    model_dirs: tuple[Path, Path], draft: str, params: dict
-) -> None:
+    model_dirs: tuple[Path, Path], draft: str, params: dict, oracle_trees
+) -> None:  # type: ignore[no-untyped-def]
     model, eagle3 = model_dirs
     plain = make_engine(model)
     reference = generate(plain, params)
@@ -122,7 +93,7 @@ def test_tree_drafting_emits_what_plain_decoding_emits(
         assert summary(responses) == summary(reference)
         n = params["n"]
         continuations = {(tuple(PROMPTS[i // n]), i % n): r.output_ids for i, r in enumerate(reference)}
-        engine.scheduler.drafter = OracleTrees(engine.scheduler.drafter, continuations)
+        engine.scheduler.drafter = oracle_trees(engine.scheduler.drafter, continuations)
         oracle = generate(engine, params)
         assert summary(oracle) == summary(reference)
         assert any(len(r.meta_info.spec_accept_histogram) == 4 for r in oracle)  # 3 levels accepted in one step

@@ -2,7 +2,8 @@
 --speculative-draft-model-path DIR`, SpecForge's layout; speculative.py, miles_kernels/eagle3.py).
 
 The guarantee is the MTP draft's: with the draft on, the engine emits exactly what it emits without it, at
-temperature 0 and seeded temperature > 0, for dense and MoE targets. The draft has a reduced vocabulary (d2t / t2d)
+temperature 0 and seeded temperature > 0, for dense, MoE and DeepSeek-V3 (MLA: the draft's plain K/V beside the
+latent cache) targets. The draft has a reduced vocabulary (d2t / t2d)
 here, so the draft's tokens map back to the target's. The engine's draft rows (K/V extend, rollback, recursion) are
 checked against the draft's offline forward over the finished sequence.
 """
@@ -36,7 +37,7 @@ PROMPTS = [[(3 * i + 1) % 500 for i in range(21)], [7, 8, 9], [(11 * i) % 500 fo
 KERNEL = KernelConfig(mode="deterministic", page_size=16)
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "deepseek"])
 def target_and_draft(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp(f"eagle3-{request.param}")
     target = root / "target"
@@ -161,3 +162,70 @@ def test_eagle3_settings_and_drafts_are_checked(target_and_draft: tuple[Path, Pa
         make_engine(other, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft))
     with pytest.raises(FileNotFoundError, match="no EAGLE-3 draft"):
         make_engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+
+
+def test_the_server_serves_an_eagle3_tree_with_sglangs_flags(target_and_draft: tuple[Path, Path]) -> None:
+    """Over HTTP: SGLang's EAGLE3 flags (a draft path, a tree) start it; /generate returns what the plain engine
+    returns, with SGLang's speculative keys; /get_server_info reports the flags."""
+    import httpx
+
+    from miles_rollout.launch import launch_server
+
+    target, draft = target_and_draft
+    plain = make_engine(target)
+    reference = generate(plain, {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True})
+    plain.shutdown()
+    flags = ("--page-size", "16", "--num-kv-pages", "128", "--deterministic", "--speculative-algorithm", "EAGLE3",
+             "--speculative-draft-model-path", str(draft), "--speculative-num-steps", "2", "--speculative-eagle-topk",
+             "2", "--speculative-num-draft-tokens", "5")  # fmt: skip
+    with launch_server(target, *flags, env={"OMP_NUM_THREADS": "1"}) as url:
+        body = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+        }
+        out = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+    assert out["output_ids"] == reference[0].output_ids
+    assert out["meta_info"]["spec_verify_ct"] >= 1
+    assert (info["speculative_algorithm"], info["speculative_draft_model_path"], info["speculative_eagle_topk"],
+            info["speculative_num_draft_tokens"]) == ("EAGLE3", str(draft), 2, 5)  # fmt: skip
+
+
+def test_the_eagle3_drafts_weights_travel_with_weight_updates(
+    target_and_draft: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A weight update that carries the draft's tensors (`eagle3.*`, as the trainer sends them with
+    spec.draft=eagle3) replaces the engine's draft: it then drafts exactly as a fresh engine on the new draft does
+    (same accept counts, same tokens); one that carries the policy alone leaves the draft as it is."""
+    from miles_kernels import iter_buckets, load_eagle3
+
+    target, first = target_and_draft
+    second = tmp_path / "second"
+    save_eagle3(new_eagle3(read_model_config(target), draft_vocab_size=300, seed=9), second)
+    params = {"temperature": 1.0, "max_new_tokens": 16, "sampling_seed": 5}
+
+    def drafted(engine: Engine) -> list:
+        return [(r.output_ids, r.meta_info.spec_verify_ct, r.meta_info.spec_num_correct_drafts)
+                for r in generate(engine, params)]  # fmt: skip
+
+    def spec(draft: Path) -> dict:
+        return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(draft)}
+
+    references = {}
+    for name, draft in (("first", first), ("second", second)):
+        fresh = make_engine(target, **spec(draft))
+        references[name] = drafted(fresh)
+        fresh.shutdown()
+    assert [r[1:] for r in references["first"]] != [r[1:] for r in references["second"]]  # the drafts differ
+    engine = make_engine(target, **spec(first))
+    client = InProcessClient(engine)
+    try:
+        policy = [(n, t) for n, t in engine.weights.model.state_dict().items() if not n.startswith("eagle3.")]
+        asyncio.run(client.update_weights_from_buckets(iter_buckets(policy, version=1, bucket_bytes=50_000)))
+        assert drafted(engine) == references["first"]
+        new = load_eagle3(second, read_model_config(target), KERNEL).state_dict()
+        tensors = [(f"eagle3.{n}", t) for n, t in new.items()]
+        asyncio.run(client.update_weights_from_buckets(iter_buckets(tensors, version=2, bucket_bytes=50_000)))
+        assert drafted(engine) == references["second"]
+    finally:
+        engine.shutdown()

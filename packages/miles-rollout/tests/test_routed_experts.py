@@ -139,6 +139,25 @@ def test_an_aborted_sequence_returns_the_routing_of_its_tokens(moe_dir: Path) ->
         engine.shutdown()
 
 
+def test_tree_drafting_records_every_tokens_routing(tmp_path: Path, oracle_trees) -> None:  # type: ignore[no-untyped-def]
+    """Draft trees whose accepted paths run through later branches: the accepted tokens' routing, written by the
+    tree's own rows and copy writes and carried by its page copies, is the packed forward's."""
+    model = load_model(str(save_model(tmp_path, "moe", num_nextn_predict_layers=1)), KERNEL)
+    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3, "speculative_eagle_topk": 2}
+    engine = Engine(str(tmp_path), KERNEL, EngineConfig(num_kv_pages=96, enable_return_routed_experts=True, **spec))
+    try:
+        first = generate(engine, PROMPTS, params={"n": 2})
+        check(first, PROMPTS, model)
+        continuations = {(tuple(PROMPTS[i // 2]), i % 2): r.output_ids for i, r in enumerate(first)}
+        engine.scheduler.drafter = oracle_trees(engine.scheduler.drafter, continuations)
+        oracle = generate(engine, PROMPTS, params={"n": 2})
+        assert [r.output_ids for r in oracle] == [r.output_ids for r in first]
+        assert sum(r.meta_info.spec_num_correct_drafts for r in oracle) > 0
+        check(oracle, PROMPTS, model)
+    finally:
+        engine.shutdown()
+
+
 def test_speculative_decoding_and_a_recomputing_retract(tmp_path: Path, oracle_drafter) -> None:
     model = load_model(str(save_model(tmp_path, "moe", num_nextn_predict_layers=1)), KERNEL)
     spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}

@@ -12,6 +12,7 @@ import pytest
 import torch
 from reference_specforge_eagle3 import ttt_logits
 from safetensors.torch import load_file, save_file
+from test_mtp_loss import make_samples
 
 from miles_contracts import Sample
 from miles_kernels import (
@@ -130,19 +131,6 @@ def test_targets_shift_by_step_and_skip_the_prompt_and_masked_tokens() -> None:
     inputs, rows, trains = eagle3_targets(sample, 1)
     assert inputs == [12, 13, 14, 15, 0] and rows == [2, 3, 4, 0, 0]
     assert trains == [True, False, True, False, False]
-
-
-def make_samples(vocab: int) -> list[Sample]:
-    generator = torch.Generator().manual_seed(4)
-    prompt = torch.randint(0, vocab, (9,), generator=generator).tolist()
-    samples = []
-    for i, n in enumerate((6, 4, 7)):  # one group sharing a prompt, then a sample of its own
-        own = prompt if i < 2 else torch.randint(0, vocab, (5,), generator=generator).tolist()
-        response = torch.randint(0, vocab, (n,), generator=generator).tolist()
-        samples.append(Sample(index=i, group_index=0 if i < 2 else 1, prompt="", prompt_tokens=own,
-                              response_tokens=response, loss_mask=[1] * (n - 2) + [0, 1],
-                              rollout_logprobs=[-1.0] * n, reward=float(i)))  # fmt: skip
-    return samples
 
 
 def expected_loss(model, samples: list[Sample], coef: float, steps: int) -> float:  # type: ignore[no-untyped-def]

@@ -109,11 +109,14 @@ class Eagle3Config:
         layers = tuple(aux_layers) if aux_layers is not None else default_aux_layers(target.num_hidden_layers)
         _check_fits(target.vocab_size, target.hidden_size, layers, target)
         rope = {"rope_type": target.rope_type} if target.rope_type == "llama3" else {}
+        heads = target.num_attention_heads  # an MLA target: plain multi-head attention of the same width
+        kv_heads, head_dim = (heads, target.hidden_size // heads) if target.is_mla else (
+            target.num_key_value_heads, target.head_dim)  # fmt: skip
         layer = ModelConfig(
             model_type="llama", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size or 4 * target.hidden_size, num_hidden_layers=1,
-            num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
-            head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
             max_position_embeddings=target.max_position_embeddings, tie_word_embeddings=False, use_qk_norm=False,
             bos_token_id=target.bos_token_id, eos_token_id=target.eos_token_id, pad_token_id=target.pad_token_id,
             **({k: getattr(target, k) for k in ("rope_type", "rope_factor", "rope_low_freq_factor",
@@ -207,6 +210,11 @@ class Eagle3Draft(nn.Module):
             self.d2t = nn.Buffer(maps[0].to(device=self.d2t.device))
             self.t2d = nn.Buffer(maps[1].to(device=self.t2d.device))
         return out  # type: ignore[no-any-return]
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(KV heads, head dim) of the draft layer's cache."""
+        return self.config.layer.num_key_value_heads, self.config.layer.head_dim
 
     def check_target(self, target: ModelConfig) -> None:
         """ValueError naming what does not fit when `target` is not a model this draft reads."""

@@ -18,7 +18,9 @@ class KVStore:
     """Paged K/V storage of every layer: `k[layer]`, `v[layer]` of shape (pages, Hkv, page_size, D).
 
     Layers 0 .. L - 1 are the trunk's; with `num_draft_layers`, layers L + i hold MTP module i's K/V (speculative
-    decoding's draft) at the same pages and slots as the trunk's, so a sequence's pages hold both.
+    decoding's draft) at the same pages and slots as the trunk's, so a sequence's pages hold both; `draft_kv`
+    (KV heads, head dim) gives the draft layers a shape of their own (an EAGLE-3 draft: plain K and V, also beside
+    a latent store).
     Zero-initialized (page 0 is the null page), so masked slots always hold finite values.
     Under multi-head latent attention (DeepSeek-V3) a layer holds one latent store of shape (pages, 1, page_size,
     kv_lora_rank + qk_rope_head_dim), which is both `k[layer]` and `v[layer]` (the same tensor; latent_attention.py,
@@ -37,7 +39,15 @@ class KVStore:
         dtype: torch.dtype,
         device: torch.device | str,
         num_draft_layers: int = 0,
+        draft_kv: tuple[int, int] | None = None,
     ) -> KVStore:
+        if draft_kv is not None:
+            store = cls.allocate(config, num_pages, page_size, dtype, device)
+            heads, dim = draft_kv
+            for _ in range(num_draft_layers):
+                store.k.append(torch.zeros((num_pages, heads, page_size, dim), dtype=dtype, device=device))
+                store.v.append(torch.zeros((num_pages, heads, page_size, dim), dtype=dtype, device=device))
+            return store
         num_layers = config.num_hidden_layers + num_draft_layers
         if config.is_mla:
             latent = [

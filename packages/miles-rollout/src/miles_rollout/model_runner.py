@@ -63,9 +63,10 @@ class ModelRunner:
         self.query_tile = kernel.attention_query_tile
         self.eos_ids = eos_ids
         self.grammars = grammars
+        draft_kv = model.eagle3.kv_shape if model.eagle3 is not None else None  # its own shape (an MLA target's too)
         self.store = KVStore.allocate(
             model.config, config.num_kv_pages, self.page_size, kernel.torch_dtype, config.device,
-            num_draft_layers=1 if has_draft else 0,
+            num_draft_layers=1 if has_draft else 0, draft_kv=draft_kv,
         )  # fmt: skip
         self.routed_experts: RoutedExperts | None = None
         if config.enable_return_routed_experts:

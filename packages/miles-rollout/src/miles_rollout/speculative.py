@@ -159,18 +159,7 @@ class Drafter:
         active = [i for i, seq in enumerate(seqs) if budgets[i] > 0 and seq.draft.num_pending > 0]
         if not active:
             return drafts
-        # 1. extend: the pending rows, whose last next token is the sequence's last sampled one
-        outs = self._forward(
-            store,
-            [seqs[i].draft.pending for i in active],
-            [seqs[i].draft.computed for i in active],
-            [seqs[i].tokens[seqs[i].draft.computed + 1 :] for i in active],
-            [seqs[i].pages for i in active],
-            from_trunk=True,
-        )
-        for i in active:
-            seqs[i].draft.computed, seqs[i].draft.pending = seqs[i].num_computed, None
-        last = torch.stack([out[-1] for out in outs])
+        last = torch.stack([out[-1] for out in self._extend_pending(store, [seqs[i] for i in active])])
         # 2. sample d_j from the last output; then module 0 again on (its output, d_j) one slot further
         while True:
             logits = self._logits(last)
@@ -190,6 +179,21 @@ class Drafter:
                 from_trunk=False,
             )
             last = torch.cat(outs)
+
+    def _extend_pending(self, store: KVStore, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Step 1 of a proposal: draft rows for every pending position (the last one's next token is the sequence's
+        last sampled token), which makes the draft K/V exact up to the sequence's end; each sequence's output rows."""
+        outs = self._forward(
+            store,
+            [seq.draft.pending for seq in seqs],
+            [seq.draft.computed for seq in seqs],
+            [seq.tokens[seq.draft.computed + 1 :] for seq in seqs],
+            [seq.pages for seq in seqs],
+            from_trunk=True,
+        )
+        for seq in seqs:
+            seq.draft.computed, seq.draft.pending = seq.num_computed, None
+        return outs
 
     def propose_trees(
         self,
@@ -211,16 +215,7 @@ class Drafter:
         active = [i for i, seq in enumerate(seqs) if budgets[i] > 0 and seq.draft.num_pending > 0]
         if not active:
             return trees
-        outs = self._forward(  # 1. extend, as for a chain: the last row's output ranks the first level
-            store,
-            [seqs[i].draft.pending for i in active],
-            [seqs[i].draft.computed for i in active],
-            [seqs[i].tokens[seqs[i].draft.computed + 1 :] for i in active],
-            [seqs[i].pages for i in active],
-            from_trunk=True,
-        )
-        for i in active:
-            seqs[i].draft.computed, seqs[i].draft.pending = seqs[i].num_computed, None
+        outs = self._extend_pending(store, [seqs[i] for i in active])  # the last row's output ranks the first level
         # per sequence, every candidate: (score, depth, parent candidate or -1, token)
         candidates: dict[int, list[tuple[float, int, int, int]]] = {i: [] for i in active}
         # a level's rows to rank children by: (sequence, parent candidate, the row's output, its tail pages)

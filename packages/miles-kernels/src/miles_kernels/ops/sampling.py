@@ -141,20 +141,13 @@ def sample(logits_MV: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor
     Sampled rows take the Gumbel-max: argmax over the kept tokens of logits / T + g, g = `gumbel_noise`, in float64
     (first maximum on ties). Rows are computed independently of each other (batch-invariant).
     """
-    if len(rows) != logits_MV.shape[0]:
-        raise ValueError(f"got {len(rows)} sampling rows for {logits_MV.shape[0]} logit rows")
+    _check_rows(logits_MV, rows)
     tokens = torch.argmax(logits_MV, dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
-    if not sampled:
-        return tokens
-    device, vocab = logits_MV.device, logits_MV.shape[1]
-    index = torch.tensor(sampled, device=device)
-    temps = torch.tensor([[rows[i].temperature] for i in sampled], dtype=torch.float64, device=device)
-    scores = logits_MV[index].to(torch.float64) / temps + gumbel_noise([rows[i] for i in sampled], vocab, device)
-    for j, i in enumerate(sampled):
-        if rows[i].top_k > 0 or rows[i].top_p < 1.0 or rows[i].min_p > 0.0:
-            scores[j].masked_fill_(~_filter_mask(logits_MV[i], rows[i]), float("-inf"))
-    tokens[index] = torch.argmax(scores, dim=-1)
+    if sampled:
+        tokens[torch.tensor(sampled, device=logits_MV.device)] = torch.argmax(
+            _noisy_scores(logits_MV, rows, sampled), dim=-1
+        )
     return tokens
 
 
@@ -162,18 +155,26 @@ def sampling_scores(logits_MV: torch.Tensor, rows: Sequence[RowSampling]) -> tor
     """float64 (M, V): the scores `sample` takes the argmax of, per row: the logits of a greedy row; logits / T + g
     of a sampled one, -inf where its filters drop a token. A speculative draft tree ranks its candidates by them
     (their softmax): the token `sample` draws is always the first."""
-    if len(rows) != logits_MV.shape[0]:
-        raise ValueError(f"got {len(rows)} sampling rows for {logits_MV.shape[0]} logit rows")
+    _check_rows(logits_MV, rows)
     scores = logits_MV.to(torch.float64).clone()
     sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
-    if not sampled:
-        return scores
+    if sampled:
+        scores[torch.tensor(sampled, device=logits_MV.device)] = _noisy_scores(logits_MV, rows, sampled)
+    return scores
+
+
+def _check_rows(logits_MV: torch.Tensor, rows: Sequence[RowSampling]) -> None:
+    if len(rows) != logits_MV.shape[0]:
+        raise ValueError(f"got {len(rows)} sampling rows for {logits_MV.shape[0]} logit rows")
+
+
+def _noisy_scores(logits_MV: torch.Tensor, rows: Sequence[RowSampling], sampled: list[int]) -> torch.Tensor:
+    """float64 logits / T + g of the `sampled` rows, -inf where a row's filters drop a token."""
     device, vocab = logits_MV.device, logits_MV.shape[1]
     index = torch.tensor(sampled, device=device)
     temps = torch.tensor([[rows[i].temperature] for i in sampled], dtype=torch.float64, device=device)
-    noisy = logits_MV[index].to(torch.float64) / temps + gumbel_noise([rows[i] for i in sampled], vocab, device)
+    scores = logits_MV[index].to(torch.float64) / temps + gumbel_noise([rows[i] for i in sampled], vocab, device)
     for j, i in enumerate(sampled):
         if rows[i].top_k > 0 or rows[i].top_p < 1.0 or rows[i].min_p > 0.0:
-            noisy[j].masked_fill_(~_filter_mask(logits_MV[i], rows[i]), float("-inf"))
-    scores[index] = noisy
+            scores[j].masked_fill_(~_filter_mask(logits_MV[i], rows[i]), float("-inf"))
     return scores
