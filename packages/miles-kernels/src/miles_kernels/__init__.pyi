@@ -1,13 +1,9 @@
 """Types of the lazily loaded public API (lazy_loader reads the imports below; see __init__.py)."""
 
 from .config import KernelConfig
-from .eagle3 import (
-    DRAFT_PREFIX,
-    EAGLE3_ARCHITECTURE,
-    Eagle3Config,
-    Eagle3Draft,
+from .eagle3 import DRAFT_PREFIX, EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Draft, eagle3_hidden
+from .eagle3_io import (
     draft_vocab_from_counts,
-    eagle3_hidden,
     is_eagle3_dir,
     load_eagle3,
     load_eagle3_state,

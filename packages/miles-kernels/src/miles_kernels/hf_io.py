@@ -102,7 +102,7 @@ def _num_absent_mtp_layers(directory: Path, config: ModelConfig) -> int:
 def checkpoint_tensors(model: CausalLM, mtp_copies: bool = True) -> dict[str, torch.Tensor]:
     """The model's tensors under their HF checkpoint names (tied embeddings once, as HF stores them; each MTP
     module's copies of the embedding and LM head under its own names, as DeepSeek-V3 / GLM-4.5 store them), an
-    attached EAGLE-3 draft left out (its own checkpoint: `eagle3.save_eagle3`); with `mtp_copies=False`, what weight
+    attached EAGLE-3 draft left out (its own checkpoint: `eagle3_io.save_eagle3`); with `mtp_copies=False`, what weight
     sync sends: every tensor once, the attached draft's included (`eagle3.*`)."""
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
