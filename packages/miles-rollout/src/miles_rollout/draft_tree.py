@@ -69,11 +69,7 @@ class DraftTree:
 
     def drafted(self, node: int) -> list[int]:
         """The draft tokens from the root to `node` (the root excluded): what the row at `node` samples after."""
-        path = []
-        while node > 0:
-            path.append(self.tokens[node])
-            node = self.parents[node]
-        return path[::-1]
+        return [self.tokens[v] for v in self.path_nodes(node)[1:]]
 
     def leaves(self) -> list[int]:
         return [node for node, kids in enumerate(self.children) if not kids]
@@ -104,23 +100,25 @@ class DraftTree:
         """(source, target) pages to copy before the forward: a branch's first scratch page starts as the page it
         replaces (the prefix's keys at the positions before the branch, the ancestors' rewritten by copy writes)."""
         out = []
-        for b, branch in enumerate(self.branches[1:], start=1):
+        for branch in self.branches[1:]:
             index = branch.prefix // page_size
             if branch.prefix % page_size:
                 source = self.branches[self.branch_of(self.parents[branch.first])].table[index]
                 out.append((source, branch.table[index]))
-            assert b > 0
         return out
 
     def copy_writes(self, n: int, page_size: int) -> list[tuple[int, int, int]]:
         """(node, page, offset): each node's K/V written also where another branch through it reads its position."""
+        if len(self.branches) < 2:  # a chain writes its rows where it reads them
+            return []
+        paths = [(branch.table, set(self.path_nodes(leaf))) for branch, leaf in zip(self.branches, self.leaves(),
+                                                                                      strict=True)]  # fmt: skip
         out = []
         for node in range(len(self.tokens)):
             position = n + self.depths[node]
             index, offset = position // page_size, position % page_size
             own = self.branches[self.branch_of(node)].table[index]
-            readers = {self.branches[self.branch_of(leaf)].table[index] for leaf in self.leaves()
-                       if node in self.path_nodes(leaf)}  # fmt: skip
+            readers = {table[index] for table, nodes in paths if node in nodes}
             out += [(node, page, offset) for page in sorted(readers - {own})]
         return out
 

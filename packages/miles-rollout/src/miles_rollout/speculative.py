@@ -226,7 +226,7 @@ class Drafter:
         depth = 1
         try:
             while level:
-                logits = torch.cat([self._logits(h) for _, _, h, _ in level])
+                logits = self._logits(torch.cat([h for _, _, h, _ in level]))
                 rows = [Row(seqs[i], _path(candidates[i], parent)) for i, parent, _, _ in level]
                 top_p, top_ids = candidate_probs(logits, rows, self.eos_ids).topk(topk, dim=-1)
                 born: dict[int, list[tuple[int, torch.Tensor, list[int]]]] = {}
@@ -236,12 +236,12 @@ class Drafter:
                         born.setdefault(i, []).append((len(candidates[i]), h, tail))
                         candidates[i].append((base * p, depth, parent, token))
                 depth += 1
-                level = []
+                expanding = []
                 for i, new in born.items():
                     if depth <= budgets[i]:
                         scores = candidates[i]
-                        beams = sorted(new, key=lambda beam: -scores[beam[0]][0])[:topk]
-                        level += self._expand(store, i, seqs[i], candidates[i], beams, depth, take, scratch)
+                        expanding.append((i, sorted(new, key=lambda beam: -scores[beam[0]][0])[:topk]))
+                level = self._expand(store, seqs, candidates, expanding, depth, take, scratch)
         finally:
             release(scratch)
         for i in active:
@@ -251,41 +251,47 @@ class Drafter:
     def _expand(
         self,
         store: KVStore,
-        index: int,
-        seq: Sequence,
-        candidates: list[tuple[float, int, int, int]],
-        beams: list[tuple[int, torch.Tensor, list[int]]],
+        seqs: list[Sequence],
+        candidates: dict[int, list[tuple[float, int, int, int]]],
+        expanding: list[tuple[int, list[tuple[int, torch.Tensor, list[int]]]]],
         depth: int,
         take: Callable[[int], list[int]],
         scratch: list[int],
     ) -> list[tuple[int, int, torch.Tensor, list[int]]]:
-        """The draft one row further for each beam (a candidate at depth - 1, with the output of the row that ranked
-        it and that row's tail): row n + depth - 2 on (that output, the beam's token), its K/V in a tail of the
-        beam's own (a copy of the tail it came from; for the first level, of the sequence's page at n). The next
-        level's rows; none when no scratch page is free."""
-        n, page = seq.num_computed, self.page_size
-        first = n // page
-        count = (n + depth - 2) // page + 1 - first
-        tails = []
-        for _ in beams:
+        """The draft one row further for each beam of each sequence (`expanding`: a sequence's candidates at depth - 1,
+        each with the output of the row that ranked it and that row's tail), in one forward: row n + depth - 2 on
+        (that output, the beam's token), its K/V in a tail of the beam's own (a copy of the tail it came from; for the
+        first level, of the sequence's page at n). The next level's rows; none for a sequence when no scratch page is
+        free."""
+        rows: list[tuple[int, int, torch.Tensor, int, list[int], list[int]]] = []  # (seq, cand, h, pos, table, tail)
+        pairs: list[tuple[int, int]] = []
+        for i, beams in expanding:
+            seq = seqs[i]
+            n, page = seq.num_computed, self.page_size
+            first = n // page
+            count = (n + depth - 2) // page + 1 - first
+            tails: list[list[int]] = []
             try:
-                tails.append(take(count))
+                for _ in beams:
+                    tails.append(take(count))
+                    scratch += tails[-1]
             except OutOfPages:
-                return []
-            scratch += tails[-1]
-        pairs = []
-        for (_, _, parent_tail), tail in zip(beams, tails, strict=True):
-            pairs += list(zip(parent_tail or [seq.pages[first]], tail, strict=False))
+                continue
+            for (c, h, parent_tail), tail in zip(beams, tails, strict=True):
+                pairs += list(zip(parent_tail or [seq.pages[first]], tail, strict=False))
+                rows.append((i, c, h, n + depth - 2, seq.pages[:first] + tail, tail))
+        if not rows:
+            return []
         _copy_draft_pages(store, self.model.config.num_hidden_layers, pairs)
         outs = self._forward(
             store,
-            [h for _, h, _ in beams],
-            [n + depth - 2] * len(beams),
-            [[candidates[c][3]] for c, _, _ in beams],
-            [seq.pages[:first] + tail for tail in tails],
+            [h for _, _, h, _, _, _ in rows],
+            [position for _, _, _, position, _, _ in rows],
+            [[candidates[i][c][3]] for i, c, _, _, _, _ in rows],
+            [table for _, _, _, _, table, _ in rows],
             from_trunk=False,
         )
-        return [(index, c, out, tail) for (c, _, _), out, tail in zip(beams, outs, tails, strict=True)]
+        return [(i, c, out, tail) for (i, c, _, _, _, tail), out in zip(rows, outs, strict=True)]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the target's vocabulary (MTP's shared LM head, or EAGLE-3's mapped back)."""
