@@ -30,6 +30,7 @@ from torch import nn
 
 from miles_contracts import Sample
 from miles_kernels import CausalLM, Eagle3Draft
+from miles_spec.mtp_loss import unpacked_samples
 from miles_trainer import MicroBatch
 
 __all__ = ["STEP_WEIGHT", "Eagle3Loss", "eagle3_targets"]
@@ -93,9 +94,7 @@ class Eagle3Loss:
         if model.last_draft_features is None:
             raise RuntimeError("the trunk's forward kept no EAGLE-3 features: attach the draft before the forward")
         device = hidden_NH.device
-        mine = [samples[i] for i in micro.sample_indices]
-        lengths = [s.num_tokens - 1 for s in mine]
-        rows = torch.tensor([r for seq in micro.sequence_rows for r in seq], dtype=torch.int64, device=device)
+        mine, lengths, rows = unpacked_samples(micro, samples, device)
         features = model.last_draft_features.detach()[rows]
         starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0).tolist()
         per_step = [[eagle3_targets(s, k) for s in mine] for k in range(self.ttt_length)]
@@ -106,8 +105,8 @@ class Eagle3Loss:
             target_logits = model.logits(hidden_NH.detach()[rows])
             draft_ids = draft.target_ids
             target_logp = torch.log_softmax(target_logits[:, draft_ids], dim=-1)
-            in_draft = draft.t2d[target_logits.argmax(-1)]
             target_top = target_logits.argmax(-1)
+            in_draft = draft.t2d[target_top]
         loss = hidden_NH.new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
         for k, (step, logits) in enumerate(zip(per_step, logits_steps, strict=True)):

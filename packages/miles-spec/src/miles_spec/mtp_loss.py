@@ -45,6 +45,16 @@ def mtp_targets(sample: Sample, module: int) -> tuple[list[int], list[int], list
     return inputs, targets, trains
 
 
+def unpacked_samples(
+    micro: MicroBatch, samples: Sequence[Sample], device: torch.device
+) -> tuple[list[Sample], list[int], torch.Tensor]:
+    """A micro-batch's samples, each one's rows (num_tokens - 1) and the packed row of every one of them, sample
+    after sample (a group's shared prompt rows repeated per sample): where a draft's loss reads the trunk's rows."""
+    mine = [samples[i] for i in micro.sample_indices]
+    rows = torch.tensor([r for seq in micro.sequence_rows for r in seq], dtype=torch.int64, device=device)
+    return mine, [s.num_tokens - 1 for s in mine], rows
+
+
 class MTPLoss:
     """`AuxLoss` of the model's MTP modules (all of them, chained: module i reads module i - 1's output)."""
 
@@ -77,9 +87,7 @@ class MTPLoss:
         global_counts: Sequence[int],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         device = hidden_NH.device
-        mine = [samples[i] for i in micro.sample_indices]
-        lengths = [s.num_tokens - 1 for s in mine]
-        rows = torch.tensor([r for seq in micro.sequence_rows for r in seq], dtype=torch.int64, device=device)
+        mine, lengths, rows = unpacked_samples(micro, samples, device)
         kernel = model.kernel
         batch = build_packed_batch(lengths, kernel.page_size, kernel.attention_query_tile, device)
         hidden = hidden_NH.detach()[rows]
