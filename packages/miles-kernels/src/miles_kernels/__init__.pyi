@@ -8,6 +8,7 @@ from .eagle3_io import (
     load_eagle3,
     load_eagle3_state,
     new_eagle3,
+    read_eagle3_config,
     save_eagle3,
 )
 from .fingerprint import describe_kernel, kernel_fingerprint, resolved_backends
@@ -191,6 +192,7 @@ __all__ = [
     "quantize",
     "quantize_model",
     "quantized_layers",
+    "read_eagle3_config",
     "read_model_config",
     "read_peft_adapter",
     "read_quantization",

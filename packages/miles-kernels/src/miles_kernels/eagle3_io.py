@@ -89,6 +89,15 @@ def is_eagle3_dir(path: str | os.PathLike[str]) -> bool:
     return EAGLE3_ARCHITECTURE in (json.loads(config.read_text()).get("architectures") or [])
 
 
+def read_eagle3_config(path: str | os.PathLike[str], target: ModelConfig) -> Eagle3Config:
+    """A SpecForge-format draft's config, checked against `target` (ValueError naming what does not fit;
+    FileNotFoundError without one); no tensor is read."""
+    config = Path(path) / CONFIG_FILE
+    if not config.is_file():
+        raise FileNotFoundError(f"no EAGLE-3 draft at {Path(path)}: {CONFIG_FILE} is missing")
+    return Eagle3Config.from_hf(json.loads(config.read_text()), target)
+
+
 def load_eagle3(
     path: str | os.PathLike[str],
     target: ModelConfig,
@@ -99,10 +108,8 @@ def load_eagle3(
     """Read a SpecForge-format draft for `target` (ValueError naming what does not fit; FileNotFoundError without
     one). Parameters in `dtype` (default: the kernel's), the vocabulary maps as stored."""
     directory = Path(path)
-    if not (directory / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"no EAGLE-3 draft at {directory}: {CONFIG_FILE} is missing")
     kernel = kernel or KernelConfig()
-    config = Eagle3Config.from_hf(json.loads((directory / CONFIG_FILE).read_text()), target)
+    config = read_eagle3_config(directory, target)
     with torch.device("meta"):
         draft = Eagle3Draft(config, kernel)
     draft = draft.to_empty(device=device).to(dtype or kernel.torch_dtype)
@@ -182,6 +189,7 @@ __all__ = [
     "load_eagle3",
     "load_eagle3_state",
     "new_eagle3",
+    "read_eagle3_config",
     "save_eagle3",
     "set_draft_vocab",
 ]

@@ -13,12 +13,11 @@ import torch
 
 from miles_kernels import (
     CausalLM,
-    Eagle3Config,
     check_format,
     is_eagle3_dir,
-    load_eagle3,
     new_eagle3,
     num_absent_mtp_layers,
+    read_eagle3_config,
     read_model_config,
     save_eagle3,
     target_names,
@@ -105,8 +104,8 @@ def check_model(cfg: RunConfig, model_dir: str) -> None:
     if cfg.spec.drafts and cfg.spec.draft == "eagle3":
         path = cfg.rollout.engine.speculative_draft_model_path
         if cfg.spec.draft_path is not None and path is not None:
-            try:  # the draft must read this model's features and vocabulary
-                load_eagle3(path, model, device="meta")
+            try:  # the draft must read this model's features and vocabulary (its config says; no tensor is read)
+                read_eagle3_config(path, model)
             except (ValueError, FileNotFoundError) as error:
                 raise ModelRefused(f"spec.draft_path={path}: {error}") from error
         return
@@ -143,10 +142,10 @@ def with_fresh_eagle3(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
         return
     if is_eagle3_dir(path):
         return
-    model = read_model_config(model_dir)
-    save_eagle3(new_eagle3(model, seed=cfg.run.seed), path)
+    draft = new_eagle3(read_model_config(model_dir), seed=cfg.run.seed)
+    save_eagle3(draft, path)
     run.log(f"spec.draft=eagle3: a fresh EAGLE-3 draft for {model_dir} in {path} (feature layers "
-            f"{list(Eagle3Config.for_target(model).aux_layers)}, the whole vocabulary), trained from scratch on the "
+            f"{list(draft.config.aux_layers)}, the whole vocabulary), trained from scratch on the "
             "rollouts")  # fmt: skip
 
 
