@@ -194,15 +194,6 @@ class Eagle3Draft(nn.Module):
         self.d2t = nn.Buffer(torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.t2d = nn.Buffer(torch.ones(config.layer.vocab_size, dtype=torch.bool))
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Eagle3Draft:
-        """Device moves apply to the vocabulary maps, dtype casts do not (they are ids and flags)."""
-        maps = (self.d2t, self.t2d)
-        out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        if self.d2t.dtype != torch.int64 or self.t2d.dtype != torch.bool:
-            self.d2t = nn.Buffer(maps[0].to(device=self.d2t.device))
-            self.t2d = nn.Buffer(maps[1].to(device=self.t2d.device))
-        return out  # type: ignore[no-any-return]
-
     @property
     def kv_shape(self) -> tuple[int, int]:
         """(KV heads, head dim) of the draft layer's cache."""
