@@ -2,6 +2,7 @@
 
 from .budget import ActivationMeter, MemoryBudget, OOMReport, format_bytes, out_of_memory
 from .census import PeakMeter, live_tensor_bytes
+from .flops import ModelFlops, mfu, model_flops
 from .hardware import HARDWARE, HardwareProfile, load_hardware
 from .low_precision import WeightQuantSettings, qat_layer_bytes
 from .memory_plan import Component, Lever, MemoryPlan
@@ -32,6 +33,7 @@ __all__ = [
     "LoraSettings",
     "MemoryBudget",
     "MemoryPlan",
+    "ModelFlops",
     "ModelShape",
     "OOMReport",
     "OffloadManager",
@@ -49,6 +51,8 @@ __all__ = [
     "load_hardware",
     "load_model_profile",
     "lora_layer_bytes",
+    "mfu",
+    "model_flops",
     "out_of_memory",
     "plan_memory",
     "qat_layer_bytes",

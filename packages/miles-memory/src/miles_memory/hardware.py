@@ -1,4 +1,5 @@
-"""Hardware profiles of the memory planner: GPU memory per device, GPUs and host memory per node, interconnect.
+"""Hardware profiles of the memory planner: GPU memory per device, GPUs and host memory per node, interconnect, and
+each GPU's dense BF16 peak FLOP/s (for MFU, flops.py).
 
 The GPU profiles are data (`profiles/hardware.yaml`, each number with its source and its unit); `cpu` is this
 machine, read at call time: one "device" whose memory is the host's RAM, shared by every trainer rank and the engine.
@@ -34,6 +35,11 @@ class HardwareProfile(BaseModel):
     interconnect_source: str = Field(default="", description="Where the bandwidths come from.")
     nvlink_domain: int = Field(default=1, description="GPUs one NVLink domain joins.")
     nccl_channels: int = Field(default=0, description="NCCL channels assumed per communicator (0: gloo, no NCCL).")
+    bf16_flops_per_s: int | None = Field(
+        default=None,
+        description="Peak dense BF16 tensor-core FLOP/s of one device (no 2:4 sparsity); None: unknown (cpu), no MFU.",
+    )
+    flops_source: str = Field(default="", description="Where bf16_flops_per_s comes from.")
 
     @property
     def is_cpu(self) -> bool:
@@ -57,6 +63,7 @@ def _cpu_profile() -> HardwareProfile:
         gpus_per_node=1,
         host_bytes_per_node=total,
         host_source="the same RAM",
+        flops_source="unknown for a CPU (bf16_flops_per_s None): no MFU is reported",
     )
 
 
