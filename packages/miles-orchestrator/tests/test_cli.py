@@ -130,17 +130,6 @@ def test_config_reference_doc_is_generated_from_the_config() -> None:
     )
 
 
-def test_metrics_go_to_tensorboard_when_enabled(tmp_path) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    run = RunDir(tmp_path / "run", tensorboard=True, quiet=True)
-    for step in (1, 2):
-        run.metrics.write(step, {"reward_mean": step / 4, "note": "text is skipped"})
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.5)]
-
-
 def test_advantage_plugin_path_is_checked_at_start_up(tmp_path) -> None:
     result = run_cli("run", f"run.run_dir={tmp_path / 'never'}", "trainer.advantage_estimator=no_such_mod:adv")
     assert result.returncode == 2

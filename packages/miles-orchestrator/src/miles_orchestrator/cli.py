@@ -89,17 +89,16 @@ def _run(args: argparse.Namespace) -> int:
     from miles_orchestrator.preflight import ModelRefused, check_model, check_plugins
     from miles_orchestrator.run_dir import RunDir
 
-    log = cfg.run.log
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise ValueError(f"model.path={cfg.model.path}: no config.json there; give a Hugging Face model directory")
     check_plugins(cfg)  # a wrong plug-in path fails now, before any bootstrap or cluster start
     if cfg.model.path is not None:
         check_model(cfg, cfg.model.path)
-    run = RunDir(cfg.run.run_dir, tensorboard=log.tensorboard, wandb_project=log.wandb_project if log.wandb else None,
-                 quiet=args.quiet)  # fmt: skip
+    run = RunDir(cfg.run.run_dir, quiet=args.quiet)
     if not args.resume and run.latest_checkpoint() is not None:
         raise ValueError(f"{run.path} already holds a run; resume it with --resume {run.path}, or set run.run_dir")
     (run.path / CONFIG_FILE).write_text(dump_config(cfg))
+    run.metrics.start_trackers(cfg, is_resumed=bool(args.resume))  # W&B, MLflow, TensorBoard (run.log)
     from miles_orchestrator.memory_check import PlanRefused, oom_report, write_oom_report
 
     try:
@@ -113,6 +112,8 @@ def _run(args: argparse.Namespace) -> int:
         advice = f"; {write_oom_report(run.path, report)}" if report is not None else ""
         raise RunFailed(f"the run failed: {type(error).__name__}: {error} (traceback above and in "
                         f"{run.path / 'run.log'}){advice}") from error  # fmt: skip
+    finally:
+        run.metrics.finish_trackers(is_success=sys.exc_info()[0] is None)
     return 0
 
 

@@ -6,7 +6,8 @@
                                  pending_step_N/ and renamed once the step's metrics line is written
     RUN_DIR/final/               the trained policy as a Hugging Face directory
     RUN_DIR/summary.png          reward and evaluation curves; RUN_DIR/run.log  the log
-    RUN_DIR/tensorboard/         TensorBoard events (run.log.tensorboard)
+    RUN_DIR/tensorboard/         TensorBoard events (run.log.tensorboard); RUN_DIR/wandb/  W&B's files (run.log.wandb)
+    RUN_DIR/mlflow.db, mlartifacts/  the default MLflow store (run.log.mlflow); RUN_DIR/trackers.json  their run ids
 
 Durability: a metrics line is flushed and fsynced as it is appended, and a rewrite of metrics.jsonl is a temp file,
 fsynced, renamed over it; a committed checkpoint has every file and directory fsynced before and after its rename.
@@ -29,53 +30,59 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from miles_orchestrator.config import RunConfig
+    from miles_orchestrator.trackers import Tracker
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.sha256.json"  # in each committed checkpoint: {relative path: sha256 hex} of its other files
 
 
 class MetricsLog:
-    """metrics.jsonl (always), TensorBoard and W&B when enabled and installed."""
+    """metrics.jsonl (always), then the trackers `run.log` enables (trackers.py: TensorBoard, W&B, MLflow), which
+    `start_trackers` opens and `finish_trackers` closes."""
 
-    def __init__(
-        self, path: Path, tensorboard_dir: Path | None = None, wandb_project: str | None = None,
-        warn: Callable[[str], None] = print,
-    ) -> None:  # fmt: skip
+    def __init__(self, path: Path, warn: Callable[[str], None] = print) -> None:
         self.path = path
         self.warn = warn
-        self._tb: Any = None
-        self._wandb: Any = None
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self.trackers: list[Tracker] = []
+        self._tracked_through = -1  # the last step the trackers hold from before this process (--resume)
 
-                self._tb = SummaryWriter(str(tensorboard_dir))
-            except ImportError as error:
-                raise ValueError(f"run.log.tensorboard=true needs tensorboard installed ({error})") from error
-        if wandb_project is not None:
-            try:
-                import wandb
-            except ImportError as error:
-                raise ValueError("run.log.wandb=true needs wandb installed (pip install wandb)") from error
-            self._wandb = wandb.init(project=wandb_project, dir=str(path.parent))
+    def start_trackers(self, cfg: RunConfig, *, is_resumed: bool) -> None:
+        """Open the trackers and log the resolved config to them; a missing package is a ValueError naming it."""
+        from miles_orchestrator.trackers import open_trackers
+
+        self.trackers = open_trackers(cfg.run.log, self.path.parent, cfg.model_dump(mode="json"),
+                                      is_resumed=is_resumed, warn=self.warn)  # fmt: skip
+        if is_resumed:  # it redoes the steps after its checkpoint, which the trackers have (W&B refuses a step twice)
+            self._tracked_through = max((row["step"] for row in self.history()), default=-1)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self._tb is not None:
-            for key, value in numbers.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(numbers, step=step)
+        if step > self._tracked_through:
+            numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+            for tracker in self.trackers:
+                tracker.log_metrics(step, numbers)
+
+    def finish_trackers(self, *, is_success: bool) -> None:
+        """Give each tracker the run's plots (RUN_DIR/*.png: summary.png) and close it; a tracker that fails to is
+        reported, and the others still close."""
+        artifacts = sorted(self.path.parent.glob("*.png"))
+        for tracker in self.trackers:
+            try:
+                tracker.finish(artifacts, is_success=is_success)
+            except Exception as error:
+                self.warn(f"warning: {type(tracker).__name__} did not finish: {type(error).__name__}: {error}")
+        self.trackers = []
 
     def history(self) -> list[dict[str, Any]]:
         """Every step's metrics; a torn last line (the run died writing it) is skipped with a warning."""
@@ -103,14 +110,11 @@ class MetricsLog:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, *, tensorboard: bool = False, wandb_project: str | None = None,
-                 quiet: bool = False) -> None:  # fmt: skip
+    def __init__(self, path: str | Path, *, quiet: bool = False) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.console = Console(quiet=quiet, log_path=False)
-        self.metrics = MetricsLog(
-            self.path / "metrics.jsonl", self.path / "tensorboard" if tensorboard else None, wandb_project, self.log
-        )
+        self.metrics = MetricsLog(self.path / "metrics.jsonl", self.log)
         self._previous: dict[str, Any] = {}
         self._warned: set[str] = set()
         self._showing = False  # a progress bar is on the console

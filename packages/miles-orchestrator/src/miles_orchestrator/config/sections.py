@@ -317,11 +317,36 @@ class TrainerSection(Section):
 
 
 class LogSection(Section):
-    """Metric sinks; JSONL is always written."""
+    """Metric trackers besides RUN_DIR/metrics.jsonl, which is always written (trackers.py). Each gets every step's
+    numeric metrics, the resolved config at the start and the run's plots (summary.png) at the end; a resumed run
+    continues the same W&B / MLflow run."""
 
-    tensorboard: bool = Field(default=False, description="Also write TensorBoard events (needs the extra).")
-    wandb: bool = Field(default=False, description="Also log to Weights & Biases (needs wandb installed).")
+    tensorboard: bool = Field(
+        default=False, description="Also write TensorBoard events to RUN_DIR/tensorboard (the tensorboard extra)."
+    )
+    wandb: bool = Field(default=False, description="Also log to Weights & Biases (the wandb extra).")
     wandb_project: str = Field(default="miles", description="W&B project name.")
+    wandb_entity: str | None = Field(
+        default=None, description="W&B entity (user or team); null: WANDB_ENTITY, else the API key's default."
+    )
+    wandb_name: str | None = Field(default=None, description="W&B run name; null: the run directory's name.")
+    wandb_group: str | None = Field(default=None, description="W&B group the run is shown in; null: none.")
+    wandb_mode: Literal["online", "offline"] | None = Field(
+        default=None,
+        description="online: stream to the W&B server; offline: files only (no network, no API key; upload later "
+        "with `wandb sync`); null: WANDB_MODE, else online.",
+    )
+    wandb_dir: str | None = Field(
+        default=None, description="Folder W&B writes its files in (under wandb/); null: the run directory."
+    )
+    mlflow: bool = Field(default=False, description="Also log to MLflow (the mlflow extra).")
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI (http(s)://SERVER, sqlite:///PATH.db, ...); null: MLFLOW_TRACKING_URI, "
+        "else sqlite:///RUN_DIR/mlflow.db with artifacts in RUN_DIR/mlartifacts.",
+    )
+    mlflow_experiment: str = Field(default="miles", description="MLflow experiment name (created if missing).")
+    mlflow_run_name: str | None = Field(default=None, description="MLflow run name; null: the run directory's name.")
 
 
 class RunSection(Section):
@@ -394,7 +419,7 @@ class RunSection(Section):
         description="run.cluster=ray: pin each trainer rank and engine to cores of its own (ranks first, then "
         "engines; run.num_threads cores each, fewer if the node has too few), e.g. to measure overlap.",
     )
-    log: LogSection = Field(default_factory=LogSection, description="Metric sinks.")
+    log: LogSection = Field(default_factory=LogSection, description="Metric trackers besides metrics.jsonl.")
 
     @field_validator("bind_host")
     @classmethod
