@@ -25,9 +25,11 @@ def cold_run(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def straight_run(cold_run) -> Path:
     """`INTERRUPTED` run without interruption (shared memory sync, one engine, colocated): what every killed, stopped
-    or restarted run must reproduce bit for bit."""
+    or restarted run must reproduce bit for bit. It saves its rollouts and profiles step 2 (test_debugging.py), which
+    changes none of its numbers."""
     _, cache = cold_run
     run_dir = cold_run[0].parent / "straight"
-    result = cli(f"model.path={policy_dir(cache)}", *INTERRUPTED, f"run.run_dir={run_dir}", cache=cache)
+    result = cli(f"model.path={policy_dir(cache)}", *INTERRUPTED, f"run.run_dir={run_dir}", "run.save_rollouts=true",
+                 "run.profile_steps=[2]", cache=cache)  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
     return run_dir

@@ -34,6 +34,13 @@ def behaves(sample: Sample) -> float:
     return float(len(sample.response))
 
 
+def even_tokens(sample: Sample) -> float:
+    """The share of even token ids in the response: a reward that differs between a random policy's samples, so
+    its steps really update the weights."""
+    tokens = sample.response_tokens
+    return sum(1 for t in tokens if t % 2 == 0) / max(1, len(tokens))
+
+
 async def async_length(sample: Sample) -> float:
     """An async reward: awaits, then scores the response length."""
     await asyncio.sleep(0)

@@ -23,7 +23,7 @@ SMALL = [
     "trainer.global_batch_size=16", "rollout.max_new_tokens=6", "filter.dynamic_sampling=false",
     "data.num_eval_prompts=8", "reward.num_workers=1", "rollout.engine.num_kv_pages=128", "run.num_threads=1",
 ]  # fmt: skip
-VARYING_SUFFIXES = ("time", "_time_s", "tokens_per_s")  # wall-clock measurements: the rest is deterministic
+VARYING_SUFFIXES = ("time", "_time_s", "_per_s", "_mfu")  # wall-clock measurements: the rest is deterministic
 # Memory measurements depend on what the process did before, not only on the step: a checkpoint save creates the
 # AdamW state of an optimizer that has not stepped yet, so a run stopped after a save holds it a step earlier.
 MEMORY_PREFIX = "mem_"

@@ -196,6 +196,23 @@ def test_abort_mid_generation(dense_server: str, wait_for_engine) -> None:
     assert 0 < len(result["output_ids"]) < 400
 
 
+def test_start_and_stop_profile_write_a_chrome_trace(dense_server: str, tmp_path) -> None:
+    """SGLang's /start_profile and /stop_profile: a torch.profiler trace of the engine thread, SGLang's file name."""
+    assert post(dense_server, "/start_profile", {"output_dir": str(tmp_path), "profile_id": "t"}).status_code == 200
+    again = post(dense_server, "/start_profile", {"output_dir": str(tmp_path)})
+    assert again.status_code == 400 and "already recording" in again.text
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}
+    assert post(dense_server, "/generate", body).status_code == 200
+    stopped = post(dense_server, "/stop_profile", {})
+    assert stopped.status_code == 200 and str(tmp_path / "t-TP-0.trace.json") in stopped.text
+    events = json.loads((tmp_path / "t-TP-0.trace.json").read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" and e.get("name") in ("aten::mm", "aten::bmm") for e in events)  # the forward
+    assert post(dense_server, "/stop_profile", {}).status_code == 400  # none is recording
+    for refused, field in (({"num_steps": 3}, "num_steps"), ({"profile_id": "../x"}, "profile_id")):
+        response = post(dense_server, "/start_profile", refused)
+        assert response.status_code == 400 and field in response.text
+
+
 def test_security_keys(dense_dir, start_server) -> None:
     with start_server(dense_dir, "--api-key", "user-key", "--admin-key", "admin-key") as url:
         body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
@@ -204,6 +221,7 @@ def test_security_keys(dense_dir, start_server) -> None:
         assert httpx.get(f"{url}/get_server_info", timeout=10).status_code == 401
         flush = {"Authorization": "Bearer user-key"}
         assert post(url, "/flush_cache", {}, headers=flush).status_code == 401  # the user key is not admin
+        assert post(url, "/start_profile", {}, headers=flush).status_code == 401  # it writes files: admin only
         assert post(url, "/flush_cache", {}, headers={"Authorization": "Bearer admin-key"}).status_code == 200
         assert post(url, "/generate", body, headers={"Authorization": "Bearer admin-key"}).status_code == 200
         import openai

@@ -88,7 +88,7 @@ from .weight_sync.buckets import (
     iter_buckets,
     plan_buckets,
 )
-from .weight_sync.checksum import weights_checksum
+from .weight_sync.checksum import weight_digests, weights_checksum
 from .weight_sync.distributed import (
     WeightUpdateGroup,
     broadcast_tensors,
@@ -222,5 +222,6 @@ __all__ = [
     "uniform",
     "uniforms",
     "unpack_int4",
+    "weight_digests",
     "weights_checksum",
 ]

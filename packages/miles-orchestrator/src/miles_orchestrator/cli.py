@@ -4,6 +4,7 @@
     miles-orchestrator run --config job.yaml trainer.lr=1e-6 rollout.n_samples_per_prompt=16
     miles-orchestrator run --resume runs/miles           # continue a stopped run at its last checkpoint
     miles-orchestrator config show [--config job.yaml] [overrides...]
+    miles-orchestrator inspect | mismatch | replay RUN_DIR --step N   # a saved step (docs/debugging.md)
 
 A bad config value fails at start-up with one line naming the dotted field and what to change (exit status 2).
 An error during the run prints its traceback (also kept in RUN_DIR/run.log) and exits with status 1.
@@ -19,8 +20,9 @@ from typing import Any
 
 from miles_orchestrator.config import RunConfig, config_help, dump_config, load_config
 from miles_orchestrator.config.show import show_config
+from miles_orchestrator.debug_commands import CONFIG_FILE, add_commands, run_command
 
-CONFIG_FILE = "config.yaml"
+DEBUG_COMMANDS = ("inspect", "mismatch", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "reference: all fields (Markdown)")  # fmt: skip
     config.add_argument("--config", help="YAML run config")
     config.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
+    add_commands(subcommands)
     return parser
 
 
@@ -126,6 +129,7 @@ def _execute(cfg: RunConfig, run: Any, force: bool = False) -> None:
 
     model_dir = with_fresh_draft(cfg, cfg.model.path or bootstrap_policy(cfg, log=run.log), run)  # planned with it
     check_model(cfg, model_dir)  # the bootstrapped policy too, before the planner reads the config against it
+    run.record_policy(model_dir)
     check_plan(cfg, model_dir, run.path, run.log, force)
     history = run_training(cfg, model_dir, run)
     report(history, run.path, run.console)
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 config_reference() if args.action == "reference" else show_config(args.config, args.overrides), end=""
             )
             return 0
+        if args.command in DEBUG_COMMANDS:
+            return run_command(args)
         return _run(args)
     except RunFailed as failure:
         if failure.__cause__ is not None:

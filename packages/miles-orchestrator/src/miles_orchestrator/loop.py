@@ -22,9 +22,12 @@ from miles_orchestrator.evaluation import evaluate_held_out, evaluate_teacher
 from miles_orchestrator.parts import open_parts
 from miles_orchestrator.preflight import check_model, check_on_policy, with_fresh_draft, with_fresh_eagle3
 from miles_orchestrator.producer import Produced, Producer
+from miles_orchestrator.profiles import StepProfiler
 from miles_orchestrator.rollout.batch import DataExhausted
+from miles_orchestrator.rollout_dump import RolloutDump
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.steps import checked_versions, publish_weights, train_batch
+from miles_orchestrator.timeline import CURRENT_STEP
 from miles_orchestrator.turns import Turns
 
 
@@ -53,46 +56,65 @@ async def _run_training(cfg: RunConfig, model_dir: str, run: RunDir) -> None:
                     cfg, parts, run))  # fmt: skip
             last_position = parts.source.state_dict()  # the data position the next checkpoint follows
             finished = time.perf_counter()
+            dump = open_dump(cfg, run)
+            profiler = StepProfiler(cfg, cluster, run)
             async with Producer(cfg, cluster, run, parts, start) as producer:
                 for step in range(start + 1, cfg.run.num_steps + 1):
-                    item = await producer.next(step)
-                    if isinstance(item, DataExhausted):
-                        run.log(f"stopping before step {step}: {item}")
-                        async with turns.trainer_turn():
-                            await cluster.save(run.checkpoint_dir(step - 1), {"step": step - 1, "data": last_position})
-                            await cluster.export(run.path / "final", model_dir)
-                        break
-                    metrics = await train_step(cfg, cluster, run, item, turns, producer, model_dir)
-                    last_position = item.position
-                    if parts.eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
-                        metrics |= await evaluate_held_out(cfg, parts, cluster.engine, run)
-                    metrics |= turns.memory_metrics() | cluster.fault_metrics()
-                    now = time.perf_counter()
-                    run.record(step, metrics | {"step_time_s": now - finished})
-                    finished = now
-                    run.commit_checkpoint(step)  # only now: the step's metrics line is written
+                    async with profiler.step(step):
+                        item = await producer.next(step)
+                        if isinstance(item, DataExhausted):
+                            run.log(f"stopping before step {step}: {item}")
+                            async with turns.trainer_turn():
+                                await cluster.save(run.checkpoint_dir(step - 1),
+                                                   {"step": step - 1, "data": last_position})  # fmt: skip
+                                await cluster.export(run.path / "final", model_dir)
+                            break
+                        metrics = await train_step(cfg, cluster, run, item, turns, producer, model_dir, dump)
+                        last_position = item.position
+                        if parts.eval_prompts and cfg.run.eval_every and step % cfg.run.eval_every == 0:
+                            with run.timeline.span("eval", step):
+                                metrics |= await evaluate_held_out(cfg, parts, cluster.engine, run)
+                        metrics |= turns.memory_metrics() | cluster.fault_metrics()
+                        now = time.perf_counter()
+                        run.record(step, metrics | {"step_time_s": now - finished})
+                        finished = now
+                        run.commit_checkpoint(step)  # only now: the step's metrics line is written
         finally:
             await cluster.shutdown()
 
 
 async def train_step(
-    cfg: RunConfig, cluster: Cluster, run: RunDir, item: Produced, turns: Turns, producer: Producer, model_dir: str
-) -> dict[str, float]:
-    """One step's batch through the trainer's turn: version check, train, checkpoint (and the final export), then
-    the new weights to the engines; the step's metrics so far."""
+    cfg: RunConfig, cluster: Cluster, run: RunDir, item: Produced, turns: Turns, producer: Producer, model_dir: str,
+    dump: RolloutDump | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """One step's batch through the trainer's turn: version check, train (the batch saved to `dump` first, with
+    run.save_rollouts), checkpoint (and the final export), then the new weights to the engines; the step's metrics
+    so far."""
     step = item.step
+    CURRENT_STEP.set(step)
     batch, version_metrics = checked_versions(item.batch, step - 1, producer.lag, cfg, run)
     metrics = item.metrics | version_metrics
     async with turns.trainer_turn():
-        metrics |= await train_batch(cfg, cluster, batch, run, trained_version=step - 1)
+        with run.timeline.span("train"):
+            metrics |= await train_batch(cfg, cluster, batch, run, trained_version=step - 1, dump=dump, step=step,
+                                         throughput=producer.parts.throughput)  # fmt: skip
         is_last = step == cfg.run.num_steps
-        if is_last or (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
-            await cluster.save(run.pending_checkpoint_dir(step), {"step": step, "data": item.position})
-        if is_last:
-            await cluster.export(run.path / "final", model_dir)
-        metrics |= await publish_weights(cfg, cluster, run, step, turns, producer.generating)
+        with run.timeline.span("checkpoint"):
+            if is_last or (cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0):
+                await cluster.save(run.pending_checkpoint_dir(step), {"step": step, "data": item.position})
+            if is_last:
+                await cluster.export(run.path / "final", model_dir)
+        with run.timeline.span("sync"):
+            metrics |= await publish_weights(cfg, cluster, run, step, turns, producer.generating)
     await producer.published(step)
     return metrics
+
+
+def open_dump(cfg: RunConfig, run: RunDir) -> RolloutDump | None:
+    """Where run.save_rollouts writes each trained batch (None when it is off)."""
+    if not cfg.run.save_rollouts:
+        return None
+    return RolloutDump(run.path, cfg.run.save_rollouts_every, cfg.run.save_rollouts_max_bytes, run.log)
 
 
 async def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
@@ -107,4 +129,5 @@ async def resume(cluster: Cluster, run: RunDir, source: Any) -> int:
         source.load_state_dict(state["data"])
         run.log(f"resuming from {checkpoint} (step {start})")
     run.metrics.truncate_after(start)
+    run.timeline.truncate_after(start)
     return start

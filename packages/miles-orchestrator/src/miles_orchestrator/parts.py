@@ -19,6 +19,7 @@ from miles_orchestrator.rollout.agentic import agent_rollout
 from miles_orchestrator.rollout.batch import PromptEncoder
 from miles_orchestrator.rollout.filters import build_filters
 from miles_orchestrator.rollout.single_turn import resolve_rollout_fn
+from miles_orchestrator.throughput import ThroughputMeter
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class RunParts:
     eval_prompts: list[Sample]
     eval_fn: RolloutFn  # the rollout function of held-out evaluation
     teacher: Teacher | None = None  # on-policy distillation's teacher (the opd section), or None
+    throughput: ThroughputMeter | None = None  # the policy's model FLOPs: each phase's TFLOP/s and MFU
 
 
 @contextlib.contextmanager
@@ -57,4 +59,22 @@ def open_parts(cfg: RunConfig, model_dir: str, log: Any = print) -> Iterator[Run
             # function defaults to its rollout function), without the routed experts only training replays
             eval_fn=agent or resolve_rollout_fn(cfg.rollout.rollout_fn),
             teacher=teacher,
+            throughput=throughput_meter(cfg, model_dir, log),
         )
+
+
+def throughput_meter(cfg: RunConfig, model_dir: str, log: Any = print) -> ThroughputMeter:
+    """The run's FLOPs meter: the training devices are the trainer ranks; the rollout's, the engines' (the ranks'
+    when colocated); MFU against the hardware profile of the device the run uses (none on a CPU, or a GPU the
+    profiles do not know: then TFLOP/s only)."""
+    from miles_orchestrator.memory_check import run_hardware
+
+    try:
+        hardware: str | None = run_hardware(cfg)
+    except ValueError as unknown:
+        log(f"no MFU in the metrics: {unknown}")
+        hardware = None
+    num_ranks = cfg.trainer.num_ranks
+    rollout_devices = num_ranks if cfg.run.colocate else cfg.rollout.num_engines
+    return ThroughputMeter.from_model_dir(model_dir, hardware, num_ranks, num_rollout_devices=rollout_devices,
+                                          include_mtp=cfg.spec.drafts and cfg.spec.draft == "mtp")  # fmt: skip

@@ -33,6 +33,7 @@ from miles_orchestrator.parts import RunParts
 from miles_orchestrator.rollout.batch import DataExhausted, generate_batch
 from miles_orchestrator.rollout.partial import aborted_policy
 from miles_orchestrator.run_dir import RunDir
+from miles_orchestrator.timeline import CURRENT_STEP
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,13 @@ class Producer:
         await self.served.set(version)
 
     async def _make(self, step: int) -> Produced | DataExhausted:
+        CURRENT_STEP.set(step)  # this task's timeline spans are the step's
         async with self.generating:
             try:
-                batch, metrics = await generate_batch(
-                    self.cfg, self.parts, self.cluster.engine, self.run, self.aborted
-                )
+                with self.run.timeline.span("rollout"):
+                    batch, metrics = await generate_batch(
+                        self.cfg, self.parts, self.cluster.engine, self.run, self.aborted
+                    )
             except DataExhausted as end:
                 return end
         return Produced(step, batch, metrics, self.parts.source.state_dict())

@@ -1,4 +1,5 @@
-"""The end of a run: a summary table on the console and `summary.png` (reward and evaluation curves)."""
+"""The end of a run: a summary table on the console, `summary.png` (reward and evaluation curves) and `timeline.png`
+(the phases of every step, timeline.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from miles_orchestrator.timeline import Timeline, plot_timeline
+
 
 def summary_table(history: list[dict[str, Any]]) -> Table:
     """First vs last value of the metrics a user checks first, over the steps that logged them."""
@@ -15,7 +18,8 @@ def summary_table(history: list[dict[str, Any]]) -> Table:
     for column in ("metric", "first", "last", "best"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     keys = ["reward_mean", "pass_rate", "eval_pass@1", "train_rollout_logprob_abs_diff",
-            "train_rollout_logprob_abs_diff_max", "kl", "entropy", "tokens_per_s", "step_time_s"]  # fmt: skip
+            "train_rollout_logprob_abs_diff_max", "kl", "entropy", "tokens_per_s", "rollout_tflops_per_s",
+            "rollout_mfu", "train_tflops_per_s", "train_mfu", "step_time_s"]  # fmt: skip
     keys += sorted(k for row in history for k in row if k.startswith("eval_pass@") and k not in keys)
     for key in dict.fromkeys(keys):
         values = [row[key] for row in history if key in row]
@@ -28,7 +32,16 @@ def summary_table(history: list[dict[str, Any]]) -> Table:
 
 
 LOWER_IS_BETTER = ("train_rollout_logprob_abs_diff", "kl", "step_time_s")
-HIGHER_IS_BETTER = ("reward_mean", "pass_rate", "eval_pass@", "tokens_per_s")
+HIGHER_IS_BETTER = (
+    "reward_mean",
+    "pass_rate",
+    "eval_pass@",
+    "tokens_per_s",
+    "rollout_tflops",
+    "rollout_mfu",
+    "train_tflops",
+    "train_mfu",
+)
 
 
 def metric_direction(key: str) -> str | None:
@@ -69,3 +82,6 @@ def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
 def report(history: list[dict[str, Any]], run_dir: Path, console: Console) -> None:
     console.print(summary_table(history))
     console.print(f"curves: {plot_curves(history, run_dir / 'summary.png')}")
+    timeline = plot_timeline(Timeline(run_dir / "timeline.jsonl").spans(), run_dir / "timeline.png")
+    if timeline is not None:
+        console.print(f"phases: {timeline}")

@@ -1,6 +1,7 @@
 """The run directory: everything a run writes, and what `--resume` reads back.
 
     RUN_DIR/config.yaml          the resolved config (resume reads it)
+    RUN_DIR/policy.json          the model directory the run started from (replay, inspect, mismatch read it)
     RUN_DIR/metrics.jsonl        one JSON line per step (step 0: the evaluation before training)
     RUN_DIR/checkpoints/step_N/  trainer checkpoint (+ data position, step) — atomic, see miles_trainer; saved as
                                  pending_step_N/ and renamed once the step's metrics line is written
@@ -36,11 +37,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from miles_orchestrator.timeline import Timeline
+
 if TYPE_CHECKING:
     from miles_orchestrator.config import RunConfig
     from miles_orchestrator.trackers import Tracker
 
 CHECKPOINTS = "checkpoints"
+POLICY = "policy.json"
 MANIFEST = "manifest.sha256.json"  # in each committed checkpoint: {relative path: sha256 hex} of its other files
 
 
@@ -115,6 +119,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.console = Console(quiet=quiet, log_path=False)
         self.metrics = MetricsLog(self.path / "metrics.jsonl", self.log)
+        self.timeline = Timeline(self.path / "timeline.jsonl")
         self._previous: dict[str, Any] = {}
         self._warned: set[str] = set()
         self._showing = False  # a progress bar is on the console
@@ -148,6 +153,16 @@ class RunDir:
                 yield lambda: bar.advance(task)
         finally:
             self._showing = False
+
+    def record_policy(self, model_dir: str) -> None:
+        """RUN_DIR/policy.json: the model directory the run started from (replay, inspect and mismatch read it)."""
+        (self.path / POLICY).write_text(json.dumps({"model_dir": str(Path(model_dir).resolve())}) + "\n")
+
+    def policy(self) -> str | None:
+        """The model directory the run started from, if it recorded one that still holds a model."""
+        file = self.path / POLICY
+        model_dir = json.loads(file.read_text())["model_dir"] if file.is_file() else None
+        return model_dir if model_dir is not None and (Path(model_dir) / "config.json").is_file() else None
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / CHECKPOINTS / f"step_{step:06d}"
@@ -195,14 +210,19 @@ class RunDir:
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint (an interrupted save, `*.tmp`, is ignored)."""
+        complete = self.checkpoints()
+        return complete[max(complete)] if complete else None
+
+    def checkpoints(self) -> dict[int, Path]:
+        """{step: directory} of the complete checkpoints (an interrupted save, `*.tmp`, is left out)."""
         root = self.path / CHECKPOINTS
-        complete = []
-        for candidate in root.glob("step_*") if root.is_dir() else []:
+        complete = {}
+        for candidate in sorted(root.glob("step_*")) if root.is_dir() else []:
             name = candidate.name.removesuffix(".old")
             if name.endswith(".tmp") or not (candidate / "trainer_state.json").is_file():
                 continue
-            complete.append((int(name.split("_")[1]), candidate))
-        return max(complete)[1] if complete else None
+            complete[int(name.split("_")[1])] = candidate
+        return complete
 
 
 def write_durably(path: Path, data: bytes) -> None:

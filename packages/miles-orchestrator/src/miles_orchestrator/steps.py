@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -14,8 +15,10 @@ from miles_contracts import Sample
 from miles_orchestrator.cluster import Cluster, CriticTargets
 from miles_orchestrator.config import RunConfig
 from miles_orchestrator.opd import opd_advantages
+from miles_orchestrator.rollout_dump import RolloutDump
 from miles_orchestrator.run_dir import RunDir
 from miles_orchestrator.staleness import bound_staleness, has_off_policy_tokens, onpolicy_mismatch
+from miles_orchestrator.throughput import ThroughputMeter
 from miles_orchestrator.turns import Turns
 from miles_trainer import (
     compute_advantages,
@@ -41,16 +44,71 @@ def checked_versions(
     return kept, metrics
 
 
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A batch ready for the optimizer steps: the advantages it trains with (after on-policy distillation's KL
+    term), π_old where the trainer recomputed it (fast mode, or tokens of another weight version; else the rollout's
+    log-probs are π_old), PPO's critic targets, and the metrics of getting there."""
+
+    samples: list[Sample]
+    advantages: list[list[float]]
+    old_logprobs: list[list[float]] | None
+    critic: CriticTargets | None
+    is_off_policy: bool
+    metrics: dict[str, float]
+    recompute_s: float = 0.0
+
+
 async def train_batch(
-    cfg: RunConfig, cluster: Cluster, batch: list[Sample], run: RunDir, trained_version: int | None = None
-) -> dict[str, float]:
-    """Advantages (group estimators, or PPO's GAE on the critic's values of this batch), then `train`."""
+    cfg: RunConfig, cluster: Cluster, batch: list[Sample], run: RunDir, trained_version: int | None = None,
+    dump: RolloutDump | None = None, step: int = 0, throughput: ThroughputMeter | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """`prepare_batch`, then `train`; with `dump` (run.save_rollouts), the prepared batch is saved before the
+    optimizer steps and the trainer's weight digests after them; with `throughput`, the training's model TFLOP/s
+    (and MFU)."""
+    prepared = await prepare_batch(cfg, cluster, batch, trained_version)
+    is_saved = dump is not None and dump.wants(step)
+    if is_saved:
+        assert dump is not None
+        dump.write_batch(step, batch, prepared.advantages, prepared.old_logprobs, trained_version)
+    metrics = prepared.metrics | await train(cfg, cluster, prepared, run)
+    if throughput is not None:  # one forward and backward pass over the batch, after π_old's forward if recomputed
+        num_forwards = int(prepared.old_logprobs is not None)
+        metrics |= throughput.train([s.num_tokens for s in batch], metrics["train_time_s"], num_forwards=num_forwards)
+    if is_saved:
+        assert dump is not None
+        dump.write_outcome(step, metrics, await cluster.trainer_digests())
+    return metrics
+
+
+async def prepare_batch(
+    cfg: RunConfig, cluster: Cluster, batch: list[Sample], trained_version: int | None = None
+) -> PreparedBatch:
+    """Advantages (group estimators, or PPO's GAE on the critic's values of this batch) and π_old: in fast mode the
+    trainer recomputes it first; `trained_version` (overlapped runs) is the version of the trainer's weights, and
+    when some tokens come from another one, π_old is the trainer's recomputation at this version (whatever the
+    kernels) and the mismatch metric covers the tokens this version generated only (staleness.onpolicy_mismatch).
+    With on-policy distillation, the advantages then take the reverse KL to the teacher (opd.py) on the student's
+    log-probs (the recomputed ones where they are not the rollout's)."""
     critic, metrics = None, dict[str, float]()
     if cfg.trainer.uses_critic:
         advantages, critic, metrics = gae_targets(cfg, batch, await cluster.compute_values(batch))
     else:
         advantages = group_advantages(cfg, batch)
-    return metrics | await train(cfg, cluster, batch, advantages, run, critic, trained_version)
+    began = time.perf_counter()
+    off_policy = trained_version is not None and has_off_policy_tokens(batch, trained_version)
+    recompute = off_policy or not cfg.is_true_on_policy
+    old_logprobs = await cluster.compute_logprobs(batch) if recompute else None
+    recompute_s = time.perf_counter() - began
+    if off_policy:
+        assert old_logprobs is not None and trained_version is not None
+        metrics |= onpolicy_mismatch(batch, old_logprobs, trained_version)
+    if cfg.opd.is_enabled:  # on-policy distillation: the reverse KL to the teacher enters the advantages (opd.py)
+        student = old_logprobs if old_logprobs is not None else [s.rollout_logprobs or [] for s in batch]
+        kl_coef = 0.0 if cfg.opd.top_k else cfg.opd.kl_coef  # top-k: the trainer's loss term (opd_topk_coef) instead
+        advantages, opd_metrics = opd_advantages(advantages, batch, student, kl_coef, cfg.opd.task_reward)
+        metrics |= opd_metrics
+    return PreparedBatch(batch, advantages, old_logprobs, critic, off_policy, metrics, recompute_s)
 
 
 def loss_masks(batch: list[Sample]) -> torch.Tensor:
@@ -97,44 +155,26 @@ def gae_targets(
     return per_sample, CriticTargets([returns[i, :n].tolist() for i, n in enumerate(lengths)], values), metrics
 
 
-async def train(
-    cfg: RunConfig, cluster: Cluster, batch: list[Sample], advantages: list[list[float]], run: RunDir,
-    critic: CriticTargets | None = None, trained_version: int | None = None,
-) -> dict[str, float]:  # fmt: skip
-    """`trainer.steps_per_rollout` optimizer steps on the batch (fast mode: after recomputing old log-probs); with
-    `critic`, each step trains PPO's critic on its part of the batch too; with on-policy distillation, the
-    advantages first take the reverse KL to the teacher (opd.py) on the student's log-probs (the recomputed ones
-    where they are not the rollout's). `trained_version` (overlapped runs): the
-    version of the trainer's weights; when some tokens come from another one, π_old is the trainer's recomputation
-    at this version (whatever the kernels) and the mismatch metric covers the tokens this version generated only
-    (staleness.onpolicy_mismatch)."""
+async def train(cfg: RunConfig, cluster: Cluster, prepared: PreparedBatch, run: RunDir) -> dict[str, float]:
+    """`trainer.steps_per_rollout` optimizer steps on a prepared batch; with its critic targets, each step trains
+    PPO's critic on its part of the batch too. `train_time_s` includes π_old's recomputation."""
     began = time.perf_counter()
     metrics: dict[str, float] = {}
-    off_policy = trained_version is not None and has_off_policy_tokens(batch, trained_version)
-    recompute = off_policy or not cfg.is_true_on_policy
-    old_logprobs = await cluster.compute_logprobs(batch) if recompute else None
-    if off_policy:
-        assert old_logprobs is not None and trained_version is not None
-        metrics |= onpolicy_mismatch(batch, old_logprobs, trained_version)
-    if cfg.opd.is_enabled:  # on-policy distillation: the reverse KL to the teacher enters the advantages (opd.py)
-        student = old_logprobs if old_logprobs is not None else [s.rollout_logprobs or [] for s in batch]
-        kl_coef = 0.0 if cfg.opd.top_k else cfg.opd.kl_coef  # top-k: the trainer's loss term (opd_topk_coef) instead
-        advantages, opd_metrics = opd_advantages(advantages, batch, student, kl_coef, cfg.opd.task_reward)
-        metrics |= opd_metrics
+    batch, advantages = prepared.samples, prepared.advantages
     size = len(batch) // cfg.trainer.steps_per_rollout
     with run.progress("train", cfg.trainer.steps_per_rollout) as advance:
         for k in range(cfg.trainer.steps_per_rollout):
             part = slice(k * size, (k + 1) * size)
-            old = None if old_logprobs is None else old_logprobs[part]
-            targets = None if critic is None else critic.part(part)
+            old = None if prepared.old_logprobs is None else prepared.old_logprobs[part]
+            targets = None if prepared.critic is None else prepared.critic.part(part)
             step_metrics = batch_keys(
-                await cluster.train(batch[part], advantages[part], old, measure=k == 0 and not off_policy,
+                await cluster.train(batch[part], advantages[part], old, measure=k == 0 and not prepared.is_off_policy,
                                     critic=targets)
             )  # fmt: skip
             # the mismatch is defined under the rollout weights: keep the first step's measurement
             metrics |= {key: v for key, v in step_metrics.items() if k == 0 or "logprob_abs_diff" not in key}
             advance()
-    return metrics | {"train_time_s": time.perf_counter() - began}
+    return metrics | {"train_time_s": time.perf_counter() - began + prepared.recompute_s}
 
 
 def batch_keys(train_metrics: dict[str, float]) -> dict[str, float]:

@@ -7,6 +7,7 @@ from .engine import Engine
 from .engine_error import EngineError
 from .in_process import InProcessClient
 from .launch import ROUTER_POLICIES, free_port, launch_server, router_command
+from .profiling import ProfileRequest, TraceRecorder
 from .server import KEEP_ALIVE_S, create_app
 from .sglang_launch import SGLangServer, launch_command, require_cuda, sglang_server_args, write_server_config
 
@@ -21,9 +22,11 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "InProcessClient",
+    "ProfileRequest",
     "RolloutClientError",
     "SGLangServer",
     "ServeConfig",
+    "TraceRecorder",
     "create_app",
     "free_port",
     "launch_command",

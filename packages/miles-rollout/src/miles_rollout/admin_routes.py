@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from miles_contracts import version_string, weight_version_value
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
+from miles_rollout.profiling import ProfileRequest
 from miles_rollout.request_body import parse_body
 
 ADMIN_PATHS = {
@@ -40,6 +41,8 @@ ADMIN_PATHS = {
     "/load_lora_adapter",
     "/load_lora_adapter_from_tensors",
     "/unload_lora_adapter",
+    "/start_profile",  # it writes a file where the body says
+    "/stop_profile",
 }
 
 BUCKET_PATH = "/update_weights_from_tensor"  # its body is a weight bucket: octet-stream, max_bucket_bytes
@@ -327,6 +330,18 @@ def register_admin_routes(app: FastAPI, engine: Engine) -> None:
         """Waits until the requests that use the adapter are done, as SGLang's does; new ones naming it get a 400."""
         body: UnloadLoraAdapter = await parse_body(request, UnloadLoraAdapter)
         return await lora_update(engine, lambda: engine.unload_lora_adapter(body.lora_name))
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(request: Request) -> Response:
+        """SGLang's: a torch.profiler trace of the engine thread until /stop_profile (profiling.py)."""
+        body: ProfileRequest = await parse_body(request, ProfileRequest, allow_empty=True)
+        await engine.control(lambda: engine.profiler.start_request(body), needs_idle=False)
+        return Response("Start profiling.\n")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        path = await engine.control(engine.profiler.stop, needs_idle=False)
+        return Response(f"Stop profiling. This will take some time.\nTrace: {path}\n")
 
     @app.get("/weights_checksum")
     async def checksum() -> dict[str, Any]:

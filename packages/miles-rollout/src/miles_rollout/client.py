@@ -390,6 +390,16 @@ class Client:
         """POST /resume_memory_occupation: take back what `release_memory_occupation` freed."""
         return await self._call("POST", "/resume_memory_occupation", json={"tags": tags}, admin=True)
 
+    async def start_profile(self, output_dir: str, profile_id: str | None = None) -> dict[str, Any]:
+        """POST /start_profile (admin): a torch.profiler trace on the server until `stop_profile`, written to
+        `output_dir` on the server's machine (SGLang's and this engine's alike)."""
+        body = {"output_dir": output_dir, **({"profile_id": profile_id} if profile_id is not None else {})}
+        return await self._call("POST", "/start_profile", json=body, admin=True)
+
+    async def stop_profile(self) -> dict[str, Any]:
+        """POST /stop_profile (admin): the server writes its trace."""
+        return await self._call("POST", "/stop_profile", admin=True)
+
     async def flush_cache(self, timeout: float = 0.0) -> dict[str, Any]:
         """POST /flush_cache: drop the prefix cache (stale after a weight update). SGLang refuses (HTTP 400) while
         requests are queued or running unless they finish within `timeout` seconds; that raises

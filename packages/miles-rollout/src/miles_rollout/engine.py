@@ -50,6 +50,7 @@ from miles_rollout.grammar import Grammars
 from miles_rollout.intake import EngineLimits, Intake
 from miles_rollout.model_runner import ModelRunner
 from miles_rollout.output import OutputStage, deliver, set_exception, set_result
+from miles_rollout.profiling import TraceRecorder
 from miles_rollout.scheduler import Scheduler
 from miles_rollout.sequence import Group
 from miles_rollout.served_loras import LoraControls, ServedLoras
@@ -89,6 +90,7 @@ class Engine(EngineControls, LoraControls):
         self.config = config or EngineConfig()
         self.lora_config = lora or ServedLoraConfig()
         self.loras: ServedLoras | None = None  # made at setup when the engine serves adapters
+        self.profiler = TraceRecorder()  # /start_profile, /stop_profile: runs on the engine thread
         self.page_size = self.kernel.page_size
         self.tokenizer = _load_tokenizer(self.model_path)
         self.released: set[str] = set()

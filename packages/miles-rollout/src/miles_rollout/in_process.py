@@ -8,6 +8,7 @@ would have answered, as over HTTP.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -16,6 +17,7 @@ from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, W
 from miles_rollout.client import RolloutClientError
 from miles_rollout.engine import Engine
 from miles_rollout.engine_error import EngineError
+from miles_rollout.profiling import ProfileRequest
 
 T = TypeVar("T")
 
@@ -118,6 +120,19 @@ class InProcessClient:
     async def continue_generation(self) -> dict[str, Any]:
         await self.engine.control(self.engine.continue_generation, needs_idle=False)
         return {"status": "ok"}
+
+    async def start_profile(self, output_dir: str, profile_id: str | None = None) -> dict[str, Any]:
+        """/start_profile: the engine thread's ops recorded until `stop_profile` (miles_rollout/profiling.py)."""
+        request = ProfileRequest(output_dir=output_dir, profile_id=profile_id)
+        start = functools.partial(self.engine.profiler.start_request, request)
+        path = await self._call("/start_profile", lambda: self.engine.control(start, needs_idle=False))
+        return {"message": "Start profiling.", "trace": str(path)}
+
+    async def stop_profile(self) -> dict[str, Any]:
+        """/stop_profile: the trace written."""
+        stop = self.engine.profiler.stop
+        path = await self._call("/stop_profile", lambda: self.engine.control(stop, needs_idle=False))
+        return {"message": "Stop profiling.", "trace": str(path)}
 
     async def flush_cache(self) -> dict[str, Any]:
         await self.engine.control(self.engine.flush_cache, needs_idle=False)

@@ -40,6 +40,7 @@ from miles_kernels import (
     encode_bucket,
     in_shared_memory,
     plan_buckets,
+    weight_digests,
     weights_checksum,
 )
 
@@ -279,3 +280,9 @@ class WeightSender:
         """`miles_kernels.weights_checksum` of the weights an engine holds after a sync (with LoRA: the base and the
         adapters, though only the adapters are sent); equal to the engine's when the bits match."""
         return weights_checksum(export_tensors(self._checksum_model(), fresh=False, quant=self.quant))
+
+    def digests(self) -> dict[str, str]:
+        """{HF name: sha256} of every weight the trainer holds, each gathered in its own dtype (a change below the
+        engine's precision shows): what a replayed train step is compared with (`miles-orchestrator replay`)."""
+        named = export_names(self._checksum_model())
+        return weight_digests((name, _gathered(tensor, tensor.dtype, fresh=False)) for name, tensor in named)

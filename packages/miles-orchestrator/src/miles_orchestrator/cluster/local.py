@@ -68,6 +68,16 @@ class LocalCluster:
         return self.transport
 
     @property
+    def engine_model(self) -> torch.nn.Module:
+        """The engine's model (the mismatch analyzer's hooks read its layers; generate through `engine`)."""
+        return self._engine.model
+
+    @property
+    def trainer_model(self) -> torch.nn.Module:
+        """The trainer's policy model (the mismatch analyzer's hooks; forward through `compute_logprobs`)."""
+        return self._trainer.backend.model
+
+    @property
     def sync_method(self) -> str:
         """How weights reach the engine, for the log: the transport's description."""
         return self._transport.description
@@ -104,6 +114,18 @@ class LocalCluster:
 
     async def trainer_checksum(self) -> str:
         return await self._on_engine(self._trainer.weights_checksum)
+
+    async def start_profile(self, directory: Path) -> None:
+        """One torch.profiler trace of the engine thread, where the engine's and the trainer's ops both run:
+        DIRECTORY/engine_and_trainer-TP-0.trace.json (a profiler records only the thread that starts it, and two in
+        one process crash it, so the driver thread is not profiled beside it)."""
+        await self.engine.start_profile(str(directory), "engine_and_trainer")
+
+    async def stop_profile(self) -> None:
+        await self.engine.stop_profile()
+
+    async def trainer_digests(self) -> dict[str, str]:
+        return await self._on_engine(self._trainer.weights_digests)
 
     async def offload_trainer(self, room_for: int | None = None) -> int:
         return await self._on_engine(lambda: self._trainer.offload(room_for))

@@ -9,12 +9,14 @@ call is collective: each rank makes it with its own share of the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from miles_contracts import Sample
 from miles_kernels import kernel_fingerprint
 from miles_orchestrator.cluster.protocol import CriticTargets
 from miles_orchestrator.cluster.settings import TrainerSettings
+from miles_rollout import TraceRecorder
 from miles_spec import Eagle3Loss, MTPLoss
 from miles_spec.config import SpecConfig
 from miles_trainer import FSDP2Backend, MegatronBackend, export_hf, load_checkpoint, save_checkpoint
@@ -50,6 +52,7 @@ class TrainerRank:
             **(quant if settings.weight_quant is not None else {}),
         )  # fmt: skip
         self.qat_format = settings.weight_quant if settings.qat else None
+        self.profile = TraceRecorder()
 
     def fingerprint(self) -> str:
         """The kernel fingerprint on this rank's device (the on-policy guard compares it with the engine's): the
@@ -85,6 +88,18 @@ class TrainerRank:
 
     def weights_checksum(self) -> str:
         return self.backend.weights.checksum()
+
+    def weights_digests(self) -> dict[str, str]:
+        return self.backend.weights.digests()
+
+    def start_profile(self, directory: str) -> None:
+        """A torch.profiler trace of this rank's thread until `stop_profile`: DIRECTORY/trainer_rank{r}.trace.json."""
+        import torch.distributed as dist
+
+        self.profile.start(Path(directory) / f"trainer_rank{dist.get_rank()}.trace.json")  # its node's directory
+
+    def stop_profile(self) -> str:
+        return str(self.profile.stop())
 
     def offload(self, room_for: int | None = None) -> int:
         return int(self.backend.offload(room_for=room_for))

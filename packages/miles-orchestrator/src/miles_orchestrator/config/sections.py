@@ -419,6 +419,30 @@ class RunSection(Section):
         description="run.cluster=ray: pin each trainer rank and engine to cores of its own (ranks first, then "
         "engines; run.num_threads cores each, fewer if the node has too few), e.g. to measure overlap.",
     )
+    save_rollouts: bool = Field(
+        default=False,
+        description="Write each trained batch to RUN_DIR/rollouts/step_N.parquet (prompt and response tokens, the "
+        "rollout's and the trainer's log-probs, rewards, advantages, weight versions, routed experts, loss masks) "
+        "and, once trained, the trainer's per-tensor weight digests to step_N.json: what miles-orchestrator inspect, "
+        "mismatch and replay read (docs/debugging.md). The digests hash every weight each step.",
+    )
+    save_rollouts_every: int = Field(
+        default=1,
+        ge=1,
+        description="run.save_rollouts: every this many steps (a replay of step N needs every step after the "
+        "checkpoint it starts from).",
+    )
+    save_rollouts_max_bytes: int = Field(
+        default=4 << 30,
+        ge=0,
+        description="run.save_rollouts: the most bytes RUN_DIR/rollouts holds; beyond it the oldest steps are "
+        "deleted (logged). 0: no bound.",
+    )
+    profile_steps: list[int] = Field(
+        default_factory=list,
+        description="Steps whose torch.profiler traces (Chrome / Perfetto JSON) are written to RUN_DIR/profiles/"
+        "step_N/: the driver, each trainer rank and each embedded engine (docs/debugging.md).",
+    )
     log: LogSection = Field(default_factory=LogSection, description="Metric trackers besides metrics.jsonl.")
 
     @field_validator("bind_host")
@@ -434,3 +458,13 @@ class RunSection(Section):
                 "network other nodes use), not a host name or 0.0.0.0"
             )
         return value
+
+    @model_validator(mode="after")
+    def _profile_steps_are_run(self) -> RunSection:
+        outside = [s for s in self.profile_steps if not 1 <= s <= self.num_steps]
+        if outside:
+            raise ValueError(
+                f"run.profile_steps={self.profile_steps}: steps {outside} are not among the run's steps 1.."
+                f"{self.num_steps}; give steps the run trains (e.g. run.profile_steps=[2])"
+            )
+        return self

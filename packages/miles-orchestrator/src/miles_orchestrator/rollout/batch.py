@@ -157,7 +157,8 @@ async def generate_batch(
             num_failed_groups += 1
         groups = [g for g in groups if not _failed_sample(g)]
         scoring = time.perf_counter()
-        stats = await parts.rewards.score([s for g in groups for s in g])
+        with run.timeline.span("reward"):
+            stats = await parts.rewards.score([s for g in groups for s in g])
         reward_seconds += time.perf_counter() - scoring
         if stats.num_failed:
             run.log(f"{stats.num_failed} reward call(s) failed ({stats.num_timeouts} timed out), scored 0: "
@@ -194,6 +195,10 @@ async def generate_batch(
                            "num_teacher_failed_groups": float(len(errors))}  # fmt: skip
     seconds = time.perf_counter() - began
     lengths = [len(s.response_tokens) for s in generated]
+    flops_metrics: dict[str, float] = {}
+    if parts.throughput is not None:  # the generation's model FLOPs (its seconds without the rewards')
+        rates = parts.throughput.rollout([len(s.prompt_tokens) for s in generated], lengths, seconds - reward_seconds)
+        flops_metrics = {k: v for k, v in rates.items() if k != "rollout_tokens_per_s"}
     return batch, {
         "reward_mean": sum(s.reward or 0.0 for s in generated) / max(len(generated), 1),
         "pass_rate": sum(1 for s in generated if task_reward(s) >= 1.0) / max(len(generated), 1),
@@ -209,6 +214,7 @@ async def generate_batch(
         "rollout_time_s": seconds,
         "reward_time_s": reward_seconds,  # part of rollout_time_s
         "rollout_tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+        **flops_metrics,
         **spec_metrics(generated),
         **agent_metrics(generated),
         **teacher_metrics,

@@ -199,6 +199,15 @@ class TrainerRankActor:
     def weights_checksum(self) -> str:
         return self._trainer.weights_checksum()
 
+    def weights_digests(self) -> dict[str, str]:
+        return self._trainer.weights_digests()
+
+    def start_profile(self, directory: str) -> None:
+        self._trainer.start_profile(directory)
+
+    def stop_profile(self) -> str:
+        return self._trainer.stop_profile()
+
     def offload(self, room_for: int | None = None) -> int:
         return self._trainer.offload(room_for)
 

@@ -326,6 +326,17 @@ class RayCluster:
         result: str = (await self._all("weights_checksum"))[0]
         return result
 
+    async def start_profile(self, directory: Path) -> None:
+        """Each trainer rank and each engine records a torch.profiler trace into `directory` (on its own node)."""
+        await asyncio.gather(self._all("start_profile", str(directory)), self.engine.start_profile(str(directory)))
+
+    async def stop_profile(self) -> None:
+        await asyncio.gather(self._all("stop_profile"), self.engine.stop_profile())
+
+    async def trainer_digests(self) -> dict[str, str]:
+        result: dict[str, str] = (await self._all("weights_digests"))[0]
+        return result
+
     async def offload_trainer(self, room_for: int | None = None) -> int:
         return sum(await self._all("offload", room_for))
 

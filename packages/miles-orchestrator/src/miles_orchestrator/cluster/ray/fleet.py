@@ -152,6 +152,14 @@ class EngineFleet:
                 await self.supervisor.check_now()
                 self.reissued += 1
 
+    async def start_profile(self, output_dir: str) -> None:
+        """Each engine records a torch.profiler trace (`/start_profile`) into `output_dir`, as engine{i}."""
+        await asyncio.gather(*(self._call(i, "start_profile", output_dir, f"engine{i}")
+                               for i in range(len(self.members))))  # fmt: skip
+
+    async def stop_profile(self) -> None:
+        await self._each("stop_profile")
+
     async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:
         responses: list[GenerateResponse] = await self._call(None, "generate", request)
         return responses
