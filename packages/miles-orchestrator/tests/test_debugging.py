@@ -219,3 +219,37 @@ def test_a_profiled_step_has_a_trace_and_every_step_its_phases(saved_run) -> Non
         assert mine["rollout"]["start"] <= mine["reward"]["start"] <= mine["reward"]["end"] <= mine["rollout"]["end"]
         assert mine["rollout"]["end"] <= mine["train"]["start"] <= mine["train"]["end"] <= mine["sync"]["start"]
     assert (saved_run / "timeline.png").stat().st_size > 10_000
+
+
+def test_a_profile_that_cannot_start_or_stop_is_logged_and_the_step_goes_on(tmp_path) -> None:
+    from miles_orchestrator.profiles import StepProfiler
+    from miles_orchestrator.run_dir import RunDir
+
+    class Cluster:  # an engine restarted mid-step is not recording: its /stop_profile is a 400
+        def __init__(self, fails_at: str) -> None:
+            self.fails_at = fails_at
+
+        async def start_profile(self, directory: Path) -> None:
+            if self.fails_at == "start":
+                raise RuntimeError("engine 0 is restarting")
+
+        async def stop_profile(self) -> None:
+            if self.fails_at == "stop":
+                raise RuntimeError("no profile is recording; start one first")
+
+    cfg = load_config(None, ["run.profile_steps=[1]", "run.num_steps=2"])
+    run = RunDir(tmp_path, quiet=True)
+
+    async def steps(cluster: Cluster) -> list[int]:
+        profiler, done = StepProfiler(cfg, cluster, run), []  # type: ignore[arg-type]
+        for step in (1, 2):
+            async with profiler.step(step):
+                done.append(step)
+        return done
+
+    assert asyncio.run(steps(Cluster("start"))) == [1, 2]
+    assert asyncio.run(steps(Cluster("stop"))) == [1, 2]
+    log = (tmp_path / "run.log").read_text()
+    assert "step 1 not profiled: RuntimeError: engine 0 is restarting" in log
+    assert "the profile of step 1 is incomplete" in log
+    assert (tmp_path / "profiles" / "step_000001" / "driver.trace.json").is_file()  # the driver's part is written

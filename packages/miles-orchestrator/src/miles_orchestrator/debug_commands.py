@@ -77,6 +77,8 @@ def _inspect(args: argparse.Namespace, run_dir: Path) -> int:
 
     saved = load_step(run_dir, args.step)
     console = Console()
+    if not console.is_terminal:  # piped to a file or a pager: a width that keeps every column whole
+        console = Console(width=160)
     if args.sample is None:
         console.print(step_view(saved))
     else:

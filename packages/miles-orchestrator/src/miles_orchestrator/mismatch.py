@@ -144,10 +144,11 @@ def plot_token_mismatch(report: dict[str, Any], path: Any) -> None:
 
 @contextmanager
 def capturing(model: torch.nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
-    """Forward hooks on the embedding, each decoder layer and the final norm of a miles-kernels `CausalLM`: every
-    call's output rows, in call order, under "embed", "layer_<i>", "norm"."""
+    """Forward hooks on the embedding, each decoder layer of the trunk (not the MTP modules) and the final norm of a
+    miles-kernels `CausalLM`: every call's output rows, in call order, under "embed", "layer_<i>", "norm"."""
     backbone: Any = model.model
-    named = [("embed", backbone.embed_tokens), *((f"layer_{i}", m) for i, m in enumerate(backbone.layers)),
+    trunk: Any = model.trunk_layers
+    named = [("embed", backbone.embed_tokens), *((f"layer_{i}", m) for i, m in enumerate(trunk)),
              ("norm", backbone.norm)]  # fmt: skip
     captured: dict[str, list[torch.Tensor]] = {name: [] for name, _ in named}
 
@@ -172,14 +173,18 @@ async def layer_divergence(cluster: Any, samples: list[Sample], tolerance: float
     layers: dict[str, dict[str, float]] = {}
     for sample in samples:
         tokens = sample.prompt_tokens + sample.response_tokens
+        await cluster.engine.flush_cache()  # the prefix cache would spare the engine rows of a shared prefix
         with capturing(cluster.engine_model) as engine:
             request = GenerateRequest(input_ids=tokens, sampling_params=SamplingParams(max_new_tokens=1))
             await cluster.engine.generate(request)
         with capturing(cluster.trainer_model) as trainer:
             await cluster.compute_logprobs([sample])
         for name in engine:
-            # the engine computed the rows its prefix cache did not hold (the sequence's last ones); the trainer
-            # computed the sequence's rows from the start (then maybe padding)
+            if not engine[name] or not trainer[name]:
+                raise RuntimeError(f"{name}: the engine's or the trainer's forward did not run it (sample "
+                                   f"{sample.index}); the layer comparison needs both models' trunk layers")  # fmt: skip
+            # the engine computed every row but maybe the last (a chunked prefill: in order); the trainer the
+            # sequence's rows from the start (then maybe padding)
             mine, theirs = torch.cat(engine[name]), torch.cat(trainer[name])[: len(tokens)]
             start = len(tokens) - len(mine)
             overlap = theirs[start:]
@@ -203,16 +208,24 @@ async def layer_divergence(cluster: Any, samples: list[Sample], tolerance: float
 
 
 def plot_layers(report: dict[str, Any], path: Any) -> None:
-    """The relative difference of each layer's outputs, log scale, the tolerance dashed."""
+    """The relative difference of each layer's outputs, log scale, the tolerance dashed; bitwise-equal layers as
+    green marks on the floor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(report["layers"])
-    values = [max(report["layers"][n]["relative_diff"], 1e-18) for n in names]
+    values = [report["layers"][n]["relative_diff"] for n in names]
+    floor = min([v for v in values if v > 0] + [report["tolerance"]]) / 100
     figure, axis = plt.subplots(figsize=(max(6, len(names) * 0.35), 3.8))
-    axis.semilogy(range(len(names)), values, "o-")
+    axis.semilogy(range(len(names)), [max(v, floor) for v in values], "-", color="tab:blue", alpha=0.5)
+    differing = [(i, v) for i, v in enumerate(values) if v > 0]
+    if differing:
+        axis.semilogy(*zip(*differing, strict=True), "o", color="tab:blue", label="differs")
+    equal = [i for i, v in enumerate(values) if v == 0]
+    if equal:
+        axis.semilogy(equal, [floor] * len(equal), "o", color="tab:green", label="bitwise equal")
     axis.axhline(report["tolerance"], linestyle="--", color="gray", label=f"tolerance {report['tolerance']:g}")
     axis.set_xticks(range(len(names)), names, rotation=60, fontsize=7)
     axis.set_ylabel("max |engine − trainer| / max |value|")

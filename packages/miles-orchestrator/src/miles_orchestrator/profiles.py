@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from miles_orchestrator.cluster import Cluster
 from miles_orchestrator.cluster.local import LocalCluster
@@ -32,19 +33,35 @@ class StepProfiler:
 
     @contextlib.asynccontextmanager
     async def step(self, step: int) -> AsyncIterator[None]:
-        """Profile the body when `step` is one of run.profile_steps."""
-        if step not in self.steps:
+        """Profile the body when `step` is one of run.profile_steps. A profile is a diagnostic: one that cannot
+        start or stop (an engine restarted during the step was not recording) is logged, and the run goes on."""
+        directory = self.run.path / PROFILES / f"step_{step:06d}"
+        if step not in self.steps or not await self._start(step, directory):
             yield
             return
-        directory = self.run.path / PROFILES / f"step_{step:06d}"
-        directory.mkdir(parents=True, exist_ok=True)
-        await self.cluster.start_profile(directory)
-        if self.driver is not None:
-            self.driver.start(directory / "driver.trace.json")
         try:
             yield
         finally:
-            if self.driver is not None:
-                self.driver.stop()
+            await self._stop(step, directory)
+
+    async def _start(self, step: int, directory: Path) -> bool:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            await self.cluster.start_profile(directory)
+        except Exception as error:
+            self.run.log(f"warning: step {step} not profiled: {type(error).__name__}: {error}")
+            return False
+        if self.driver is not None:
+            self.driver.start(directory / "driver.trace.json")
+        return True
+
+    async def _stop(self, step: int, directory: Path) -> None:
+        if self.driver is not None:
+            self.driver.stop()
+        try:
             await self.cluster.stop_profile()
-            self.run.log(f"profile of step {step}: {directory} (open its traces in ui.perfetto.dev)")
+        except Exception as error:
+            self.run.log(f"warning: the profile of step {step} is incomplete ({type(error).__name__}: {error}); "
+                         f"what was written is in {directory}")  # fmt: skip
+            return
+        self.run.log(f"profile of step {step}: {directory} (open its traces in ui.perfetto.dev)")

@@ -9,6 +9,10 @@
     RUN_DIR/summary.png          reward and evaluation curves; RUN_DIR/run.log  the log
     RUN_DIR/tensorboard/         TensorBoard events (run.log.tensorboard); RUN_DIR/wandb/  W&B's files (run.log.wandb)
     RUN_DIR/mlflow.db, mlartifacts/  the default MLflow store (run.log.mlflow); RUN_DIR/trackers.json  their run ids
+    RUN_DIR/timeline.jsonl, timeline.png  every step's phases (timeline.py)
+    RUN_DIR/rollouts/            each trained batch and its outcome (run.save_rollouts, rollout_dump.py)
+    RUN_DIR/profiles/step_N/     torch.profiler traces (run.profile_steps, profiles.py)
+    RUN_DIR/replay/, mismatch/   what miles-orchestrator replay and mismatch write (docs/debugging.md)
 
 Durability: a metrics line is flushed and fsynced as it is appended, and a rewrite of metrics.jsonl is a temp file,
 fsynced, renamed over it; a committed checkpoint has every file and directory fsynced before and after its rename.
