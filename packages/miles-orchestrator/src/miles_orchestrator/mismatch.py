@@ -181,10 +181,11 @@ async def layer_divergence(cluster: Any, samples: list[Sample], tolerance: float
             await cluster.compute_logprobs([sample])
         for name in engine:
             if not engine[name] or not trainer[name]:
-                raise RuntimeError(f"{name}: the engine's or the trainer's forward did not run it (sample "
-                                   f"{sample.index}); the layer comparison needs both models' trunk layers")  # fmt: skip
-            # the engine computed every row but maybe the last (a chunked prefill: in order); the trainer the
-            # sequence's rows from the start (then maybe padding)
+                raise RuntimeError(
+                    f"{name}: the engine's or the trainer's forward did not run it (sample {sample.index})"
+                )
+            # the engine computed the sequence's rows (a chunked prefill: in order, the prefix cache flushed); the
+            # trainer its rows from the start (then maybe padding)
             mine, theirs = torch.cat(engine[name]), torch.cat(trainer[name])[: len(tokens)]
             start = len(tokens) - len(mine)
             overlap = theirs[start:]
