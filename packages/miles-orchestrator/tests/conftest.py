@@ -19,6 +19,18 @@ def plugins_on_path() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random dense policy (seed 3) with the test tokenizer, as a Hugging Face directory: the runs of the
+    local-cluster, tracker and debugging tests start from it (none writes into it)."""
+    from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
+
+    path = tmp_path_factory.mktemp("policy")
+    tokenizer = build_tokenizer(vocab_size=300)
+    save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, object]]:
     """An in-process embedded engine on a small random dense model with a test tokenizer, and its `PromptEncoder`."""

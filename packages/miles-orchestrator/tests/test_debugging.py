@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from miles_contracts import ChatMessage, Sample, SampleStatus
-from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator.cli import main
 from miles_orchestrator.config import load_config
 from miles_orchestrator.rollout_dump import RolloutDump, load_step, saved_steps
@@ -35,14 +34,6 @@ SMALL = [
     "reward.num_workers=1", "rollout.engine.num_kv_pages=128", "run.num_threads=1", "run.eval_every=0",
     "reward.name=orchestrator_plugins:even_tokens", "trainer.optimizer.lr=1e-2", "run.save_rollouts=true",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = build_tokenizer(vocab_size=300)
-    save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)
-    return path
 
 
 def run(policy: Path, run_dir: Path, *overrides: str) -> Path:

@@ -29,14 +29,6 @@ VARYING_SUFFIXES = ("time", "_time_s", "_per_s", "_mfu")  # wall-clock measureme
 MEMORY_PREFIX = "mem_"
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = build_tokenizer(vocab_size=300)
-    save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)
-    return path
-
-
 def run(policy: Path, run_dir: Path, *overrides: str) -> list[dict]:
     cfg = load_config(None, [*SMALL, f"model.path={policy}", f"run.run_dir={run_dir}", *overrides])
     return run_training(cfg, str(policy), RunDir(run_dir, quiet=True))

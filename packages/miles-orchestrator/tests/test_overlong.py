@@ -69,6 +69,7 @@ class Parts:
     rewards: Rewards
     rollout_fn: object = single_turn
     teacher: object = None
+    throughput: object = None
 
 
 def test_dynamic_sampling_fires_an_over_sampling_round_and_dapos_overlong_tools_apply(tiny_engine, tmp_path) -> None:

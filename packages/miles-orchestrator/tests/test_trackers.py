@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from miles_kernels.testing import build_tokenizer, save_random_model, tiny_config
 from miles_orchestrator.cli import main
 from miles_orchestrator.config import load_config
 from miles_orchestrator.run_dir import RunDir
@@ -41,14 +40,6 @@ def isolate(patch: pytest.MonkeyPatch, root: Path) -> None:
     for name in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "MLFLOW_TRACKING_URI"):
         patch.delenv(name, raising=False)
     patch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = build_tokenizer(vocab_size=300)
-    save_random_model(path, tiny_config("dense", vocab_size=len(tokenizer)), seed=3, tokenizer=tokenizer)
-    return path
 
 
 @pytest.fixture(scope="module")
