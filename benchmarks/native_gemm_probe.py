@@ -9,7 +9,9 @@ panel's rows in blocks of MR (the tail in blocks of MR/2, MR/4, ..., 1) into MR 
 arithmetic never depends on M, on its row's block or on the thread count, so the kernel is batch-invariant by
 construction; the probe checks it (every row alone against the batch, 1 thread against 2) and records the times of
 each (MR, NR) at the vs-TRL policy's linear shapes for M = 1, 8, 64 (decode) and 600 (a train step's rows).
-Forward GEMM, float32 only: the backward GEMMs, bf16 inputs, dispatch without `-march=native` and the build at
+`avx512_8x32` is the 8 x 32 blocking written with AVX-512 intrinsics (the accumulators held in registers; the
+generic loops leave that to the compiler); it is measured where the CPU has AVX-512. Forward GEMM, float32 only:
+the backward GEMMs, bf16 inputs, dispatch without `-march=native` and the build at
 `uv sync` are not done here.
 
     uv run python benchmarks/native_gemm_probe.py --out benchmarks/results/native_gemm_probe.json
@@ -34,6 +36,7 @@ from miles_kernels import KernelConfig, tiled_matmul
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 template <int NR>
 torch::Tensor pack(torch::Tensor W) {  // (N, K) -> (ceil(N / NR), K, NR), zero-padded columns
@@ -90,13 +93,65 @@ torch::Tensor gemm(torch::Tensor A, torch::Tensor P, int64_t N) {
   return C;
 }
 
+#ifdef __AVX512F__
+// the same chains with AVX-512 intrinsics: two 16-float vectors per row, the accumulators in registers
+template <int MR>
+static inline void micro512(const float* __restrict A, int64_t lda, const float* __restrict P, int64_t K,
+                            float* __restrict C, int64_t ldc, int64_t ncols) {
+  __m512 lo[MR], hi[MR];
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(P + k * 32), b1 = _mm512_loadu_ps(P + k * 32 + 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
+      lo[r] = _mm512_fmadd_ps(a, b0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(a, b1, hi[r]);
+    }
+  }
+  alignas(64) float row[32];
+  for (int r = 0; r < MR; ++r) {
+    _mm512_store_ps(row, lo[r]);
+    _mm512_store_ps(row + 16, hi[r]);
+    for (int c = 0; c < ncols; ++c) C[r * ldc + c] = row[c];
+  }
+}
+
+template <int MR>
+static void rows512(const float* A, int64_t lda, const float* P, int64_t K, float* C, int64_t ldc, int64_t ncols,
+                    int64_t M) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) micro512<MR>(A + m * lda, lda, P, K, C + m * ldc, ldc, ncols);
+  if constexpr (MR > 1) {
+    if (M > m) rows512<MR / 2>(A + m * lda, lda, P, K, C + m * ldc, ldc, ncols, M - m);
+  }
+}
+
+torch::Tensor gemm_avx512_8x32(torch::Tensor A, torch::Tensor P, int64_t N) {
+  A = A.contiguous();
+  const int64_t M = A.size(0), K = A.size(1), np = P.size(0);
+  auto C = torch::empty({M, N}, A.options());
+  const float* a = A.data_ptr<float>();
+  const float* p = P.data_ptr<float>();
+  float* c = C.data_ptr<float>();
+  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t q = p0; q < p1; ++q)
+      rows512<8>(a, K, p + q * K * 32, K, c + q * 32, N, std::min<int64_t>(32, N - q * 32), M);
+  });
+  return C;
+}
+#else
+torch::Tensor gemm_avx512_8x32(torch::Tensor A, torch::Tensor P, int64_t N) {
+  TORCH_CHECK(false, "this CPU has no AVX-512");
+}
+#endif
+
 torch::Tensor pack32(torch::Tensor W) { return pack<32>(W); }
 torch::Tensor pack48(torch::Tensor W) { return pack<48>(W); }
 torch::Tensor gemm_4x32(torch::Tensor A, torch::Tensor P, int64_t N) { return gemm<4, 32>(A, P, N); }
 torch::Tensor gemm_8x32(torch::Tensor A, torch::Tensor P, int64_t N) { return gemm<8, 32>(A, P, N); }
 torch::Tensor gemm_4x48(torch::Tensor A, torch::Tensor P, int64_t N) { return gemm<4, 48>(A, P, N); }
 """
-KERNELS = {"4x32": "pack32", "8x32": "pack32", "4x48": "pack48"}  # MRxNR: its packing
+KERNELS = {"4x32": "pack32", "8x32": "pack32", "4x48": "pack48", "avx512_8x32": "pack32"}  # kernel: its packing
 # (in, out) of each linear layer of the vs-TRL policy's decoder layer (benchmarks/tiled_gemm.py)
 SHAPES = {
     "q_proj": (256, 256), "k_proj / v_proj": (256, 128), "gate_proj / up_proj": (256, 768), "down_proj": (768, 256),
@@ -125,6 +180,9 @@ def main() -> None:
     args = parser.parse_args()
     from torch.utils.cpp_extension import load_inline
 
+    has_avx512 = "avx512f" in host_info().get("isa_flags", [])
+    if not has_avx512:
+        KERNELS.pop("avx512_8x32")
     built = time.perf_counter()
     native = load_inline("miles_native_gemm_probe", cpp_sources=SOURCE, functions=[*set(KERNELS.values()),
                          *(f"gemm_{k}" for k in KERNELS)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
