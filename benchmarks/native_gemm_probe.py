@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from host import host_info
+from tiled_gemm import median_us
 
 from miles_kernels import KernelConfig, tiled_matmul
 
@@ -78,8 +78,11 @@ static void rows(const float* A, int64_t lda, const float* P, int64_t K, float* 
   }
 }
 
-template <int MR, int NR>
-torch::Tensor gemm(torch::Tensor A, torch::Tensor P, int64_t N) {
+using Rows = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+
+// C = A W^T: the panels of NR columns shared out over the threads, each panel's rows by `panel_rows`
+template <int NR>
+torch::Tensor drive(torch::Tensor A, torch::Tensor P, int64_t N, Rows panel_rows) {
   A = A.contiguous();
   const int64_t M = A.size(0), K = A.size(1), np = P.size(0);
   auto C = torch::empty({M, N}, A.options());
@@ -88,10 +91,13 @@ torch::Tensor gemm(torch::Tensor A, torch::Tensor P, int64_t N) {
   float* c = C.data_ptr<float>();
   at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t q = p0; q < p1; ++q)
-      rows<MR, NR>(a, K, p + q * K * NR, K, c + q * NR, N, std::min<int64_t>(NR, N - q * NR), M);
+      panel_rows(a, K, p + q * K * NR, K, c + q * NR, N, std::min<int64_t>(NR, N - q * NR), M);
   });
   return C;
 }
+
+template <int MR, int NR>
+torch::Tensor gemm(torch::Tensor A, torch::Tensor P, int64_t N) { return drive<NR>(A, P, N, rows<MR, NR>); }
 
 #ifdef __AVX512F__
 // the same chains with AVX-512 intrinsics: two 16-float vectors per row, the accumulators in registers
@@ -126,19 +132,7 @@ static void rows512(const float* A, int64_t lda, const float* P, int64_t K, floa
   }
 }
 
-torch::Tensor gemm_avx512_8x32(torch::Tensor A, torch::Tensor P, int64_t N) {
-  A = A.contiguous();
-  const int64_t M = A.size(0), K = A.size(1), np = P.size(0);
-  auto C = torch::empty({M, N}, A.options());
-  const float* a = A.data_ptr<float>();
-  const float* p = P.data_ptr<float>();
-  float* c = C.data_ptr<float>();
-  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t q = p0; q < p1; ++q)
-      rows512<8>(a, K, p + q * K * 32, K, c + q * 32, N, std::min<int64_t>(32, N - q * 32), M);
-  });
-  return C;
-}
+torch::Tensor gemm_avx512_8x32(torch::Tensor A, torch::Tensor P, int64_t N) { return drive<32>(A, P, N, rows512<8>); }
 #else
 torch::Tensor gemm_avx512_8x32(torch::Tensor A, torch::Tensor P, int64_t N) {
   TORCH_CHECK(false, "this CPU has no AVX-512");
@@ -156,20 +150,6 @@ KERNELS = {"4x32": "pack32", "8x32": "pack32", "4x48": "pack48", "avx512_8x32": 
 SHAPES = {
     "q_proj": (256, 256), "k_proj / v_proj": (256, 128), "gate_proj / up_proj": (256, 768), "down_proj": (768, 256),
 }  # fmt: skip
-
-
-def median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median microseconds per call of each function, called in turn."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(5):
-        for fn in fns.values():
-            fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: round(statistics.median(t) * 1e6, 1) for name, t in times.items()}
 
 
 def main() -> None:

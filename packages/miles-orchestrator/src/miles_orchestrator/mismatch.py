@@ -54,8 +54,9 @@ def token_mismatch(
     """The token-level report (module docstring) over the step's trained tokens."""
     rows = []  # (|Δ|, Δ, sample, position, rollout log-prob, trainer log-prob)
     for i, ((rollout, trainer), sample) in enumerate(zip(token_pairs(saved), saved.samples, strict=True)):
+        mask = sample.effective_loss_mask()
         for t, (r, p) in enumerate(zip(rollout, trainer, strict=True)):
-            if sample.effective_loss_mask()[t]:
+            if mask[t]:
                 rows.append((abs(p - r), p - r, i, t, r, p))
     if not rows:
         raise ValueError(f"step {saved.step} has no trained token")

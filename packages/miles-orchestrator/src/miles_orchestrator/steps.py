@@ -67,18 +67,16 @@ async def train_batch(
     optimizer steps and the trainer's weight digests after them; with `throughput`, the training's model TFLOP/s
     (and MFU)."""
     prepared = await prepare_batch(cfg, cluster, batch, trained_version)
-    is_saved = dump is not None and dump.wants(step)
+    dump = dump if dump is not None and dump.wants(step) else None
     saving = time.perf_counter()
-    if is_saved:
-        assert dump is not None
+    if dump is not None:
         dump.write_batch(step, batch, prepared.advantages, prepared.old_logprobs, trained_version)
     saved_s = time.perf_counter() - saving
     metrics = prepared.metrics | await train(cfg, cluster, prepared, run)
     if throughput is not None:  # one forward and backward pass over the batch, after π_old's forward if recomputed
         num_forwards = int(prepared.old_logprobs is not None)
         metrics |= throughput.train([s.num_tokens for s in batch], metrics["train_time_s"], num_forwards=num_forwards)
-    if is_saved:
-        assert dump is not None
+    if dump is not None:
         saving = time.perf_counter()
         dump.write_outcome(step, metrics, await cluster.trainer_digests())
         metrics["save_rollouts_s"] = saved_s + time.perf_counter() - saving  # the batch's file and the digests
