@@ -1,11 +1,14 @@
-"""Benchmark: the cost of fixed tiles, Miles' batch-invariant linear layer against one plain GEMM, side by side.
+"""Benchmark: the cost of batch invariance, Miles' deterministic linear layers against one plain GEMM, side by side.
 
 At the vs-TRL policy's linear shapes (hidden 256, 8 heads / 4 KV heads of 32, intermediate 768: the seven linear
 layers of a decoder layer), float32, for M rows: `tiled_matmul(x, W, tile)` (the deterministic forward: M cut into
 tiles of `tile` rows, one fixed-shape `bmm`, the last tile zero-padded) and `F.linear(x, W)` (one GEMM of M rows:
-the fast mode's forward and every backward GEMM). M = 8 (a decode step's tail), 64 (a full decode step of
-`vs_trl.py`) and 600 (a train step's packed rows). Each number is the median of `--repeats` calls after warm-up,
-the two forms called in turn; `decoder_layer_<M>_rows` sums the seven linear layers of one decoder layer.
+the fast mode's forward and the torch-tiled backend's backward GEMMs) and `native_matmul` (the `native` backend:
+miles_kernels/native, batch-invariant by construction). M = 1 (one sequence decoding), 8 (a decode step's tail),
+64 (a full decode step of `vs_trl.py`) and 600 (a train step's packed rows). Each number is the median of
+`--repeats` calls after warm-up, the forms called in turn; `decoder_layer_<M>_rows` sums the seven linear layers
+of one decoder layer. `backward_<M>_rows` does the same for the two backward GEMMs at the largest M (dX = g W,
+dW = g^T x): plain GEMMs against the native outer-product kernel.
 
     uv run python benchmarks/tiled_gemm.py --out benchmarks/results/tiled_gemm.json
 """
@@ -24,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from host import host_info
 
-from miles_kernels import KernelConfig, tiled_matmul
+from miles_kernels import KernelConfig, native_matmul, tiled_matmul
+from miles_kernels.native import isa, native_mm
 
 # (in, out) of each linear layer of a decoder layer, and how many of them have that shape
 SHAPES = {
@@ -34,7 +38,7 @@ SHAPES = {
     "gate_proj / up_proj": ((256, 768), 2),
     "down_proj": ((768, 256), 1),
 }
-FORMS = ("tiled", "plain")
+FORMS = ("tiled", "native", "plain")
 
 
 def median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -54,12 +58,13 @@ def median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/tiled_gemm.json")
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 600])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 600])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--tile", type=int, default=KernelConfig().linear_tile)
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     table: dict[str, dict[str, float]] = {}
+    backward: dict[str, dict[str, float]] = {}
     with torch.no_grad():
         for name, ((k, n), _) in SHAPES.items():
             weight = torch.randn(n, k, generator=generator)
@@ -67,20 +72,32 @@ def main() -> None:
                 x = torch.randn(rows, k, generator=generator)
                 forms = {
                     "tiled": functools.partial(tiled_matmul, x, weight, args.tile),
+                    "native": functools.partial(native_matmul, x, weight),
                     "plain": functools.partial(F.linear, x, weight),
                 }
                 us = median_us(forms, args.repeats)
-                table[f"{name} {k}x{n}, {rows} rows"] = {**us, "tiled_over_plain": round(us["tiled"] / us["plain"], 2)}
-                print(f"{name:20s} {k}x{n} rows {rows:4d}: tiled {us['tiled']:8.1f} us, plain {us['plain']:8.1f} us")
+                table[f"{name} {k}x{n}, {rows} rows"] = {**us, **_ratios(us)}
+                print(f"{name:20s} {k}x{n} rows {rows:4d}: " + ", ".join(f"{f} {us[f]:8.1f} us" for f in FORMS))
+            rows = max(args.rows)
+            x, grad = torch.randn(rows, k, generator=generator), torch.randn(rows, n, generator=generator)
+            us = median_us({
+                "plain_dx": lambda grad=grad, weight=weight: grad @ weight,
+                "native_dx": lambda grad=grad, weight=weight: native_mm(grad, weight),
+                "plain_dw": lambda grad=grad, x=x: grad.t() @ x,
+                "native_dw": lambda grad=grad, x=x: native_mm(grad.t(), x),
+            }, args.repeats)  # fmt: skip
+            backward[f"{name} {k}x{n}, {rows} rows"] = us
     results: dict[str, object] = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "host": host_info(),
         "dtype": "float32",
+        "native_isa": isa(),
         "tile": args.tile,
         "repeats": args.repeats,
         "unit": "microseconds per call (median)",
         "per_shape": table,
+        "backward_per_shape": backward,
     }
     for rows in args.rows:
         total = {
@@ -88,12 +105,25 @@ def main() -> None:
                             for name, ((k, n), count) in SHAPES.items()), 1)
             for form in FORMS
         }  # fmt: skip
-        ratio = round(total["tiled"] / total["plain"], 2)
-        results[f"decoder_layer_{rows}_rows"] = {**total, "tiled_over_plain": ratio}
+        results[f"decoder_layer_{rows}_rows"] = {**total, **_ratios(total)}
+    rows = max(args.rows)
+    sums = {
+        form: round(sum(backward[f"{name} {k}x{n}, {rows} rows"][form] * count
+                        for name, ((k, n), count) in SHAPES.items()), 1)
+        for form in ("plain_dx", "native_dx", "plain_dw", "native_dw")
+    }  # fmt: skip
+    results[f"backward_{rows}_rows"] = {
+        **sums, "native_over_plain_dx": round(sums["native_dx"] / sums["plain_dx"], 2),
+        "native_over_plain_dw": round(sums["native_dw"] / sums["plain_dw"], 2),
+    }  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in results.items() if k.startswith("decoder_layer_")}, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k.startswith(("decoder_layer_", "backward_"))}, indent=2))
+
+
+def _ratios(us: dict[str, float]) -> dict[str, float]:
+    return {f"{form}_over_plain": round(us[form] / us["plain"], 2) for form in ("tiled", "native")}
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Every row of every sequence must equal, bit for bit, the trainer-style packed forward of the same sequences,
 whatever the engine-style schedule: alone or in batches of 1..64, prefill vs decode vs chunked prefill, with a
 reused prefix, with 1 or 2 threads, every family (Qwen2.5 with a sliding-window layer too; DeepSeek-V3 through its
-latent cache), fp32 and bf16.
-Several seeds, because one row can match by luck.
+latent cache), fp32 and bf16, on each deterministic linear backend of the CPU (the torch-tiled GEMMs and the
+native kernels). Several seeds, because one row can match by luck.
 """
 
 from __future__ import annotations
@@ -28,8 +28,14 @@ def random_seqs(vocab: int, lengths: list[int], seed: int) -> list[torch.Tensor]
 SLIDING = {"sliding_window": 11, "layer_types": ("full_attention", "sliding_attention")}
 
 
-def make_model(kind: str, seed: int, dtype: str = "float32", **overrides):
-    kernel = SMALL_KERNEL.model_copy(update={"dtype": dtype})
+@pytest.fixture(params=["torch-tiled", "native"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The deterministic linear backend under test."""
+    return str(request.param)
+
+
+def make_model(kind: str, seed: int, backend: str, dtype: str = "float32", **overrides):
+    kernel = SMALL_KERNEL.model_copy(update={"dtype": dtype, "linear_backend": backend})
     if kind == "qwen2-window":
         kind, overrides = "qwen2", SLIDING | overrides
     return random_model(tiny_config(kind, **overrides), kernel, seed=seed)
@@ -43,8 +49,8 @@ def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window", "deepseek"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_packed_batch_composition(kind: str, seed: int) -> None:
-    model = make_model(kind, seed)
+def test_packed_batch_composition(kind: str, seed: int, backend: str) -> None:
+    model = make_model(kind, seed, backend)
     seqs = random_seqs(model.config.vocab_size, [1, 7, 23, 4, 40, 9], seed)
     reference = packed_logits(model, seqs)
     for i, seq in enumerate(seqs):
@@ -56,8 +62,8 @@ def test_packed_batch_composition(kind: str, seed: int) -> None:
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window", "deepseek"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
-    model = make_model(kind, seed)
+def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int, backend: str) -> None:
+    model = make_model(kind, seed, backend)
     vocab = model.config.vocab_size
     prompts = random_seqs(vocab, [19, 3, 33, 11], seed)
     continuations = random_seqs(vocab, [6, 9, 4, 12], seed + 100)
@@ -92,10 +98,10 @@ def test_prefill_decode_chunked_and_prefix_reuse(kind: str, seed: int) -> None:
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "glm", "qwen2", "llama", "qwen2-window", "deepseek"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_verify_shaped_steps_equal_one_token_decode(kind: str, seed: int) -> None:
+def test_verify_shaped_steps_equal_one_token_decode(kind: str, seed: int, backend: str) -> None:
     """Speculative decoding's verify forward: k + 1 new tokens per sequence after a cached prefix, next to
     sequences decoding one token, give every row the bits of the packed forward (so of one-token decode too)."""
-    model = make_model(kind, seed)
+    model = make_model(kind, seed, backend)
     vocab = model.config.vocab_size
     prompts = random_seqs(vocab, [13, 8, 21, 5], seed)
     drafts = random_seqs(vocab, [4, 1, 3, 4], seed + 50)  # k + 1 = 4, 1 (plain decode), 3, 4 rows
@@ -109,8 +115,8 @@ def test_verify_shaped_steps_equal_one_token_decode(kind: str, seed: int) -> Non
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_decode_batch_sizes_1_to_64(kind: str) -> None:
-    model = make_model(kind, seed=3)
+def test_decode_batch_sizes_1_to_64(kind: str, backend: str) -> None:
+    model = make_model(kind, 3, backend)
     vocab = model.config.vocab_size
     seqs = random_seqs(vocab, [5 + (7 * i) % 23 for i in range(64)], seed=3)
     reference = packed_logits(model, seqs)
@@ -124,8 +130,8 @@ def test_decode_batch_sizes_1_to_64(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_one_vs_two_threads(kind: str) -> None:
-    model = make_model(kind, seed=4)
+def test_one_vs_two_threads(kind: str, backend: str) -> None:
+    model = make_model(kind, 4, backend)
     seqs = random_seqs(model.config.vocab_size, [13, 1, 29], seed=4)
     torch.set_num_threads(2)
     two = packed_logits(model, seqs)
@@ -136,8 +142,8 @@ def test_one_vs_two_threads(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["moe", "glm", "deepseek"])
-def test_bfloat16_model_is_invariant(kind: str) -> None:
-    model = make_model(kind, seed=5, dtype="bfloat16")
+def test_bfloat16_model_is_invariant(kind: str, backend: str) -> None:
+    model = make_model(kind, 5, backend, dtype="bfloat16")
     seqs = random_seqs(model.config.vocab_size, [9, 21, 2], seed=5)
     reference = packed_logits(model, seqs)
     driver = PagedRunner(model)
@@ -150,7 +156,7 @@ def test_bfloat16_model_is_invariant(kind: str) -> None:
 
 def test_fast_mode_is_not_claimed_invariant_but_close() -> None:
     """Fast mode runs plain torch ops: close to deterministic mode, not promised to be bitwise."""
-    det = make_model("dense", seed=6)
+    det = make_model("dense", 6, "torch-tiled")
     fast = random_model(det.config, KernelConfig(mode="fast", page_size=8), seed=6)
     seqs = random_seqs(det.config.vocab_size, [12, 30], seed=6)
     for a, b in zip(packed_logits(det, seqs), packed_logits(fast, seqs), strict=True):

@@ -45,7 +45,7 @@ from .model_config import ModelConfig
 from .ops.activation import swiglu
 from .ops.attention import attention, packed_attention
 from .ops.attention_batch import NULL_PAGE, AttentionBatch, build_attention_batch, build_packed_batch
-from .ops.linear import linear, merge_lora, tiled_matmul
+from .ops.linear import linear, merge_lora, native_matmul, tiled_matmul
 from .ops.moe import (
     Routing,
     combine_ranks,
@@ -181,6 +181,7 @@ __all__ = [
     "load_state",
     "logprob_temperatures",
     "merge_lora",
+    "native_matmul",
     "new_eagle3",
     "normalized_items",
     "num_absent_mtp_layers",

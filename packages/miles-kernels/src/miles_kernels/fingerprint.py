@@ -16,6 +16,7 @@ import miles_kernels.ops.attention
 import miles_kernels.ops.linear
 import miles_kernels.ops.norm  # noqa: F401  (registers the backends)
 from miles_kernels.config import KernelConfig, WeightQuantConfig
+from miles_kernels.native import build as native_build
 from miles_kernels.registry import get_backend
 
 
@@ -30,7 +31,10 @@ def resolved_backends(kernel: KernelConfig) -> dict[str, str]:
 
 
 def _identity(kernel: KernelConfig, device_type: str, weights: WeightQuantConfig | None) -> dict[str, object]:
-    identity: dict[str, object] = {**kernel.model_dump(), **resolved_backends(kernel), "torch": torch.__version__}
+    backends = resolved_backends(kernel)
+    identity: dict[str, object] = {**kernel.model_dump(), **backends, "torch": torch.__version__}
+    if backends["linear"] == "native" and device_type == "cpu":  # the sources fix its arithmetic, not the ISA
+        identity["native_sources"] = native_build.source_hash()
     if device_type != "cpu":  # CPU fingerprints predate devices: they keep their value (caches, checkpoints)
         identity["device_type"] = device_type
     if weights is not None and weights.is_enabled:  # likewise: kernel-dtype weights add nothing

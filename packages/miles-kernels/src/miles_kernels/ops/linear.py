@@ -14,6 +14,12 @@ batch count too (a row changed with M by up to 5e-4), and even at a fixed batch 
 batch (stride 0) gave a row that depended on the other tiles' values (9e-6). There the rows go in plain GEMMs of
 one fixed shape, `tile * CUDA_TILES_PER_GEMM` rows each (the last zero-padded): invariant in every case measured.
 Batched products of distinct matrices (attention) go through `invariant_bmm`: a fixed batch count per call.
+
+The `native` backend (`native_matmul`, miles_kernels/native) is batch-invariant by construction instead: a C++
+kernel computes each output element as 16 lane chains of fused multiply-adds over k in order, added in one fixed
+tree, the same bits at any M, thread count and instruction set (AVX-512, AVX2, generic); its backward runs the
+native outer-product kernel (each element one chain over the reduced dimension in order), so the gradients are
+fixed by construction too. On CUDA tensors it runs the torch-tiled CUDA form.
 Shapes: x_MK, weight_NK, out_MN.
 """
 
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from miles_kernels import native
 from miles_kernels.registry import get_backend, register_backend
 from miles_kernels.triton_ops import triton_available
 
@@ -123,6 +130,31 @@ def _tiled_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int) -> tor
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def native_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, tile: int = 16) -> torch.Tensor:
+    """`x @ weight.T` by the native kernels (module docstring): batch-invariant by construction on the CPU,
+    differentiable with native gradients; on CUDA the torch-tiled form with `tile`-row tiles."""
+    if x_MK.is_cuda:
+        return tiled_matmul(x_MK, weight_NK, tile)
+    if torch.is_grad_enabled() and (x_MK.requires_grad or weight_NK.requires_grad):
+        out: torch.Tensor = _NativeMatmul.apply(x_MK, weight_NK)
+        return out
+    return native.native_linear(x_MK, weight_NK)
+
+
+class _NativeMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x_MK, weight_NK)
+        return native.native_linear(x_MK, weight_NK)
+
+    @staticmethod
+    def backward(ctx: Any, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        x_MK, weight_NK = ctx.saved_tensors
+        grad_x = native.native_mm(grad_MN, weight_NK) if ctx.needs_input_grad[0] else None
+        grad_weight = native.native_mm(grad_MN.t(), x_MK) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
 def _rows_linear(
     matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
     bias: torch.Tensor | None, tile: int,
@@ -138,6 +170,12 @@ def _tiled_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
 ) -> torch.Tensor:
     return _rows_linear(tiled_matmul, x, weight, bias, config.linear_tile)
+
+
+def _native_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
+) -> torch.Tensor:
+    return _rows_linear(native_matmul, x, weight, bias, config.linear_tile)
 
 
 def _plain_linear(
@@ -158,6 +196,9 @@ register_backend("linear:deterministic", "torch-tiled", _tiled_linear)
 # The persistent Triton matmul (miles_kernels/triton_ops/matmul.py): chosen by name (kernel.linear_backend=triton)
 # until its GPU speed is measured; `auto` keeps torch-tiled.
 register_backend("linear:deterministic", "triton", _triton_linear, is_available=triton_available, priority=-1)
+# The native kernels (miles_kernels/native): chosen by name (kernel.linear_backend=native) until the fused attention
+# lands with them and the default run is measured on both; `auto` keeps torch-tiled.
+register_backend("linear:deterministic", "native", _native_linear, is_available=native.status, priority=-1)
 register_backend("linear:fast", "torch", _plain_linear)
 
 
@@ -168,6 +209,14 @@ def linear(
     backend = get_backend(f"linear:{config.mode}", config.linear_backend)
     out: torch.Tensor = backend.fn(x, weight, bias, config)
     return out
+
+
+def rows_matmul(x_MK: torch.Tensor, weight_NK: torch.Tensor, config: KernelConfig, tile: int) -> torch.Tensor:
+    """`x @ weight.T` by the deterministic linear backend `config` resolves to, with `tile`-row tiles where it
+    tiles (MoE experts use their own tile); differentiable."""
+    if get_backend(f"linear:{config.mode}", config.linear_backend).name == "native":
+        return native_matmul(x_MK, weight_NK, tile)
+    return tiled_matmul(x_MK, weight_NK, tile)
 
 
 def head_linear(x_NHK: torch.Tensor, weight_HOK: torch.Tensor, config: KernelConfig) -> torch.Tensor:

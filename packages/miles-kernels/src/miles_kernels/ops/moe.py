@@ -32,7 +32,7 @@ import torch
 
 from miles_kernels.config import KernelConfig
 from miles_kernels.ops.activation import sigmoid, swiglu
-from miles_kernels.ops.linear import linear, tiled_matmul
+from miles_kernels.ops.linear import linear, rows_matmul
 
 
 class Routing(NamedTuple):
@@ -130,7 +130,7 @@ def select_experts(
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, config: KernelConfig) -> torch.Tensor:
     if config.is_deterministic:
-        return tiled_matmul(x, weight, config.moe_tile)
+        return rows_matmul(x, weight, config, config.moe_tile)
     return linear(x, weight, config)
 
 

@@ -1,0 +1,165 @@
+"""The native CPU kernels: a C++ library (gemm.cpp, built by build.py when the package installs) called through
+ctypes, with no torch headers in it, so one build serves every torch version.
+
+`native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation),
+each output element one fused multiply-add chain over the inner dimension in order: batch-invariant by construction,
+the same bits at any thread count and on every instruction set the library dispatches to (AVX-512, AVX2, generic).
+`status()` says whether the library is usable here, or why not; the op registry's `native` linear backend is
+available exactly when it is (ops/linear.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from miles_kernels.native import build as _build
+
+logger = logging.getLogger("miles_kernels.native")
+
+# The widest first. MILES_NATIVE_ISA=<name> restricts the choice to that build (tests compare them).
+ISAS = tuple(name for name, _ in _build.isas())
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}  # "lib", "isa" once loaded; "reason" when it cannot be
+
+
+def library_path() -> Path:
+    """Where the installed library is (next to this file; an editable install builds it there)."""
+    return Path(__file__).resolve().parent / _build.LIBRARY
+
+
+def _load() -> None:
+    path = library_path()
+    if not path.exists():
+        _STATE["reason"] = (
+            f"the native library was not built ({path} is missing: no C++ compiler when the package installed?); "
+            "build it with `python -m miles_kernels.native build`"
+        )
+        return
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        _STATE["reason"] = f"the native library {path} does not load: {exc}"
+        return
+    lib.miles_native_source_hash.restype = ctypes.c_char_p
+    built_from = lib.miles_native_source_hash().decode()
+    if built_from != _build.source_hash():
+        _STATE["reason"] = (
+            f"the native library {path} was built from other sources ({built_from}, these are "
+            f"{_build.source_hash()}); rebuild it with `python -m miles_kernels.native build`"
+        )
+        return
+    lib.miles_native_cpu_supports.argtypes = [ctypes.c_char_p]
+    wanted = os.environ.get("MILES_NATIVE_ISA")
+    if wanted is not None and wanted not in ISAS:
+        _STATE["reason"] = f"MILES_NATIVE_ISA={wanted!r} is not one of the builds {list(ISAS)}"
+        return
+    usable = [isa for isa in ISAS if lib.miles_native_cpu_supports(isa.encode()) and wanted in (None, isa)]
+    if not usable:
+        _STATE["reason"] = f"this CPU runs none of the native builds {[wanted] if wanted else list(ISAS)}"
+        return
+    isa = usable[0]
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    args = [pointer, size, size, pointer, size, size, pointer, size, size, size, size, ctypes.c_int]
+    dot_args = [pointer, size, pointer, size, pointer, size, size, size, size, ctypes.c_int]
+    for suffix in _DTYPES.values():
+        for kernel, argtypes in (("gemm", args), ("dot", dot_args)):
+            fn = getattr(lib, f"miles_{kernel}_{suffix}_{isa}")
+            fn.argtypes, fn.restype = argtypes, None
+            _STATE[f"{kernel}_{suffix}"] = fn
+    _STATE["lib"], _STATE["isa"] = lib, isa
+
+
+def _state() -> dict[str, object]:
+    if not _STATE:
+        with _LOCK:
+            if not _STATE:
+                _load()
+                if "reason" in _STATE:  # once per process: the registry falls back to the torch-tiled kernels
+                    logger.warning("native CPU kernels unavailable: %s", _STATE["reason"])
+    return _STATE
+
+
+def status() -> bool | str:
+    """True when the native kernels run here, else why not (the registry's `is_available` answer)."""
+    state = _state()
+    return True if "lib" in state else str(state["reason"])
+
+
+def isa() -> str:
+    """The instruction-set build in use ("avx512", "avx2" or "generic"); RuntimeError when the library is not
+    usable."""
+    state = _state()
+    if "lib" not in state:
+        raise RuntimeError(str(state["reason"]))
+    return str(state["isa"])
+
+
+def _loaded() -> dict[str, object]:
+    state = _state()
+    if "lib" not in state:
+        raise RuntimeError(str(state["reason"]))
+    return state
+
+
+def _operands(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """Checked operands in a dtype the kernels take (float16 as float32: exact), and the dtype of the result."""
+    if a.device.type != "cpu" or b.device.type != "cpu":
+        raise ValueError(f"{name} runs on CPU tensors; got {a.device} and {b.device}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"{name} needs one dtype; got {a.dtype} and {b.dtype}")
+    dtype = a.dtype
+    if dtype == torch.float16:
+        return a.float(), b.float(), dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"{name} runs float32, bfloat16 and float16; got {dtype}")
+    return a, b, dtype
+
+
+def _rounded(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def native_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` (a linear layer's forward) by the dot kernel: each element 16 lane chains over k in order,
+    added in one fixed tree (gemm.cpp), reading the weight in its own layout. Rows not contiguous along K are
+    copied first (the values, so the bits, are the same). float32, or bfloat16 / float16 rounded once from the
+    float32 result."""
+    state = _loaded()
+    if x_MK.dim() != 2 or weight_NK.dim() != 2 or x_MK.shape[1] != weight_NK.shape[1]:
+        raise ValueError(
+            f"native_linear multiplies (M, K) by (N, K)^T; got {tuple(x_MK.shape)} and {tuple(weight_NK.shape)}"
+        )
+    x_MK, weight_NK, dtype = _operands("native_linear", x_MK, weight_NK)
+    if x_MK.stride(1) != 1:
+        x_MK = x_MK.contiguous()
+    if weight_NK.stride(1) != 1:
+        weight_NK = weight_NK.contiguous()
+    (m, k), n = x_MK.shape, weight_NK.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    fn = state[f"dot_{_DTYPES[x_MK.dtype]}"]
+    fn(x_MK.data_ptr(), x_MK.stride(0), weight_NK.data_ptr(), weight_NK.stride(0), out.data_ptr(), n, m, n, k,  # type: ignore[operator]
+       torch.get_num_threads())  # fmt: skip
+    return _rounded(out, dtype)
+
+
+def native_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`a @ b` with fixed fused multiply-add chains (module docstring); any strides, no copies for float32 and
+    bfloat16 (float16 goes through float32: exact). The result is float32 for float32 inputs and, for the others,
+    the chains' float32 values rounded once to the inputs' dtype (or to `out_dtype`)."""
+    state = _loaded()
+    if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
+        raise ValueError(f"native_mm multiplies (M, K) by (K, N); got {tuple(a_MK.shape)} and {tuple(b_KN.shape)}")
+    a_MK, b_KN, dtype = _operands("native_mm", a_MK, b_KN)
+    (m, k), n = a_MK.shape, b_KN.shape[1]
+    out = torch.empty(m, n, dtype=torch.float32)
+    fn = state[f"gemm_{_DTYPES[a_MK.dtype]}"]
+    fn(a_MK.data_ptr(), a_MK.stride(0), a_MK.stride(1), b_KN.data_ptr(), b_KN.stride(0), b_KN.stride(1),  # type: ignore[operator]
+       out.data_ptr(), n, m, n, k, torch.get_num_threads())  # fmt: skip
+    return _rounded(out, out_dtype or dtype)

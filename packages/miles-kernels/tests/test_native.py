@@ -1,0 +1,189 @@
+"""The native CPU kernels (miles_kernels/native): numerics against float64, batch invariance by construction (a row
+alone or in any batch, any thread count, any operand layout), the same bits from every instruction-set build this
+CPU runs, native gradients, the `native` linear backend and its fingerprint, and the errors a caller gets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_kernels import (
+    KernelConfig,
+    describe_kernel,
+    kernel_fingerprint,
+    linear,
+    native,
+    native_matmul,
+    resolved_backends,
+)
+from miles_kernels.native import build as native_build
+from miles_kernels.native import native_linear, native_mm
+from miles_kernels.testing import packed_logits, random_model, tiny_config
+
+# shapes (M, K, N): decode rows, K not a multiple of the 16 lanes, N not a multiple of any block, empty and tiny
+SHAPES = [(1, 256, 256), (7, 300, 33), (130, 96, 70), (5, 1, 3), (4, 17, 1), (0, 8, 8), (3, 0, 4)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built() -> None:
+    assert native.status() is True, f"the native kernels must build and load on this machine: {native.status()}"
+
+
+def operands(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=generator), torch.randn(n, k, generator=generator)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_matches_float64_and_is_batch_invariant(shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    x, w = operands(m, k, n)
+    out = native_linear(x, w)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), x.double() @ w.double().t(), rtol=0, atol=1e-5 * max(k, 1) ** 0.5)
+    if m:
+        alone = torch.cat([native_linear(x[i : i + 1], w) for i in range(m)])
+        assert torch.equal(alone, out)
+        order = torch.randperm(m, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(native_linear(x[order], w), out[order])
+        padded = torch.cat([torch.randn(9, k), x, torch.randn(2, k)])  # other rows around it
+        assert torch.equal(native_linear(padded, w)[9 : 9 + m], out)
+
+
+def test_threads_and_layouts_do_not_change_bits() -> None:
+    x, w = operands(61, 200, 90)
+    out = native_linear(x, w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native_linear(x, w), out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(native_linear(x.t().contiguous().t(), w), out)  # column-major x: copied, same values
+    assert torch.equal(native_linear(x, w.t().contiguous().t()), out)
+    wide = torch.randn(61, 400)
+    wide[:, ::2] = x  # a strided view
+    assert torch.equal(native_linear(wide[:, ::2], w), out)
+    assert torch.equal(native_mm(x, w.t()), native_mm(x, w.t().contiguous()))
+
+
+def test_mm_matches_float64_and_rows_are_invariant() -> None:
+    a, b = torch.randn(37, 150), torch.randn(150, 45)
+    out = native_mm(a, b)
+    torch.testing.assert_close(out.double(), a.double() @ b.double(), rtol=0, atol=1e-4)
+    assert torch.equal(torch.cat([native_mm(a[i : i + 1], b) for i in range(37)]), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_round_the_float32_chains_once(dtype: torch.dtype) -> None:
+    x, w = operands(9, 70, 20)
+    x, w = x.to(dtype), w.to(dtype)
+    out = native_linear(x, w)
+    assert out.dtype == dtype
+    assert torch.equal(out, native_linear(x.float(), w.float()).to(dtype))  # inputs exact in float32
+    assert torch.equal(native_mm(x, w.t()), native_mm(x.float(), w.float().t()).to(dtype))
+    assert torch.equal(torch.cat([native_linear(x[i : i + 1], w) for i in range(9)]), out)
+
+
+def test_every_instruction_set_build_gives_the_same_bits(tmp_path) -> None:
+    code = (
+        "import sys, torch\n"
+        "from miles_kernels.native import isa, native_linear, native_mm\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "outs = []\n"
+        "for m, k, n in [(1, 256, 64), (7, 300, 33), (70, 97, 50)]:\n"
+        "    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)\n"
+        "    outs += [native_linear(x, w), native_mm(x, w.t()), native_linear(x.bfloat16(), w.bfloat16())]\n"
+        "torch.save(outs, sys.argv[1])\n"
+        "print(isa())\n"
+    )
+    results = {}
+    for isa in native.ISAS:
+        path = tmp_path / f"{isa}.pt"
+        run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                             env={**os.environ, "MILES_NATIVE_ISA": isa}, timeout=120)  # fmt: skip
+        if "runs none of the native builds" in run.stderr:
+            continue  # this CPU lacks that instruction set
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == isa
+        results[isa] = torch.load(path)
+    assert "generic" in results and len(results) >= 2, results.keys()
+    first, *others = results
+    for isa in others:
+        for i, (a, b) in enumerate(zip(results[first], results[isa], strict=True)):
+            assert torch.equal(a, b), f"output {i}: the {isa} build differs from the {first} build"
+
+
+def test_gradients_are_native_and_close_to_torch() -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 64, generator=generator, requires_grad=True)
+    w = torch.randn(24, 64, generator=generator, requires_grad=True)
+    grad = torch.randn(40, 24, generator=generator)
+    native_matmul(x, w).backward(grad)
+    assert x.grad is not None and w.grad is not None
+    assert torch.equal(x.grad, native_mm(grad, w.detach()))  # dX: each element one chain over the outputs
+    assert torch.equal(w.grad, native_mm(grad.t(), x.detach()))  # dW: one chain over the tokens, in order
+    torch.testing.assert_close(x.grad, grad @ w.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(w.grad, grad.t() @ x.detach(), rtol=1e-5, atol=1e-4)
+    first = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    native_matmul(x, w).backward(grad)
+    assert torch.equal(x.grad, first[0]) and torch.equal(w.grad, first[1])  # run to run
+
+
+def test_bad_operands_are_refused_by_name() -> None:
+    x, w = operands(2, 8, 4)
+    with pytest.raises(ValueError, match=r"\(M, K\) by \(N, K\)"):
+        native_linear(x, w.t())
+    with pytest.raises(ValueError, match="one dtype"):
+        native_linear(x, w.double())
+    with pytest.raises(ValueError, match="float32, bfloat16 and float16"):
+        native_linear(x.double(), w.double())
+    with pytest.raises(ValueError, match=r"\(M, K\) by \(K, N\)"):
+        native_mm(x, w)
+
+
+NATIVE = KernelConfig(linear_backend="native")
+
+
+def test_backend_is_registered_and_fingerprinted() -> None:
+    assert resolved_backends(NATIVE)["linear"] == "native"
+    assert resolved_backends(KernelConfig())["linear"] == "torch-tiled"  # auto keeps torch-tiled for now
+    assert kernel_fingerprint(NATIVE) != kernel_fingerprint(KernelConfig())
+    assert describe_kernel(NATIVE)["native_sources"] == native_build.source_hash()
+    generator = torch.Generator().manual_seed(4)
+    x, w, bias = torch.randn(2, 5, 32, generator=generator), torch.randn(48, 32), torch.randn(48)
+    out = linear(x, w, NATIVE, bias)
+    assert torch.equal(out, (native_linear(x.reshape(10, 32), w) + bias).reshape(2, 5, 48))
+    torch.testing.assert_close(out, F.linear(x, w, bias), rtol=0, atol=1e-5)
+
+
+def test_model_runs_on_the_native_backend() -> None:
+    """The whole model on native kernels: other bits than torch-tiled (so they really run), the same values."""
+    config = tiny_config("moe")
+    seqs = [torch.arange(11) % config.vocab_size, torch.arange(5) + 7]
+    tiled = packed_logits(random_model(config, KernelConfig(), seed=0), seqs)
+    ours = packed_logits(random_model(config, NATIVE, seed=0), seqs)
+    for a, b in zip(tiled, ours, strict=True):
+        assert not torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+def test_a_missing_or_stale_library_is_a_reason_not_a_crash(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "library_path", lambda: tmp_path / native_build.LIBRARY)
+    assert "python -m miles_kernels.native build" in str(native.status())
+    with pytest.raises(RuntimeError, match="was not built"):
+        native_linear(*operands(1, 4, 4))
+    monkeypatch.setattr(native, "_STATE", {})
+    built = native_build.build(tmp_path)  # a fresh build loads ...
+    assert native.status() is True
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native_build, "source_hash", lambda: "0" * 16)  # ... and one from other sources does not
+    assert "built from other sources" in str(native.status())
+    assert built.exists()
