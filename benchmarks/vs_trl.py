@@ -263,14 +263,17 @@ def main() -> None:
                         help="learning rate of both (default: Miles' trainer.optimizer.lr)")  # fmt: skip
     parser.add_argument("--loss", choices=sorted(LOSSES), default="grpo", help="loss both sides compute")
     parser.add_argument("--num-eval-prompts", type=int, default=200, help="held-out prompts for pass@1")
-    parser.add_argument("--set", action="append", default=[], metavar="model.X=V|data.X=V",
-                        help="config override of the task / bootstrapped policy, applied to both sides")  # fmt: skip
+    parser.add_argument("--set", action="append", default=[], metavar="model.X=V|data.X=V|kernel.X=V",
+                        help="config override of the task / bootstrapped policy, applied to both sides, or of "
+                        "Miles' kernels (kernel.linear_backend=native)")  # fmt: skip
     parser.add_argument("--miles-placement", nargs="+", choices=sorted(PLACEMENTS), default=list(PLACEMENTS),
                         help="Miles placements (run.cluster, run.colocate), each run every seed")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="keep run dirs and logs here (default: a temp dir)")
     args = parser.parse_args()
-    if any(not item.startswith(("model.", "data.")) or item.startswith("model.path") for item in args.set):
-        parser.error("--set takes model.* (but not model.path) and data.* overrides: the rest is the workload")
+    if any(not item.startswith(("model.", "data.", "kernel.")) or item.startswith("model.path") for item in args.set):
+        parser.error(
+            "--set takes model.* (but not model.path), data.* and kernel.* overrides: the rest is the workload"
+        )
     if args.steps < 1 or args.threads < 1 or args.num_eval_prompts < 1:
         parser.error("--steps, --threads and --num-eval-prompts must be >= 1")
 
