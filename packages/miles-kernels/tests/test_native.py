@@ -187,3 +187,10 @@ def test_a_missing_or_stale_library_is_a_reason_not_a_crash(tmp_path, monkeypatc
     monkeypatch.setattr(native_build, "source_hash", lambda: "0" * 16)  # ... and one from other sources does not
     assert "built from other sources" in str(native.status())
     assert built.exists()
+
+
+def test_a_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="does not run"):
+        native_build.build(tmp_path)
+    assert not (tmp_path / native_build.LIBRARY).exists()

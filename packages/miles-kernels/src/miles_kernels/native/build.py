@@ -77,7 +77,10 @@ def build(out_dir: Path = HERE) -> Path:
 
 
 def _run(command: list[str]) -> None:
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as exc:  # the compiler named by CXX is not there or does not run
+        raise RuntimeError(f"{command[0]} does not run: {exc}") from exc
     if result.returncode:
         raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr or result.stdout}")
 
