@@ -1,8 +1,8 @@
 """Build hook: compiles the native CPU kernels (src/miles_kernels/native, C++ without torch headers) when the package
 is built or installed, so `uv sync` / `pip install` leaves a ready library. An editable install builds it next to
-the sources; a wheel carries it (and is then tagged for this platform). No C++ compiler, or a failed build, is a
-warning, not a failed install: the op registry then runs the torch-tiled kernels and says why
-(`python -m miles_kernels.native status`)."""
+the sources; a wheel carries it (tagged py3-none-<this platform>: the library uses no Python C API). No C++
+compiler, or a failed build, is a warning, not a failed install: the op registry then runs the torch-tiled kernels
+and says why (`python -m miles_kernels.native status`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+from packaging.tags import sys_tags
 
 NATIVE = Path(__file__).resolve().parent / "src" / "miles_kernels" / "native"
 
@@ -40,4 +41,5 @@ class NativeBuildHook(BuildHookInterface):  # type: ignore[type-arg]
         if version != "editable":
             build_data["force_include"][str(library)] = f"miles_kernels/native/{recipe.LIBRARY}"
             build_data["pure_python"] = False
-            build_data["infer_tag"] = True
+            # no Python C API in it: any Python 3, this platform only
+            build_data["tag"] = f"py3-none-{next(iter(sys_tags())).platform}"
