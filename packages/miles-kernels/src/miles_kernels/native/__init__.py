@@ -95,10 +95,7 @@ def status() -> bool | str:
 def isa() -> str:
     """The instruction-set build in use ("avx512", "avx2" or "generic"); RuntimeError when the library is not
     usable."""
-    state = _state()
-    if "lib" not in state:
-        raise RuntimeError(str(state["reason"]))
-    return str(state["isa"])
+    return str(_loaded()["isa"])
 
 
 def _loaded() -> dict[str, object]:
