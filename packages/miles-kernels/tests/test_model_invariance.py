@@ -3,8 +3,8 @@
 Every row of every sequence must equal, bit for bit, the trainer-style packed forward of the same sequences,
 whatever the engine-style schedule: alone or in batches of 1..64, prefill vs decode vs chunked prefill, with a
 reused prefix, with 1 or 2 threads, every family (Qwen2.5 with a sliding-window layer too; DeepSeek-V3 through its
-latent cache), fp32 and bf16, on each deterministic linear backend of the CPU (the torch-tiled GEMMs and the
-native kernels). Several seeds, because one row can match by luck.
+latent cache), fp32 and bf16, on each deterministic backend set of the CPU (torch: the tiled GEMMs and the blocked
+attention; native: the C++ GEMM and attention). Several seeds, because one row can match by luck.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ SLIDING = {"sliding_window": 11, "layer_types": ("full_attention", "sliding_atte
 
 @pytest.fixture(params=["torch-tiled", "native"])
 def backend(request: pytest.FixtureRequest) -> str:
-    """The deterministic linear backend under test."""
+    """The deterministic backends under test: torch-tiled linear layers with the torch-blocked attention, or the
+    native linear layers and attention."""
     return str(request.param)
 
 
 def make_model(kind: str, seed: int, backend: str, dtype: str = "float32", **overrides):
-    kernel = SMALL_KERNEL.model_copy(update={"dtype": dtype, "linear_backend": backend})
+    attention = "native" if backend == "native" else "torch-blocked"
+    update = {"dtype": dtype, "linear_backend": backend, "attention_backend": attention}
+    kernel = SMALL_KERNEL.model_copy(update=update)
     if kind == "qwen2-window":
         kind, overrides = "qwen2", SLIDING | overrides
     return random_model(tiny_config(kind, **overrides), kernel, seed=seed)

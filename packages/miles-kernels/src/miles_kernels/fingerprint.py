@@ -33,7 +33,7 @@ def resolved_backends(kernel: KernelConfig) -> dict[str, str]:
 def _identity(kernel: KernelConfig, device_type: str, weights: WeightQuantConfig | None) -> dict[str, object]:
     backends = resolved_backends(kernel)
     identity: dict[str, object] = {**kernel.model_dump(), **backends, "torch": torch.__version__}
-    if backends["linear"] == "native" and device_type == "cpu":  # the sources fix its arithmetic, not the ISA
+    if "native" in backends.values() and device_type == "cpu":  # the sources fix its arithmetic, not the ISA
         identity["native_sources"] = native_build.source_hash()
     if device_type != "cpu":  # CPU fingerprints predate devices: they keep their value (caches, checkpoints)
         identity["device_type"] = device_type

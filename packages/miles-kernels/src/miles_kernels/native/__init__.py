@@ -1,11 +1,14 @@
-"""The native CPU kernels: a C++ library (gemm.cpp, built by build.py when the package installs) called through
-ctypes, with no torch headers in it, so one build serves every torch version.
+"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, built by build.py when the package installs) called
+through ctypes, with no torch headers in it, so one build serves every torch version.
 
 `native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation),
-each output element one fused multiply-add chain over the inner dimension in order: batch-invariant by construction,
-the same bits at any thread count and on every instruction set the library dispatches to (AVX-512, AVX2, generic).
-`status()` says whether the library is usable here, or why not; the op registry's `native` linear backend is
-available exactly when it is (ops/linear.py).
+each output element one fused multiply-add chain over the inner dimension in order; `native_linear(x, w)` is
+`x @ w.T` with each element 16 lane chains added in a fixed tree; `native_attention` is causal GQA attention over a
+paged KV store, each (token, head) row on its own in one fixed order, with its backward
+(`native_attention_backward`). All are batch-invariant by construction: the same bits at any batch composition and
+thread count, and on every instruction set the library dispatches to (AVX-512, AVX2, generic). `status()` says
+whether the library is usable here, or why not; the op registry's `native` linear and attention backends are
+available exactly when it is (ops/linear.py, ops/attention.py).
 """
 
 from __future__ import annotations
@@ -68,8 +71,13 @@ def _load() -> None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     args = [pointer, size, size, pointer, size, size, pointer, size, size, size, size, ctypes.c_int]
     dot_args = [pointer, size, pointer, size, pointer, size, size, size, size, ctypes.c_int]
+    index, real = size, ctypes.c_float
+    head = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer, size, real, index]
+    forward_args = [*head, pointer, pointer, ctypes.c_int]
+    backward_args = [*head, size, pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int]
+    kernels = (("gemm", args), ("dot", dot_args), ("attention_fwd", forward_args), ("attention_bwd", backward_args))
     for suffix in _DTYPES.values():
-        for kernel, argtypes in (("gemm", args), ("dot", dot_args)):
+        for kernel, argtypes in kernels:
             fn = getattr(lib, f"miles_{kernel}_{suffix}_{isa}")
             fn.argtypes, fn.restype = argtypes, None
             _STATE[f"{kernel}_{suffix}"] = fn
@@ -160,3 +168,85 @@ def native_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | N
     fn(a_MK.data_ptr(), a_MK.stride(0), a_MK.stride(1), b_KN.data_ptr(), b_KN.stride(0), b_KN.stride(1),  # type: ignore[operator]
        out.data_ptr(), n, m, n, k, torch.get_num_threads())  # fmt: skip
     return _rounded(out, out_dtype or dtype)
+
+
+MAX_HEAD_DIM = 1024  # attention.cpp keeps a row's accumulator on the stack
+
+
+def _attention_operands(
+    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, tables_SB: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked, contiguous operands: q as float32, the pages in a dtype the kernels read (float16 as float32)."""
+    tensors = (q_NHD, k_pages, v_pages, tables_SB)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"native attention runs on CPU tensors; got {[str(t.device) for t in tensors]}")
+    (_, heads, head_dim), (_, kv_heads, _, page_dim) = q_NHD.shape, k_pages.shape
+    if k_pages.shape != v_pages.shape or page_dim != head_dim or heads % kv_heads or head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"native attention takes q (N, H, D) and K / V pages (pages, Hkv, P, D) of one shape, H a multiple of Hkv"
+            f" and D <= {MAX_HEAD_DIM}; got q {tuple(q_NHD.shape)}, K {tuple(k_pages.shape)}, V {tuple(v_pages.shape)}"
+        )
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"native attention needs K and V pages of one dtype; got {k_pages.dtype} and {v_pages.dtype}")
+    if k_pages.dtype not in _DTYPES:
+        k_pages, v_pages = k_pages.float(), v_pages.float()
+    return q_NHD.float().contiguous(), k_pages.contiguous(), v_pages.contiguous()
+
+
+def native_attention(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    positions_N: torch.Tensor,
+    seqs_N: torch.Tensor,
+    tables_SB: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each query token (position `positions_N[t]`, sequence `seqs_N[t]`) over its sequence's
+    keys in the page store (`tables_SB[s, b]`: the page of key block b; pages (num_pages, Hkv, P, D)), a row at a time
+    in one fixed order (attention.cpp): batch-invariant by construction. `window`: a row sees its last `window` keys.
+    Returns the float32 output (N, H, D) and log-sum-exp (N, H)."""
+    state = _loaded()
+    q, k, v = _attention_operands(q_NHD, k_pages, v_pages, tables_SB)
+    (n, heads, head_dim), (_, kv_heads, page, _) = q.shape, k.shape
+    out = torch.empty(n, heads, head_dim)
+    lse = torch.empty(n, heads)
+    ints = [t.to(torch.int64).contiguous() for t in (positions_N, seqs_N, tables_SB)]
+    fn = state[f"attention_fwd_{_DTYPES[k.dtype]}"]
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), n, heads, kv_heads, head_dim, page,  # type: ignore[operator]
+       *(t.data_ptr() for t in ints), ints[2].shape[1], scale, window or 0, out.data_ptr(), lse.data_ptr(),
+       torch.get_num_threads())  # fmt: skip
+    return out, lse
+
+
+def native_attention_backward(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    positions_N: torch.Tensor,
+    seqs_N: torch.Tensor,
+    tables_SB: torch.Tensor,
+    query_starts: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out_NHD: torch.Tensor,
+    lse_NH: torch.Tensor,
+    grad_NHD: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq (N, H, D), dK and dV pages, float32) of `native_attention` given its float32 output and
+    log-sum-exp and the output's gradient; the tokens of sequence s are query_starts[s] .. query_starts[s + 1] - 1,
+    positions ascending. Deterministic: each sum runs in one fixed order (attention.cpp)."""
+    state = _loaded()
+    q, k, v = _attention_operands(q_NHD, k_pages, v_pages, tables_SB)
+    (n, heads, head_dim), (num_pages, kv_heads, page, _) = q.shape, k.shape
+    ints = [t.to(torch.int64).contiguous() for t in (positions_N, seqs_N, tables_SB, query_starts)]
+    out, lse, grad = (t.float().contiguous() for t in (out_NHD, lse_NH, grad_NHD))
+    dq = torch.empty(n, heads, head_dim)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+    fn = state[f"attention_bwd_{_DTYPES[k.dtype]}"]
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), n, heads, kv_heads, head_dim, page,  # type: ignore[operator]
+       *(t.data_ptr() for t in ints[:3]), ints[2].shape[1], scale, window or 0, ints[3].shape[0] - 1,
+       ints[3].data_ptr(), num_pages, out.data_ptr(), lse.data_ptr(), grad.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+       dv.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return dq, dk, dv

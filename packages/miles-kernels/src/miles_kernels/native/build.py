@@ -1,11 +1,11 @@
-"""Build the native kernels (gemm.cpp, dispatch.cpp) into one shared library with a C++ compiler; standard library
-only, so the package's build hook (hatch_build.py, run by `uv sync` / `pip install`) and `python -m
+"""Build the native kernels (gemm.cpp, attention.cpp, dispatch.cpp) into one shared library with a C++ compiler;
+standard library only, so the package's build hook (hatch_build.py, run by `uv sync` / `pip install`) and `python -m
 miles_kernels.native build` share it without torch.
 
-gemm.cpp is compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's baseline elsewhere)
-and the objects linked with dispatch.cpp, which tells the loader what the CPU runs; `-fopenmp` links libgomp, the
-OpenMP runtime torch's Linux wheels load too (one thread pool). No `-march=native`: the library built on one machine
-runs on any CPU of its architecture.
+gemm.cpp and attention.cpp are compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's
+baseline elsewhere) and the objects linked with dispatch.cpp, which tells the loader what the CPU runs; `-fopenmp`
+links libgomp, the OpenMP runtime torch's Linux wheels load too (one thread pool). No `-march=native`: the library
+built on one machine runs on any CPU of its architecture.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("gemm.cpp", "dispatch.cpp")
+SOURCES = ("simd.h", "gemm.cpp", "attention.cpp", "dispatch.cpp")
+PER_ISA = ("gemm.cpp", "attention.cpp")  # compiled once per instruction set
 LIBRARY = "_miles_native.so"
-# (name, compiler flags) of each build of gemm.cpp; x86-64 only for the vector ones
+# (name, compiler flags) of each build of the PER_ISA sources; x86-64 only for the vector ones
 ISAS_X86: tuple[tuple[str, list[str]], ...] = (
     ("avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
     ("avx2", ["-mavx2", "-mfma"]),
@@ -40,7 +41,7 @@ def source_hash() -> str:
 
 
 def isas() -> tuple[tuple[str, list[str]], ...]:
-    """The instruction-set builds of gemm.cpp for this machine's architecture."""
+    """The instruction-set builds of the PER_ISA sources for this machine's architecture."""
     if platform.machine().lower() in ("x86_64", "amd64"):
         return ISAS_X86
     return (("generic", []),)
@@ -63,9 +64,10 @@ def build(out_dir: Path = HERE) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         objects = []
         for isa, flags in isas():
-            obj = Path(tmp) / f"gemm_{isa}.o"
-            _run([cxx, *FLAGS, *flags, f"-DMILES_ISA_NAME={isa}", "-c", str(HERE / "gemm.cpp"), "-o", str(obj)])
-            objects.append(str(obj))
+            for source in PER_ISA:
+                obj = Path(tmp) / f"{Path(source).stem}_{isa}.o"
+                _run([cxx, *FLAGS, *flags, f"-DMILES_ISA_NAME={isa}", "-c", str(HERE / source), "-o", str(obj)])
+                objects.append(str(obj))
         dispatch = Path(tmp) / "dispatch.o"
         _run([cxx, *FLAGS, f'-DMILES_SOURCE_HASH="{source_hash()}"', "-c", str(HERE / "dispatch.cpp"),
               "-o", str(dispatch)])  # fmt: skip

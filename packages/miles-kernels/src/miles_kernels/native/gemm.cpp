@@ -3,22 +3,14 @@
 // on M, on the row's position, on the blocking or on the thread count, and the vector width does not enter it
 // either (each lane is one element's chain), so the AVX-512, AVX2 and scalar builds of this file give the same bits.
 //
-// This file is compiled once per instruction set (build.py: -DMILES_ISA_NAME=avx512 with -mavx512f ..., avx2 with
-// -mavx2 -mfma, generic with neither) and dispatch.cpp picks one at run time.
+// This file is compiled once per instruction set (simd.h) and dispatch.cpp picks one at run time.
 //
 // Blocking: the output is cut into panels of NR columns and chunks of ROWS_PER_TASK rows (the tasks, shared out
 // over OpenMP threads); a task walks K in blocks of KC, packs that block of its panel of B into a KC x NR buffer
 // (fp32, zero past the last column), and runs its rows through an MR x NR register-blocked micro-kernel (the tail
 // in blocks of MR/2, ..., 1). Between K blocks the accumulators rest in C as fp32: storing and reloading a float
 // does not change it, so the chain is the same one.
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define MILES_CAT2(a, b) a##_##b
-#define MILES_CAT(a, b) MILES_CAT2(a, b)
-#define MILES_EXPORT(name) MILES_CAT(name, MILES_ISA_NAME)
+#include "simd.h"
 
 namespace {
 
@@ -26,54 +18,13 @@ constexpr int64_t KC = 256;            // K block: a packed KC x NR block of B s
 constexpr int64_t ROWS_PER_TASK = 96;  // rows per task (a multiple of every MR)
 
 #if defined(__AVX512F__)
-using V = __m512;
-constexpr int W = 16, NV = 2, MR = 8;
-inline V vzero() { return _mm512_setzero_ps(); }
-inline V vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
-inline V vbroadcast(float a) { return _mm512_set1_ps(a); }
-inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+constexpr int NV = 2, MR = 8;
 #elif defined(__AVX2__) && defined(__FMA__)
-using V = __m256;
-constexpr int W = 8, NV = 2, MR = 6;
-inline V vzero() { return _mm256_setzero_ps(); }
-inline V vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
-inline V vbroadcast(float a) { return _mm256_set1_ps(a); }
-inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+constexpr int NV = 2, MR = 6;
 #else
-using V = float;  // scalar: fmaf rounds once, like the vector FMAs
-constexpr int W = 1, NV = 8, MR = 4;
-inline V vzero() { return 0.0f; }
-inline V vload(const float* p) { return *p; }
-inline void vstore(float* p, V v) { *p = v; }
-inline V vbroadcast(float a) { return a; }
-inline V vfma(V a, V b, V c) { return fmaf(a, b, c); }
+constexpr int NV = 8, MR = 4;
 #endif
 constexpr int NR = W * NV;
-constexpr int LANES = 16;        // the dot kernel's partial sums per element, on every instruction set
-constexpr int NL = LANES / W;    // vectors holding them
-
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) {  // bfloat16 -> float is exact: the bits shifted into the high half
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline V vload16(const float* p) { return vload(p); }
-inline V vload16(const uint16_t* p) {  // W bfloat16 values -> floats
-#if defined(__AVX512F__)
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-#else
-  return to_float(*p);
-#endif
-}
 
 // buf[k][j] = B[k0 + k][n0 + j] for k < kc, j < ncols; zero for j >= ncols.
 template <class T>
@@ -164,59 +115,8 @@ void gemm(const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int6
 }
 
 // ---- The dot kernel: C[m][n] = A[m] . W[n], both rows contiguous along k (a linear layer's forward, x W^T) ----
-// Each element keeps LANES = 16 partial sums: lane l is the fused multiply-add chain over k = l, l + 16, l + 32, ...
-// in order (a K that is not a multiple of 16 ends with one zero-padded step), and the lanes are then added in one
-// fixed tree: l + (l + 8), then + 4, + 2, + 1. AVX-512 holds the 16 lanes in one register, AVX2 in two, the generic
-// build in 16 floats: the same operations on the same values, so the same bits. Reading W in its own layout (no
-// packing) keeps a decode step (M = 1) at the cost of reading W once.
-
-struct Lanes {
-  V v[NL];
-};
-
-inline float reduce(const Lanes& s) {
-  alignas(64) float l[LANES];
-  for (int i = 0; i < NL; ++i) vstore(l + i * W, s.v[i]);
-  for (int half = LANES / 2; half >= 1; half /= 2)
-    for (int i = 0; i < half; ++i) l[i] = l[i] + l[i + half];
-  return l[0];
-}
-
-#if defined(__AVX512F__)
-// `reduce` of 16 elements at once, the same adds of the same pairs: each level adds lane l and l + half of two
-// elements' sums, shuffled so that the level's results fill one register (level 1: 128-bit quarters 0-1 + 2-3;
-// level 2: quarter 0 + 1; level 3: lanes 0-1 + 2-3; level 4: lane 0 + 1). At the end lane 4q + j holds the
-// element of row j, column q.
-inline __m512 pair_level(__m512 x, __m512 y, int level) {
-  switch (level) {
-    case 1: return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-    case 2: return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-    case 3: return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-    default: return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
-  }
-}
-
-// The R x CN elements of a block in groups of 16 (the last group padded with zero sums, which no real element's
-// adds touch).
-template <int R, int CN>
-inline void reduce_block(const Lanes (&acc)[R][CN], float* C, int64_t ldc) {
-  constexpr int E = R * CN, G = (E + 15) / 16;
-  for (int g = 0; g < G; ++g) {
-    __m512 l1[8], l2[4], l3[2];
-    auto at = [&](int i) { const int e = 16 * g + i; return e < E ? acc[e / CN][e % CN].v[0] : _mm512_setzero_ps(); };
-    for (int j = 0; j < 8; ++j) l1[j] = pair_level(at(2 * j), at(2 * j + 1), 1);
-    for (int j = 0; j < 4; ++j) l2[j] = pair_level(l1[2 * j], l1[2 * j + 1], 2);
-    for (int j = 0; j < 2; ++j) l3[j] = pair_level(l2[2 * j], l2[2 * j + 1], 3);
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, pair_level(l3[0], l3[1], 4));
-    for (int q = 0; q < 4; ++q)
-      for (int j = 0; j < 4; ++j) {  // lane 4q + j: element 16g + q + 4j
-        const int e = 16 * g + q + 4 * j;
-        if (e < E) C[(e / CN) * ldc + e % CN] = sums[4 * q + j];
-      }
-  }
-}
-#endif
+// Each element is a `lanes_dot` (simd.h: 16 lane chains over k, added in one fixed tree), R x CN of them at a time. Reading W in its own
+// layout (no packing) keeps a decode step (M = 1) at the cost of reading W once.
 
 template <int R, int CN, class T>
 inline void dot_block(const T* A, int64_t lda, const T* Wt, int64_t ldw, int64_t K, float* C, int64_t ldc) {
@@ -245,14 +145,10 @@ inline void dot_block(const T* A, int64_t lda, const T* Wt, int64_t ldw, int64_t
         for (int i = 0; i < NL; ++i)
           acc[r][c].v[i] = vfma(vload16(a_pad[r] + i * W), vload16(b_pad[c] + i * W), acc[r][c].v[i]);
   }
-#if defined(__AVX512F__)
-  if constexpr (R * CN >= 8) {
-    reduce_block<R, CN>(acc, C, ldc);
-    return;
-  }
-#endif
+  float sums[R * CN];
+  reduce_many(&acc[0][0], R * CN, sums);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CN; ++c) C[r * ldc + c] = reduce(acc[r][c]);
+    for (int c = 0; c < CN; ++c) C[r * ldc + c] = sums[r * CN + c];
 }
 
 #if defined(__AVX512F__)

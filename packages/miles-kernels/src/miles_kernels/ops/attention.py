@@ -19,6 +19,10 @@ Deterministic mode (batch-invariant by construction):
   visible block starts it as block 0 starts any other row. A row still depends only on its position and keys.
 - Tiles are ordered by descending last position, so the tiles that reach a key block are a prefix of the tile
   list: per-block state is sliced (views), not gathered. Tile order never changes a tile's arithmetic.
+The `native` backend (miles_kernels/native, attention.cpp) computes each (token, head) row on its own in one C++
+call per layer: an online softmax over chunks of min(page, 16) keys aligned to absolute positions, ascending, from
+the row's position, query and keys alone, so it is batch-invariant by construction (no tiles); its hand-written
+backward runs in C++ too. Its bits are its own (not the blocked attention's): the fingerprint names the backend.
 Fast mode (`torch-hybrid`) runs the same blocked attention for decode and short chunks, and
 `scaled_dot_product_attention` over K/V gathered into a padded batch (decode rows in one call, each prefill chunk in
 its own) where a sequence brings a long chunk; `torch-sdpa` always runs the latter.
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from miles_kernels import native
 from miles_kernels.ops.attention_batch import AttentionBatch, BlockChunk, num_pages_needed
 from miles_kernels.ops.linear import invariant_bmm
 from miles_kernels.registry import get_backend, register_backend
@@ -104,8 +109,13 @@ def packed_attention(
     if backend is _triton_attention and grad:
         triton_out: torch.Tensor = _TritonAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
         return triton_out
+    if backend is _native_attention and not q_NHD.is_cuda:
+        if grad:
+            native_out: torch.Tensor = _NativeAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
+            return native_out
+        return _native_attention(q_NHD, *_scratch_pages(k_NKD, v_NKD, batch, num_pages), batch, scale, window)
     if backend is _blocked_attention or (backend is _hybrid_attention and not _uses_sdpa(batch)):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD)):
+        if grad:
             out: torch.Tensor = _BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
             return out
         return _blocked_attention(q_NHD, *_scratch_pages(k_NKD, v_NKD, batch, num_pages), batch, scale, window)
@@ -337,6 +347,67 @@ def _read_tokens(pages: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     return out
 
 
+def _native_attention(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The native attention (module docstring); CUDA tensors run the blocked attention."""
+    if q_NHD.is_cuda:
+        return _blocked_attention(q_NHD, k_pages, v_pages, batch, scale, window)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_pages, v_pages)):
+        out: torch.Tensor = _NativeAttention.apply(q_NHD, k_pages, v_pages, batch, scale, None, window)
+        return out
+    native_out, _ = native.native_attention(
+        q_NHD, k_pages, v_pages, batch.positions_N, batch.token_seqs(), batch.block_tables_SB, scale, window
+    )
+    return native_out.to(q_NHD.dtype)
+
+
+class _NativeAttention(torch.autograd.Function):
+    """The native attention with its C++ backward (native.native_attention_backward). Inputs are K/V pages, or K/V
+    per token (`num_pages` given), as for `_BlockedAttention`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q_NHD: torch.Tensor,
+        k_in: torch.Tensor,
+        v_in: torch.Tensor,
+        batch: AttentionBatch,
+        scale: float,
+        num_pages: int | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        k_pages, v_pages = (k_in, v_in) if num_pages is None else _scratch_pages(k_in, v_in, batch, num_pages)
+        seqs_N = batch.token_seqs()
+        out, lse = native.native_attention(
+            q_NHD, k_pages, v_pages, batch.positions_N, seqs_N, batch.block_tables_SB, scale, window
+        )
+        ctx.save_for_backward(q_NHD, k_pages, v_pages, seqs_N, out, lse)
+        ctx.batch, ctx.scale, ctx.window, ctx.per_token = batch, scale, window, num_pages is not None
+        ctx.dtypes = (q_NHD.dtype, k_in.dtype, v_in.dtype)
+        return out.to(q_NHD.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_NHD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q_NHD, k_pages, v_pages, seqs_N, out, lse = ctx.saved_tensors
+        batch: AttentionBatch = ctx.batch
+        query_starts = F.pad(batch.query_lens_S.cumsum(0), (1, 0))
+        dq, dk_pages, dv_pages = native.native_attention_backward(
+            q_NHD, k_pages, v_pages, batch.positions_N, seqs_N, batch.block_tables_SB, query_starts, ctx.scale,
+            ctx.window, out, lse, grad_NHD,
+        )  # fmt: skip
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        if not ctx.per_token:
+            return dq.to(q_dtype), dk_pages.to(k_dtype), dv_pages.to(v_dtype), None, None, None, None
+        dk, dv = (_read_tokens(pages, batch) for pages in (dk_pages, dv_pages))
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
+
+
 def _sdpa_attention(
     q_NHD: torch.Tensor,
     k_pages: torch.Tensor,
@@ -471,5 +542,8 @@ class _TritonAttention(torch.autograd.Function):
 register_backend("attention:deterministic", "torch-blocked", _blocked_attention)
 register_backend("attention:deterministic", "triton", _triton_attention, is_available=triton_available,
                  priority=-1)  # fmt: skip
+# The native kernels (miles_kernels/native): chosen by name (kernel.attention_backend=native) until the default run
+# is measured on them; `auto` keeps torch-blocked.
+register_backend("attention:deterministic", "native", _native_attention, is_available=native.status, priority=-1)
 register_backend("attention:fast", "torch-sdpa", _sdpa_attention)
 register_backend("attention:fast", "torch-hybrid", _hybrid_attention, priority=1)

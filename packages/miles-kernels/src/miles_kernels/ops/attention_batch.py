@@ -113,6 +113,11 @@ class AttentionBatch:
             self._plans[key] = _chunk_plans(self._make_block_plans(group, window), max_pairs)
         return self._plans[key]
 
+    def token_seqs(self) -> torch.Tensor:
+        """The sequence of each query token (N,): tokens are packed in sequence order."""
+        seqs = torch.arange(self.num_seqs, device=self.query_lens_S.device)
+        return torch.repeat_interleave(seqs, self.query_lens_S)
+
     def token_tile_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tile, row in the tile) of each token: where its query and output sit in the tiles."""
         tile = self.tile_tokens_NT_Tq.shape[1]
