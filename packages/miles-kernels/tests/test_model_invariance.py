@@ -4,7 +4,7 @@ Every row of every sequence must equal, bit for bit, the trainer-style packed fo
 whatever the engine-style schedule: alone or in batches of 1..64, prefill vs decode vs chunked prefill, with a
 reused prefix, with 1 or 2 threads, every family (Qwen2.5 with a sliding-window layer too; DeepSeek-V3 through its
 latent cache), fp32 and bf16, on each deterministic backend set of the CPU (torch: the tiled GEMMs and the blocked
-attention; native: the C++ GEMM and attention). Several seeds, because one row can match by luck.
+attention; native: the C++ GEMM, attention and RMSNorm). Several seeds, because one row can match by luck.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ SLIDING = {"sliding_window": 11, "layer_types": ("full_attention", "sliding_atte
 @pytest.fixture(params=["torch-tiled", "native"])
 def backend(request: pytest.FixtureRequest) -> str:
     """The deterministic backends under test: torch-tiled linear layers with the torch-blocked attention, or the
-    native linear layers and attention."""
+    native linear layers, attention and RMSNorm."""
     return str(request.param)
 
 
 def make_model(kind: str, seed: int, backend: str, dtype: str = "float32", **overrides):
-    attention = "native" if backend == "native" else "torch-blocked"
-    update = {"dtype": dtype, "linear_backend": backend, "attention_backend": attention}
+    native = backend == "native"
+    update = {"dtype": dtype, "linear_backend": backend, "attention_backend": "native" if native else "torch-blocked",
+              "norm_backend": "native" if native else "torch"}  # fmt: skip
     kernel = SMALL_KERNEL.model_copy(update=update)
     if kind == "qwen2-window":
         kind, overrides = "qwen2", SLIDING | overrides

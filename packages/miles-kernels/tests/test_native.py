@@ -21,6 +21,7 @@ from miles_kernels import (
     native,
     native_matmul,
     resolved_backends,
+    rms_norm,
 )
 from miles_kernels.native import build as native_build
 from miles_kernels.native import native_linear, native_mm
@@ -105,6 +106,9 @@ def test_every_instruction_set_build_gives_the_same_bits(tmp_path) -> None:
         "for window in (None, 5):\n"
         "    case = attention_case(seed=1, window=window)\n"
         "    outs += [*case.forward(), *case.backward()]\n"
+        "from miles_kernels.native import native_rms_norm, native_rms_norm_backward\n"
+        "x, w, dy = (torch.randn(*shape, generator=g) for shape in ((9, 300), (300,), (9, 300)))\n"
+        "outs += [*native_rms_norm(x, w, 1e-6), *native_rms_norm_backward(x, w, dy, 1e-6)]\n"
         "torch.save(outs, sys.argv[1])\n"
         "print(isa())\n"
     )
@@ -304,13 +308,45 @@ def test_attention_refuses_bad_operands_by_name() -> None:
         native.native_attention(case.q, case.k, case.v.double(), case.positions, case.seqs, case.tables, 1.0)
 
 
-NATIVE_ALL = KernelConfig(linear_backend="native", attention_backend="native")
+NATIVE_ALL = KernelConfig(linear_backend="native", attention_backend="native", norm_backend="native")
+
+
+@pytest.mark.parametrize("hidden", [256, 300, 5])
+def test_rms_norm_matches_float64_and_rows_are_invariant(hidden: int) -> None:
+    generator = torch.Generator().manual_seed(hidden)
+    x, w = torch.randn(33, hidden, generator=generator), torch.randn(hidden, generator=generator)
+    grad = torch.randn(33, hidden, generator=generator)
+    out, inverse = native.native_rms_norm(x, w, 1e-6)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    want = w64 * x64 / (x64.square().mean(-1, keepdim=True) + 1e-6).sqrt()
+    want.backward(grad.double())
+    torch.testing.assert_close(out.double(), want.detach(), rtol=0, atol=2e-6)
+    for m in range(33):
+        alone, alone_inverse = native.native_rms_norm(x[m : m + 1], w, 1e-6)
+        assert torch.equal(alone[0], out[m]) and torch.equal(alone_inverse[0], inverse[m])
+    dx, dw = native.native_rms_norm_backward(x, w, grad, 1e-6)
+    torch.testing.assert_close(dx.double(), x64.grad, rtol=0, atol=2e-5)
+    torch.testing.assert_close(dw.double(), w64.grad, rtol=0, atol=2e-5)
+    dx_alone, _ = native.native_rms_norm_backward(x[5:6], w, grad[5:6], 1e-6)
+    assert torch.equal(dx_alone[0], dx[5])  # dx too is per row
+    again = native.native_rms_norm_backward(x, w, grad, 1e-6)
+    assert torch.equal(again[0], dx) and torch.equal(again[1], dw)
+
+
+def test_rms_norm_backend_rounds_once_to_the_dtype() -> None:
+    generator = torch.Generator().manual_seed(7)
+    x, w = torch.randn(4, 64, generator=generator).bfloat16(), torch.randn(64, generator=generator).bfloat16()
+    out = rms_norm(x, w, 1e-6, KernelConfig(norm_backend="native"))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, native.native_rms_norm(x, w, 1e-6)[0].bfloat16())
+    with pytest.raises(ValueError, match=r"weight \(H,\)"):
+        native.native_rms_norm(x, w[:10], 1e-6)
 
 
 @pytest.mark.parametrize("kind", ["dense", "qwen2", "deepseek"])
 def test_model_gradients_through_the_native_attention(kind: str) -> None:
     """The trainer's packed forward with a shared prompt (copy writes of its partial page) on the native backends:
-    the same loss and gradients as the torch backends, to float32 rounding; run to run the same bits."""
+    the same gradients as the torch backends, to float32 rounding; run to run the same bits."""
     window = {"sliding_window": 5, "layer_types": ("full_attention", "sliding_attention")}
     config = tiny_config(kind, **(window if kind == "qwen2" else {}))
 
@@ -327,9 +363,10 @@ def test_model_gradients_through_the_native_attention(kind: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_attention_backend_is_registered_and_fingerprinted() -> None:
-    config = KernelConfig(attention_backend="native")
-    assert resolved_backends(config)["attention"] == "native"
-    assert resolved_backends(KernelConfig())["attention"] == "torch-blocked"  # auto keeps the blocked attention
+def test_attention_and_norm_backends_are_registered_and_fingerprinted() -> None:
+    config = KernelConfig(attention_backend="native", norm_backend="native")
+    assert resolved_backends(config)["attention"] == resolved_backends(config)["rms_norm"] == "native"
+    assert resolved_backends(KernelConfig())["attention"] == "torch-blocked"  # auto keeps the torch ops
+    assert resolved_backends(KernelConfig())["rms_norm"] == "torch"
     assert describe_kernel(config)["native_sources"] == native_build.source_hash()
     assert kernel_fingerprint(config) != kernel_fingerprint(KernelConfig())

@@ -1,11 +1,12 @@
-"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, built by build.py when the package installs) called
-through ctypes, with no torch headers in it, so one build serves every torch version.
+"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, built by build.py when the package
+installs) called through ctypes, with no torch headers in it, so one build serves every torch version.
 
 `native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation),
 each output element one fused multiply-add chain over the inner dimension in order; `native_linear(x, w)` is
 `x @ w.T` with each element 16 lane chains added in a fixed tree; `native_attention` is causal GQA attention over a
 paged KV store, each (token, head) row on its own in one fixed order, with its backward
-(`native_attention_backward`). All are batch-invariant by construction: the same bits at any batch composition and
+(`native_attention_backward`); `native_rms_norm` is RMSNorm a row at a time, with its backward. All are
+batch-invariant by construction: the same bits at any batch composition and
 thread count, and on every instruction set the library dispatches to (AVX-512, AVX2, generic). `status()` says
 whether the library is usable here, or why not; the op registry's `native` linear and attention backends are
 available exactly when it is (ops/linear.py, ops/attention.py).
@@ -75,7 +76,10 @@ def _load() -> None:
     head = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer, size, real, index]
     forward_args = [*head, pointer, pointer, ctypes.c_int]
     backward_args = [*head, size, pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int]
-    kernels = (("gemm", args), ("dot", dot_args), ("attention_fwd", forward_args), ("attention_bwd", backward_args))
+    norm_forward_args = [pointer, pointer, pointer, pointer, size, size, real, ctypes.c_int]
+    norm_backward_args = [pointer, pointer, pointer, pointer, pointer, size, size, real, ctypes.c_int]
+    kernels = (("gemm", args), ("dot", dot_args), ("attention_fwd", forward_args), ("attention_bwd", backward_args),
+               ("rms_norm_fwd", norm_forward_args), ("rms_norm_bwd", norm_backward_args))  # fmt: skip
     for suffix in _DTYPES.values():
         for kernel, argtypes in kernels:
             fn = getattr(lib, f"miles_{kernel}_{suffix}_{isa}")
@@ -250,3 +254,42 @@ def native_attention_backward(
        ints[3].data_ptr(), num_pages, out.data_ptr(), lse.data_ptr(), grad.data_ptr(), dq.data_ptr(), dk.data_ptr(),
        dv.data_ptr(), torch.get_num_threads())  # fmt: skip
     return dq, dk, dv
+
+
+def _norm_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as contiguous rows (M, H) and the weight, in one dtype the kernels read (float16 as float32)."""
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"native RMSNorm runs on CPU tensors; got {x.device} and {weight.device}")
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"native RMSNorm takes x (..., H) and a weight (H,); got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    dtype = x.dtype if x.dtype in _DTYPES and weight.dtype == x.dtype else torch.float32
+    return x.reshape(-1, x.shape[-1]).to(dtype).contiguous(), weight.to(dtype).contiguous()
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight * (x * r)`, r = 1 / sqrt(mean(x^2) + eps), each row in one fixed order (norm.cpp): float32 (M, H) rows
+    (M = x's leading dims) for the caller to round once, and r (M,)."""
+    state = _loaded()
+    rows, w = _norm_operands(x, weight)
+    out, inverse = torch.empty(rows.shape), torch.empty(rows.shape[0])
+    fn = state[f"rms_norm_fwd_{_DTYPES[rows.dtype]}"]
+    fn(rows.data_ptr(), w.data_ptr(), out.data_ptr(), inverse.data_ptr(), *rows.shape, eps,  # type: ignore[operator]
+       torch.get_num_threads())  # fmt: skip
+    return out, inverse
+
+
+def native_rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float, weight_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dx (M, H) and dw (H,) (None unless `weight_grad`) of `native_rms_norm`, float32: dx = r (g - n mean(g n)),
+    g = dy w, n = x r, row by row; dw = the sum over rows, in order, of dy n."""
+    state = _loaded()
+    rows, w = _norm_operands(x, weight)
+    grad_rows = grad.reshape(rows.shape).to(rows.dtype).contiguous()
+    dx = torch.empty(rows.shape)
+    dw = torch.empty(rows.shape[1]) if weight_grad else None
+    fn = state[f"rms_norm_bwd_{_DTYPES[rows.dtype]}"]
+    fn(rows.data_ptr(), w.data_ptr(), grad_rows.data_ptr(), dx.data_ptr(), 0 if dw is None else dw.data_ptr(),  # type: ignore[operator]
+       *rows.shape, eps, torch.get_num_threads())  # fmt: skip
+    return dx, dw

@@ -1,8 +1,8 @@
-"""Build the native kernels (gemm.cpp, attention.cpp, dispatch.cpp) into one shared library with a C++ compiler;
-standard library only, so the package's build hook (hatch_build.py, run by `uv sync` / `pip install`) and `python -m
-miles_kernels.native build` share it without torch.
+"""Build the native kernels (gemm.cpp, attention.cpp, norm.cpp, dispatch.cpp) into one shared library with a C++
+compiler; standard library only, so the package's build hook (hatch_build.py, run by `uv sync` / `pip install`) and
+`python -m miles_kernels.native build` share it without torch.
 
-gemm.cpp and attention.cpp are compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's
+Those three are compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's
 baseline elsewhere) and the objects linked with dispatch.cpp, which tells the loader what the CPU runs; `-fopenmp`
 links libgomp, the OpenMP runtime torch's Linux wheels load too (one thread pool). No `-march=native`: the library
 built on one machine runs on any CPU of its architecture.
@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("simd.h", "gemm.cpp", "attention.cpp", "dispatch.cpp")
-PER_ISA = ("gemm.cpp", "attention.cpp")  # compiled once per instruction set
+SOURCES = ("simd.h", "gemm.cpp", "attention.cpp", "norm.cpp", "dispatch.cpp")
+PER_ISA = ("gemm.cpp", "attention.cpp", "norm.cpp")  # compiled once per instruction set
 LIBRARY = "_miles_native.so"
 # (name, compiler flags) of each build of the PER_ISA sources; x86-64 only for the vector ones
 ISAS_X86: tuple[tuple[str, list[str]], ...] = (

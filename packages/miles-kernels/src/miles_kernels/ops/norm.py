@@ -6,6 +6,8 @@ below torch's reduction grain of 32768; test_invariance checks it with 1 and 2 t
 On CUDA the reduction kernel's launch shape depends on the number of rows too (measured on an H200: a row's mean
 of squares changed with M at hidden 4096 and 8192), so there the sum of squares is a fixed-shape GEMM against a
 ones vector (`tiled_matmul`), which is batch-invariant by construction.
+The `native` backend (miles_kernels/native, norm.cpp) normalizes each row in one C++ call per layer, in one fixed
+order (its sum of squares 16 lane chains added in a fixed tree), and has a C++ backward; CUDA tensors run the torch op.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles_kernels import native
 from miles_kernels.ops.linear import tiled_matmul
 from miles_kernels.registry import get_backend, register_backend
 from miles_kernels.triton_ops import triton_available
@@ -50,6 +53,33 @@ def _triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     from miles_kernels.triton_ops.norm import rms_norm as triton_rms_norm
 
     return triton_rms_norm(x, weight, eps)
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        return _torch_rms_norm(x, weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out: torch.Tensor = _NativeRMSNorm.apply(x, weight, eps)
+        return out
+    rows, _ = native.native_rms_norm(x, weight, eps)
+    return rows.view(x.shape).to(torch.promote_types(x.dtype, weight.dtype))
+
+
+class _NativeRMSNorm(torch.autograd.Function):
+    """The native RMSNorm with its C++ backward (native.native_rms_norm_backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        rows, _ = native.native_rms_norm(x, weight, eps)
+        return rows.view(x.shape).to(torch.promote_types(x.dtype, weight.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        dx, dw = native.native_rms_norm_backward(x, weight, grad, ctx.eps, weight_grad=ctx.needs_input_grad[1])
+        return dx.view(x.shape).to(x.dtype), None if dw is None else dw.to(weight.dtype), None
 
 
 def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,4 +148,6 @@ def _backward(
 register_backend("rms_norm:deterministic", "torch", _torch_rms_norm)
 # chosen by name (kernel.norm_backend=triton) until its GPU speed is measured; `auto` keeps the torch op
 register_backend("rms_norm:deterministic", "triton", _triton_rms_norm, is_available=triton_available, priority=-1)
+# The native kernels (miles_kernels/native): chosen by name (kernel.norm_backend=native); `auto` keeps the torch op.
+register_backend("rms_norm:deterministic", "native", _native_rms_norm, is_available=native.status, priority=-1)
 register_backend("rms_norm:fast", "torch", _torch_rms_norm)
