@@ -25,6 +25,7 @@ import asyncio
 import collections
 import json
 import os
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -74,13 +75,14 @@ async def send_all(url: str, prompts: list[list[int]], new_tokens: int) -> tuple
 
 
 def bench_server(
-    model_dir: Path, log: Path, prompts: list[list[int]], new_tokens: int, is_deterministic: bool
-) -> tuple[dict[str, object], list[list[int]]]:
+    model_dir: Path, log: Path, prompts: list[list[int]], new_tokens: int, is_deterministic: bool,
+    extra_flags: list[str],
+) -> tuple[dict[str, object], list[list[int]]]:  # fmt: skip
     load_before = os.getloadavg()[0]
     num_kv_pages = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // PAGE_SIZE) + 1) + 16
     started = time.perf_counter()
     flags = ["--page-size", str(PAGE_SIZE), "--num-kv-pages", str(num_kv_pages)]
-    flags += ["--deterministic"] if is_deterministic else []
+    flags += (["--deterministic"] if is_deterministic else []) + extra_flags
     with launch_server(model_dir, *flags, log_path=log, startup_timeout=300) as url:
         startup = time.perf_counter() - started
         wall, latencies, responses = asyncio.run(send_all(url, prompts, new_tokens))
@@ -90,6 +92,7 @@ def bench_server(
     log_text = log.read_text()
     result = {
         "mode": "deterministic" if is_deterministic else "fast",
+        "extra_flags": extra_flags,
         "num_kv_pages": num_kv_pages,
         "startup_seconds": startup,
         "wall_seconds": wall,
@@ -153,6 +156,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="prompts per HF generate call")
     parser.add_argument("--skip-hf", action="store_true", help="measure only the miles server")
+    parser.add_argument("--fast-flags", default="", help="more `miles-rollout serve` flags for the fast server")
+    parser.add_argument(
+        "--deterministic-flags",
+        default="",
+        help="more flags for the deterministic server (e.g. '--attention-backend native')",
+    )
     args = parser.parse_args()
     if not 1 <= args.min_prompt <= args.max_prompt:
         parser.error("need 1 <= --min-prompt <= --max-prompt")
@@ -182,9 +191,10 @@ def main() -> None:
         model_dir = Path(tmp) / "model"
         tokenizer = build_tokenizer(save_dir=model_dir)
         save_random_model(model_dir, tiny_config("dense", **BENCHMARK_MODEL), seed=0, tokenizer=tokenizer)
-        fast, fast_ids = bench_server(model_dir, Path(tmp) / "fast.log", prompts, args.new_tokens, False)
+        fast_flags, det_flags = shlex.split(args.fast_flags), shlex.split(args.deterministic_flags)
+        fast, fast_ids = bench_server(model_dir, Path(tmp) / "fast.log", prompts, args.new_tokens, False, fast_flags)
         print(f"miles fast: {fmt(fast)}", flush=True)
-        det, det_ids = bench_server(model_dir, Path(tmp) / "det.log", prompts, args.new_tokens, True)
+        det, det_ids = bench_server(model_dir, Path(tmp) / "det.log", prompts, args.new_tokens, True, det_flags)
         print(f"miles deterministic: {fmt(det)}", flush=True)
         results["miles_fast"] = fast
         results["miles_deterministic"] = det

@@ -5,7 +5,9 @@ tokens, GRPO, one optimizer step per rollout), run as `miles-orchestrator run ru
 in this process. After `--warmup` steps, `torch.profiler` records `--steps` whole steps. Every op is attributed to
 its phase, the engine's forward steps (`Scheduler._step`: model, sampling, scheduling) or the trainer's
 `train_step` (forward, backward, optimizer), and counted as a GEMM (`aten::mm`, `bmm`, `addmm`, `baddbmm`: the
-tiled linear layers, the attention products, the backward's weight and input gradients) or not. Engine steps are
+tiled linear layers, the attention products, the backward's weight and input gradients; `native::native_linear` and
+`native::native_mm`: the native backend's) or not. The native kernels (C++ called through ctypes, not aten ops) are
+recorded as ops named `native::<function>` (`--set kernel.linear_backend=native` etc. runs them). Engine steps are
 also counted by their number of rows.
 
 Each op is also attributed to the part of the model or loop it runs for (`by_part`): the forward ops inside the
@@ -39,7 +41,12 @@ import torch
 from host import host_info
 from torch.profiler import ProfilerActivity, profile, record_function
 
-GEMMS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
+# The native kernels (miles_kernels.native, C++ through ctypes, not aten ops): each call is recorded as an op named
+# `native::<function>`, its self time the call.
+NATIVE_KERNELS = ("native_linear", "native_mm", "native_attention", "native_attention_backward", "native_rms_norm",
+                  "native_rms_norm_backward")  # fmt: skip
+NATIVE_PREFIX = "native::"
+GEMMS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "native::native_linear", "native::native_mm"}
 PHASES = ("engine_step", "train_step")
 # The model's calls (miles_kernels.model's names, and the MoE ops') each profiled as a part, forward.
 MODEL_PARTS = {
@@ -53,17 +60,20 @@ MODEL_PARTS = {
 # Backward: the autograd node that runs an op names its part (substring of the node's name).
 BACKWARD_PARTS = {
     "_TiledMatmulBackward": "linear",
+    "_NativeMatmulBackward": "linear",
     "_BlockedAttentionBackward": "attention",
+    "_NativeAttentionBackward": "attention",
     "_RMSNormBackward": "rms_norm",
+    "_NativeRMSNormBackward": "rms_norm",
     "_RopeBackward": "rope",
     "_SwiGLUBackward": "swiglu",
 }
 PART_PREFIX = "part::"
 
 
-def _wrap(fn: Any, part: str) -> Any:
+def _wrap(fn: Any, part: str, prefix: str = PART_PREFIX) -> Any:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with record_function(PART_PREFIX + part):
+        with record_function(prefix + part):
             return fn(*args, **kwargs)
 
     return wrapped
@@ -87,9 +97,19 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/step_profile.json")
     parser.add_argument("--warmup", type=int, default=3, help="RL steps before the profiler starts")
     parser.add_argument("--steps", type=int, default=4, help="RL steps profiled")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="kernel.X=V",
+        help="override of the workload, as vs_trl.py takes them (e.g. kernel.linear_backend=native)",
+    )
     args = parser.parse_args()
 
+    import miles_kernels.latent_attention as latent_module
+    import miles_kernels.layers as layers_module
     import miles_kernels.model as model_module
+    import miles_kernels.native as native_module
     import miles_kernels.ops.moe as moe_module
     import miles_rollout.model_runner as runner_module
     import miles_rollout.scheduler as scheduler_module
@@ -101,7 +121,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from vs_trl import workload_overrides  # the benchmark's own workload, not a copy of it
 
-    workload = workload_overrides(argparse.Namespace(num_eval_prompts=20, set=[]))
+    workload = workload_overrides(argparse.Namespace(num_eval_prompts=20, set=args.set))
     policy = bootstrap_policy(load_config(None, workload))
     profiler = profile(activities=[ProfilerActivity.CPU])
     state: dict[str, Any] = {"train_steps": 0, "rows": [], "active": False}
@@ -131,9 +151,12 @@ def main() -> None:
         return out
 
     for part, names in MODEL_PARTS.items():
-        for name in names:
-            module = moe_module if part == "moe" else model_module
-            setattr(module, name, _wrap(getattr(module, name), part))
+        for name in names:  # wherever the model's modules call it from
+            for module in (model_module, layers_module, latent_module, moe_module):
+                if hasattr(module, name):
+                    setattr(module, name, _wrap(getattr(module, name), part))
+    for name in NATIVE_KERNELS:  # the ops call them through the module: native.native_mm(...)
+        setattr(native_module, name, _wrap(getattr(native_module, name), name, NATIVE_PREFIX))
     runner_module.sample_rows = _wrap(runner_module.sample_rows, "sampling")
     fsdp_module.FSDP2Backend._finish_step = _wrap(fsdp_module.FSDP2Backend._finish_step, "optimizer")
     scheduler_module.Scheduler._step = timed_engine_step  # type: ignore[method-assign]
@@ -165,7 +188,7 @@ def main() -> None:
             continue
         totals[phase][event.name] += event.self_cpu_time_total / 1e3
         counts[phase][event.name] += 1
-        if event.name.startswith("aten::"):
+        if event.name.startswith(("aten::", NATIVE_PREFIX)):
             part = _part_of(event) or "other"
             part_ms[phase][part] += event.self_cpu_time_total / 1e3
             part_ops[phase][part] += 1

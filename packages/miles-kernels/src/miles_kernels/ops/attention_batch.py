@@ -70,6 +70,7 @@ class AttentionBatch:
     _plans: dict[tuple[int, int, int | None], list[BlockChunk]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    _derived: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)  # token_seqs, ...
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +80,8 @@ class AttentionBatch:
         """This batch with its tensors on `device` (itself when they are there already)."""
         if self.positions_N.device == torch.device(device):
             return self
-        tensors = [f.name for f in fields(self) if f.name not in ("page_size", "_plans")]
-        return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, _plans={})
+        tensors = [f.name for f in fields(self) if f.name not in ("page_size", "_plans", "_derived")]
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, _plans={}, _derived={})
 
     def compacted(self, num_pages: int) -> tuple[torch.Tensor, AttentionBatch]:
         """The pages this batch reads or writes, ascending from the null page (U,), and this batch with its page ids
@@ -93,7 +94,7 @@ class AttentionBatch:
         renumber[used] = torch.arange(len(used), device=used.device)
         pages = {"block_tables_SB": self.block_tables_SB, "write_pages_N": self.write_pages_N,
                  "copy_pages_C": self.copy_pages_C.to(used.device)}  # fmt: skip
-        return used, replace(self, **{name: renumber[ids] for name, ids in pages.items()}, _plans={})
+        return used, replace(self, **{name: renumber[ids] for name, ids in pages.items()}, _plans={}, _derived={})
 
     @property
     def num_seqs(self) -> int:
@@ -114,9 +115,11 @@ class AttentionBatch:
         return self._plans[key]
 
     def token_seqs(self) -> torch.Tensor:
-        """The sequence of each query token (N,): tokens are packed in sequence order."""
-        seqs = torch.arange(self.num_seqs, device=self.query_lens_S.device)
-        return torch.repeat_interleave(seqs, self.query_lens_S)
+        """The sequence of each query token (N,): tokens are packed in sequence order (computed once per batch)."""
+        if "seqs" not in self._derived:
+            seqs = torch.arange(self.num_seqs, device=self.query_lens_S.device)
+            self._derived["seqs"] = torch.repeat_interleave(seqs, self.query_lens_S)
+        return self._derived["seqs"]
 
     def token_tile_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tile, row in the tile) of each token: where its query and output sit in the tiles."""
