@@ -7,6 +7,10 @@ Model (fixed for these benchmarks): Qwen3, hidden 512, intermediate 1536, 8 laye
   (miles: paged KV via `PagedRunner`; HF: `past_key_values` cache).
 Each number is the median of `--repeats` timed runs after warm-up. Ratios: deterministic / fast (the cost of
 batch invariance) and fast / HF and deterministic / HF.
+Per op (`per_op`): each op the two modes' backends run, alone at the model's shapes, deterministic vs fast backend
+(the `auto` choice of each mode, named in the JSON): one decoder layer's seven linear layers, the attention over the
+paged store, one RMSNorm, at the prefill's tokens (the attention: one prompt of them) and at a decode step of the
+largest batch (one query per sequence over its `--context` cached keys).
 On a GPU (`--device cuda`, each timed run ends with a device synchronize) the model can be sized with `--model
 key=value` (Hugging Face config names) and run in bf16 (`--dtype bfloat16`); the fixed model above is for the CPU.
 
@@ -28,7 +32,9 @@ import torch
 from host import host_info
 from transformers import AutoModelForCausalLM
 
-from miles_kernels import KernelConfig, load_model
+from miles_kernels import KernelConfig, linear, load_model, resolved_backends, rms_norm
+from miles_kernels.ops.attention import attention
+from miles_kernels.ops.attention_batch import build_attention_batch
 from miles_kernels.testing import BENCHMARK_MODEL, PagedRunner, packed_logits, save_random_model, tiny_config
 
 
@@ -148,10 +154,65 @@ def main() -> None:
             decode[str(batch)] = {**times, **ratios(times)}
             print(f"decode batch {batch}: {fmt(times)}")
         results["decode"] = {"context": args.context, "per_batch": decode}
+        results["per_op"] = per_op(det.kernel, fast.kernel, model_fields, args, device, dtype)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+
+
+def per_op(
+    det: KernelConfig, fast: KernelConfig, model: dict[str, int], args: argparse.Namespace, device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, object]:  # fmt: skip
+    """Each op alone, the deterministic backend vs the fast one (module docstring)."""
+    generator = torch.Generator().manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device, dtype)
+
+    hidden, inter, heads, kv_heads = (model[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                         "num_key_value_heads"))  # fmt: skip
+    head_dim = model.get("head_dim", hidden // heads)
+    shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden),
+              (hidden, heads * head_dim), (inter, hidden), (inter, hidden), (hidden, inter)]  # fmt: skip
+    weights = [randn(n, k) for n, k in shapes]
+    norm_weight = randn(hidden)
+    out: dict[str, object] = {"backends": {"deterministic": resolved_backends(det), "fast": resolved_backends(fast)}}
+    out["prefill"] = _time_ops(det, fast, [args.prefill_tokens], 0, weights, norm_weight, model, randn, args.repeats)
+    out["decode"] = _time_ops(det, fast, [1] * max(args.batches), args.context, weights, norm_weight, model, randn,
+                              args.repeats)  # fmt: skip
+    return out
+
+
+def _time_ops(
+    det: KernelConfig, fast: KernelConfig, query_lens: list[int], prefix: int, weights: list[torch.Tensor],
+    norm_weight: torch.Tensor, model: dict[str, int], randn: Callable[..., torch.Tensor], repeats: int,
+) -> dict[str, object]:  # fmt: skip
+    """The three ops for sequences bringing `query_lens` new tokens after `prefix` cached ones."""
+    hidden, heads, kv_heads = model["hidden_size"], model["num_attention_heads"], model["num_key_value_heads"]
+    head_dim, page, rows = model.get("head_dim", hidden // heads), det.page_size, sum(query_lens)
+    x = randn(rows, hidden)
+    inputs = {k: x if k == hidden else randn(rows, k) for k in {w.shape[1] for w in weights}}
+    pages = -(-(prefix + max(query_lens)) // page)
+    tables = [list(range(1 + s * pages, 1 + (s + 1) * pages)) for s in range(len(query_lens))]
+    k_pages = randn(1 + len(query_lens) * pages, kv_heads, page, head_dim)
+    v_pages = randn(*k_pages.shape)
+    batch = build_attention_batch(query_lens, [prefix] * len(query_lens), tables, page, det.attention_query_tile,
+                                  x.device)  # fmt: skip
+    q = randn(rows, heads, head_dim)
+    ops: dict[str, Callable[[KernelConfig], object]] = {
+        "linear (one layer's seven)": lambda c: [linear(inputs[w.shape[1]], w, c) for w in weights],
+        "attention": lambda c: attention(q, k_pages, v_pages, batch, head_dim**-0.5, c),
+        "rms_norm": lambda c: rms_norm(x, norm_weight, 1e-6, c),
+    }
+    times = {}
+    for name, op in ops.items():
+        det_s = median_seconds(lambda op=op: op(det), repeats)
+        fast_s = median_seconds(lambda op=op: op(fast), repeats)
+        times[name] = {"deterministic": det_s, "fast": fast_s, "deterministic_over_fast": det_s / fast_s}
+        print(f"{rows} rows, {name}: det {det_s * 1e3:.2f} ms, fast {fast_s * 1e3:.2f} ms ({det_s / fast_s:.2f}x)")
+    return {"rows": rows, "query_lens": len(query_lens), "cached_tokens": prefix, "ops": times}
 
 
 def ratios(times: dict[str, float]) -> dict[str, float]:
