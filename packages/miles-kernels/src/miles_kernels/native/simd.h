@@ -166,10 +166,11 @@ inline __m512 pair_level(__m512 x, __m512 y, int level) {
 }
 #endif
 
-// out[e] = reduce(s[e]) for e < n (AVX-512: 16 at a time, padded with zero sums, which no real element's adds touch).
+// out[e] = reduce(s[e]) for e < n (AVX-512: 16 at a time, padded with zero sums, which no real element's adds touch;
+// cheaper than `reduce` per element from two elements on).
 inline void reduce_many(const Lanes* s, int n, float* out) {
 #if defined(__AVX512F__)
-  if (n >= 8) {
+  if (n >= 2) {
     for (int g = 0; g < n; g += 16) {
       __m512 l1[8], l2[4], l3[2];
       auto at = [&](int i) { return g + i < n ? s[g + i].v[0] : _mm512_setzero_ps(); };
