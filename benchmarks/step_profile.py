@@ -173,6 +173,7 @@ def main() -> None:
     wall: dict[str, float] = collections.Counter()
     part_ms: dict[str, collections.Counter[str]] = {phase: collections.Counter() for phase in PHASES}
     part_ops: dict[str, collections.Counter[str]] = {phase: collections.Counter() for phase in PHASES}
+    part_names: dict[tuple[str, str], collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for event in profiler.events():
         if event.name in PHASES:
             wall[event.name] += event.cpu_time_total / 1e3
@@ -192,6 +193,7 @@ def main() -> None:
             part = _part_of(event) or "other"
             part_ms[phase][part] += event.self_cpu_time_total / 1e3
             part_ops[phase][part] += 1
+            part_names[phase, part][event.name] += 1
     by_rows: dict[str, list[float]] = collections.defaultdict(list)
     for rows, seconds in state["rows"]:
         bucket = "1-15" if rows < 16 else "16-63" if rows < 64 else "64" if rows == 64 else "65+"
@@ -210,7 +212,11 @@ def main() -> None:
             "top_ops_ms_per_rl_step": {name: round(ms / args.steps, 2) for name, ms in totals[phase].most_common(12)},
             "top_ops_calls_per_rl_step": {name: round(n / args.steps) for name, n in counts[phase].most_common(12)},
             "by_part": {
-                part: {"ms": round(ms / args.steps, 1), "ops": round(part_ops[phase][part] / args.steps)}
+                part: {
+                    "ms": round(ms / args.steps, 1),
+                    "ops": round(part_ops[phase][part] / args.steps),
+                    "top_ops": {name: round(n / args.steps) for name, n in part_names[phase, part].most_common(8)},
+                }
                 for part, ms in part_ms[phase].most_common()
             },
             "unattributed_wall_ms_per_rl_step": round((wall[phase] - self_ms) / args.steps, 1),

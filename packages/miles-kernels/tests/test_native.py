@@ -160,12 +160,14 @@ def test_bad_operands_are_refused_by_name() -> None:
 
 
 NATIVE = KernelConfig(linear_backend="native")
+TORCH_BACKENDS = KernelConfig(linear_backend="torch-tiled", attention_backend="torch-blocked", norm_backend="torch")
 
 
 def test_backend_is_registered_and_fingerprinted() -> None:
     assert resolved_backends(NATIVE)["linear"] == "native"
-    assert resolved_backends(KernelConfig())["linear"] == "torch-tiled"  # auto keeps torch-tiled for now
-    assert kernel_fingerprint(NATIVE) != kernel_fingerprint(KernelConfig())
+    assert resolved_backends(KernelConfig())["linear"] == "native"  # auto picks it where it built
+    assert kernel_fingerprint(NATIVE) != kernel_fingerprint(KernelConfig(linear_backend="torch-tiled"))
+    assert "native_sources" not in describe_kernel(TORCH_BACKENDS)
     assert describe_kernel(NATIVE)["native_sources"] == native_build.source_hash()
     generator = torch.Generator().manual_seed(4)
     x, w, bias = torch.randn(2, 5, 32, generator=generator), torch.randn(48, 32), torch.randn(48)
@@ -178,7 +180,7 @@ def test_model_runs_on_the_native_backend() -> None:
     """The whole model on native kernels: other bits than torch-tiled (so they really run), the same values."""
     config = tiny_config("moe")
     seqs = [torch.arange(11) % config.vocab_size, torch.arange(5) + 7]
-    tiled = packed_logits(random_model(config, KernelConfig(), seed=0), seqs)
+    tiled = packed_logits(random_model(config, TORCH_BACKENDS, seed=0), seqs)
     ours = packed_logits(random_model(config, NATIVE, seed=0), seqs)
     for a, b in zip(tiled, ours, strict=True):
         assert not torch.equal(a, b)
@@ -359,14 +361,14 @@ def test_model_gradients_through_the_native_attention(kind: str) -> None:
 
     ours = grads(NATIVE_ALL)
     assert all(torch.equal(a, b) for a, b in zip(grads(NATIVE_ALL), ours, strict=True))
-    for a, b in zip(grads(KernelConfig()), ours, strict=True):
+    for a, b in zip(grads(TORCH_BACKENDS), ours, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_and_norm_backends_are_registered_and_fingerprinted() -> None:
     config = KernelConfig(attention_backend="native", norm_backend="native")
     assert resolved_backends(config)["attention"] == resolved_backends(config)["rms_norm"] == "native"
-    assert resolved_backends(KernelConfig())["attention"] == "torch-blocked"  # auto keeps the torch ops
-    assert resolved_backends(KernelConfig())["rms_norm"] == "torch"
+    fast = resolved_backends(KernelConfig(mode="fast"))  # the fastest attention and norm here, MKL's GEMM
+    assert fast == {"attention": "native", "linear": "torch", "rms_norm": "native"}
     assert describe_kernel(config)["native_sources"] == native_build.source_hash()
-    assert kernel_fingerprint(config) != kernel_fingerprint(KernelConfig())
+    assert kernel_fingerprint(config) != kernel_fingerprint(KernelConfig(attention_backend="torch-blocked"))

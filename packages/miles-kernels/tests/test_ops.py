@@ -26,8 +26,11 @@ from miles_kernels import (
 from miles_kernels.ops.attention_batch import num_pages_needed
 from miles_kernels.ops.linear import fixed_rows_matmul, grouped_bmm, invariant_bmm
 
-DET = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)
+DET = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)  # auto: the native kernels
+DET_TORCH = DET.model_copy(update={"linear_backend": "torch-tiled", "attention_backend": "torch-blocked",
+                                   "norm_backend": "torch"})  # fmt: skip
 FAST = DET.model_copy(update={"mode": "fast"})
+FAST_HYBRID = FAST.model_copy(update={"attention_backend": "torch-hybrid"})
 
 
 def test_linear_matches_f_linear_in_both_modes() -> None:
@@ -92,7 +95,7 @@ def test_attention_matches_sdpa(group: int) -> None:
             enable_gqa=True,
         )
         reference.append(out[0].transpose(0, 1))
-    for config in (DET, FAST):
+    for config in (DET, DET_TORCH, FAST, FAST_HYBRID):
         torch.testing.assert_close(packed_attention(config, q, k, v, lens), torch.cat(reference), rtol=0, atol=1e-5)
 
 
@@ -120,14 +123,15 @@ def sdpa_reference(q, k, v, lens: list[int], parents: list[int | None], window: 
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("det", [DET, DET_TORCH], ids=["native", "torch"])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 1])
 def test_packed_attention_gradients_match_float64_reference(
-    group: int, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+    det: KernelConfig, group: int, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The hand-written backward of the deterministic attention (per-token K/V, shared prompts' copy writes, one
-    chunk of blocks or one block per chunk) against autograd through a float64 SDPA; its forward keeps its bits
-    whatever the chunking."""
+    """The hand-written backward of each deterministic attention (per-token K/V, shared prompts' copy writes; the
+    blocked one by one chunk of blocks or one block per chunk) against autograd through a float64 SDPA; its forward
+    keeps its bits whatever the chunking."""
     import miles_kernels.ops.attention as attention_module
 
     generator = torch.Generator().manual_seed(group)
@@ -135,14 +139,14 @@ def test_packed_attention_gradients_match_float64_reference(
     num_kv, dim = 2, 16
     inputs = [torch.randn(sum(lens), num_kv * h, dim, generator=generator) for h in (group, 1, 1)]
     weights = torch.randn(sum(lens), num_kv * group, dim, generator=generator)
-    batch = build_packed_batch(lens, DET.page_size, DET.attention_query_tile, parents=parents)
+    batch = build_packed_batch(lens, det.page_size, det.attention_query_tile, parents=parents)
     scale = dim**-0.5
     with torch.no_grad():
-        whole = attention_module.packed_attention(*inputs, batch, scale, DET)
+        whole = attention_module.packed_attention(*inputs, batch, scale, det)
     monkeypatch.setattr(attention_module, "MAX_CHUNK_BYTES", chunk_bytes)
-    batch = build_packed_batch(lens, DET.page_size, DET.attention_query_tile, parents=parents)
+    batch = build_packed_batch(lens, det.page_size, det.attention_query_tile, parents=parents)
     q, k, v = (t.clone().requires_grad_() for t in inputs)
-    out = attention_module.packed_attention(q, k, v, batch, scale, DET)
+    out = attention_module.packed_attention(q, k, v, batch, scale, det)
     assert torch.equal(out.detach(), whole)
     (out * weights).sum().backward()
     q64, k64, v64 = (t.double().requires_grad_() for t in inputs)
@@ -160,8 +164,8 @@ def test_sliding_window_attention_and_gradients_match_float64_reference(
 ) -> None:
     """Sliding-window attention (windows inside one page, exactly one, across several; rows whose first blocks lie
     wholly before their window): both modes' forwards (fast mode's SDPA path too: the 60-token sequence) and the
-    deterministic backward, chunked by many blocks or one, against float64 masked SDPA. The window changes the
-    result (the reference without it differs)."""
+    deterministic backwards (native, and blocked chunked by many blocks or one), against float64 masked SDPA. The
+    window changes the result (the reference without it differs)."""
     import miles_kernels.ops.attention as attention_module
 
     monkeypatch.setattr(attention_module, "MAX_CHUNK_BYTES", chunk_bytes)
@@ -173,12 +177,12 @@ def test_sliding_window_attention_and_gradients_match_float64_reference(
     reference = sdpa_reference(q64, k64, v64, lens, parents, window)
     assert (reference - sdpa_reference(q64, k64, v64, lens, parents)).abs().max() > 0.1
     (reference * weights.double()).sum().backward()
-    for config in (DET, FAST):
+    for config in (DET, DET_TORCH, FAST, FAST_HYBRID):
         batch = build_packed_batch(lens, config.page_size, config.attention_query_tile, parents=parents)
         q, k, v = (t.clone().requires_grad_() for t in inputs)
         out = attention_module.packed_attention(q, k, v, batch, 16**-0.5, config, window)
         torch.testing.assert_close(out.double(), reference.detach(), rtol=0, atol=1e-5)
-        if config is DET:
+        if config.is_deterministic:
             (out * weights).sum().backward()
             for got, want in ((q, q64), (k, k64), (v, v64)):
                 torch.testing.assert_close(got.grad.double(), want.grad, rtol=0, atol=1e-4)
@@ -192,13 +196,14 @@ def test_attention_over_pages_is_differentiable() -> None:
     batch = build_packed_batch(lens, DET.page_size, DET.attention_query_tile)
     pages = num_pages_needed(batch)
     where = (batch.write_pages_N[:, None], torch.arange(2)[None, :], batch.write_offsets_N[:, None])
-    k_pages = torch.zeros(pages, 2, DET.page_size, 8).index_put(where, k).requires_grad_()
-    v_pages = torch.zeros(pages, 2, DET.page_size, 8).index_put(where, v).requires_grad_()
-    attention(q, k_pages, v_pages, batch, 8**-0.5, DET).sum().backward()
     k64, v64 = k.double().requires_grad_(), v.double().requires_grad_()
     sdpa_reference(q, k64, v64, lens, [None, None]).sum().backward()
-    torch.testing.assert_close(k_pages.grad[where].double(), k64.grad, rtol=0, atol=1e-4)
-    torch.testing.assert_close(v_pages.grad[where].double(), v64.grad, rtol=0, atol=1e-4)
+    for det in (DET, DET_TORCH):
+        k_pages = torch.zeros(pages, 2, DET.page_size, 8).index_put(where, k).requires_grad_()
+        v_pages = torch.zeros(pages, 2, DET.page_size, 8).index_put(where, v).requires_grad_()
+        attention(q, k_pages, v_pages, batch, 8**-0.5, det).sum().backward()
+        torch.testing.assert_close(k_pages.grad[where].double(), k64.grad, rtol=0, atol=1e-4)
+        torch.testing.assert_close(v_pages.grad[where].double(), v64.grad, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -275,11 +280,11 @@ def test_fast_mode_attention_picks_blocked_for_short_chunks_and_sdpa_for_long(
     ran = []
     sdpa = attention_module._sdpa_attention
     monkeypatch.setattr(attention_module, "_sdpa_attention", lambda *args: ran.append("sdpa") or sdpa(*args))
-    assert resolved_backends(FAST)["attention"] == "torch-hybrid"
+    assert resolved_backends(FAST_HYBRID)["attention"] == "torch-hybrid"
     generator = torch.Generator().manual_seed(len(lens))
     q, k, v = (torch.randn(sum(lens), 2, 16, generator=generator) for _ in range(3))
     batch = build_packed_batch(lens, FAST.page_size, FAST.attention_query_tile)
-    out = attention_module.packed_attention(q, k, v, batch, 16**-0.5, FAST)
+    out = attention_module.packed_attention(q, k, v, batch, 16**-0.5, FAST_HYBRID)
     assert ran == (["sdpa"] if max(lens) >= attention_module.HYBRID_SDPA_FROM_TOKENS else [])
     reference = sdpa_reference(q, k, v, lens, [None] * len(lens))
     torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5)

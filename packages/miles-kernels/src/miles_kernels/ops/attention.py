@@ -100,16 +100,18 @@ def packed_attention(
 ) -> torch.Tensor:
     """Attention of a forward with no KV cache (the trainer's): the keys are the batch's own tokens (K/V (N, Hkv, D)),
     laid out in a temporary paged store exactly as the engine's cache holds them, so the forward runs the engine's
-    code. Differentiable. The blocked attention runs `_BlockedAttention`: the engine's forward plus a hand-written
-    backward (a FlashAttention-style recomputation over the same blocks); another backend is differentiated through
-    its own ops."""
+    code. Differentiable. The native attention runs `_NativeAttention` (its C++ forward and backward), the blocked
+    attention `_BlockedAttention`: the engine's forward plus a hand-written backward (a FlashAttention-style
+    recomputation over the same blocks); another backend is differentiated through its own ops."""
     num_pages = num_pages_needed(batch)
     backend = get_backend(f"attention:{config.mode}", config.attention_backend).fn
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD))
     if backend is _triton_attention and grad:
         triton_out: torch.Tensor = _TritonAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
         return triton_out
-    if backend is _native_attention and not q_NHD.is_cuda:
+    if backend in (_native_attention, _native_fast_attention) and q_NHD.is_cuda:  # what they run on CUDA tensors
+        backend = _blocked_attention if backend is _native_attention else _hybrid_attention
+    if backend in (_native_attention, _native_fast_attention):
         if grad:
             native_out: torch.Tensor = _NativeAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
             return native_out
@@ -452,6 +454,21 @@ def _hybrid_attention(
     return _blocked_attention(q_NHD, k_pages, v_pages, batch, scale, window)
 
 
+def _native_fast_attention(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Fast mode's `native`: the native attention on the CPU (faster than SDPA over gathered K/V at every chunk length
+    measured, `benchmarks/kernels.py`), `torch-hybrid` on CUDA tensors."""
+    if q_NHD.is_cuda:
+        return _hybrid_attention(q_NHD, k_pages, v_pages, batch, scale, window)
+    return _native_attention(q_NHD, k_pages, v_pages, batch, scale, window)
+
+
 def _uses_sdpa(batch: AttentionBatch) -> bool:
     return int(batch.query_lens_S.max()) >= HYBRID_SDPA_FROM_TOKENS
 
@@ -542,8 +559,9 @@ class _TritonAttention(torch.autograd.Function):
 register_backend("attention:deterministic", "torch-blocked", _blocked_attention)
 register_backend("attention:deterministic", "triton", _triton_attention, is_available=triton_available,
                  priority=-1)  # fmt: skip
-# The native kernels (miles_kernels/native): chosen by name (kernel.attention_backend=native) until the default run
-# is measured on them; `auto` keeps torch-blocked.
-register_backend("attention:deterministic", "native", _native_attention, is_available=native.status, priority=-1)
+# The native kernels (miles_kernels/native): `auto` in both modes where the library built and loads (on CUDA tensors
+# the blocked attention in deterministic mode, torch-hybrid in fast mode); the torch backends otherwise, or by name.
+register_backend("attention:deterministic", "native", _native_attention, is_available=native.status, priority=1)
 register_backend("attention:fast", "torch-sdpa", _sdpa_attention)
 register_backend("attention:fast", "torch-hybrid", _hybrid_attention, priority=1)
+register_backend("attention:fast", "native", _native_fast_attention, is_available=native.status, priority=2)

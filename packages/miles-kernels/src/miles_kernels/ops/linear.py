@@ -196,9 +196,9 @@ register_backend("linear:deterministic", "torch-tiled", _tiled_linear)
 # The persistent Triton matmul (miles_kernels/triton_ops/matmul.py): chosen by name (kernel.linear_backend=triton)
 # until its GPU speed is measured; `auto` keeps torch-tiled.
 register_backend("linear:deterministic", "triton", _triton_linear, is_available=triton_available, priority=-1)
-# The native kernels (miles_kernels/native): chosen by name (kernel.linear_backend=native) until the fused attention
-# lands with them and the default run is measured on both; `auto` keeps torch-tiled.
-register_backend("linear:deterministic", "native", _native_linear, is_available=native.status, priority=-1)
+# The native kernels (miles_kernels/native): `auto` where the library built and loads (CUDA tensors run the
+# torch-tiled CUDA form through it); torch-tiled otherwise, or by name.
+register_backend("linear:deterministic", "native", _native_linear, is_available=native.status, priority=1)
 register_backend("linear:fast", "torch", _plain_linear)
 
 

@@ -148,6 +148,8 @@ def _backward(
 register_backend("rms_norm:deterministic", "torch", _torch_rms_norm)
 # chosen by name (kernel.norm_backend=triton) until its GPU speed is measured; `auto` keeps the torch op
 register_backend("rms_norm:deterministic", "triton", _triton_rms_norm, is_available=triton_available, priority=-1)
-# The native kernels (miles_kernels/native): chosen by name (kernel.norm_backend=native); `auto` keeps the torch op.
-register_backend("rms_norm:deterministic", "native", _native_rms_norm, is_available=native.status, priority=-1)
+# The native kernels (miles_kernels/native): `auto` in both modes where the library built and loads (fewer ops than
+# the torch op's seven; CUDA tensors run the torch op through it).
+register_backend("rms_norm:deterministic", "native", _native_rms_norm, is_available=native.status, priority=1)
 register_backend("rms_norm:fast", "torch", _torch_rms_norm)
+register_backend("rms_norm:fast", "native", _native_rms_norm, is_available=native.status, priority=1)
