@@ -41,10 +41,8 @@ import torch
 from host import host_info
 from torch.profiler import ProfilerActivity, profile, record_function
 
-# The native kernels (miles_kernels.native, C++ through ctypes, not aten ops): each call is recorded as an op named
-# `native::<function>`, its self time the call.
-NATIVE_KERNELS = ("native_linear", "native_mm", "native_attention", "native_attention_backward", "native_rms_norm",
-                  "native_rms_norm_backward")  # fmt: skip
+# The native kernels (miles_kernels.native, C++ through ctypes, not aten ops) record each call as a range named
+# `native::<function>` under the profiler: counted as one op, its self time the call.
 NATIVE_PREFIX = "native::"
 GEMMS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "native::native_linear", "native::native_mm"}
 PHASES = ("engine_step", "train_step")
@@ -71,9 +69,9 @@ BACKWARD_PARTS = {
 PART_PREFIX = "part::"
 
 
-def _wrap(fn: Any, part: str, prefix: str = PART_PREFIX) -> Any:
+def _wrap(fn: Any, part: str) -> Any:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with record_function(prefix + part):
+        with record_function(PART_PREFIX + part):
             return fn(*args, **kwargs)
 
     return wrapped
@@ -109,7 +107,6 @@ def main() -> None:
     import miles_kernels.latent_attention as latent_module
     import miles_kernels.layers as layers_module
     import miles_kernels.model as model_module
-    import miles_kernels.native as native_module
     import miles_kernels.ops.moe as moe_module
     import miles_rollout.model_runner as runner_module
     import miles_rollout.scheduler as scheduler_module
@@ -155,8 +152,6 @@ def main() -> None:
             for module in (model_module, layers_module, latent_module, moe_module):
                 if hasattr(module, name):
                     setattr(module, name, _wrap(getattr(module, name), part))
-    for name in NATIVE_KERNELS:  # the ops call them through the module: native.native_mm(...)
-        setattr(native_module, name, _wrap(getattr(native_module, name), name, NATIVE_PREFIX))
     runner_module.sample_rows = _wrap(runner_module.sample_rows, "sampling")
     fsdp_module.FSDP2Backend._finish_step = _wrap(fsdp_module.FSDP2Backend._finish_step, "optimizer")
     scheduler_module.Scheduler._step = timed_engine_step  # type: ignore[method-assign]

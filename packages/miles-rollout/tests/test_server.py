@@ -206,7 +206,8 @@ def test_start_and_stop_profile_write_a_chrome_trace(dense_server: str, tmp_path
     stopped = post(dense_server, "/stop_profile", {})
     assert stopped.status_code == 200 and str(tmp_path / "t-TP-0.trace.json") in stopped.text
     events = json.loads((tmp_path / "t-TP-0.trace.json").read_text())["traceEvents"]
-    assert any(e.get("ph") == "X" and e.get("name") in ("aten::mm", "aten::bmm") for e in events)  # the forward
+    gemms = ("aten::mm", "aten::bmm", "native::native_linear")  # the forward's GEMMs (torch or native kernels)
+    assert any(e.get("ph") == "X" and e.get("name") in gemms for e in events)
     assert post(dense_server, "/stop_profile", {}).status_code == 400  # none is recording
     for refused, field in (({"num_steps": 3}, "num_steps"), ({"profile_id": "../x"}, "profile_id")):
         response = post(dense_server, "/start_profile", refused)
