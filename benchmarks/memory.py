@@ -36,9 +36,15 @@ import torch.multiprocessing as mp
 from host import host_info
 
 from miles_contracts import Sample
-from miles_kernels import KernelConfig, save_model
+from miles_kernels import KernelConfig, resolved_backends, save_model
 from miles_kernels.testing import random_model
-from miles_memory import ModelShape, blocked_attention_elements, embedded_engine_bytes, fsdp2_bytes
+from miles_memory import (
+    ModelShape,
+    blocked_attention_elements,
+    embedded_engine_bytes,
+    fsdp2_bytes,
+    native_attention_elements,
+)
 from miles_orchestrator.data.bootstrap import policy_config
 from miles_trainer import BackendConfig, FSDP2Backend, OptimizerConfig, PolicyLossConfig, ensure_process_group
 
@@ -82,8 +88,13 @@ def validate_trainer(model_dir: str, shape: ModelShape, world: int, tokens: int)
         init = f"file://{out}/init"
         mp.spawn(_rank, args=(world, model_dir, tokens, init, out), nprocs=world, join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-    kernel = KernelConfig()  # deterministic: the attention keeps its per-block scores (16-token sequences here)
-    extra = blocked_attention_elements(shape, SEQUENCE_LENGTH, kernel.attention_query_tile, kernel.page_size)
+    kernel = (
+        KernelConfig()
+    )  # deterministic: what its attention keeps beyond a fused kernel's (16-token sequences here)
+    if resolved_backends(kernel)["attention"] == "native":
+        extra = native_attention_elements(shape, SEQUENCE_LENGTH, kernel.page_size)
+    else:
+        extra = blocked_attention_elements(shape, SEQUENCE_LENGTH, kernel.attention_query_tile, kernel.page_size)
     planned = fsdp2_bytes(shape, world, "float32", tokens, attention_extra=extra)
     rows = {}
     for tag in TAGS:

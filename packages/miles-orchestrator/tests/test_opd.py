@@ -144,7 +144,8 @@ def test_embedded_and_served_teachers_score_the_students_tokens(models) -> None:
         assert s.teacher_logprobs == whole_sequence_logprobs(cfg, models["teacher"], s)
         assert s.teacher_logprobs != s.rollout_logprobs
 
-    with launch_server(models["teacher"], "--num-kv-pages", "256") as url:
+    # the run's kernels (deterministic): a standalone server defaults to fast mode, other GEMMs, other last bits
+    with launch_server(models["teacher"], "--num-kv-pages", "256", "--deterministic") as url:
         served, errors = score(teacher_cfg(f"opd.teacher_url={url}"), models["student"], batch)
         assert not errors
         assert [s.teacher_logprobs for s in served] == [s.teacher_logprobs for s in embedded]
@@ -179,7 +180,8 @@ def test_the_teachers_top_k_comes_with_its_sampled_token_log_probs(models) -> No
              zip(s.response_tokens, s.teacher_logprobs or [], s.teacher_top_logprobs or [], strict=True)
              if t in dict(row)]  # fmt: skip
     assert found and all(a == b for a, b in found)  # the sampled tokens among the student's own top-64
-    with launch_server(models["teacher"], "--num-kv-pages", "256") as url:
+    # the run's kernels (deterministic): a standalone server defaults to fast mode, other GEMMs, other last bits
+    with launch_server(models["teacher"], "--num-kv-pages", "256", "--deterministic") as url:
         served, errors = score(teacher_cfg(f"opd.teacher_url={url}", "opd.top_k=3"), models["student"], batch)
     assert not errors and [s.teacher_top_logprobs for s in served] == [s.teacher_top_logprobs for s in embedded]
     without = teacher_cfg(f"opd.teacher.path={models['teacher']}")

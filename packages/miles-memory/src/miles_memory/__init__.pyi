@@ -14,6 +14,7 @@ from .plan_formulas import (
     engine_weight_bytes,
     fsdp2_bytes,
     lora_layer_bytes,
+    native_attention_elements,
     weight_sync_bytes,
 )
 from .planner import RUN_KEYS, plan_memory, read_run
@@ -53,6 +54,7 @@ __all__ = [
     "lora_layer_bytes",
     "mfu",
     "model_flops",
+    "native_attention_elements",
     "out_of_memory",
     "plan_memory",
     "qat_layer_bytes",
