@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,8 @@ def wandb_records(path: Path) -> list[Any]:
             position += block - position % block
             continue
         length, kind = struct.unpack_from("<HB", data, position + 4)
+        if position + 7 + length > len(data):
+            break  # a record the service is still writing
         chunks.append(data[position + 7 : position + 7 + length])
         position += 7 + length
         if kind in (1, 4):
@@ -95,9 +98,20 @@ def wandb_records(path: Path) -> list[Any]:
     return records
 
 
-def wandb_runs(run_dir: Path) -> list[list[Any]]:
-    """The records of each W&B offline run in the run dir (one per `miles-orchestrator run`), oldest first."""
-    return [wandb_records(next(d.glob("*.wandb"))) for d in sorted((run_dir / "wandb").glob("offline-run-*"))]
+def wandb_runs(run_dir: Path, *, wait_s: float = 60.0) -> list[list[Any]]:
+    """The records of each W&B offline run in the run dir (one per `miles-orchestrator run`), oldest first. `finish`
+    returns once wandb-core has handled the run's exit, but the service closes the run's file (its last block, the
+    exit record) after that, on its own: each file is read again until it holds its exit record, for `wait_s` at
+    most (a file that never gets one is returned as it is, and the test's own assertion fails on it)."""
+    runs = []
+    for directory in sorted((run_dir / "wandb").glob("offline-run-*")):
+        path, deadline = next(directory.glob("*.wandb")), time.monotonic() + wait_s
+        records = wandb_records(path)
+        while not any(r.HasField("exit") for r in records) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            records = wandb_records(path)
+        runs.append(records)
+    return runs
 
 
 def item_key(item: Any) -> str:
