@@ -6,10 +6,15 @@ emulates other CPUs on this one by changing the kernels' dispatch, and adds seed
 cell of that matrix, each from its own empty bootstrap cache (the bootstrap is part of what differs):
 
 - dispatch `native`: what this CPU picks by itself;
-- `avx2`: `ATEN_CPU_CAPABILITY=avx2`, ATen's AVX2 kernels, as on a CPU without AVX-512 (on an AVX-512 CPU this
-  changes softmax / log-softmax bits, not MKL's GEMMs);
-- `default`: `ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`, ATen's scalar kernels and MKL's conditional
-  numerical reproducibility mode (GEMM, softmax, norms and activations all round differently);
+- `avx2`: `ATEN_CPU_CAPABILITY=avx2 MILES_NATIVE_ISA=avx2`, ATen's AVX2 kernels and the native kernels' AVX2 build,
+  as on a CPU without AVX-512 (on an AVX-512 CPU this changes softmax / log-softmax bits and torch.randn's, not
+  MKL's GEMMs);
+- `default`: `ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE MILES_NATIVE_ISA=generic`, ATen's scalar kernels, MKL's
+  conditional numerical reproducibility mode and the native kernels' generic build (MKL's GEMMs, softmax and
+  activations round differently).
+
+The native kernels (`miles_kernels.native`, the deterministic path's GEMMs, attention and RMSNorm) give the same
+bits in every build, which the fingerprint shows; what still differs between settings is the torch ops around them.
 - seed `s`: `run.seed=s data.seed=s` (another base-model initialization, SFT data, prompt order and samples).
 
 The JSON records, per dispatch setting, the capability torch chose and a fingerprint of a few ops' result bits (so it
@@ -49,8 +54,8 @@ from host import host_info
 
 DISPATCH = {
     "native": {},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
-    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MILES_NATIVE_ISA": "avx2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "MILES_NATIVE_ISA": "generic"},
 }
 PROBE_LINE = re.compile(r"bootstrap step (\d+): probe pass@1 ([\d.]+)% \(target (\d+)%\)")
 
@@ -58,13 +63,18 @@ PROBE_LINE = re.compile(r"bootstrap step (\d+): probe pass@1 ([\d.]+)% \(target 
 def fingerprint() -> dict[str, Any]:
     """Hashes of a few ops' result bits on fixed inputs, at the example's shapes (hidden 256, 8 heads): two
     dispatch settings that give the same hashes run the same bits for these ops."""
+    import numpy as np
     import torch
     import torch.nn.functional as F
 
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 256, generator=generator)
-    w = torch.randn(768, 256, generator=generator)
-    scores = torch.randn(8, 64, 64, generator=generator)
+    from miles_kernels import native
+
+    rng = np.random.default_rng(0)  # not torch.randn: its bits change with ATen's dispatch too
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+
+    x, w, scores = randn(64, 256), randn(768, 256), randn(8, 64, 64)
     outputs = {
         "linear": F.linear(x, w),
         "matmul": x @ w.T,
@@ -74,8 +84,20 @@ def fingerprint() -> dict[str, Any]:
         "silu": F.silu(x),
         "exp": x.exp(),
     }
+    native_isa = None
+    if native.status() is True:  # the deterministic path's own kernels (their ISA builds give the same bits)
+        native_isa = native.isa()
+        q = randn(32, 8, 32)  # one sequence of 32 tokens, 8 heads of 32
+        k_pages, v_pages = randn(2, 2, 8, 16, 32)  # 2 pages of 16 slots
+        positions, seqs, tables = torch.arange(32), torch.zeros(32, dtype=torch.long), torch.tensor([[0, 1]])
+        outputs |= {
+            "native_linear": native.native_linear(x, w),
+            "native_attention": native.native_attention(q, k_pages, v_pages, positions, seqs, tables, 32**-0.5)[0],
+            "native_rms_norm": native.native_rms_norm(x, torch.ones(256), 1e-6)[0],
+        }
     hashes = {name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:12] for name, t in outputs.items()}
-    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "op_hashes": hashes}
+    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_isa": native_isa,
+            "op_hashes": hashes}  # fmt: skip
 
 
 def dispatch_env(name: str) -> dict[str, str]:
