@@ -336,3 +336,29 @@ def test_step_stats_reduce_keys_that_only_some_ranks_hold(tmp_path) -> None:
     ranks = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**env, "RANK": str(r)}) for r in (0, 1)]
     summaries = [json.loads(process.communicate(timeout=120)[0].strip().splitlines()[-1]) for process in ranks]
     assert summaries[0] == summaries[1] == {"loss": 3.0, "moe_routing_flip_frac": 0.25, "only_here_max": 3.0}
+
+
+def test_padded_rows_equal_torchs_pad_sequence_forward_and_backward() -> None:
+    """The loss's (B, T) rows come from one masked scatter (packing.pad_rows); torch's pad_sequence over the per-sample
+    split is the reference: the same values, mask and gradient bits, empty rows included."""
+    from miles_trainer.packing import pad_rows, padded_lists, padding_slots
+
+    lengths = [3, 0, 5, 1]
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(sum(lengths), generator=generator, requires_grad=True)
+    reference = values.detach().clone().requires_grad_()
+    padded = pad_rows(values, padding_slots(lengths))
+    expected = torch.nn.utils.rnn.pad_sequence(list(torch.split(reference, lengths)), batch_first=True)
+    assert padded.shape == (4, 5) and torch.equal(padded, expected)
+    grad = torch.randn(padded.shape, generator=generator)
+    padded.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(values.grad, reference.grad)
+
+    mask = torch.tensor([True, False, True, True, True, False, False, True, False])
+    expected_mask = torch.nn.utils.rnn.pad_sequence(list(torch.split(mask, lengths)), batch_first=True)
+    assert torch.equal(pad_rows(mask, padding_slots(lengths), False), expected_mask)
+
+    rows = [[0.1, -2.5], [], [1e-8, 3.0, 7.25]]  # python floats rounded to float32 as torch.tensor rounds them
+    expected_rows = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True)
+    assert torch.equal(padded_lists(rows, torch.device("cpu")), expected_rows)

@@ -82,12 +82,16 @@ class BatchResults:
         logits = self.runner.logits(hidden, index)
         entries: list[Entry] = []
         first = 0
-        for owner, _, tree in to_sample:
-            if isinstance(owner, Group):  # its samples start, with the prompt's draft state (`_fork`)
-                entries += [(seq, first, tree, False) for seq in self._fork(owner)]
-            else:
-                entries.append((owner, first, tree, True))
-            first += len(tree.tokens)
+        copies: list[tuple[int, int]] = []  # the forks' partial prompt pages, copied at once
+        try:
+            for owner, _, tree in to_sample:
+                if isinstance(owner, Group):  # its samples start, with the prompt's draft state (`_fork`)
+                    entries += [(seq, first, tree, False) for seq in self._fork(owner, copies)]
+                else:
+                    entries.append((owner, first, tree, True))
+                first += len(tree.tokens)
+        finally:  # the groups forked before a failure hold their copies too
+            self.runner.copy_pages(copies)
         for seq, *_ in entries:
             if seq.group.params.max_new_tokens == 0:
                 self._finish(seq, finish_reason("length", length=0))
@@ -103,8 +107,7 @@ class BatchResults:
                 path = tree.accept_path(sampled.tokens)  # root first: each node's row samples the next token
                 computed = seq.num_computed - tree.depth  # with the row that samples the first token
                 if len(tree.branches) > 1:  # the accepted path's keys into the sequence's own pages
-                    for source, target in tree.pages_to_keep(path, self.page_size, computed - 1, seq.pages):
-                        self.runner.copy_page(source, [target])
+                    self.runner.copy_pages(tree.pages_to_keep(path, self.page_size, computed - 1, seq.pages))
                 for i, node in enumerate(path):
                     seq.num_computed = computed + i  # the rows up to the one that sampled the token are kept
                     reason = self.output.append_token(seq, sampled.tokens[node], sampled.logprobs[node],
@@ -119,8 +122,9 @@ class BatchResults:
                 failed[id(seq.group)] = (seq.group, error)
         self._fail_groups(failed)
 
-    def _fork(self, group: Group) -> list[Sequence]:
-        """The prompt is computed: start its n samples on its pages (full pages shared, the partial one copied)."""
+    def _fork(self, group: Group, page_copies: list[tuple[int, int]]) -> list[Sequence]:
+        """The prompt is computed: start its n samples on its pages (full pages shared, the partial one to be copied:
+        its (source, target) pairs are added to `page_copies`)."""
         self._prefilling.remove(group)
         length = len(group.prompt_ids)
         num_full = num_shared_pages(length, self.page_size, self.drafter is not None)
@@ -149,8 +153,7 @@ class BatchResults:
             share = group.reserved_pages // (group.params.n - i)
             seq.reserved_pages, group.reserved_pages = share, group.reserved_pages - share
             children.append(seq)
-        if copies:
-            self.runner.copy_page(partial[0], copies)
+        page_copies += [(partial[0], page) for page in copies]
         self.allocator.release(group.prefill_pages)
         group.prefill_pages = []
         group.sequences = children

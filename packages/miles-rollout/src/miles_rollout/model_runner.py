@@ -10,7 +10,7 @@ hands what was sampled to the output stage (output.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -132,14 +132,21 @@ class ModelRunner:
         """The LM head's logits of `rows` of a step's rows (`forward`)."""
         return self.model.logits(self.hidden_states(hidden[torch.tensor(rows, device=hidden.device)]))
 
-    def copy_page(self, source: int, targets: list[int]) -> None:
-        """Copy page `source`'s K/V (and recorded routing) into each page of `targets`: one copy per layer and K/V for
-        all of them."""
-        index = torch.tensor(targets, device=self.store.k[0].device)
-        for pages in self.store.tensors():
-            pages[index] = pages[source].clone()
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, target) page's K/V (and recorded routing) into its target: one gather and one scatter
+        per store tensor for all of them (a chain, a target that is also a source, is copied pair by pair, in
+        order)."""
+        if not pairs:
+            return
+        if {target for _, target in pairs} & {source for source, _ in pairs}:
+            for pair in pairs:
+                self.copy_pages([pair])
+            return
+        sources, targets = (torch.tensor(pages, device=self.store.k[0].device) for pages in zip(*pairs, strict=True))
+        for store in self.store.tensors():
+            store.index_copy_(0, targets, store.index_select(0, sources))
         if self.routed_experts is not None:
-            self.routed_experts.copy_page(source, targets)
+            self.routed_experts.copy_pages(sources.cpu(), targets.cpu())
 
     def sample(
         self, logits: torch.Tensor, entries: list[Entry], failed: dict[int, tuple[Any, BaseException]]

@@ -56,12 +56,11 @@ class RoutedExperts:
             copies_C = batch.copy_pages_C * self.page_size + batch.copy_offsets_C
             self.buffer_SLK[copies_C.cpu()] = routing_NLK[batch.copy_tokens_C].cpu()
 
-    def copy_page(self, source: int, targets: list[int]) -> None:
-        """Copy page `source`'s slots to each page of `targets` (where the scheduler copies its K/V)."""
-        size = self.page_size
-        rows = self.buffer_SLK[source * size : (source + 1) * size].clone()
-        for page in targets:
-            self.buffer_SLK[page * size : (page + 1) * size] = rows
+    def copy_pages(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Copy page `sources[i]`'s slots to page `targets[i]` (where the scheduler copies its K/V; no target is a
+        source)."""
+        pages = self.buffer_SLK.view(-1, self.page_size, self.num_layers, self.top_k)
+        pages.index_copy_(0, targets, pages.index_select(0, sources))
 
     def gather(self, pages: list[int], start: int, end: int) -> str:
         """SGLang's `meta_info.routed_experts` for positions [start, end) of a sequence laid out on `pages`: base64

@@ -350,8 +350,7 @@ class Scheduler(BatchResults):
             first = tree.path_nodes(tree.leaves()[0])
             tree = DraftTree.chain(tree.tokens[0], [tree.tokens[node] for node in first[1:]])
             tree.lay_out(n, seq.pages, self.page_size, self._take_scratch)
-        for source, target in tree.page_copies(self.page_size):
-            self.runner.copy_page(source, [target])
+        self.runner.copy_pages(tree.page_copies(self.page_size))
         branches = tree.branches
         part = ForwardPart(tree.tokens, tree.own_lengths(), [b.prefix for b in branches], [b.table for b in branches],
                            seq.group.lora_id, tree.copy_writes(n, self.page_size))  # fmt: skip

@@ -21,6 +21,7 @@ Shapes: N packed rows, K response tokens of the micro-batch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,18 +58,33 @@ class MicroBatch:
         """Per-token values (K,) split into one tensor per sample."""
         return list(torch.split(values_K, self.response_lens))
 
+    @functools.cached_property
+    def slots_BT(self) -> torch.Tensor:
+        """bool (B, T): the slots of the samples' right-padded rows that hold a response token (`rows_to_padded`)."""
+        return padding_slots(self.response_lens)
+
+
+def padding_slots(lengths: Sequence[int]) -> torch.Tensor:
+    """bool (B, T = the longest): slot t of row b holds one of row b's `lengths[b]` values."""
+    return torch.arange(max(lengths, default=0)) < torch.tensor(lengths, dtype=torch.int64).unsqueeze(1)
+
+
+def pad_rows(values: torch.Tensor, slots_BT: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
+    """Values laid end to end, row after row (K,), as right-padded rows (B, T): one masked scatter (K = the slots'
+    count), so one op forward and one backward however many rows; a pure copy (its gradient too)."""
+    slots_BT = slots_BT.to(values.device)
+    return torch.full(slots_BT.shape, fill, dtype=values.dtype, device=values.device).masked_scatter(slots_BT, values)
+
 
 def rows_to_padded(values_K: torch.Tensor, micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-response-token values (K,) as (B, T) right-padded rows and the matching mask (loss mask applied)."""
-    padded = torch.nn.utils.rnn.pad_sequence(micro.per_sample(values_K), batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence(micro.per_sample(micro.loss_mask_K), batch_first=True, padding_value=False)
-    return padded, mask.to(padded.device)
+    return pad_rows(values_K, micro.slots_BT), pad_rows(micro.loss_mask_K.to(values_K.device), micro.slots_BT, False)
 
 
 def padded_lists(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
     """Lists of floats (one per sample) as a right-padded float32 (B, T) tensor on `device`."""
-    tensors = [torch.tensor(list(r), dtype=torch.float32) for r in rows]
-    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True).to(device)
+    flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.float32)
+    return pad_rows(flat, padding_slots([len(r) for r in rows])).to(device)
 
 
 def padded_passes(

@@ -34,7 +34,15 @@ from miles_trainer.losses import (
     policy_loss,
     sft_loss,
 )
-from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, padded_passes, rows_to_padded
+from miles_trainer.packing import (
+    MicroBatch,
+    pack_samples,
+    pad_rows,
+    padded_lists,
+    padded_passes,
+    padding_slots,
+    rows_to_padded,
+)
 from miles_trainer.plugins import load_checked_plugin
 
 PerSample = Sequence[float | Sequence[float]]
@@ -170,9 +178,9 @@ def mismatch_weights(
     cpu = torch.device("cpu")
     rollout_NT = padded_lists(rollout, cpu)
     old_NT = rollout_NT if old_logprobs is None else padded_lists(old_logprobs, cpu)
-    mask_NT = torch.nn.utils.rnn.pad_sequence(
-        [torch.tensor(s.effective_loss_mask(), dtype=torch.bool) for s in samples], batch_first=True
-    )
+    masks = [s.effective_loss_mask() for s in samples]
+    flat = torch.tensor([m for mask in masks for m in mask], dtype=torch.bool)
+    mask_NT = pad_rows(flat, padding_slots([len(m) for m in masks]), False)
     weights_NT, metrics = importance_weights(
         old_NT, rollout_NT, mask_NT, level=config.is_level, mode=config.is_mode, threshold=config.is_threshold,
         threshold_low=config.is_threshold_low,
