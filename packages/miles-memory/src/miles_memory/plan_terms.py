@@ -23,6 +23,7 @@ from miles_memory.plan_formulas import (
     fsdp2_bytes,
     kv_bytes_per_token,
     layer_activation_elements,
+    native_attention_elements,
     nccl_bytes,
     weight_sync_bytes,
 )
@@ -62,18 +63,22 @@ def trainer_terms(
 ) -> TrainerTerms:
     if run.plan.trainer_backend == "megatron":  # on a CPU: num_ranks gloo ranks (the backend's CPU device mode)
         return _megatron(shape, run, run.num_ranks if hw.is_cpu else train_gpus, hw.nccl_channels, notes)
-    return _fsdp2(shape, run, train_gpus)
+    return _fsdp2(shape, run, train_gpus, hw)
 
 
-def deterministic_attention_extra(shape: ModelShape, run: RunInputs) -> float:
-    """Elements per token and layer Miles' deterministic attention keeps beyond a fused kernel's (0 in fast mode)."""
+def deterministic_attention_extra(shape: ModelShape, run: RunInputs, hw: HardwareProfile) -> float:
+    """Elements per token and layer Miles' deterministic attention keeps beyond a fused kernel's (0 in fast mode): on
+    a CPU the native attention's (`native_attention_elements`, the default where miles_kernels' native library
+    built), on a GPU the blocked attention's (`blocked_attention_elements`)."""
     if not run.is_deterministic:
         return 0.0
     length = min(run.sequence_length or PROMPT_TOKENS_GUESS + run.max_new_tokens, run.tokens)
+    if hw.is_cpu:
+        return native_attention_elements(shape, length, run.page_size, DTYPE_BYTES[run.dtype])
     return blocked_attention_elements(shape, length, run.query_tile, run.page_size, DTYPE_BYTES[run.dtype])
 
 
-def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
+def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int, hw: HardwareProfile) -> TrainerTerms:
     world = run.num_ranks if run.plan.hardware == "cpu" else train_gpus
     online = run.spec_mode == "online"
     lora = run.lora
@@ -86,7 +91,7 @@ def _fsdp2(shape: ModelShape, run: RunInputs, train_gpus: int) -> TrainerTerms:
         keep_reference=run.keep_reference,
         critic=run.critic,
         is_mtp_trained=online,
-        attention_extra=deterministic_attention_extra(shape, run),
+        attention_extra=deterministic_attention_extra(shape, run, hw),
         lora=lora,
         is_deterministic=run.is_deterministic,
         qat=run.qat,
