@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -372,3 +373,33 @@ def test_attention_and_norm_backends_are_registered_and_fingerprinted() -> None:
     assert fast == {"attention": "native", "linear": "torch", "rms_norm": "native"}
     assert describe_kernel(config)["native_sources"] == native_build.source_hash()
     assert kernel_fingerprint(config) != kernel_fingerprint(KernelConfig(attention_backend="torch-blocked"))
+
+
+def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_two() -> None:
+    """Shapes above the kernels' threading threshold (simd.h's MIN_PARALLEL_WORK: two threads share them) give the
+    bits of one thread, for every kernel and its gradients; small calls run on one thread either way."""
+
+    def on_threads(threads: int, fn: Any) -> Any:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+
+    generator = torch.Generator().manual_seed(11)
+    x, w = torch.randn(600, 256, generator=generator), torch.randn(256, generator=generator)
+    grad = torch.randn(600, 256, generator=generator)
+    b = torch.randn(256, 300, generator=generator)
+    case = attention_case(seed=4, window=None)
+    calls = {
+        "rms_norm": lambda: native.native_rms_norm(x, w, 1e-6),
+        "rms_norm_backward": lambda: native.native_rms_norm_backward(x, w, grad, 1e-6),
+        "mm": lambda: (native_mm(x, b),),
+        "linear": lambda: (native_linear(x, b.t().contiguous()),),
+        "attention": case.forward,
+        "attention_backward": case.backward,
+    }
+    for name, call in calls.items():
+        one, two = on_threads(1, call), on_threads(2, call)
+        assert all(torch.equal(a, c) for a, c in zip(one, two, strict=True)), name

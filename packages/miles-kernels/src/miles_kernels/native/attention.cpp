@@ -131,10 +131,18 @@ void forward_row(const Attention<T>& a, int64_t t, int64_t h, float* out, float*
   if (lse) lse[t * a.H + h] = m + logf(l);
 }
 
+// Multiply-adds of the rows' scores and weighted values (for `worth_threads`).
+template <class T>
+int64_t work(const Attention<T>& a) {
+  int64_t keys = 0;
+  for (int64_t t = 0; t < a.N; ++t) keys += a.positions[t] - a.first_key(a.positions[t]) + 1;
+  return 2 * keys * a.H * a.D;
+}
+
 template <class T>
 void forward(const Attention<T>& a, float* out, float* lse, int threads) {
   const int64_t rows = a.N * a.H;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (threads > 1 && rows > 1)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (worth_threads(threads, rows, work(a)))
   for (int64_t r = 0; r < rows; ++r) forward_row(a, r / a.H, r % a.H, out, lse);
 }
 
@@ -168,7 +176,8 @@ void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int
   const int64_t rows = a.N * a.H;
   const int chunk = a.chunk();
   std::vector<float> delta(rows);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (threads > 1 && rows > 1)
+  const int64_t total = 2 * work(a);  // each half recomputes the scores and forms its own gradients
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (worth_threads(threads, rows, total))
   for (int64_t r = 0; r < rows; ++r) {  // dq and delta, row by row
     const int64_t t = r / a.H, h = r % a.H, pos = a.positions[t], seq = a.seqs[t], first = a.first_key(pos);
     const float *q = a.q + r * a.D, *g = dout + r * a.D;
@@ -190,7 +199,7 @@ void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int
     for (int64_t b = 0; b < blocks; ++b) readers[a.tables[seq * a.B + b]].push_back({seq, b});
   }
   const int64_t tasks = num_pages * a.Hkv, G = a.group();
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && tasks > 1)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (worth_threads(threads, tasks, total))
   for (int64_t task = 0; task < tasks; ++task) {  // dk and dv, (page, KV head) by (page, KV head)
     const int64_t page = task / a.Hkv, kvh = task % a.Hkv;
     float* gk = dk + (page * a.Hkv + kvh) * a.P * a.D;

@@ -100,7 +100,7 @@ void gemm(const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int6
   // rows split only when the panels alone do not give every thread several tasks (each task packs its panel)
   const int64_t panels = (N + NR - 1) / NR, rows_per_task = panels >= 4 * threads ? M : ROWS_PER_TASK;
   const int64_t chunks = (M + rows_per_task - 1) / rows_per_task, tasks = panels * chunks;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, tasks, M * N * K))
   for (int64_t t = 0; t < tasks; ++t) {
     alignas(64) float buf[KC * NR];
     const int64_t panel = t / chunks, m0 = (t % chunks) * rows_per_task;
@@ -186,7 +186,7 @@ void dot(const T* A, int64_t lda, const T* Wt, int64_t ldw, float* C, int64_t ld
   // rows split only when the columns alone do not give every thread several tasks
   const int64_t rows_per_task = col_tasks >= 4 * threads ? M : ROWS_PER_TASK;
   const int64_t row_tasks = (M + rows_per_task - 1) / rows_per_task, tasks = col_tasks * row_tasks;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, tasks, M * N * K))
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t n0 = (t % col_tasks) * DOT_COLS_PER_TASK, m0 = (t / col_tasks) * rows_per_task;
     const int64_t n = N - n0 < DOT_COLS_PER_TASK ? N - n0 : DOT_COLS_PER_TASK;

@@ -25,7 +25,7 @@ float row_inverse(const T* x, int64_t H, float eps) {
 
 template <class T>
 void forward(const T* x, const T* w, float* y, float* inverse, int64_t M, int64_t H, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, M, M * H))
   for (int64_t m = 0; m < M; ++m) {
     const T* row = x + m * H;
     const float r = row_inverse(row, H, eps);
@@ -43,7 +43,7 @@ template <class T>
 void backward(const T* x, const T* w, const T* dy, float* dx, float* dw, int64_t M, int64_t H, float eps,
               int threads) {
   std::vector<float> inverse(M);
-#pragma omp parallel num_threads(threads) if (threads > 1 && M > 1)
+#pragma omp parallel num_threads(threads) if (worth_threads(threads, M, 3 * M * H))
   {
     std::vector<float> g(H), n(H);
 #pragma omp for schedule(static)

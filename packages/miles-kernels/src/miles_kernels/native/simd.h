@@ -189,4 +189,12 @@ inline void reduce_many(const Lanes* s, int n, float* out) {
   for (int e = 0; e < n; ++e) out[e] = reduce(s[e]);
 }
 
+// Threads: a call runs on one thread when it has less than MIN_PARALLEL_WORK multiply-adds (or elements) to do —
+// waking the others costs more than they save on a decode step's small calls. Which thread computes an element
+// never enters its arithmetic, so this changes the wall time, never the bits.
+constexpr int64_t MIN_PARALLEL_WORK = int64_t(1) << 17;
+inline bool worth_threads(int threads, int64_t tasks, int64_t work) {
+  return threads > 1 && tasks > 1 && work >= MIN_PARALLEL_WORK;
+}
+
 }  // namespace
