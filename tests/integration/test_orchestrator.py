@@ -44,8 +44,9 @@ def test_default_example_runs_with_zero_mismatch_on_a_cold_cache(cold_run) -> No
     assert len(train_rows) == 30
     # The reward rises: mean reward of every generated sample, steps 26-30 against steps 1-5, under a non-native CPU
     # dispatch (OTHER_CPU), so a default example that learns on one CPU's bits only fails here. The margin comes from
-    # benchmarks/results/robustness.json: over its 9 cells (3 dispatch settings x 3 seeds) that rise was 0.086-0.180
-    # (0.180 for this one, avx2 seed 0); a policy that does not learn (lr 1e-12, 30 steps) rose 0.027, its per-step
+    # benchmarks/results/robustness.json: over its 9 cells (3 dispatch settings x 3 seeds) that rise was 0.095-0.205
+    # (0.121 for this one, avx2 seed 0; 0.086-0.180 on the torch kernels); a policy that does not learn (lr 1e-12, 30
+    # steps, torch kernels) rose 0.027, its per-step
     # reward varying with a standard deviation of 0.035, i.e. 0.022 for the difference of two 5-step means.
     first, last = (sum(r["reward_mean"] for r in window) / 5 for window in (train_rows[:5], train_rows[-5:]))
     assert last >= first + 0.06, (first, last)
