@@ -6,11 +6,42 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _in_order_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+    """`tl.dot` in the interpreter as a GPU's MMA computes it for the schedule's purposes: each output element its
+    own accumulation over k in order, whatever the block's other rows hold. The interpreter's own `np.matmul` runs
+    the CPU's BLAS, whose micro-kernels may round a row by its place in the block (OpenBLAS's on an AMD EPYC does):
+    that would test the BLAS, not the kernel's schedule."""
+    from triton.runtime.interpreter import TensorHandle
+
+    acc = np.array(d.data, copy=True)
+    left, right = a.data.astype(acc.dtype), b.data.astype(acc.dtype)
+    for k in range(left.shape[-1]):
+        acc += left[..., :, k : k + 1] * right[..., k : k + 1, :]
+    return TensorHandle(acc, d.dtype.scalar)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder
+    except ImportError:  # no Triton: test_triton_ops.py skips
+        pass
+    else:
+        _interpreter_dot = InterpreterBuilder.create_dot
+
+        def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+            if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8: the interpreter's own
+                return _interpreter_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+            return _in_order_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+        InterpreterBuilder.create_dot = _dot
 
 
 @pytest.fixture(autouse=True)

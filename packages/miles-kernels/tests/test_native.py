@@ -369,8 +369,9 @@ def test_model_gradients_through_the_native_attention(kind: str) -> None:
 def test_attention_and_norm_backends_are_registered_and_fingerprinted() -> None:
     config = KernelConfig(attention_backend="native", norm_backend="native")
     assert resolved_backends(config)["attention"] == resolved_backends(config)["rms_norm"] == "native"
-    fast = resolved_backends(KernelConfig(mode="fast"))  # the fastest attention and norm here, MKL's GEMM
-    assert fast == {"attention": "native", "linear": "torch", "rms_norm": "native"}
+    fast = resolved_backends(KernelConfig(mode="fast"))  # the fastest attention and norm here, and plain GEMM
+    linear = "native" if native.faster_than_mkl() is True else "torch"
+    assert fast == {"attention": "native", "linear": linear, "rms_norm": "native"}
     assert describe_kernel(config)["native_sources"] == native_build.source_hash()
     assert kernel_fingerprint(config) != kernel_fingerprint(KernelConfig(attention_backend="torch-blocked"))
 
@@ -403,3 +404,28 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_two() -> None:
     for name, call in calls.items():
         one, two = on_threads(1, call), on_threads(2, call)
         assert all(torch.equal(a, c) for a, c in zip(one, two, strict=True)), name
+
+
+@pytest.mark.parametrize(
+    ("vendor", "isa", "fast_linear"),
+    [("AuthenticAMD", "avx512", "native"), ("GenuineIntel", "avx512", "torch"), ("AuthenticAMD", "avx2", "torch"),
+     ("", "avx512", "native")],
+)  # fmt: skip
+def test_fast_mode_takes_the_native_linear_only_where_mkl_runs_its_avx2_code(
+    vendor: str, isa: str, fast_linear: str, monkeypatch
+) -> None:
+    """Fast mode's `auto` linear: one MKL GEMM on Intel CPUs and wherever the native build is not AVX-512; the native
+    dot kernel on other AVX-512 CPUs (MKL takes its AVX2 path there). Naming it where MKL is the faster says why."""
+    from miles_kernels import registry
+
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(native, "isa", lambda: isa)
+    monkeypatch.setattr(registry, "_AVAILABILITY", {})
+    assert resolved_backends(KernelConfig(mode="fast"))["linear"] == fast_linear
+    if fast_linear == "torch":
+        with pytest.raises(RuntimeError, match="MKL's GEMM is fast mode's faster linear on this CPU"):
+            resolved_backends(KernelConfig(mode="fast", linear_backend="native"))
+    x, w = torch.randn(5, 64), torch.randn(48, 64)
+    out = registry.get_backend("linear:fast", fast_linear).fn(x, w, None, KernelConfig(mode="fast"))
+    want = native_linear(x, w) if fast_linear == "native" else F.linear(x, w)
+    assert torch.equal(out, want)

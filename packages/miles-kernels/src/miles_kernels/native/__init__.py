@@ -111,6 +111,33 @@ def isa() -> str:
     return str(_loaded()["isa"])
 
 
+def cpu_vendor() -> str:
+    """The CPU vendor string (`vendor_id` in /proc/cpuinfo: "GenuineIntel", "AuthenticAMD", ...; "" where it cannot
+    be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def faster_than_mkl() -> bool | str:
+    """True where the native dot kernel is the faster plain GEMM for fast mode's linear layers: an AVX-512 build on a
+    CPU that is not Intel's, where MKL runs its AVX2 code (measured 1.1-2.2x faster than one MKL GEMM at a decode
+    step's and a train step's rows on an AMD EPYC, benchmarks/results/tiled_gemm_amd_epyc.json); else why not (the
+    registry's `is_available` answer for fast mode's `native` linear)."""
+    usable = status()
+    if usable is not True:
+        return usable
+    vendor, build = cpu_vendor(), isa()
+    if vendor == "GenuineIntel" or build != "avx512":
+        return f"MKL's GEMM is fast mode's faster linear on this CPU ({vendor or 'unknown vendor'}, the {build} build)"
+    return True
+
+
 def _loaded() -> dict[str, object]:
     state = _state()
     if "lib" not in state:

@@ -178,6 +178,14 @@ def _native_linear(
     return _rows_linear(native_matmul, x, weight, bias, config.linear_tile)
 
 
+def _native_fast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
+) -> torch.Tensor:
+    if x.is_cuda:
+        return F.linear(x, weight, bias)
+    return _rows_linear(native_matmul, x, weight, bias, config.linear_tile)
+
+
 def _plain_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
 ) -> torch.Tensor:
@@ -200,6 +208,9 @@ register_backend("linear:deterministic", "triton", _triton_linear, is_available=
 # torch-tiled CUDA form through it); torch-tiled otherwise, or by name.
 register_backend("linear:deterministic", "native", _native_linear, is_available=native.status, priority=1)
 register_backend("linear:fast", "torch", _plain_linear)
+# Fast mode's `auto`: one MKL GEMM, except where the native dot kernel is the faster plain GEMM (an AVX-512 CPU that
+# is not Intel's: MKL runs its AVX2 code there; native.faster_than_mkl). Its bits are the deterministic backend's.
+register_backend("linear:fast", "native", _native_fast_linear, is_available=native.faster_than_mkl, priority=1)
 
 
 def linear(
