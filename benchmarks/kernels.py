@@ -15,6 +15,7 @@ On a GPU (`--device cuda`, each timed run ends with a device synchronize) the mo
 key=value` (Hugging Face config names) and run in bf16 (`--dtype bfloat16`); the fixed model above is for the CPU.
 
     uv run python benchmarks/kernels.py --out benchmarks/results/kernels.json
+    uv run python benchmarks/kernels.py --fast-linear-backend torch --out /tmp/k.json   # fast mode on MKL's GEMM
     python benchmarks/kernels.py --device cuda --dtype bfloat16 --model hidden_size=2048 --model num_hidden_layers=8
 """
 
@@ -104,6 +105,8 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    parser.add_argument("--fast-linear-backend", default="auto",
+                        help="fast mode's linear backend (auto: this CPU's; torch: one MKL GEMM; native)")  # fmt: skip
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the benchmark model (HF config name, integer value)")  # fmt: skip
     args = parser.parse_args()
@@ -131,7 +134,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir, torch.no_grad():
         save_random_model(model_dir, tiny_config("dense", **model_fields), seed=0)
         det = load_model(model_dir, KernelConfig(mode="deterministic", dtype=args.dtype, **tiles), device)
-        fast = load_model(model_dir, KernelConfig(mode="fast", dtype=args.dtype, **tiles), device)
+        fast_kernel = KernelConfig(mode="fast", dtype=args.dtype, linear_backend=args.fast_linear_backend, **tiles)
+        fast = load_model(model_dir, fast_kernel, device)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         generator = torch.Generator().manual_seed(0)
         vocab = model_fields["vocab_size"]
