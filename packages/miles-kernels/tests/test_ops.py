@@ -403,3 +403,39 @@ def test_activations_do_not_depend_on_the_number_of_rows(name: str) -> None:
     assert torch.equal(full, plain(x))  # same values as torch for rows on whole vectors
     for rows in range(1, 40):
         assert torch.equal(ours(x[:rows]), full[:rows]), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_each_row_and_copy_at_its_page_head_and_offset(dtype: torch.dtype) -> None:
+    """The K/V write (one index_copy_ per store at the batch's flat slots) against indexing each (page, head,
+    offset) directly: the tokens' rows, a draft tree's copy writes, a separate V store and MLA's single latent store;
+    a non-contiguous store takes the indexed path and gets the same rows."""
+    from dataclasses import replace
+
+    from miles_kernels.ops.attention import write_kv
+    from miles_kernels.ops.attention_batch import build_attention_batch
+
+    generator = torch.Generator().manual_seed(0)
+    batch = build_attention_batch([3, 1, 5], [10, 4, 0], [[1, 2], [3, 4], [5, 6]], 8, 4, "cpu")
+    batch = replace(batch, copy_tokens_C=torch.tensor([0, 2]), copy_pages_C=torch.tensor([7, 7]),
+                    copy_offsets_C=torch.tensor([1, 2]))  # fmt: skip
+    rows = [(t, int(batch.write_pages_N[t]), int(batch.write_offsets_N[t])) for t in range(9)]
+    rows += [
+        (int(t), int(p), int(o))
+        for t, p, o in zip(batch.copy_tokens_C, batch.copy_pages_C, batch.copy_offsets_C, strict=True)
+    ]
+    for kv_heads, one_store in ((2, False), (1, True)):
+        k = torch.randn(9, kv_heads, 16, generator=generator)
+        v = k if one_store else torch.randn(9, kv_heads, 16, generator=generator)
+        k_pages = torch.randn(8, kv_heads, 8, 16, generator=generator).to(dtype)
+        v_pages = k_pages if one_store else torch.randn(8, kv_heads, 8, 16, generator=generator).to(dtype)
+        want_k, want_v = k_pages.clone(), v_pages.clone()
+        for t, page, offset in rows:
+            want_k[page, :, offset] = k[t].to(dtype)
+            want_v[page, :, offset] = v[t].to(dtype)
+        strided = torch.empty(8, 8, kv_heads, 16, dtype=dtype).transpose(1, 2)  # the indexed path
+        strided.copy_(k_pages)
+        write_kv(k_pages, v_pages, k, v, batch)
+        assert torch.equal(k_pages, want_k) and torch.equal(v_pages, want_v if not one_store else want_k)
+        write_kv(strided, strided, k, k, batch)
+        assert torch.equal(strided, want_k)

@@ -4,8 +4,9 @@ a shared expert, a dense first layer and biases) and DeepSeek-V3 (MLA), built fr
 planner reads. Here because the check needs both packages (miles-memory's tests install neither miles-kernels nor
 its models, and miles-kernels may not import miles-memory).
 
-Fast kernels with the torch attention (`KernelConfig(mode="fast", attention_backend="torch-hybrid")`: the native
-attention is no op torch counts): linear layers are plain GEMMs (deterministic mode tiles and pads rows)
+Fast kernels with the torch attention and linear layers (`KernelConfig(mode="fast", attention_backend="torch-hybrid",
+linear_backend="torch")`: the native kernels are no op torch counts): linear layers are plain GEMMs (deterministic
+mode tiles and pads rows)
 and the trainer's packed attention is one SDPA per sequence over its keys padded to whole KV pages. The CPU's SDPA
 op has no formula in torch's counter, so the test counts it with torch's own `sdpa_flop_count`.
 """
@@ -54,7 +55,7 @@ def counted(model: CausalLM, ids: torch.Tensor, batch: AttentionBatch, backward:
 @pytest.mark.parametrize("kind", ["dense", "moe", "glm", "deepseek"])
 def test_flop_counter_matches_model_flops(kind: str) -> None:
     config = tiny_config(kind)
-    kernel = KernelConfig(mode="fast", attention_backend="torch-hybrid")  # SDPA, which torch counts
+    kernel = KernelConfig(mode="fast", attention_backend="torch-hybrid", linear_backend="torch")  # ops torch counts
     model = random_model(config, kernel, seed=1)
     shape = ModelShape.from_hf(config.to_hf())
     flops = model_flops(shape)
@@ -89,7 +90,7 @@ def test_mtp_module_flops() -> None:
     """A dense model with one MTP module: the trunk's forward plus the module's (its decoder layer, eh_proj, the
     shared LM head) is `model_flops(include_mtp=True)`."""
     config = tiny_config("dense", num_nextn_predict_layers=1)
-    kernel = KernelConfig(mode="fast", attention_backend="torch-hybrid")  # SDPA, which torch counts
+    kernel = KernelConfig(mode="fast", attention_backend="torch-hybrid", linear_backend="torch")  # ops torch counts
     model = random_model(config, kernel, seed=1)
     shape = ModelShape.from_hf(config.to_hf())
     assert shape.num_nextn_predict_layers == 1

@@ -70,11 +70,20 @@ def write_kv(
     k_pages: torch.Tensor, v_pages: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, batch: AttentionBatch
 ) -> None:
     """Store each token's K/V at its page and offset, in place (and the batch's copy writes, see `AttentionBatch`).
-    One store for both (`v_pages is k_pages`, MLA's latent cache) is written once."""
-    k_all, v_all, where = _kv_writes(k_NKD, v_NKD, batch)
-    k_pages.index_put_(where, k_all.to(k_pages.dtype))
-    if v_pages is not k_pages:
-        v_pages.index_put_(where, v_all.to(v_pages.dtype))
+    One store for both (`v_pages is k_pages`, MLA's latent cache) is written once. Contiguous stores take the rows as
+    one `index_copy_` each at the batch's flat slots (`AttentionBatch.kv_write_slots`, shared by the layers)."""
+    stores = (k_pages,) if v_pages is k_pages else (k_pages, v_pages)
+    if not all(store.is_contiguous() and store.dim() == 4 and store.shape[2] == batch.page_size for store in stores):
+        k_all, v_all, where = _kv_writes(k_NKD, v_NKD, batch)
+        k_pages.index_put_(where, k_all.to(k_pages.dtype))
+        if v_pages is not k_pages:
+            v_pages.index_put_(where, v_all.to(v_pages.dtype))
+        return
+    slots = batch.kv_write_slots(k_NKD.shape[1])
+    for store, rows in zip(stores, (k_NKD, v_NKD), strict=False):
+        if batch.copy_tokens_C.numel():
+            rows = torch.cat((rows, rows[batch.copy_tokens_C]))
+        store.view(-1, store.shape[-1]).index_copy_(0, slots, rows.reshape(-1, store.shape[-1]).to(store.dtype))
 
 
 def _kv_writes(

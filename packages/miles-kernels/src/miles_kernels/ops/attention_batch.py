@@ -121,6 +121,21 @@ class AttentionBatch:
             self._derived["seqs"] = torch.repeat_interleave(seqs, self.query_lens_S)
         return self._derived["seqs"]
 
+    def kv_write_slots(self, kv_heads: int) -> torch.Tensor:
+        """Where each written K/V row goes in a page store of `kv_heads` heads viewed as rows ((pages x heads x
+        slots), D): (N + C) x kv_heads indices, the tokens' rows then their copies' (`copy_tokens_C`), each token's
+        heads in order (computed once per batch and head count, shared by every layer)."""
+        key = f"kv_slots_{kv_heads}"
+        if key not in self._derived:
+            pages, offsets = self.write_pages_N, self.write_offsets_N
+            if self.copy_tokens_C.numel():
+                pages = torch.cat((pages, self.copy_pages_C.to(pages.device)))
+                offsets = torch.cat((offsets, self.copy_offsets_C.to(offsets.device)))
+            heads = torch.arange(kv_heads, device=pages.device)
+            slots = (pages[:, None] * kv_heads + heads[None, :]) * self.page_size + offsets[:, None]
+            self._derived[key] = slots.flatten()
+        return self._derived[key]
+
     def token_tile_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tile, row in the tile) of each token: where its query and output sit in the tiles."""
         tile = self.tile_tokens_NT_Tq.shape[1]
