@@ -10,7 +10,7 @@ hands what was sampled to the output stage (output.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -132,7 +132,7 @@ class ModelRunner:
         """The LM head's logits of `rows` of a step's rows (`forward`)."""
         return self.model.logits(self.hidden_states(hidden[torch.tensor(rows, device=hidden.device)]))
 
-    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, target) page's K/V (and recorded routing) into its target: one gather and one scatter
         per store tensor for all of them (a chain, a target that is also a source, is copied pair by pair, in
         order)."""
