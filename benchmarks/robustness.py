@@ -10,13 +10,13 @@ cell of that matrix, each from its own empty bootstrap cache (the bootstrap is p
   as on a CPU without AVX-512 (on an AVX-512 CPU this changes softmax / log-softmax bits and torch.randn's, not
   MKL's GEMMs);
 - `default`: `ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`, ATen's scalar kernels and MKL's conditional
-  numerical reproducibility mode (MKL's GEMMs, softmax and activations round differently).
+  numerical reproducibility mode (MKL's GEMMs, softmax and activations round differently);
+- seed `s`: `run.seed=s data.seed=s` (another base-model initialization, SFT data, prompt order and samples).
 
 The native kernels (`miles_kernels.native`, the deterministic path's GEMMs, attention and RMSNorm) give the same
 bits in every build (`MILES_NATIVE_ISA=avx512|avx2|generic`; the fingerprint hashes them), so `default` keeps their
 vector build: the generic one, one float at a time, would only make its cells some 15x slower. What differs
 between the settings is the torch ops around them (torch.randn's initialization, softmax, SiLU, ...).
-- seed `s`: `run.seed=s data.seed=s` (another base-model initialization, SFT data, prompt order and samples).
 
 The JSON records, per dispatch setting, the capability torch chose and a fingerprint of a few ops' result bits (so it
 shows which settings change the bits on the machine that ran it), and per cell: the bootstrap's probe pass@1 at

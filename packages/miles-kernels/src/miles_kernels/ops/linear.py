@@ -181,9 +181,8 @@ def _native_linear(
 def _native_fast_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig
 ) -> torch.Tensor:
-    if x.is_cuda:
-        return F.linear(x, weight, bias)
-    return _rows_linear(native_matmul, x, weight, bias, config.linear_tile)
+    """Fast mode's native linear: the deterministic native backend on CPU tensors, one plain GEMM on CUDA ones."""
+    return (_plain_linear if x.is_cuda else _native_linear)(x, weight, bias, config)
 
 
 def _plain_linear(
