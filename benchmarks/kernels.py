@@ -5,8 +5,9 @@ Model (fixed for these benchmarks): Qwen3, hidden 512, intermediate 1536, 8 laye
 - prefill: one forward over a 512-token prompt (miles: packed trainer path = engine prefill path);
 - decode: one forward step of 1 token for each of B sequences with 128 cached tokens, B in 1/8/32/64
   (miles: paged KV via `PagedRunner`; HF: `past_key_values` cache).
-Each number is the median of `--repeats` timed runs after warm-up. Ratios: deterministic / fast (the cost of
-batch invariance) and fast / HF and deterministic / HF.
+The weights are held packed, as the rollout engine holds them (`hold_packed_weights`: the native linear's packed
+copies). Each number is the median of `--repeats` timed runs after warm-up. Ratios: deterministic / fast (the cost
+of batch invariance) and fast / HF and deterministic / HF.
 Per op (`per_op`): each op the two modes' backends run, alone at the model's shapes, deterministic vs fast backend
 (the `auto` choice of each mode, named in the JSON): one decoder layer's seven linear layers, the attention over the
 paged store, one RMSNorm, at the prefill's tokens (the attention: one prompt of them) and at a decode step of the
@@ -33,7 +34,7 @@ import torch
 from host import host_info
 from transformers import AutoModelForCausalLM
 
-from miles_kernels import KernelConfig, linear, load_model, resolved_backends, rms_norm
+from miles_kernels import KernelConfig, hold_packed_weights, linear, load_model, resolved_backends, rms_norm
 from miles_kernels.ops.attention import attention
 from miles_kernels.ops.attention_batch import build_attention_batch
 from miles_kernels.testing import BENCHMARK_MODEL, PagedRunner, packed_logits, save_random_model, tiny_config
@@ -136,6 +137,8 @@ def main() -> None:
         det = load_model(model_dir, KernelConfig(mode="deterministic", dtype=args.dtype, **tiles), device)
         fast_kernel = KernelConfig(mode="fast", dtype=args.dtype, linear_backend=args.fast_linear_backend, **tiles)
         fast = load_model(model_dir, fast_kernel, device)
+        for model in (det, fast):  # as the rollout engine holds its weights (packed once where the linear is native)
+            hold_packed_weights(model.parameters())
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         generator = torch.Generator().manual_seed(0)
         vocab = model_fields["vocab_size"]
@@ -181,6 +184,7 @@ def per_op(
     shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden),
               (hidden, heads * head_dim), (inter, hidden), (inter, hidden), (hidden, inter)]  # fmt: skip
     weights = [randn(n, k) for n, k in shapes]
+    hold_packed_weights(weights)  # an engine's weights
     norm_weight = randn(hidden)
     out: dict[str, object] = {"backends": {"deterministic": resolved_backends(det), "fast": resolved_backends(fast)}}
     out["prefill"] = _time_ops(det, fast, [args.prefill_tokens], 0, weights, norm_weight, model, randn, args.repeats)

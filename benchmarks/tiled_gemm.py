@@ -4,11 +4,12 @@ At the vs-TRL policy's linear shapes (hidden 256, 8 heads / 4 KV heads of 32, in
 layers of a decoder layer), float32, for M rows: `tiled_matmul(x, W, tile)` (the deterministic forward: M cut into
 tiles of `tile` rows, one fixed-shape `bmm`, the last tile zero-padded) and `F.linear(x, W)` (one GEMM of M rows:
 the fast mode's forward and the torch-tiled backend's backward GEMMs) and `native_matmul` (the `native` backend:
-miles_kernels/native, batch-invariant by construction). M = 1 (one sequence decoding), 8 (a decode step's tail),
-64 (a full decode step of `vs_trl.py`) and 600 (a train step's packed rows). Each number is the median of
-`--repeats` calls after warm-up, the forms called in turn; `decoder_layer_<M>_rows` sums the seven linear layers
-of one decoder layer. `backward_<M>_rows` does the same for the two backward GEMMs at the largest M (dX = g W,
-dW = g^T x): plain GEMMs against the native outer-product kernel.
+miles_kernels/native, batch-invariant by construction) on a weight packed once (`native`: an engine's weights,
+`hold_packed_weights`) and on one it packs in the call (`native_per_call`: a trainer's; the same bits). M = 1 (one
+sequence decoding), 8 (a decode step's tail), 64 (a full decode step of `vs_trl.py`) and 600 (a train step's packed
+rows). Each number is the median of `--repeats` calls after warm-up, the forms called in turn;
+`decoder_layer_<M>_rows` sums the seven linear layers of one decoder layer. `backward_<M>_rows` does the same for
+the two backward GEMMs at the largest M (dX = g W, dW = g^T x): plain GEMMs against the native GEMM.
 
     uv run python benchmarks/tiled_gemm.py --out benchmarks/results/tiled_gemm.json
 """
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from host import host_info
 
-from miles_kernels import KernelConfig, native_matmul, tiled_matmul
+from miles_kernels import KernelConfig, hold_packed_weights, native_matmul, tiled_matmul
 from miles_kernels.native import isa, native_mm
 
 # (in, out) of each linear layer of a decoder layer, and how many of them have that shape
@@ -38,7 +39,7 @@ SHAPES = {
     "gate_proj / up_proj": ((256, 768), 2),
     "down_proj": ((768, 256), 1),
 }
-FORMS = ("tiled", "native", "plain")
+FORMS = ("tiled", "native", "native_per_call", "plain")
 
 
 def median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -68,11 +69,14 @@ def main() -> None:
     with torch.no_grad():
         for name, ((k, n), _) in SHAPES.items():
             weight = torch.randn(n, k, generator=generator)
+            held = weight.clone()
+            hold_packed_weights([held])
             for rows in args.rows:
                 x = torch.randn(rows, k, generator=generator)
                 forms = {
                     "tiled": functools.partial(tiled_matmul, x, weight, args.tile),
-                    "native": functools.partial(native_matmul, x, weight),
+                    "native": functools.partial(native_matmul, x, held),
+                    "native_per_call": functools.partial(native_matmul, x, weight),
                     "plain": functools.partial(F.linear, x, weight),
                 }
                 us = median_us(forms, args.repeats)
@@ -123,7 +127,7 @@ def main() -> None:
 
 
 def _ratios(us: dict[str, float]) -> dict[str, float]:
-    return {f"{form}_over_plain": round(us[form] / us["plain"], 2) for form in ("tiled", "native")}
+    return {f"{form}_over_plain": round(us[form] / us["plain"], 2) for form in FORMS if form != "plain"}
 
 
 if __name__ == "__main__":

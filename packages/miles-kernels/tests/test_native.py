@@ -76,6 +76,60 @@ def test_threads_and_layouts_do_not_change_bits() -> None:
     assert torch.equal(native_mm(x, w.t()), native_mm(x, w.t().contiguous()))
 
 
+def held(n: int, k: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A weight the native linear keeps packed (as an engine's)."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    native.hold_packed_weights([weight])
+    return weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_the_mm_of_the_transpose_packed_once_or_in_the_call(dtype: torch.dtype) -> None:
+    """A held weight's packed copy and the per-call packing give `native_mm(x, w.T)`'s bits at every row count (the
+    decode tails run several panels a call), column count (partial panels and panel groups) and thread count."""
+    width = native.panel_width()
+    for m in (1, 2, 3, 5, 8, 9, 17):
+        for n, k in ((1, 33), (width - 1, 300), (3 * width + 5, 64), (4 * width, 17), (9 * width + 3, 1)):
+            x = torch.randn(m, k).to(dtype)
+            weight = held(n, k, seed=m, dtype=dtype)
+            want = native_mm(x, weight.t())
+            assert torch.equal(native_linear(x, weight), want), (m, n, k)
+            assert len(native.packed_weights([weight])) == 1  # it ran from its packed copy
+            assert torch.equal(native_linear(x, weight.clone()), want), (m, n, k)  # not held: packed in the call
+            assert torch.equal(torch.cat([native_linear(x[i : i + 1], weight) for i in range(m)]), want)
+    x, weight = torch.randn(600, 256), held(300, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(native_linear(x, weight), one)
+
+
+def test_held_weights_are_packed_once_per_version_and_go_with_the_tensor() -> None:
+    x, weight = torch.randn(3, 40), held(70, 40)
+    native_linear(x, weight)
+    (panels,) = native.packed_weights([weight])
+    assert panels.shape == (-(-70 // native.panel_width()), 40, native.panel_width())
+    native_linear(x, weight)
+    assert native.packed_weights([weight])[0] is panels  # used again, not packed again
+    with torch.no_grad():
+        weight.mul_(2)  # an in-place update (a weight sync's copy_): packed again
+    assert torch.equal(native_linear(x, weight), native_mm(x, weight.t()))
+    assert native.packed_weights([weight])[0] is not panels and len(native.packed_weights([weight])) == 1
+    experts = torch.randn(4, 24, 40)  # an MoE layer's stacked experts: each one's weight is a view
+    native.hold_packed_weights([experts])
+    for e in range(4):
+        assert torch.equal(native_linear(x, experts[e]), native_mm(x, experts[e].t()))
+    assert len(native.packed_weights([experts])) == 4
+    experts[1].add_(1)  # views share the version counter: every expert is checked, the changed one right
+    assert torch.equal(native_linear(x, experts[1]), native_mm(x, experts[1].t()))
+    held_before = len(native._PACKED)
+    del experts
+    assert len(native._PACKED) == held_before - 1  # released with the tensor
+
+
 def test_mm_matches_float64_and_rows_are_invariant() -> None:
     a, b = torch.randn(37, 150), torch.randn(150, 45)
     out = native_mm(a, b)
@@ -97,12 +151,15 @@ def test_low_precision_inputs_round_the_float32_chains_once(dtype: torch.dtype) 
 def test_every_instruction_set_build_gives_the_same_bits(tmp_path) -> None:
     code = (
         "import sys, torch\n"
+        "from miles_kernels import native\n"
         "from miles_kernels.native import isa, native_linear, native_mm\n"
         "g = torch.Generator().manual_seed(0)\n"
         "outs = []\n"
         "for m, k, n in [(1, 256, 64), (7, 300, 33), (70, 97, 50)]:\n"
         "    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)\n"
         "    outs += [native_linear(x, w), native_mm(x, w.t()), native_linear(x.bfloat16(), w.bfloat16())]\n"
+        "    native.hold_packed_weights([w])\n"
+        "    outs += [native_linear(x, w)]\n"
         "from test_native import attention_case\n"
         "for window in (None, 5):\n"
         "    case = attention_case(seed=1, window=window)\n"
@@ -392,12 +449,15 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_two() -> None:
     x, w = torch.randn(600, 256, generator=generator), torch.randn(256, generator=generator)
     grad = torch.randn(600, 256, generator=generator)
     b = torch.randn(256, 300, generator=generator)
+    held_b = b.t().contiguous()
+    native.hold_packed_weights([held_b])
     case = attention_case(seed=4, window=None)
     calls = {
         "rms_norm": lambda: native.native_rms_norm(x, w, 1e-6),
         "rms_norm_backward": lambda: native.native_rms_norm_backward(x, w, grad, 1e-6),
         "mm": lambda: (native_mm(x, b),),
         "linear": lambda: (native_linear(x, b.t().contiguous()),),
+        "held linear": lambda: (native_linear(x, held_b),),
         "attention": case.forward,
         "attention_backward": case.backward,
     }

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from miles_memory import (
+    NATIVE_PANEL_WIDTH,
     ModelShape,
     WeightQuantSettings,
     embedded_engine_bytes,
     fsdp2_bytes,
+    native_packed_bytes,
     plan_memory,
     read_run,
     weight_sync_bytes,
@@ -122,7 +124,13 @@ def test_a_run_configs_weight_dtype_reaches_the_plan(tmp_path: Path) -> None:
     assert read_run(run_config(tmp_path)).weight_quant is None  # kernel, the default
     plan = plan_memory(config, "cpu", find_lever=False)
     (weights,) = [c for c in plan.components if c.phase == "rollout" and c.name.startswith("engine weights")]
-    assert weights.bytes == hand_count("dense", "fp8_block", (16, 32))
+    # on a CPU the native linear also keeps packed float32 copies of what it multiplies in the kernel dtype: here
+    # the LM head (the fp8 layers run dequantized copies made per call)
+    shape = ModelShape.from_hf(CONFIGS["dense"])
+    head = 4 * shape.hidden_size * -(-shape.vocab_size // NATIVE_PANEL_WIDTH) * NATIVE_PANEL_WIDTH
+    assert native_packed_bytes(shape, "bfloat16", weight_quant=read_run(config).weight_quant) == head
+    assert weights.bytes == hand_count("dense", "fp8_block", (16, 32)) + head
+    assert "the native linear's packed float32 copies" in weights.name
     assert "fp8_block (1 B/param + fp32 scale per 16x32 block) + the rest in bfloat16" in weights.name
     assert plan.layout["engine_weight_dtype"] == "fp8_block"
     mib = MEASURED["dense"]["kernel"][0] / 2**20
@@ -130,10 +138,10 @@ def test_a_run_configs_weight_dtype_reaches_the_plan(tmp_path: Path) -> None:
     (in_flight,) = [c for c in plan.components if c.phase == "rollout" and "dequantized" in c.name]
     assert in_flight.bytes == 2 * 128 * 64  # one weight at a time: gate / up, the largest, in bfloat16
     full = plan_memory(run_config(tmp_path), "cpu", find_lever=False)
-    saved = MEASURED["dense"]["kernel"][0] - weights.bytes
+    saved = MEASURED["dense"]["kernel"][0] + native_packed_bytes(shape, "bfloat16") - weights.bytes
     assert full.phases["rollout"] - plan.phases["rollout"] == saved - in_flight.bytes
     int4 = plan_memory(run_config(tmp_path, weight_dtype="int4_group", weight_group_size=16), "cpu", find_lever=False)
-    assert int4.by_tag("rollout")["weights"] == MEASURED["dense"]["int4_group"][0]
+    assert int4.by_tag("rollout")["weights"] == MEASURED["dense"]["int4_group"][0] + head
 
 
 def test_an_moe_engine_dequantizes_a_layers_routed_experts_at_once(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from miles_memory import LoraSettings, fsdp2_bytes, load_hardware, load_model_profile, plan_memory
 from miles_memory.levers import candidates
 from miles_memory.model_shape import MODELS, ModelShape, model_profiles
-from miles_memory.plan_formulas import embedded_engine_bytes, kv_bytes_per_token
+from miles_memory.plan_formulas import embedded_engine_bytes, kv_bytes_per_token, native_packed_bytes
 from miles_memory.planner import _plan, read_run
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -272,6 +272,7 @@ def test_a_lora_run_trains_adapter_sized_grads_and_optimizer(tmp_path: Path) -> 
     # colocated on cpu: the released engine keeps its weights in host memory, the same RAM (weight syncs send only
     # the adapters, so its base cannot be dropped and sent again)
     engine = 2 * (trunk + ModelShape.from_hf(POLICY).params(mtp=True))
+    engine += native_packed_bytes(ModelShape.from_hf(POLICY), "bfloat16")  # the native linear's copies (a CPU)
     folded = 2 * (adapters + 4 * sum(out * in_ for out, in_ in LINEAR.values()))
     kept = sum(c.bytes for c in lora.components if c.phase == "train" and "kept in host memory" in c.name)
     assert kept == engine + folded

@@ -22,6 +22,7 @@ from miles_kernels import (
     init_weight_update_group,
     iter_buckets,
     load_model,
+    native,
 )
 from miles_memory import ModelShape, embedded_engine_bytes, storage_bytes
 from miles_rollout import Client, Engine, EngineConfig, InProcessClient, RolloutClientError, free_port
@@ -111,7 +112,8 @@ def test_weight_updates_release_and_resume(server, dense_dir, second_model) -> N
 
 def test_release_frees_storage_in_process(dense_dir) -> None:
     """The engine's memory by tag, as `/get_server_info` reports it and as the memory planner predicts it
-    (`miles_memory.embedded_engine_bytes`, exact), drops to nothing on release and comes back, zeroed, on resume."""
+    (`miles_memory.embedded_engine_bytes`, exact, the native linear's packed weights included once it ran), drops to
+    nothing on release and comes back, zeroed, on resume."""
     engine = Engine(str(dense_dir), KernelConfig(page_size=16), EngineConfig(num_kv_pages=64))
     client = InProcessClient(engine)
     try:
@@ -122,9 +124,17 @@ def test_release_frees_storage_in_process(dense_dir) -> None:
         assert reported == {"weights": weight_bytes, "kv_cache": kv_bytes}
         shape = ModelShape.from_hf(json.loads((dense_dir / "config.json").read_text()))
         assert embedded_engine_bytes(shape, "float32", 64, 16) == reported
+        # From the first forward on, the native linear's packed copies of the weights belong to the weights
+        asyncio.run(client.generate(PROBE))
+        packed = native.packed_weights(engine.model.parameters())
+        assert packed and reported["weights"] + storage_bytes(packed) == (
+            embedded_engine_bytes(shape, "float32", 64, 16, packed_width=native.panel_width())["weights"]
+        )
+        reported = asyncio.run(client.get_server_info())["memory_bytes"]
+        assert reported["weights"] == weight_bytes + storage_bytes(packed)
         asyncio.run(client.release_memory_occupation())
         assert sum(t.untyped_storage().nbytes() for t in engine.runner.store.k + engine.runner.store.v) == 0
-        assert sum(p.untyped_storage().nbytes() for p in engine.model.parameters()) == 0
+        assert sum(p.untyped_storage().nbytes() for p in [*engine.model.parameters(), *packed]) == 0
         assert asyncio.run(client.get_server_info())["memory_bytes"] == {"weights": 0, "kv_cache": 0}
         asyncio.run(client.resume_memory_occupation())
         assert asyncio.run(client.get_server_info())["memory_bytes"] == reported

@@ -42,6 +42,7 @@ from .lora import (
 from .lora_serving import AdapterSlots
 from .model import CausalLM, MTPLayer, rotary_cos_sin
 from .model_config import ModelConfig
+from .native import hold_packed_weights, packed_weights
 from .ops.activation import swiglu
 from .ops.attention import attention, packed_attention
 from .ops.attention_batch import NULL_PAGE, AttentionBatch, build_attention_batch, build_packed_batch
@@ -163,6 +164,7 @@ __all__ = [
     "folded_weights",
     "full_logprobs",
     "get_backend",
+    "hold_packed_weights",
     "in_shared_memory",
     "init_weight_update_group",
     "initial_adapter",
@@ -187,6 +189,7 @@ __all__ = [
     "num_absent_mtp_layers",
     "pack_int4",
     "packed_attention",
+    "packed_weights",
     "parse_dtype",
     "part_layout",
     "plan_buckets",

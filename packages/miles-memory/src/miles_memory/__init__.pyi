@@ -9,12 +9,14 @@ from .memory_plan import Component, Lever, MemoryPlan
 from .model_shape import MODELS, LoraSettings, ModelShape, load_model_profile
 from .offload import OffloadManager, OffloadPlan, storage_bytes, unique_storages
 from .plan_formulas import (
+    NATIVE_PANEL_WIDTH,
     blocked_attention_elements,
     embedded_engine_bytes,
     engine_weight_bytes,
     fsdp2_bytes,
     lora_layer_bytes,
     native_attention_elements,
+    native_packed_bytes,
     weight_sync_bytes,
 )
 from .planner import RUN_KEYS, plan_memory, read_run
@@ -24,6 +26,7 @@ __all__ = [
     "CHUNK_BYTES",
     "HARDWARE",
     "MODELS",
+    "NATIVE_PANEL_WIDTH",
     "RUN_KEYS",
     "ActivationMeter",
     "Component",
@@ -55,6 +58,7 @@ __all__ = [
     "mfu",
     "model_flops",
     "native_attention_elements",
+    "native_packed_bytes",
     "out_of_memory",
     "plan_memory",
     "qat_layer_bytes",

@@ -19,6 +19,7 @@ from miles_memory.model_shape import LoraSettings, ModelShape, Tensor
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "DTYPE_BYTES",
+    "NATIVE_PANEL_WIDTH",
     "NCCL_BUFFSIZE",
     "activation_bytes",
     "cuda_graph_bytes",
@@ -31,6 +32,7 @@ __all__ = [
     "layer_extra_bytes",
     "lora_activation_bytes",
     "lora_layer_bytes",
+    "native_packed_bytes",
     "nccl_bytes",
     "shard_numel",
     "weight_sync_bytes",
@@ -417,6 +419,44 @@ def weight_sync_bytes(shape: ModelShape, dtype: str, quant: WeightQuantSettings 
     return engine_weight_bytes(shape, dtype, quant) + 4 * biases
 
 
+# Columns per panel of the native CPU GEMM's packed weights on AVX-512 (16 on AVX2, 8 generic: each divides it, so
+# this width bounds theirs from above)
+NATIVE_PANEL_WIDTH = 32
+
+
+def native_packed_bytes(
+    shape: ModelShape,
+    dtype: str,
+    *,
+    has_draft: bool = False,
+    weight_quant: WeightQuantSettings | None = None,
+    panel_width: int = NATIVE_PANEL_WIDTH,
+) -> int:
+    """The float32 copies of its weights that the embedded engine's native CPU linear keeps packed
+    (miles_kernels.hold_packed_weights): 4 B x in x (out rounded up to whole panels of `panel_width` columns) for
+    each weight it multiplies: the trunk's linear layers (`trunk_linears`; not with `weight_quant`: those run
+    dequantized copies made per call), every router that is a linear layer or, in float32, GLM-4.5 / DeepSeek-V3's
+    (run in float32), the LM head (the embedding when tied) and, with `has_draft`, MTP module 0's layers.
+    MLA's kv_b_proj counts whole: the absorbed attention packs its value rows, and its key rows per call."""
+
+    def packed(t: Tensor) -> int:
+        out_features, in_features = t.shape
+        return t.copies * 4 * in_features * -(-out_features // panel_width) * panel_width
+
+    routers = shape.model_type == "qwen3_moe" or dtype == "float32"
+    layers = [t for layer in range(shape.num_hidden_layers) for t in shape._layer(layer)]
+    if has_draft and shape.num_nextn_predict_layers:
+        mtp = shape.num_hidden_layers
+        layers += shape._layer(mtp) + shape._mtp_own(mtp)
+    trunk = {(t.name, t.layer) for t in shape.trunk_linears()} if weight_quant is not None else set()
+    weights = [
+        t for t in layers
+        if len(t.shape) == 2 and (t.name, t.layer) not in trunk and (routers or t.name != "mlp.gate.weight")
+    ]  # fmt: skip
+    head = Tensor("lm_head.weight", (shape.vocab_size, shape.hidden_size), 1, None, False)
+    return sum(packed(t) for t in [*weights, head])
+
+
 def embedded_engine_bytes(
     shape: ModelShape,
     dtype: str,
@@ -426,10 +466,13 @@ def embedded_engine_bytes(
     has_draft: bool = False,
     lora: LoraSettings | None = None,
     weight_quant: WeightQuantSettings | None = None,
+    packed_width: int | None = None,
 ) -> dict[str, int]:
     """Miles' embedded rollout engine (miles_rollout/scheduler.py, miles_kernels/kv_cache.py), by key:
     - weights: `engine_weight_bytes`: every parameter in the kernel dtype (MTP modules included, tied tensors once),
-      the trunk's linear weights in `weight_quant`'s format when given (rollout.engine.weight_dtype);
+      the trunk's linear weights in `weight_quant`'s format when given (rollout.engine.weight_dtype); with
+      `packed_width` (a CPU engine on the native linear: panel width 32 on AVX-512) also `native_packed_bytes`,
+      held from the first forward on and released with the weights;
     - lora (only with `lora`): a LoRA policy's adapters (`add_lora`: lora_A and lora_B in the kernel dtype) and the
       merged weight W + s·B·A of each adapted layer that `fold_adapters` keeps beside the base (kernel dtype); the
       engine's own `weights` tag holds weights + lora;
@@ -439,7 +482,11 @@ def embedded_engine_bytes(
     b = DTYPE_BYTES[dtype]
     layers = shape.num_hidden_layers + (1 if has_draft else 0)
     kv = layers * num_kv_pages * page_size * kv_bytes_per_token(shape, b, num_layers=1)
-    out = {"weights": engine_weight_bytes(shape, dtype, weight_quant), "kv_cache": kv}
+    weights = engine_weight_bytes(shape, dtype, weight_quant)
+    if packed_width is not None:
+        weights += native_packed_bytes(shape, dtype, has_draft=has_draft, weight_quant=weight_quant,
+                                       panel_width=packed_width)  # fmt: skip
+    out = {"weights": weights, "kv_cache": kv}
     if lora is not None:
         adapters = sum(t.numel for t in shape.lora_tensors(lora.rank, lora.target_modules))
         out["lora"] = (adapters + sum(t.numel for t in shape.lora_targets(lora.target_modules))) * b

@@ -14,6 +14,7 @@ from miles_memory.memory_plan import Component
 from miles_memory.model_shape import ModelShape, Tensor
 from miles_memory.plan_formulas import (
     DTYPE_BYTES,
+    NATIVE_PANEL_WIDTH,
     activation_bytes,
     blocked_attention_elements,
     cuda_graph_bytes,
@@ -287,13 +288,19 @@ def engine_terms(
     act_elements = layer_activation_elements(shape, shape.num_hidden_layers - 1)
     if p.rollout_engine == "embedded":
         quant = run.weight_quant
+        # on a CPU the native linear keeps float32 packed copies of the weights it multiplies (an upper bound where
+        # fast mode runs MKL's GEMM instead: Intel CPUs)
+        packed_width = NATIVE_PANEL_WIDTH if hw.is_cpu else None
         e = embedded_engine_bytes(shape, run.dtype, run.num_kv_pages, run.page_size, has_draft=has_draft,
-                                  lora=run.lora, weight_quant=quant)  # fmt: skip
+                                  lora=run.lora, weight_quant=quant, packed_width=packed_width)  # fmt: skip
         name, formula = f"engine weights ({run.dtype})", ""
         if quant is not None:  # low-precision rollout: the trunk's linear layers in the engine's format
             name = f"engine weights: linear layers {quant.describe()} + the rest in {run.dtype}"
             formula = f"{quant.formula()}; {b} B x other params"
             notes.append(_sync_note(shape, run.dtype, quant, e["weights"]))
+        if packed_width is not None:
+            name += " + the native linear's packed float32 copies"
+            formula = "; ".join(f for f in (formula, "native_packed_bytes") if f)
         held = [Component(tag="weights", phase="rollout", name=name, bytes=e["weights"], formula=formula)]
         if run.lora is not None:
             held.append(Component(

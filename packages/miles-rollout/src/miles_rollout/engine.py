@@ -34,13 +34,16 @@ import torch
 
 from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, version_string
 from miles_kernels import (
+    CausalLM,
     KernelConfig,
     add_lora,
     describe_kernel,
     fold_adapters,
     folded_weights,
+    hold_packed_weights,
     load_eagle3,
     load_model,
+    packed_weights,
 )
 from miles_memory import HostStore, OffloadManager
 from miles_rollout.config import EngineConfig, ServedLoraConfig
@@ -142,6 +145,7 @@ class Engine(EngineControls, LoraControls):
             tile = kernel.attention_query_tile
             drafter = Drafter(model, config.num_draft_steps, self.page_size, tile, config.device, self.eos_ids,
                               config.draft_kind)  # fmt: skip
+        hold_packed_weights(_weight_tensors(model))  # the native CPU linear keeps them packed (miles_kernels.native)
         lora = self.lora_config
         self.loras = ServedLoras(model, kernel, lora) if lora.is_enabled else None
         self.runner = ModelRunner(model, config, kernel, self.eos_ids, self.grammars, drafter is not None,
@@ -158,8 +162,9 @@ class Engine(EngineControls, LoraControls):
         # Released memory is dropped, not saved, as SGLang drops it: the KV cache is recomputed, the weights come
         # back with the next weight update (`weights_stale` until then). Both return zeroed.
         self.memory = OffloadManager(HostStore(), name="engine")
-        # LoRA RL: weight updates send only adapters, so the base must come back as it was (kept in host memory)
-        self.memory.add("weights", lambda: [*model.parameters(), *folded_weights(model)],
+        # LoRA RL: weight updates send only adapters, so the base must come back as it was (kept in host memory).
+        # The native linear's packed copies of the weights (miles_kernels.packed_weights) go with them.
+        self.memory.add("weights", lambda: [*_weight_tensors(model), *packed_weights(_weight_tensors(model))],
                         keep_contents=config.policy_lora.is_enabled)  # fmt: skip
         self.memory.add("kv_cache", self.runner.kv_tensors, keep_contents=False)
         # every way new weights arrive (weight_receiver.py)
@@ -485,6 +490,11 @@ class Engine(EngineControls, LoraControls):
             "num_waiting_reqs": stats["num_waiting"],
             "num_tokens": stats["num_used_pages"] * self.page_size,
         }
+
+
+def _weight_tensors(model: CausalLM) -> list[torch.Tensor]:
+    """The engine's weights: the parameters and the merged weights of folded adapters."""
+    return [*model.parameters(), *folded_weights(model)]
 
 
 def _version() -> str:

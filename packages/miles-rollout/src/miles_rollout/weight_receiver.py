@@ -35,6 +35,8 @@ from miles_kernels import (
     destroy_weight_update_group,
     encode_bucket,
     fold_adapters,
+    folded_weights,
+    hold_packed_weights,
     in_shared_memory,
     init_weight_update_group,
     iter_checkpoint,
@@ -133,8 +135,10 @@ class WeightReceiver:
 
     def _commit(self, version: WeightVersion) -> WeightVersion:
         """Serve what was just loaded: a LoRA policy's adapters are merged into the base first (the trainer's merge,
-        bit for bit; miles_kernels.lora), then the version is committed."""
-        fold_adapters(self.model)
+        bit for bit; miles_kernels.lora), then the version is committed. The merged weights are new tensors: the
+        native CPU linear keeps them packed too, as the engine's other weights (miles_kernels.hold_packed_weights)."""
+        if fold_adapters(self.model):
+            hold_packed_weights(folded_weights(self.model))
         return self.commit(version)
 
     def bucket(self, index: int, bucket_bytes: int) -> tuple[bytes, int]:

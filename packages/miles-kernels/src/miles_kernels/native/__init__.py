@@ -1,15 +1,15 @@
 """The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, built by build.py when the package
 installs) called through ctypes, with no torch headers in it, so one build serves every torch version.
 
-`native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation),
-each output element one fused multiply-add chain over the inner dimension in order; `native_linear(x, w)` is
-`x @ w.T` with each element 16 lane chains added in a fixed tree; `native_attention` is causal GQA attention over a
-paged KV store, each (token, head) row on its own in one fixed order, with its backward
+`native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation), each
+output element one fused multiply-add chain over the inner dimension in order; `native_linear(x, w)` is `x @ w.T` with
+the same chains (a server's weights packed once per version: `hold_packed_weights`); `native_attention` is causal
+GQA attention over a paged KV store, each (token, head) row on its own in one fixed order, with its backward
 (`native_attention_backward`); `native_rms_norm` is RMSNorm a row at a time, with its backward. All are
-batch-invariant by construction: the same bits at any batch composition and
-thread count, and on every instruction set the library dispatches to (AVX-512, AVX2, generic). `status()` says
-whether the library is usable here, or why not; the op registry's `native` linear and attention backends are
-available exactly when it is (ops/linear.py, ops/attention.py).
+batch-invariant by construction: the same bits at any batch composition and thread count, and on every instruction
+set the library dispatches to (AVX-512, AVX2, generic). `status()` says whether the library is usable here, or why
+not; the op registry's `native` linear and attention backends are available exactly when it is (ops/linear.py,
+ops/attention.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import ctypes
 import logging
 import os
 import threading
+import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -72,21 +74,25 @@ def _load() -> None:
     isa = usable[0]
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     args = [pointer, size, size, pointer, size, size, pointer, size, size, size, size, ctypes.c_int]
-    dot_args = [pointer, size, pointer, size, pointer, size, size, size, size, ctypes.c_int]
+    pack_args = [pointer, size, size, size, size, pointer, ctypes.c_int]
+    packed_args = [pointer, size, size, pointer, pointer, size, size, size, size, ctypes.c_int]
     index, real = size, ctypes.c_float
     head = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer, size, real, index]
     forward_args = [*head, pointer, pointer, ctypes.c_int]
     backward_args = [*head, size, pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int]
     norm_forward_args = [pointer, pointer, pointer, pointer, size, size, real, ctypes.c_int]
     norm_backward_args = [pointer, pointer, pointer, pointer, pointer, size, size, real, ctypes.c_int]
-    kernels = (("gemm", args), ("dot", dot_args), ("attention_fwd", forward_args), ("attention_bwd", backward_args),
-               ("rms_norm_fwd", norm_forward_args), ("rms_norm_bwd", norm_backward_args))  # fmt: skip
+    kernels = (("gemm", args), ("pack", pack_args), ("packed", packed_args), ("attention_fwd", forward_args),
+               ("attention_bwd", backward_args), ("rms_norm_fwd", norm_forward_args),
+               ("rms_norm_bwd", norm_backward_args))  # fmt: skip
     for suffix in _DTYPES.values():
         for kernel, argtypes in kernels:
             fn = getattr(lib, f"miles_{kernel}_{suffix}_{isa}")
             fn.argtypes, fn.restype = argtypes, None
             _STATE[f"{kernel}_{suffix}"] = fn
-    _STATE["lib"], _STATE["isa"] = lib, isa
+    width = getattr(lib, f"miles_panel_width_{isa}")
+    width.argtypes, width.restype = [], ctypes.c_int64
+    _STATE["lib"], _STATE["isa"], _STATE["panel_width"] = lib, isa, width()
 
 
 def _state() -> dict[str, object]:
@@ -173,25 +179,88 @@ def _rounded(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+def panel_width() -> int:
+    """Columns per panel of the loaded build's packed weights (`pack_weight`): 32 on AVX-512, 16 on AVX2, 8 generic."""
+    return int(_loaded()["panel_width"])  # type: ignore[call-overload]
+
+
+def pack_weight(weight_NK: torch.Tensor) -> torch.Tensor:
+    """A linear weight (N, K) packed into the GEMM's panels, (ceil(N / NR), K, NR) float32 (`panel_width`; zero past
+    N; bfloat16 and float16 exactly): `native_linear` runs on it without packing again. Any strides."""
+    state = _loaded()
+    if weight_NK.dim() != 2 or weight_NK.device.type != "cpu":
+        raise ValueError(f"pack_weight packs a 2-D CPU weight; got {tuple(weight_NK.shape)} on {weight_NK.device}")
+    if weight_NK.dtype == torch.float16:
+        weight_NK = weight_NK.float()
+    if weight_NK.dtype not in _DTYPES:
+        raise ValueError(f"pack_weight packs float32, bfloat16 and float16 weights; got {weight_NK.dtype}")
+    (n, k), width = weight_NK.shape, panel_width()
+    panels = torch.empty(-(-n // width), k, width, dtype=torch.float32)
+    _run("pack_weight", state[f"pack_{_DTYPES[weight_NK.dtype]}"], weight_NK.data_ptr(), weight_NK.stride(0),
+         weight_NK.stride(1), n, k, panels.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return panels
+
+
+# Packed panels of the weights a server holds (`hold_packed_weights`), per base tensor (the weight, or the stacked
+# tensor an expert's weight is a view of), by its id: {(storage offset, shape, strides, dtype): (version, panels)}.
+# An entry goes with its tensor (`weakref.finalize`), so an id is never reused while its entry is here.
+_PACKED: dict[int, dict[tuple[object, ...], tuple[tuple[int, int], torch.Tensor]]] = {}
+
+
+def hold_packed_weights(tensors: Iterable[torch.Tensor]) -> None:
+    """Keep packed copies of these weights and of every view of them (an MoE layer's experts) for `native_linear`:
+    each packed on its first use and again after any in-place change (a weight sync, a load: torch's version
+    counter, which views share) or a new storage, released with the tensor. For a server's weights, used for many
+    calls between updates: a decode step then reads each weight once, in the GEMM's layout. The copies are float32,
+    as large as the weights in float32 (`packed_weights` lists them). Not for sharded or trained weights (FSDP
+    gathers them anew each step): those are packed block by block in each call, with the same bits. In-place writes
+    that bypass the version counter (`weight.data.copy_(...)`) are not seen."""
+    for tensor in tensors:
+        base = tensor if tensor._base is None else tensor._base
+        if id(base) not in _PACKED:
+            _PACKED[id(base)] = {}
+            weakref.finalize(base, _PACKED.pop, id(base), None)
+
+
+def packed_weights(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The packed copies held for `tensors` and their views (`hold_packed_weights`): memory that goes with the
+    weights (an engine releases and restores them with its weights)."""
+    return [panels for t in tensors for _, panels in _PACKED.get(id(t), {}).values()]
+
+
+def _held_panels(weight_NK: torch.Tensor) -> torch.Tensor | None:
+    """The current packed copy of a held weight (packed now if it is new or changed); None for any other weight."""
+    base = weight_NK if weight_NK._base is None else weight_NK._base
+    views = _PACKED.get(id(base))
+    if views is None:
+        return None
+    key = (weight_NK.storage_offset(), weight_NK.shape, weight_NK.stride(), weight_NK.dtype)
+    version = (weight_NK._version, weight_NK.data_ptr())
+    held = views.get(key)
+    if held is None or held[0] != version:
+        held = views[key] = (version, pack_weight(weight_NK))
+    return held[1]
+
+
 def native_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` (a linear layer's forward) by the dot kernel: each element 16 lane chains over k in order,
-    added in one fixed tree (gemm.cpp), reading the weight in its own layout. Rows not contiguous along K are
-    copied first (the values, so the bits, are the same). float32, or bfloat16 / float16 rounded once from the
+    """`x @ weight.T` (a linear layer's forward): each element one fused multiply-add chain over k in order (gemm.cpp),
+    the same bits as `native_mm(x, weight.T)`. A held weight (`hold_packed_weights`: a server's) runs from its packed
+    copy; any other is packed block by block in the call. float32, or bfloat16 / float16 rounded once from the
     float32 result."""
     state = _loaded()
     if x_MK.dim() != 2 or weight_NK.dim() != 2 or x_MK.shape[1] != weight_NK.shape[1]:
         raise ValueError(
             f"native_linear multiplies (M, K) by (N, K)^T; got {tuple(x_MK.shape)} and {tuple(weight_NK.shape)}"
         )
-    x_MK, weight_NK, dtype = _operands("native_linear", x_MK, weight_NK)
-    if x_MK.stride(1) != 1:
-        x_MK = x_MK.contiguous()
-    if weight_NK.stride(1) != 1:
-        weight_NK = weight_NK.contiguous()
+    given = x_MK
+    x_MK, _, dtype = _operands("native_linear", x_MK, weight_NK)
+    panels = _held_panels(weight_NK)
+    if panels is None:
+        return native_mm(given, weight_NK.t())
     (m, k), n = x_MK.shape, weight_NK.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    _run("native_linear", state[f"dot_{_DTYPES[x_MK.dtype]}"], x_MK.data_ptr(), x_MK.stride(0), weight_NK.data_ptr(),
-         weight_NK.stride(0), out.data_ptr(), n, m, n, k, torch.get_num_threads())  # fmt: skip
+    _run("native_linear", state[f"packed_{_DTYPES[x_MK.dtype]}"], x_MK.data_ptr(), x_MK.stride(0), x_MK.stride(1),
+         panels.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads())  # fmt: skip
     return _rounded(out, dtype)
 
 

@@ -8,14 +8,19 @@
 // Blocking: the output is cut into panels of NR columns and chunks of ROWS_PER_TASK rows (the tasks, shared out
 // over OpenMP threads); a task walks K in blocks of KC, packs that block of its panel of B into a KC x NR buffer
 // (fp32, zero past the last column), and runs its rows through an MR x NR register-blocked micro-kernel (the tail
-// in blocks of MR/2, ..., 1). Between K blocks the accumulators rest in C as fp32: storing and reloading a float
-// does not change it, so the chain is the same one.
+// in blocks of MR/2, ..., 1, each over several panels at once: `panels_for`). Between K blocks the accumulators rest
+// in C as fp32: storing and reloading a float does not change it, so the chain is the same one.
+//
+// A linear layer's forward (x W^T) runs the same tasks on W packed once into all of its panels (`pack_panels`: the
+// Python side keeps the packed copy of a server's weight, miles_kernels.native.hold_packed_weights): each K block is
+// then read in place, so the bits are those of `gemm` on W^T, and a decode step reads the weight once.
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t KC = 256;            // K block: a packed KC x NR block of B stays in L1/L2
 constexpr int64_t ROWS_PER_TASK = 96;  // rows per task (a multiple of every MR)
+constexpr int64_t TASK_PANELS = 4;     // panels per task on prepacked panels at fewer than MR rows
 
 #if defined(__AVX512F__)
 constexpr int NV = 2, MR = 8;
@@ -44,167 +49,168 @@ void pack(const T* B, int64_t rs, int64_t cs, int64_t k0, int64_t kc, int64_t n0
   }
 }
 
-// rows x ncols of C from `kc` steps of the chains; `first`: the chains start at 0, else they go on from C.
-template <int R, class T>
-inline void micro(const T* A, int64_t rs, int64_t cs, const float* buf, int64_t kc, float* C, int64_t ldc,
-                  int64_t ncols, bool first) {
-  V acc[R][NV];
-  alignas(64) float edge[NR];
+// Panels one micro-kernel call covers for R rows: enough independent chains (R x NV x G accumulators) to hide the
+// fused multiply-add's latency at a decode step's few rows, few enough to stay in registers (the panel loads of a
+// call with one row fold into its multiply-adds).
+#if defined(__AVX512F__)
+constexpr int panels_for(int R) { return R >= 8 ? 1 : R >= 4 ? 2 : 4; }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int panels_for(int R) { return R >= 3 ? 1 : 4; }
+#else
+constexpr int panels_for(int) { return 1; }
+#endif
+
+// R rows x ncols (<= G NR) of C from `kc` steps of the chains, over G panels of B (panel g's block at
+// buf + g * pstride, kc x NR); `first`: the chains start at 0, else they go on from C.
+template <int R, int G, class T>
+inline void micro(const T* A, int64_t rs, int64_t cs, const float* buf, int64_t pstride, int64_t kc, float* C,
+                  int64_t ldc, int64_t ncols, bool first) {
+  constexpr int NVG = NV * G, COLS = NR * G;
+  V acc[R][NVG];
+  alignas(64) float edge[COLS];
   for (int r = 0; r < R; ++r) {
     if (first) {
-      for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
-    } else if (ncols == NR) {
-      for (int v = 0; v < NV; ++v) acc[r][v] = vload(C + r * ldc + v * W);
+      for (int v = 0; v < NVG; ++v) acc[r][v] = vzero();
+    } else if (ncols == COLS) {
+      for (int v = 0; v < NVG; ++v) acc[r][v] = vload(C + r * ldc + v * W);
     } else {
       memset(edge, 0, sizeof edge);
       memcpy(edge, C + r * ldc, sizeof(float) * ncols);
-      for (int v = 0; v < NV; ++v) acc[r][v] = vload(edge + v * W);
+      for (int v = 0; v < NVG; ++v) acc[r][v] = vload(edge + v * W);
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    V b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = vload(buf + k * NR + v * W);
+    V b[NVG];
+    for (int v = 0; v < NVG; ++v) b[v] = vload(buf + (v / NV) * pstride + k * NR + (v % NV) * W);
     for (int r = 0; r < R; ++r) {
       const V a = vbroadcast(to_float(A[r * rs + k * cs]));
-      for (int v = 0; v < NV; ++v) acc[r][v] = vfma(a, b[v], acc[r][v]);
+      for (int v = 0; v < NVG; ++v) acc[r][v] = vfma(a, b[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (ncols == NR) {
-      for (int v = 0; v < NV; ++v) vstore(C + r * ldc + v * W, acc[r][v]);
+    if (ncols == COLS) {
+      for (int v = 0; v < NVG; ++v) vstore(C + r * ldc + v * W, acc[r][v]);
     } else {
-      for (int v = 0; v < NV; ++v) vstore(edge + v * W, acc[r][v]);
+      for (int v = 0; v < NVG; ++v) vstore(edge + v * W, acc[r][v]);
       memcpy(C + r * ldc, edge, sizeof(float) * ncols);
     }
   }
 }
 
+// R rows across the ncols columns of a task's panels (panels_for(R) at a time, the rest one by one).
 template <int R, class T>
-void rows(const T* A, int64_t rs, int64_t cs, const float* buf, int64_t kc, float* C, int64_t ldc, int64_t ncols,
-          int64_t m, bool first) {
+inline void row_block(const T* A, int64_t rs, int64_t cs, const float* buf, int64_t pstride, int64_t kc, float* C,
+                      int64_t ldc, int64_t ncols, bool first) {
+  constexpr int G = panels_for(R);
+  const int64_t panels = (ncols + NR - 1) / NR;
+  int64_t p = 0;
+  if constexpr (G > 1) {
+    for (; p + G <= panels; p += G) {
+      const int64_t n = ncols - p * NR < G * NR ? ncols - p * NR : G * NR;
+      micro<R, G>(A, rs, cs, buf + p * pstride, pstride, kc, C + p * NR, ldc, n, first);
+    }
+  }
+  for (; p < panels; ++p) {
+    const int64_t n = ncols - p * NR < NR ? ncols - p * NR : NR;
+    micro<R, 1>(A, rs, cs, buf + p * pstride, pstride, kc, C + p * NR, ldc, n, first);
+  }
+}
+
+template <int R, class T>
+void rows(const T* A, int64_t rs, int64_t cs, const float* buf, int64_t pstride, int64_t kc, float* C, int64_t ldc,
+          int64_t ncols, int64_t m, bool first) {
   int64_t r = 0;
-  for (; r + R <= m; r += R) micro<R>(A + r * rs, rs, cs, buf, kc, C + r * ldc, ldc, ncols, first);
+  for (; r + R <= m; r += R) row_block<R>(A + r * rs, rs, cs, buf, pstride, kc, C + r * ldc, ldc, ncols, first);
   if constexpr (R > 1) {
-    if (r < m) rows<R / 2>(A + r * rs, rs, cs, buf, kc, C + r * ldc, ldc, ncols, m - r, first);
+    if (r < m) rows<R / 2>(A + r * rs, rs, cs, buf, pstride, kc, C + r * ldc, ldc, ncols, m - r, first);
+  }
+}
+
+// The tasks: the output cut into groups of `gp` panels (NR columns each) and chunks of rows; `block(panel, k0, kc,
+// ncols, buf)` gives the K block of the group's first panel as kc x NR floats (packed into `buf`: gp = 1, or a
+// pointer into prepacked panels), the next panels' `pstride` floats apart.
+template <class T, class Block>
+void gemm_tasks(const T* A, int64_t a_rs, int64_t a_cs, float* C, int64_t ldc, int64_t M, int64_t N, int64_t K,
+                int threads, int64_t gp, int64_t pstride, Block block) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int64_t m = 0; m < M; ++m) memset(C + m * ldc, 0, sizeof(float) * N);
+    return;
+  }
+  // rows split only when the panel groups alone do not give every thread several tasks
+  const int64_t groups = (N + gp * NR - 1) / (gp * NR), rows_per_task = groups >= 4 * threads ? M : ROWS_PER_TASK;
+  const int64_t chunks = (M + rows_per_task - 1) / rows_per_task, tasks = groups * chunks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, tasks, M * N * K))
+  for (int64_t t = 0; t < tasks; ++t) {
+    alignas(64) float buf[KC * NR];  // unused on prepacked panels
+    const int64_t panel = (t / chunks) * gp, m0 = (t % chunks) * rows_per_task;
+    const int64_t n0 = panel * NR, ncols = N - n0 < gp * NR ? N - n0 : gp * NR;
+    const int64_t m = M - m0 < rows_per_task ? M - m0 : rows_per_task;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = K - k0 < KC ? K - k0 : KC;
+      const float* first_block = block(panel, k0, kc, ncols, buf);
+      rows<MR>(A + m0 * a_rs + k0 * a_cs, a_rs, a_cs, first_block, pstride, kc, C + m0 * ldc + n0, ldc, ncols, m,
+               k0 == 0);
+    }
   }
 }
 
 template <class T>
 void gemm(const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs, float* C, int64_t ldc,
           int64_t M, int64_t N, int64_t K, int threads) {
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0) {
-    for (int64_t m = 0; m < M; ++m) memset(C + m * ldc, 0, sizeof(float) * N);
-    return;
-  }
-  // rows split only when the panels alone do not give every thread several tasks (each task packs its panel)
-  const int64_t panels = (N + NR - 1) / NR, rows_per_task = panels >= 4 * threads ? M : ROWS_PER_TASK;
-  const int64_t chunks = (M + rows_per_task - 1) / rows_per_task, tasks = panels * chunks;
-#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, tasks, M * N * K))
-  for (int64_t t = 0; t < tasks; ++t) {
-    alignas(64) float buf[KC * NR];
-    const int64_t panel = t / chunks, m0 = (t % chunks) * rows_per_task;
-    const int64_t n0 = panel * NR, ncols = N - n0 < NR ? N - n0 : NR;
-    const int64_t m = M - m0 < rows_per_task ? M - m0 : rows_per_task;
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t kc = K - k0 < KC ? K - k0 : KC;
-      pack(B, b_rs, b_cs, k0, kc, n0, ncols, buf);
-      rows<MR>(A + m0 * a_rs + k0 * a_cs, a_rs, a_cs, buf, kc, C + m0 * ldc + n0, ldc, ncols, m, k0 == 0);
-    }
-  }
+  auto pack_block = [&](int64_t panel, int64_t k0, int64_t kc, int64_t ncols, float* buf) -> const float* {
+    pack(B, b_rs, b_cs, k0, kc, panel * NR, ncols, buf);
+    return buf;
+  };
+  gemm_tasks(A, a_rs, a_cs, C, ldc, M, N, K, threads, 1, 0, pack_block);
 }
 
-// ---- The dot kernel: C[m][n] = A[m] . W[n], both rows contiguous along k (a linear layer's forward, x W^T) ----
-// Each element is a `lanes_dot` (simd.h: 16 lane chains over k, added in one fixed tree), R x CN of them at a time. Reading W in its own
-// layout (no packing) keeps a decode step (M = 1) at the cost of reading W once.
-
-template <int R, int CN, class T>
-inline void dot_block(const T* A, int64_t lda, const T* Wt, int64_t ldw, int64_t K, float* C, int64_t ldc) {
-  Lanes acc[R][CN];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CN; ++c)
-      for (int i = 0; i < NL; ++i) acc[r][c].v[i] = vzero();
-  const int64_t full = K / LANES * LANES;
-  for (int64_t k = 0; k < full; k += LANES) {
-    V b[CN][NL];
-    for (int c = 0; c < CN; ++c)
-      for (int i = 0; i < NL; ++i) b[c][i] = vload16(Wt + c * ldw + k + i * W);
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < NL; ++i) {
-        const V a = vload16(A + r * lda + k + i * W);
-        for (int c = 0; c < CN; ++c) acc[r][c].v[i] = vfma(a, b[c][i], acc[r][c].v[i]);
-      }
-    }
-  }
-  if (full < K) {  // the last, partial step: zero-padded copies
-    alignas(64) T a_pad[R][LANES] = {}, b_pad[CN][LANES] = {};
-    for (int r = 0; r < R; ++r) memcpy(a_pad[r], A + r * lda + full, sizeof(T) * (K - full));
-    for (int c = 0; c < CN; ++c) memcpy(b_pad[c], Wt + c * ldw + full, sizeof(T) * (K - full));
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CN; ++c)
-        for (int i = 0; i < NL; ++i)
-          acc[r][c].v[i] = vfma(vload16(a_pad[r] + i * W), vload16(b_pad[c] + i * W), acc[r][c].v[i]);
-  }
-  float sums[R * CN];
-  reduce_many(&acc[0][0], R * CN, sums);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CN; ++c) C[r * ldc + c] = sums[r * CN + c];
-}
-
-#if defined(__AVX512F__)
-constexpr int DOT_R = 4, DOT_C = 6;
-#else
-constexpr int DOT_R = 2, DOT_C = 2;
-#endif
-
-template <int R, int CN, class T>
-void dot_cols(const T* A, int64_t lda, const T* Wt, int64_t ldw, int64_t K, float* C, int64_t ldc, int64_t n) {
-  int64_t c = 0;
-  for (; c + CN <= n; c += CN) dot_block<R, CN>(A, lda, Wt + c * ldw, ldw, K, C + c, ldc);
-  if constexpr (CN > 1) {
-    if (c < n) dot_cols<R, CN / 2>(A, lda, Wt + c * ldw, ldw, K, C + c, ldc, n - c);
+// ---- Prepacked panels: a weight used for many calls (a frozen or served weight) packed once ----
+// P[p][k][j] = W[p NR + j][k] (zero past N): B = W^T, all of its panels at once, in float32 (bfloat16 exactly).
+// A call on P runs the tasks above with each K block read in place: the same chains, so the same bits as `gemm`
+// on W^T, without the packing (a decode step reads the weight once, as the packed form).
+template <class T>
+void pack_panels(const T* weight, int64_t rs, int64_t cs, int64_t N, int64_t K, float* P, int threads) {
+  const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, panels, N * K))
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
+    pack(weight, cs, rs, 0, K, n0, ncols, P + p * K * NR);  // B[k][n] = W[n][k]: B's row stride is W's column stride
   }
 }
-
-template <int R, class T>
-void dot_rows(const T* A, int64_t lda, const T* Wt, int64_t ldw, int64_t K, float* C, int64_t ldc, int64_t m,
-              int64_t n) {
-  int64_t r = 0;
-  for (; r + R <= m; r += R) dot_cols<R, DOT_C>(A + r * lda, lda, Wt, ldw, K, C + r * ldc, ldc, n);
-  if constexpr (R > 1) {
-    if (r < m) dot_rows<R / 2>(A + r * lda, lda, Wt, ldw, K, C + r * ldc, ldc, m - r, n);
-  }
-}
-
-constexpr int64_t DOT_COLS_PER_TASK = 48;  // rows of W a task walks (they stay in cache across its rows of A)
 
 template <class T>
-void dot(const T* A, int64_t lda, const T* Wt, int64_t ldw, float* C, int64_t ldc, int64_t M, int64_t N, int64_t K,
-         int threads) {
-  if (M <= 0 || N <= 0) return;
-  const int64_t col_tasks = (N + DOT_COLS_PER_TASK - 1) / DOT_COLS_PER_TASK;
-  // rows split only when the columns alone do not give every thread several tasks
-  const int64_t rows_per_task = col_tasks >= 4 * threads ? M : ROWS_PER_TASK;
-  const int64_t row_tasks = (M + rows_per_task - 1) / rows_per_task, tasks = col_tasks * row_tasks;
-#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, tasks, M * N * K))
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t n0 = (t % col_tasks) * DOT_COLS_PER_TASK, m0 = (t / col_tasks) * rows_per_task;
-    const int64_t n = N - n0 < DOT_COLS_PER_TASK ? N - n0 : DOT_COLS_PER_TASK;
-    const int64_t m = M - m0 < rows_per_task ? M - m0 : rows_per_task;
-    dot_rows<DOT_R>(A + m0 * lda, lda, Wt + n0 * ldw, ldw, K, C + m0 * ldc + n0, ldc, m, n);
-  }
+void packed_gemm(const T* A, int64_t a_rs, int64_t a_cs, const float* P, float* C, int64_t ldc, int64_t M, int64_t N,
+                 int64_t K, int threads) {
+  auto in_place = [&](int64_t panel, int64_t k0, int64_t, int64_t, float*) -> const float* {
+    return P + (panel * K + k0) * NR;
+  };
+  // groups of panels where every row is in a tail block (a decode step: several panels per micro-kernel call)
+  gemm_tasks(A, a_rs, a_cs, C, ldc, M, N, K, threads, M < MR ? TASK_PANELS : 1, K * NR, in_place);
 }
 
 }  // namespace
 
-extern "C" void MILES_EXPORT(miles_dot_f32)(const float* A, int64_t lda, const float* Wt, int64_t ldw, float* C,
-                                             int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
-  dot(A, lda, Wt, ldw, C, ldc, M, N, K, threads);
+extern "C" int64_t MILES_EXPORT(miles_panel_width)() { return NR; }
+
+extern "C" void MILES_EXPORT(miles_pack_f32)(const float* weight, int64_t rs, int64_t cs, int64_t N, int64_t K,
+                                              float* P, int threads) {
+  pack_panels(weight, rs, cs, N, K, P, threads);
 }
 
-extern "C" void MILES_EXPORT(miles_dot_bf16)(const uint16_t* A, int64_t lda, const uint16_t* Wt, int64_t ldw,
-                                              float* C, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
-  dot(A, lda, Wt, ldw, C, ldc, M, N, K, threads);
+extern "C" void MILES_EXPORT(miles_pack_bf16)(const uint16_t* weight, int64_t rs, int64_t cs, int64_t N, int64_t K,
+                                               float* P, int threads) {
+  pack_panels(weight, rs, cs, N, K, P, threads);
+}
+
+extern "C" void MILES_EXPORT(miles_packed_f32)(const float* A, int64_t a_rs, int64_t a_cs, const float* P, float* C,
+                                                int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
+  packed_gemm(A, a_rs, a_cs, P, C, ldc, M, N, K, threads);
+}
+
+extern "C" void MILES_EXPORT(miles_packed_bf16)(const uint16_t* A, int64_t a_rs, int64_t a_cs, const float* P,
+                                                 float* C, int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
+  packed_gemm(A, a_rs, a_cs, P, C, ldc, M, N, K, threads);
 }
 
 extern "C" void MILES_EXPORT(miles_gemm_f32)(const float* A, int64_t a_rs, int64_t a_cs, const float* B,

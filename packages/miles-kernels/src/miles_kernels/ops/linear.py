@@ -16,10 +16,12 @@ one fixed shape, `tile * CUDA_TILES_PER_GEMM` rows each (the last zero-padded): 
 Batched products of distinct matrices (attention) go through `invariant_bmm`: a fixed batch count per call.
 
 The `native` backend (`native_matmul`, miles_kernels/native) is batch-invariant by construction instead: a C++
-kernel computes each output element as 16 lane chains of fused multiply-adds over k in order, added in one fixed
-tree, the same bits at any M, thread count and instruction set (AVX-512, AVX2, generic); its backward runs the
-native outer-product kernel (each element one chain over the reduced dimension in order), so the gradients are
-fixed by construction too. On CUDA tensors it runs the torch-tiled CUDA form.
+register-blocked GEMM computes each output element as one chain of fused multiply-adds over k in order, the same
+bits at any M, thread count and instruction set (AVX-512, AVX2, generic). A rollout engine's weights are packed once
+per weight version into the GEMM's panel layout (`hold_packed_weights`), so a decode step reads each weight once;
+other weights are packed block by block in the call, with the same bits. Its backward runs the same kernel (each
+element one chain over the reduced dimension in order), so the gradients are fixed by construction too. On CUDA
+tensors it runs the torch-tiled CUDA form.
 Shapes: x_MK, weight_NK, out_MN.
 """
 
@@ -207,7 +209,7 @@ register_backend("linear:deterministic", "triton", _triton_linear, is_available=
 # torch-tiled CUDA form through it); torch-tiled otherwise, or by name.
 register_backend("linear:deterministic", "native", _native_linear, is_available=native.status, priority=1)
 register_backend("linear:fast", "torch", _plain_linear)
-# Fast mode's `auto`: one MKL GEMM, except where the native dot kernel is the faster plain GEMM (an AVX-512 CPU that
+# Fast mode's `auto`: one MKL GEMM, except where the native GEMM is the faster plain GEMM (an AVX-512 CPU that
 # is not Intel's: MKL runs its AVX2 code there; native.faster_than_mkl). Its bits are the deterministic backend's.
 register_backend("linear:fast", "native", _native_fast_linear, is_available=native.faster_than_mkl, priority=1)
 
