@@ -5,7 +5,8 @@
    by tag counted from the tensors (the offload manager's `resident_bytes`: parameters, MTP modules, AdamW state;
    the gradients; the activations the forward saved for backward, at their most, from `ActivationMeter`), against
    `miles_memory.fsdp2_bytes` (with the deterministic attention's term for the 16-token sequences); and the embedded
-   engine's `memory_bytes()` against `embedded_engine_bytes`. Error = planned / measured - 1.
+   engine's `memory_bytes()` against `embedded_engine_bytes`, idle and after a request (then with the native linear's
+   packed weight copies). Error = planned / measured - 1.
 2. **Offload speed.** Offload + onload of that policy's trainer state (parameters and AdamW moments, one rank, after
    a step), medians of `--repeats` alternating cycles in one process: the offload manager's disk store against the
    obvious alternative, saving the same tensors with safetensors and loading them back into place.
@@ -106,18 +107,34 @@ def validate_trainer(model_dir: str, shape: ModelShape, world: int, tokens: int)
 
 
 def validate_engine(model_dir: str, shape: ModelShape) -> dict[str, Any]:
-    from miles_rollout import Engine, EngineConfig
+    """The engine's bytes by tag idle (before its first forward) and serving (after one request: the native linear's
+    packed weight copies are held from the first forward on), against the planner."""
+    import asyncio
+
+    from miles_contracts import GenerateRequest, SamplingParams
+    from miles_kernels import native
+    from miles_rollout import Engine, EngineConfig, InProcessClient
 
     config = EngineConfig(num_kv_pages=256, max_running_requests=16)
     kernel = KernelConfig()
     engine = Engine(model_dir, kernel, config)
     try:
-        measured = engine.memory_bytes()  # idle: nothing allocates while it is read
+        idle = engine.memory_bytes()  # nothing allocates while it is read
+        request = GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4))
+        asyncio.run(InProcessClient(engine).generate(request))
+        serving = engine.memory_bytes()
     finally:
         engine.shutdown()
-    planned = embedded_engine_bytes(shape, "float32", config.num_kv_pages, kernel.page_size)
-    return {tag: {"planned": planned[tag], "measured": measured[tag], "error": planned[tag] / measured[tag] - 1}
-            for tag in ("weights", "kv_cache")}  # fmt: skip
+    width = native.panel_width() if resolved_backends(kernel)["linear"] == "native" else None
+    planned = {
+        "idle": embedded_engine_bytes(shape, "float32", config.num_kv_pages, kernel.page_size),
+        "serving": embedded_engine_bytes(shape, "float32", config.num_kv_pages, kernel.page_size, packed_width=width),
+    }
+    return {
+        state: {tag: {"planned": planned[state][tag], "measured": measured[tag],
+                      "error": planned[state][tag] / measured[tag] - 1} for tag in ("weights", "kv_cache")}
+        for state, measured in (("idle", idle), ("serving", serving))
+    }  # fmt: skip
 
 
 def offload_speed(model_dir: str, repeats: int) -> dict[str, Any]:

@@ -127,8 +127,10 @@ def test_release_frees_storage_in_process(dense_dir) -> None:
         # From the first forward on, the native linear's packed copies of the weights belong to the weights
         asyncio.run(client.generate(PROBE))
         packed = native.packed_weights(engine.model.parameters())
-        assert packed and reported["weights"] + storage_bytes(packed) == (
-            embedded_engine_bytes(shape, "float32", 64, 16, packed_width=native.panel_width())["weights"]
+        assert (
+            packed
+            and reported["weights"] + storage_bytes(packed)
+            == (embedded_engine_bytes(shape, "float32", 64, 16, packed_width=native.panel_width())["weights"])
         )
         reported = asyncio.run(client.get_server_info())["memory_bytes"]
         assert reported["weights"] == weight_bytes + storage_bytes(packed)

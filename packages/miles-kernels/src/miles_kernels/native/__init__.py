@@ -181,7 +181,9 @@ def _rounded(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def panel_width() -> int:
     """Columns per panel of the loaded build's packed weights (`pack_weight`): 32 on AVX-512, 16 on AVX2, 8 generic."""
-    return int(_loaded()["panel_width"])  # type: ignore[call-overload]
+    width = _loaded()["panel_width"]
+    assert isinstance(width, int)
+    return width
 
 
 def pack_weight(weight_NK: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ class ModelSection(Section):
     bootstrap_steps: int = Field(
         default=1000, ge=0,
         description="Most SFT steps of the built-in policy (path=null) and its cosine LR schedule's length: a cap the "
-        "probe target normally stops well before (at steps 250-410 in benchmarks/results/robustness.json), with the "
+        "probe target normally stops well before (at steps 230-410 in benchmarks/results/robustness.json), with the "
         "LR still high.",
     )  # fmt: skip
     bootstrap_target_pass_rate: float | None = Field(
