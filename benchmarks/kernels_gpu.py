@@ -49,8 +49,9 @@ if QUICK and not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from miles_kernels import KernelConfig, load_model  # noqa: E402
-from miles_kernels.ops.attention import attention, write_kv  # noqa: E402
+from miles_kernels.ops.attention import attention  # noqa: E402
 from miles_kernels.ops.attention_batch import build_attention_batch  # noqa: E402
+from miles_kernels.ops.kv_pages import write_kv  # noqa: E402
 from miles_kernels.ops.linear import linear  # noqa: E402
 from miles_kernels.ops.norm import rms_norm  # noqa: E402
 from miles_kernels.ops.sampling import token_logprobs  # noqa: E402

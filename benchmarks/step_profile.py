@@ -13,7 +13,7 @@ also counted by their number of rows.
 Each op is also attributed to the part of the model or loop it runs for (`by_part`): the forward ops inside the
 model's calls of `linear`, the attention (`attention`, `packed_attention`, `write_kv`), `rms_norm`, RoPE
 (`apply_rope`, `rope_cos_sin`), `swiglu`, the MoE routing and experts; the backward ops by the autograd node
-that runs them (`_TiledMatmulBackward` is the linear layers', `_BlockedAttentionBackward` the attention's, ...);
+that runs them (`_TiledMatmulBackward` is the linear layers', `BlockedAttentionBackward` the attention's, ...);
 the engine's sampling (`sample_rows`) and the trainer's optimizer step (clipping + AdamW); the rest as `other`
 (embedding, residual adds, the loss, packing, autograd's own nodes for plain ops). Each part's `ms` is the self CPU
 time of its ops, `ops` their count; the phase's `unattributed_wall_ms` is its wall time minus all ops' self time
@@ -59,7 +59,7 @@ MODEL_PARTS = {
 BACKWARD_PARTS = {
     "_TiledMatmulBackward": "linear",
     "_NativeMatmulBackward": "linear",
-    "_BlockedAttentionBackward": "attention",
+    "BlockedAttentionBackward": "attention",
     "_NativeAttentionBackward": "attention",
     "_RMSNormBackward": "rms_norm",
     "_NativeRMSNormBackward": "rms_norm",

@@ -133,6 +133,7 @@ def test_packed_attention_gradients_match_float64_reference(
     blocked one by one chunk of blocks or one block per chunk) against autograd through a float64 SDPA; its forward
     keeps its bits whatever the chunking."""
     import miles_kernels.ops.attention as attention_module
+    import miles_kernels.ops.blocked_attention as blocked_attention_module
 
     generator = torch.Generator().manual_seed(group)
     lens, parents = [11, 3, 7, 1, 20], [None, 0, 0, None, 3]
@@ -143,7 +144,7 @@ def test_packed_attention_gradients_match_float64_reference(
     scale = dim**-0.5
     with torch.no_grad():
         whole = attention_module.packed_attention(*inputs, batch, scale, det)
-    monkeypatch.setattr(attention_module, "MAX_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(blocked_attention_module, "MAX_CHUNK_BYTES", chunk_bytes)
     batch = build_packed_batch(lens, det.page_size, det.attention_query_tile, parents=parents)
     q, k, v = (t.clone().requires_grad_() for t in inputs)
     out = attention_module.packed_attention(q, k, v, batch, scale, det)
@@ -167,8 +168,9 @@ def test_sliding_window_attention_and_gradients_match_float64_reference(
     deterministic backwards (native, and blocked chunked by many blocks or one), against float64 masked SDPA. The
     window changes the result (the reference without it differs)."""
     import miles_kernels.ops.attention as attention_module
+    import miles_kernels.ops.blocked_attention as blocked_attention_module
 
-    monkeypatch.setattr(attention_module, "MAX_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(blocked_attention_module, "MAX_CHUNK_BYTES", chunk_bytes)
     generator = torch.Generator().manual_seed(window)
     lens, parents = [11, 3, 60, 1, 20], [None, 0, None, None, 3]
     inputs = [torch.randn(sum(lens), h, 16, generator=generator) for h in (4, 2, 2)]
@@ -412,8 +414,8 @@ def test_write_kv_stores_each_row_and_copy_at_its_page_head_and_offset(dtype: to
     a non-contiguous store takes the indexed path and gets the same rows."""
     from dataclasses import replace
 
-    from miles_kernels.ops.attention import write_kv
     from miles_kernels.ops.attention_batch import build_attention_batch
+    from miles_kernels.ops.kv_pages import write_kv
 
     generator = torch.Generator().manual_seed(0)
     batch = build_attention_batch([3, 1, 5], [10, 4, 0], [[1, 2], [3, 4], [5, 6]], 8, 4, "cpu")

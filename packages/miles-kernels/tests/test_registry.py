@@ -183,3 +183,24 @@ def test_registration_mistakes() -> None:
     with pytest.raises(TypeError, match="must be a str"):
         register_backend(OP, 3, _fn("x"))  # type: ignore[arg-type]
     assert registered_ops() == []  # nothing half-registered
+
+
+def test_a_resolved_backend_is_remembered_until_a_registration_changes_the_op() -> None:
+    """get_backend answers repeated lookups (every layer's op call) from what it resolved, and resolves again after a
+    registration, or against other registry state (a test's swapped dicts)."""
+    register_backend(OP, "plain", _fn("plain"))
+    calls: list[int] = []
+
+    def check() -> bool:
+        calls.append(1)
+        return True
+
+    register_backend(OP, "fused", _fn("fused"), is_available=check, priority=5)
+    assert get_backend(OP).name == "fused" and get_backend(OP).name == "fused" and get_backend(OP, "plain")
+    assert len(calls) == 1
+    register_backend(OP, "newer", _fn("newer"), priority=9)
+    assert get_backend(OP).name == "newer"
+    register_backend(OP, "newer", _fn("newer"), is_available=lambda: "gone", priority=9)  # replaced: checked afresh
+    assert get_backend(OP).name == "fused"
+    registry._AVAILABILITY = {}  # another registry state: resolved anew (the fixture puts the real one back)
+    assert get_backend(OP).name == "fused" and len(calls) == 2

@@ -187,8 +187,9 @@ def test_the_attention_matches_the_blocked_attention_and_is_the_same_however_com
         assert torch.equal(alone, got[rows]), f"sequence {seq}: alone differs from the batch"
     # the engine's way for the last sequence: a paged cache (pages out of order) filled by a prefill of 5, a chunk
     # of 6, then three decode steps
-    from miles_kernels.ops.attention import attention, write_kv
+    from miles_kernels.ops.attention import attention
     from miles_kernels.ops.attention_batch import build_attention_batch
+    from miles_kernels.ops.kv_pages import write_kv
 
     seq_rows = slice(10, 24)
     k_pages, v_pages = torch.zeros(8, 2, 4, 16), torch.zeros(8, 2, 4, 16)

@@ -12,8 +12,9 @@ from torch import nn
 from miles_kernels.config import KernelConfig
 from miles_kernels.layers import Linear, RMSNorm
 from miles_kernels.model_config import ModelConfig
-from miles_kernels.ops.attention import attention, packed_attention, write_kv
+from miles_kernels.ops.attention import attention, packed_attention
 from miles_kernels.ops.attention_batch import AttentionBatch
+from miles_kernels.ops.kv_pages import write_kv
 from miles_kernels.ops.linear import head_linear
 from miles_kernels.ops.rope import apply_rope, deinterleave
 

@@ -30,8 +30,9 @@ from miles_kernels.latent_attention import LatentAttention
 from miles_kernels.layers import Linear, RMSNorm
 from miles_kernels.model_config import ModelConfig
 from miles_kernels.ops.activation import swiglu
-from miles_kernels.ops.attention import attention, packed_attention, write_kv
+from miles_kernels.ops.attention import attention, packed_attention
 from miles_kernels.ops.attention_batch import AttentionBatch
+from miles_kernels.ops.kv_pages import write_kv
 from miles_kernels.ops.linear import linear
 from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
 from miles_kernels.ops.rope import (

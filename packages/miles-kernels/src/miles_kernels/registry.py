@@ -61,6 +61,10 @@ def _always_available() -> bool:
 _BACKENDS: dict[str, dict[str, _Entry]] = {}  # op -> name -> entry, in registration order
 _AVAILABILITY: dict[tuple[str, str], bool | str] = {}  # (op, name) -> True or the reason it is not available
 _LOGGED_CHOICES: set[tuple[str, str]] = set()  # (op, name) chosen by "auto" and already logged
+# What get_backend resolved (op, name) to, with the two dicts it was resolved from: an op runs this lookup on every
+# call (each layer of each forward), and an answer holds while those are the registry's dicts. register_backend
+# empties it.
+_RESOLVED: dict[tuple[str, str], tuple[dict[str, dict[str, _Entry]], dict[tuple[str, str], bool | str], Backend]] = {}
 # Re-entrant: an is_available check may itself look up another op's backend.
 _LOCK = threading.RLock()
 
@@ -98,6 +102,7 @@ def register_backend(
     with _LOCK:
         _BACKENDS.setdefault(op, {})[name] = _Entry(Backend(op, name, fn, priority), is_available)
         _AVAILABILITY.pop((op, name), None)
+        _RESOLVED.clear()
         # The auto choice for this op may change; let the next choice be logged again.
         for logged in [c for c in _LOGGED_CHOICES if c[0] == op]:
             _LOGGED_CHOICES.discard(logged)
@@ -137,27 +142,37 @@ def get_backend(op: str, name: str = AUTO) -> Backend:
     Raises ValueError for an unknown op or name (the message lists the registered ones) and RuntimeError when the
     requested backend, or with ``"auto"`` every backend, is not available (the message says why).
     """
+    if type(op) is str and type(name) is str:
+        hit = _RESOLVED.get((op, name))
+        if hit is not None and hit[0] is _BACKENDS and hit[1] is _AVAILABILITY:
+            return hit[2]
     _check_name("name", name)
     with _LOCK:
-        entries = _entries(op)
-        if name != AUTO:
-            if name not in entries:
-                raise ValueError(f"unknown backend {name!r} for op {op!r}; choose one of {[AUTO, *entries]}")
-            reason = _availability(op, entries[name])
-            if reason is not True:
-                raise RuntimeError(f"backend {name!r} for op {op!r} is not available: {reason}")
-            return entries[name].backend
+        backend = _resolve(op, name)
+        _RESOLVED[(op, name)] = (_BACKENDS, _AVAILABILITY, backend)
+        return backend
 
-        # sorted() is stable, so among equal priorities the earliest registered comes first.
-        candidates = sorted(entries.values(), key=lambda e: -e.backend.priority)
-        skipped: list[str] = []
-        for entry in candidates:
-            reason = _availability(op, entry)
-            if reason is True:
-                _log_choice(entry.backend, skipped)
-                return entry.backend
-            skipped.append(f"{entry.backend.name} ({reason})")
-        raise RuntimeError(f"no backend for op {op!r} is available: {'; '.join(skipped)}")
+
+def _resolve(op: str, name: str) -> Backend:
+    entries = _entries(op)
+    if name != AUTO:
+        if name not in entries:
+            raise ValueError(f"unknown backend {name!r} for op {op!r}; choose one of {[AUTO, *entries]}")
+        reason = _availability(op, entries[name])
+        if reason is not True:
+            raise RuntimeError(f"backend {name!r} for op {op!r} is not available: {reason}")
+        return entries[name].backend
+
+    # sorted() is stable, so among equal priorities the earliest registered comes first.
+    candidates = sorted(entries.values(), key=lambda e: -e.backend.priority)
+    skipped: list[str] = []
+    for entry in candidates:
+        reason = _availability(op, entry)
+        if reason is True:
+            _log_choice(entry.backend, skipped)
+            return entry.backend
+        skipped.append(f"{entry.backend.name} ({reason})")
+    raise RuntimeError(f"no backend for op {op!r} is available: {'; '.join(skipped)}")
 
 
 def _log_choice(backend: Backend, skipped: list[str]) -> None:

@@ -206,7 +206,7 @@ def pack_weight(weight_NK: torch.Tensor) -> torch.Tensor:
 # Packed panels of the weights a server holds (`hold_packed_weights`), per base tensor (the weight, or the stacked
 # tensor an expert's weight is a view of), by its id: {(storage offset, shape, strides, dtype): (version, panels)}.
 # An entry goes with its tensor (`weakref.finalize`), so an id is never reused while its entry is here.
-_PACKED: dict[int, dict[tuple[object, ...], tuple[tuple[int, int], torch.Tensor]]] = {}
+_PACKED: dict[int, dict[tuple[object, ...] | None, tuple[tuple[object, ...], torch.Tensor]]] = {}
 
 
 def hold_packed_weights(tensors: Iterable[torch.Tensor]) -> None:
@@ -232,37 +232,45 @@ def packed_weights(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def _held_panels(weight_NK: torch.Tensor) -> torch.Tensor | None:
     """The current packed copy of a held weight (packed now if it is new or changed); None for any other weight."""
-    base = weight_NK if weight_NK._base is None else weight_NK._base
-    views = _PACKED.get(id(base))
+    base = weight_NK._base
+    views = _PACKED.get(id(weight_NK if base is None else base))
     if views is None:
         return None
-    key = (weight_NK.storage_offset(), weight_NK.shape, weight_NK.stride(), weight_NK.dtype)
-    version = (weight_NK._version, weight_NK.data_ptr())
+    # a held tensor itself, or one view of it (the key a view's place and layout)
+    key = None if base is None else (weight_NK.storage_offset(), weight_NK.shape, weight_NK.stride(), weight_NK.dtype)
+    version = (weight_NK._version, weight_NK.data_ptr(), weight_NK.shape, weight_NK.dtype)
     held = views.get(key)
     if held is None or held[0] != version:
         held = views[key] = (version, pack_weight(weight_NK))
     return held[1]
 
 
+_PACKED_KERNELS = {dtype: f"packed_{suffix}" for dtype, suffix in _DTYPES.items()}
+
+
 def native_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` (a linear layer's forward): each element one fused multiply-add chain over k in order (gemm.cpp),
     the same bits as `native_mm(x, weight.T)`. A held weight (`hold_packed_weights`: a server's) runs from its packed
     copy; any other is packed block by block in the call. float32, or bfloat16 / float16 rounded once from the
-    float32 result."""
-    state = _loaded()
+    float32 result. (A decode step calls this for every layer: the common case, float32 or bfloat16 CPU operands of
+    one dtype, is checked with the fewest tensor queries.)"""
+    state = _STATE if "lib" in _STATE else _loaded()
     if x_MK.dim() != 2 or weight_NK.dim() != 2 or x_MK.shape[1] != weight_NK.shape[1]:
         raise ValueError(
             f"native_linear multiplies (M, K) by (N, K)^T; got {tuple(x_MK.shape)} and {tuple(weight_NK.shape)}"
         )
-    given = x_MK
-    x_MK, _, dtype = _operands("native_linear", x_MK, weight_NK)
-    panels = _held_panels(weight_NK)
-    if panels is None:
-        return native_mm(given, weight_NK.t())
+    dtype = x_MK.dtype
+    kernel = _PACKED_KERNELS.get(dtype) if dtype is weight_NK.dtype and x_MK.is_cpu and weight_NK.is_cpu else None
+    if kernel is None:  # operands to convert (float16) or refuse, by this function's name
+        _operands("native_linear", x_MK, weight_NK)
+    panels = _held_panels(weight_NK) if kernel is not None else None
+    if kernel is None or panels is None:
+        return native_mm(x_MK, weight_NK.t())
     (m, k), n = x_MK.shape, weight_NK.shape[0]
+    row_stride, col_stride = x_MK.stride()
     out = torch.empty(m, n, dtype=torch.float32)
-    _run("native_linear", state[f"packed_{_DTYPES[x_MK.dtype]}"], x_MK.data_ptr(), x_MK.stride(0), x_MK.stride(1),
-         panels.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads())  # fmt: skip
+    _run("native_linear", state[kernel], x_MK.data_ptr(), row_stride, col_stride, panels.data_ptr(), out.data_ptr(), n,
+         m, n, k, torch.get_num_threads())  # fmt: skip
     return _rounded(out, dtype)
 
 

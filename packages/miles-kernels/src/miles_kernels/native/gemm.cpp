@@ -31,6 +31,29 @@ constexpr int NV = 8, MR = 4;
 #endif
 constexpr int NR = W * NV;
 
+#if defined(__AVX2__)
+// out[i * ldo + j] = in[j * ldi + i] for i, j < 8: the standard unpack / shuffle / lane-permute transpose (data
+// movement only).
+inline void transpose8x8(const float* in, int64_t ldi, float* out, int64_t ldo) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ldi);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + i * ldo, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * ldo, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+#endif
+
 // buf[k][j] = B[k0 + k][n0 + j] for k < kc, j < ncols; zero for j >= ncols.
 template <class T>
 void pack(const T* B, int64_t rs, int64_t cs, int64_t k0, int64_t kc, int64_t n0, int64_t ncols, float* buf) {
@@ -41,11 +64,24 @@ void pack(const T* B, int64_t rs, int64_t cs, int64_t k0, int64_t kc, int64_t n0
       float* out = buf + k * NR;
       for (int64_t j = 0; j < ncols; ++j) out[j] = to_float(row[j]);
     }
-  } else {  // columns of B contiguous (rs == 1: B is a transposed weight) or any strides: read along k
-    for (int64_t j = 0; j < ncols; ++j) {
-      const T* col = B + (n0 + j) * cs + k0 * rs;
-      for (int64_t k = 0; k < kc; ++k) buf[k * NR + j] = to_float(col[k * rs]);
+    return;
+  }
+  // columns of B contiguous (rs == 1: B is a transposed weight, a linear layer's forward) or any strides: read
+  // along k; float32 columns in 8 x 8 blocks transposed in registers where the build has AVX2
+  int64_t j0 = 0, kb = 0;
+#if defined(__AVX2__)
+  if constexpr (sizeof(T) == sizeof(float)) {
+    if (rs == 1) {
+      kb = kc / 8 * 8;
+      for (; j0 + 8 <= ncols; j0 += 8)
+        for (int64_t k = 0; k < kb; k += 8)
+          transpose8x8(reinterpret_cast<const float*>(B) + (n0 + j0) * cs + k0 + k, cs, buf + k * NR + j0, NR);
     }
+  }
+#endif
+  for (int64_t j = 0; j < ncols; ++j) {  // what the blocks left: the last columns, then the last rows of the others
+    const T* col = B + (n0 + j) * cs + k0 * rs;
+    for (int64_t k = j < j0 ? kb : 0; k < kc; ++k) buf[k * NR + j] = to_float(col[k * rs]);
   }
 }
 

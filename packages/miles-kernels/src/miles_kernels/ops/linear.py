@@ -162,6 +162,9 @@ def _rows_linear(
     bias: torch.Tensor | None, tile: int,
 ) -> torch.Tensor:  # fmt: skip
     """`F.linear` of x's rows (any leading shape) by a batch-invariant `matmul(x_MK, weight_NK, tile)`."""
+    if x.dim() == 2:  # the common case: no reshapes (each costs about a microsecond a call)
+        out = matmul(x, weight, tile)
+        return out if bias is None else out + bias
     out = matmul(x.reshape(-1, x.shape[-1]), weight, tile)
     if bias is not None:
         out = out + bias
