@@ -115,8 +115,13 @@ def test_held_weights_are_packed_once_per_version_and_go_with_the_tensor() -> No
     native_linear(x, weight)
     assert native.packed_weights([weight])[0] is panels  # used again, not packed again
     with torch.no_grad():
-        weight.mul_(2)  # an in-place update (a weight sync's copy_): packed again
+        weight.mul_(2)  # an in-place update (a weight sync's copy_): packed again, into the same panels
     assert torch.equal(native_linear(x, weight), native_mm(x, weight.t()))
+    assert native.packed_weights([weight])[0] is panels and torch.equal(panels, native.pack_weight(weight))
+    panels.untyped_storage().resize_(0)  # released with the engine's weights (miles_memory's offload)
+    with torch.no_grad():
+        weight.mul_(2)
+    assert torch.equal(native_linear(x, weight), native_mm(x, weight.t()))  # packed into new panels
     assert native.packed_weights([weight])[0] is not panels and len(native.packed_weights([weight])) == 1
     experts = torch.randn(4, 24, 40)  # an MoE layer's stacked experts: each one's weight is a view
     native.hold_packed_weights([experts])

@@ -186,9 +186,10 @@ def panel_width() -> int:
     return width
 
 
-def pack_weight(weight_NK: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight_NK: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A linear weight (N, K) packed into the GEMM's panels, (ceil(N / NR), K, NR) float32 (`panel_width`; zero past
-    N; bfloat16 and float16 exactly): `native_linear` runs on it without packing again. Any strides."""
+    N; bfloat16 and float16 exactly): `native_linear` runs on it without packing again. Any strides. `out`: panels of
+    that shape to pack into (a weight's previous packing: no new allocation, whose first touch costs page faults)."""
     state = _loaded()
     if weight_NK.dim() != 2 or weight_NK.device.type != "cpu":
         raise ValueError(f"pack_weight packs a 2-D CPU weight; got {tuple(weight_NK.shape)} on {weight_NK.device}")
@@ -197,7 +198,10 @@ def pack_weight(weight_NK: torch.Tensor) -> torch.Tensor:
     if weight_NK.dtype not in _DTYPES:
         raise ValueError(f"pack_weight packs float32, bfloat16 and float16 weights; got {weight_NK.dtype}")
     (n, k), width = weight_NK.shape, panel_width()
-    panels = torch.empty(-(-n // width), k, width, dtype=torch.float32)
+    shape = (-(-n // width), k, width)
+    if out is None or out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        out = torch.empty(shape, dtype=torch.float32)
+    panels = out
     _run("pack_weight", state[f"pack_{_DTYPES[weight_NK.dtype]}"], weight_NK.data_ptr(), weight_NK.stride(0),
          weight_NK.stride(1), n, k, panels.data_ptr(), torch.get_num_threads())  # fmt: skip
     return panels
@@ -241,7 +245,9 @@ def _held_panels(weight_NK: torch.Tensor) -> torch.Tensor | None:
     version = (weight_NK._version, weight_NK.data_ptr(), weight_NK.shape, weight_NK.dtype)
     held = views.get(key)
     if held is None or held[0] != version:
-        held = views[key] = (version, pack_weight(weight_NK))
+        # packed again into the same panels, unless a memory release emptied their storage (it comes back zeroed)
+        reuse = held[1] if held is not None and held[1].untyped_storage().nbytes() else None
+        held = views[key] = (version, pack_weight(weight_NK, out=reuse))
     return held[1]
 
 
