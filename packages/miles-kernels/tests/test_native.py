@@ -29,7 +29,7 @@ from miles_kernels.native import native_linear, native_mm
 from miles_kernels.ops.attention_batch import build_packed_batch
 from miles_kernels.testing import packed_logits, random_model, tiny_config
 
-# shapes (M, K, N): decode rows, K not a multiple of the 16 lanes, N not a multiple of any block, empty and tiny
+# shapes (M, K, N): decode rows, K not a multiple of the 8 x 8 transposes, N not a multiple of any block, empty, tiny
 SHAPES = [(1, 256, 256), (7, 300, 33), (130, 96, 70), (5, 1, 3), (4, 17, 1), (0, 8, 8), (3, 0, 4)]
 
 
@@ -480,7 +480,7 @@ def test_fast_mode_takes_the_native_linear_only_where_mkl_runs_its_avx2_code(
     vendor: str, isa: str, fast_linear: str, monkeypatch
 ) -> None:
     """Fast mode's `auto` linear: one MKL GEMM on Intel CPUs and wherever the native build is not AVX-512; the native
-    dot kernel on other AVX-512 CPUs (MKL takes its AVX2 path there). Naming it where MKL is the faster says why."""
+    GEMM on other AVX-512 CPUs (MKL takes its AVX2 path there). Naming it where MKL is the faster says why."""
     from miles_kernels import registry
 
     monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)

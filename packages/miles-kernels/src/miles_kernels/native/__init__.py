@@ -131,10 +131,11 @@ def cpu_vendor() -> str:
 
 
 def faster_than_mkl() -> bool | str:
-    """True where the native dot kernel is the faster plain GEMM for fast mode's linear layers: an AVX-512 build on a
-    CPU that is not Intel's, where MKL runs its AVX2 code (measured 1.1-2.2x faster than one MKL GEMM at a decode
-    step's and a train step's rows on an AMD EPYC, benchmarks/results/tiled_gemm_amd_epyc.json); else why not (the
-    registry's `is_available` answer for fast mode's `native` linear)."""
+    """True where the native GEMM is the faster plain GEMM for fast mode's linear layers: an AVX-512 build on a CPU
+    that is not Intel's, where MKL runs its AVX2 code (on an AMD EPYC 0.45-0.48x one MKL GEMM's time from 8 rows up,
+    1.13x at one row, benchmarks/results/tiled_gemm_amd_epyc.json); else why not (the registry's `is_available`
+    answer for fast mode's `native` linear). Intel CPUs keep MKL's AVX-512 GEMM until the packed native form is
+    measured against it there."""
     usable = status()
     if usable is not True:
         return usable
