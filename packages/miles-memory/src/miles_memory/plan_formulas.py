@@ -444,14 +444,12 @@ def native_packed_bytes(
         return t.copies * 4 * in_features * -(-out_features // panel_width) * panel_width
 
     routers = shape.model_type == "qwen3_moe" or dtype == "float32"
-    layers = [t for layer in range(shape.num_hidden_layers) for t in shape._layer(layer)]
-    if has_draft and shape.num_nextn_predict_layers:
-        mtp = shape.num_hidden_layers
-        layers += shape._layer(mtp) + shape._mtp_own(mtp)
+    last_layer = shape.num_hidden_layers + (1 if has_draft and shape.num_nextn_predict_layers else 0)
     trunk = {(t.name, t.layer) for t in shape.trunk_linears()} if weight_quant is not None else set()
     weights = [
-        t for t in layers
-        if len(t.shape) == 2 and (t.name, t.layer) not in trunk and (routers or t.name != "mlp.gate.weight")
+        t for t in shape.tensors()
+        if t.layer is not None and t.layer < last_layer and len(t.shape) == 2 and (t.name, t.layer) not in trunk
+        and (routers or t.name != "mlp.gate.weight")
     ]  # fmt: skip
     head = Tensor("lm_head.weight", (shape.vocab_size, shape.hidden_size), 1, None, False)
     return sum(packed(t) for t in [*weights, head])

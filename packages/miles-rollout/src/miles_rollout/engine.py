@@ -164,8 +164,7 @@ class Engine(EngineControls, LoraControls):
         self.memory = OffloadManager(HostStore(), name="engine")
         # LoRA RL: weight updates send only adapters, so the base must come back as it was (kept in host memory).
         # The native linear's packed copies of the weights (miles_kernels.packed_weights) go with them.
-        self.memory.add("weights", lambda: [*_weight_tensors(model), *packed_weights(_weight_tensors(model))],
-                        keep_contents=config.policy_lora.is_enabled)  # fmt: skip
+        self.memory.add("weights", lambda: _weight_memory(model), keep_contents=config.policy_lora.is_enabled)
         self.memory.add("kv_cache", self.runner.kv_tensors, keep_contents=False)
         # every way new weights arrive (weight_receiver.py)
         self.weights = WeightReceiver(model, self.commit_weights, version=lambda: self.weight_version,
@@ -495,6 +494,12 @@ class Engine(EngineControls, LoraControls):
 def _weight_tensors(model: CausalLM) -> list[torch.Tensor]:
     """The engine's weights: the parameters and the merged weights of folded adapters."""
     return [*model.parameters(), *folded_weights(model)]
+
+
+def _weight_memory(model: CausalLM) -> list[torch.Tensor]:
+    """What the "weights" memory tag holds: the weights and the native linear's packed copies of them."""
+    weights = _weight_tensors(model)
+    return [*weights, *packed_weights(weights)]
 
 
 def _version() -> str:

@@ -202,10 +202,9 @@ def pack_weight(weight_NK: torch.Tensor, out: torch.Tensor | None = None) -> tor
     shape = (-(-n // width), k, width)
     if out is None or out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
         out = torch.empty(shape, dtype=torch.float32)
-    panels = out
     _run("pack_weight", state[f"pack_{_DTYPES[weight_NK.dtype]}"], weight_NK.data_ptr(), weight_NK.stride(0),
-         weight_NK.stride(1), n, k, panels.data_ptr(), torch.get_num_threads())  # fmt: skip
-    return panels
+         weight_NK.stride(1), n, k, out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return out
 
 
 # Packed panels of the weights a server holds (`hold_packed_weights`), per base tensor (the weight, or the stacked
@@ -270,8 +269,9 @@ def native_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     kernel = _PACKED_KERNELS.get(dtype) if dtype is weight_NK.dtype and x_MK.is_cpu and weight_NK.is_cpu else None
     if kernel is None:  # operands to convert (float16) or refuse, by this function's name
         _operands("native_linear", x_MK, weight_NK)
-    panels = _held_panels(weight_NK) if kernel is not None else None
-    if kernel is None or panels is None:
+        return native_mm(x_MK, weight_NK.t())
+    panels = _held_panels(weight_NK)
+    if panels is None:  # not a held weight: packed block by block in the call
         return native_mm(x_MK, weight_NK.t())
     (m, k), n = x_MK.shape, weight_NK.shape[0]
     row_stride, col_stride = x_MK.stride()
