@@ -33,8 +33,8 @@ from torch import nn
 
 from miles_kernels.config import KernelConfig
 from miles_kernels.kv_cache import KVStore
-from miles_kernels.layers import Linear, RMSNorm
-from miles_kernels.model import DRAFT_PREFIX, MLP, Attention, CausalLM, rotary_cos_sin
+from miles_kernels.layers import MLP, Linear, RMSNorm
+from miles_kernels.model import DRAFT_PREFIX, Attention, CausalLM, rotary_cos_sin
 from miles_kernels.model_config import ModelConfig
 from miles_kernels.ops.attention_batch import AttentionBatch
 from miles_kernels.ops.rope import apply_rope

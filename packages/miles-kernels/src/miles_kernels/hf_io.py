@@ -151,7 +151,7 @@ def load_state(
     (`read_quantization`); a layer the model stores quantized takes a full-precision weight quantized, or stored
     parts of its own format as they are (quantization.normalized_items).
     """
-    # GLM-4.5's float32 router bias is a buffer that the checkpoint stores like a weight (model.TopkRouter).
+    # GLM-4.5's float32 router bias is a buffer that the checkpoint stores like a weight (sparse_moe.TopkRouter).
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     if quantized_layers(model) or (source is not None and source.is_enabled):

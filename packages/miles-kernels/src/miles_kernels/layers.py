@@ -1,5 +1,6 @@
-"""The basic modules of the model (model.py, latent_attention.py): an RMSNorm and a linear layer under Hugging Face's
-parameter names, each running miles' kernel op with the model's `KernelConfig`."""
+"""The basic modules of the model (model.py, latent_attention.py, sparse_moe.py, eagle3.py): an RMSNorm, a linear
+layer and a SwiGLU MLP under Hugging Face's parameter names, each running miles' kernel op with the model's
+`KernelConfig`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from miles_kernels.config import KernelConfig, WeightQuantConfig
+from miles_kernels.ops.activation import swiglu
 from miles_kernels.ops.linear import linear, merge_lora
 from miles_kernels.ops.norm import rms_norm
 from miles_kernels.ops.quant import PARTS_OF, dequantize, fake_quantize
@@ -101,3 +103,15 @@ class ServedAdapters(Protocol):
     output to a layer's `out`."""
 
     def apply(self, layer: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, kernel: KernelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, False, kernel)
+        self.up_proj = Linear(hidden, intermediate, False, kernel)
+        self.down_proj = Linear(intermediate, hidden, False, kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return out

@@ -26,7 +26,7 @@ from miles_kernels.ops.linear import linear
 if TYPE_CHECKING:
     from miles_kernels.model import CausalLM
 
-# Layers that read their weight directly (model.py SparseMoE, latent_attention.py): no per-row adapter there.
+# Layers that read their weight directly (sparse_moe.py SparseMoE, latent_attention.py): no per-row adapter there.
 _DIRECT_WEIGHT = (".experts.", ".kv_b_proj")
 
 

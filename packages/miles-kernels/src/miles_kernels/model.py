@@ -1,6 +1,6 @@
 """The Qwen3 / Qwen2.5 / Llama 3.x dense and Qwen3-MoE / GLM-4.5 / DeepSeek-V3 MoE causal LM that both the rollout
-engine and the trainer run (its basic modules in layers.py; DeepSeek-V3's multi-head latent attention in
-latent_attention.py).
+engine and the trainer run (its basic modules in layers.py, the MoE block in sparse_moe.py, DeepSeek-V3's multi-head
+latent attention in latent_attention.py).
 
 One plain, single-device definition (parallelism, checkpointing and compilation are applied from outside).
 Parameter names are the Hugging Face checkpoint names, so `state_dict()` *is* the checkpoint (minus the tied
@@ -18,7 +18,7 @@ Shapes: N tokens, H hidden, V vocab, Hq/Hkv heads, D head dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +27,12 @@ from torch import nn
 from miles_kernels.config import KernelConfig
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.latent_attention import LatentAttention
-from miles_kernels.layers import Linear, RMSNorm
+from miles_kernels.layers import MLP, Linear, RMSNorm
 from miles_kernels.model_config import ModelConfig
-from miles_kernels.ops.activation import swiglu
 from miles_kernels.ops.attention import attention, packed_attention
 from miles_kernels.ops.attention_batch import AttentionBatch
 from miles_kernels.ops.kv_pages import write_kv
 from miles_kernels.ops.linear import linear
-from miles_kernels.ops.moe import Routing, experts_forward, route_grouped_sigmoid, route_softmax
 from miles_kernels.ops.rope import (
     apply_rope,
     inv_frequencies,
@@ -43,6 +41,7 @@ from miles_kernels.ops.rope import (
     yarn_inv_frequencies,
 )
 from miles_kernels.ops.sampling import token_logprobs
+from miles_kernels.sparse_moe import SparseMoE
 
 if TYPE_CHECKING:
     from miles_kernels.eagle3 import Eagle3Draft
@@ -117,93 +116,6 @@ class Attention(nn.Module):
             out = attention(q, k_pages, v_pages, batch, self.scale, self.kernel, self.window)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, heads * dim))
         return projected
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, kernel: KernelConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, False, kernel)
-        self.up_proj = Linear(hidden, intermediate, False, kernel)
-        self.down_proj = Linear(intermediate, hidden, False, kernel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-        return out
-
-
-class TopkRouter(nn.Module):
-    """GLM-4.5's router (`mlp.gate`): `weight` (E, H) and `e_score_correction_bias` (E,), a float32 buffer.
-
-    The bias only steers which experts are chosen (ops/moe.py). It stays float32 whatever dtype the model is cast
-    to (as transformers keeps it), is loaded, saved and weight-synced with the parameters under its checkpoint
-    name, and is frozen during RL: it is a buffer, so no optimizer updates it (DeepSeek-V3's pre-training adjusts
-    it between steps for load balance; an RL run keeps the checkpoint's).
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Buffer(torch.zeros(config.num_experts, dtype=torch.float32))
-
-    def _apply(self, fn: Any, recurse: bool = True) -> TopkRouter:
-        """Device moves apply to the bias, dtype casts do not (no rounding through a narrower dtype either)."""
-        bias = self.e_score_correction_bias
-        out = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        moved = self.e_score_correction_bias
-        if moved.dtype != torch.float32:
-            self.e_score_correction_bias = nn.Buffer(bias.to(device=moved.device))
-        return cast(TopkRouter, out)
-
-
-class SparseMoE(nn.Module):
-    """An MoE block: `gate` is the router (a Linear for Qwen3-MoE, a `TopkRouter` for GLM-4.5), `experts.{e}` are
-    MLPs, `shared_experts` (GLM-4.5) an MLP every token goes through (HF checkpoint names)."""
-
-    def __init__(self, config: ModelConfig, kernel: KernelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.gate: nn.Module = (
-            TopkRouter(config)
-            if config.router == "sigmoid"
-            else Linear(config.hidden_size, config.num_experts, False, kernel)
-        )
-        self.experts = nn.ModuleList(
-            MLP(config.hidden_size, config.moe_intermediate_size, kernel) for _ in range(config.num_experts)
-        )
-        self.shared_experts = (
-            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, kernel)
-            if config.n_shared_experts
-            else None
-        )
-        self.kernel = kernel
-        self.last_routing: Routing | None = None  # the last forward's routing (ops/moe.py, `Routing`)
-
-    def route(self, x_NH: torch.Tensor, replay_NK: torch.Tensor | None = None) -> Routing:
-        config = self.config
-        if isinstance(self.gate, TopkRouter):  # logits in float32, as GLM-4.5 computes them
-            logits = linear(x_NH.to(torch.float32), self.gate.weight.to(torch.float32), self.kernel)
-            return route_grouped_sigmoid(
-                logits, self.gate.e_score_correction_bias, config.num_experts_per_tok, config.n_group,
-                config.topk_group, config.norm_topk_prob, config.routed_scaling_factor, x_NH.dtype, replay_NK,
-            )  # fmt: skip
-        return route_softmax(self.gate(x_NH), config.num_experts_per_tok, config.norm_topk_prob, x_NH.dtype, replay_NK)
-
-    def forward(self, x_NH: torch.Tensor, replay_NK: torch.Tensor | None = None) -> torch.Tensor:
-        routing = self.route(x_NH, replay_NK)
-        self.last_routing = routing
-        experts: list[MLP] = list(self.experts)  # type: ignore[arg-type]
-        out = experts_forward(
-            x_NH,
-            routing.expert_ids,
-            routing.weights,
-            [e.gate_proj.effective_weight() for e in experts],
-            [e.up_proj.effective_weight() for e in experts],
-            [e.down_proj.effective_weight() for e in experts],
-            self.kernel,
-        )
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x_NH)
-        return out
 
 
 class DecoderLayer(nn.Module):

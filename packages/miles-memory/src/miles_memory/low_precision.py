@@ -94,7 +94,7 @@ def dequantized_bytes(shape: ModelShape, act_bytes: int) -> int:
     """The most dequantized weights a low-precision engine holds at once in a forward (transient, in the kernel dtype:
     `Linear.effective_weight` dequantizes a stored weight at each call): one weight at a time in attention and dense
     MLPs, but an MoE layer dequantizes every routed expert's gate, up and down weights before it runs any
-    (miles_kernels/model.py, `SparseMoE.forward`). A kernel-dtype engine computes with its parameters: none."""
+    (miles_kernels/sparse_moe.py, `SparseMoE.forward`). A kernel-dtype engine computes with its parameters: none."""
     single = max((t.numel // t.copies for t in shape.trunk_linears()), default=0)
     experts: dict[int | None, int] = {}
     for t in shape.trunk_linears():

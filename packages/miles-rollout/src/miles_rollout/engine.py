@@ -22,9 +22,7 @@ import asyncio
 import functools
 import json
 import logging
-import os
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,12 +30,11 @@ from typing import Any
 
 import torch
 
-from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion, version_string
+from miles_contracts import GenerateRequest, GenerateResponse, WeightVersion
 from miles_kernels import (
     CausalLM,
     KernelConfig,
     add_lora,
-    describe_kernel,
     fold_adapters,
     folded_weights,
     hold_packed_weights,
@@ -46,6 +43,7 @@ from miles_kernels import (
     packed_weights,
 )
 from miles_memory import HostStore, OffloadManager
+from miles_rollout import engine_info
 from miles_rollout.config import EngineConfig, ServedLoraConfig
 from miles_rollout.engine_controls import EngineControls
 from miles_rollout.engine_error import EngineError
@@ -417,78 +415,19 @@ class Engine(EngineControls, LoraControls):
             else:
                 deliver(loop, set_result, future, result)
 
-    # ------------------------------------------------------------------ info
+    # ------------------------------------------------------------------ info (engine_info.py)
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's `/model_info` fields (plus the architecture's vocabulary size)."""
-        hf = self.model_config.to_hf()
-        return {
-            "model_path": self.model_path,
-            "served_model_name": self.model_path,
-            "tokenizer_path": self.model_path if self.tokenizer is not None else None,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": version_string(self.weight_version),
-            "load_format": "safetensors",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": hf.get("model_type"),
-            "architectures": hf.get("architectures"),
-            "architecture": self.model_config.architecture,
-            "vocab_size": self.model_config.vocab_size,
-        }
+        return engine_info.model_info(self)
 
     def server_info(self) -> dict[str, Any]:
-        """SGLang's `/server_info`: the server's arguments as SGLang names them (one device: tp/dp/pp/ep size 1),
-        then the engine's own settings and live counters."""
-        return {
-            "model_path": self.model_path,
-            "served_model_name": self.model_path,
-            "version": _version(),
-            "tp_size": 1,
-            "dp_size": 1,
-            "pp_size": 1,
-            "ep_size": 1,
-            "page_size": self.page_size,
-            "max_running_requests": self.config.max_running_requests,
-            "max_prefill_tokens": self.config.max_prefill_tokens,
-            "context_length": self.context_length,
-            "random_seed": self.config.seed,
-            "device": self.config.device,
-            "enable_deterministic_inference": self.kernel.is_deterministic,
-            "speculative_algorithm": self.config.speculative_algorithm,
-            "speculative_draft_model_path": self.config.speculative_draft_model_path,
-            "speculative_num_steps": self.config.num_draft_steps or None,
-            "speculative_eagle_topk": self.config.speculative_eagle_topk or 1 if self.config.num_draft_steps else None,
-            "speculative_num_draft_tokens": self.config.num_draft_tokens if self.config.num_draft_steps else None,
-            "enable_return_routed_experts": self.config.enable_return_routed_experts,
-            "weight_dtype": self.config.weight_dtype,
-            **(self.loras.server_info() if self.loras is not None else {"enable_lora": False}),
-            "kernel_config": describe_kernel(
-                self.kernel, torch.device(self.config.device).type, self.config.weight_quant()
-            ),
-            "num_kv_pages": self.config.num_kv_pages,
-            "kv_bytes_per_token": self.runner.store.bytes_per_token,
-            "weight_version": version_string(self.weight_version),
-            "released_memory": sorted(self.released),
-            "memory_bytes": self.memory_bytes(),
-            "paused": self.paused,
-            "updating_weights": self.updating_weights,
-            **self.scheduler.stats(),
-            **(self.scheduler.drafter.rates() if self.scheduler.drafter is not None else {}),
-            "pid": os.getpid(),
-            "time": time.time(),
-        }
+        """SGLang's `/server_info`: the server's arguments as SGLang names them, the engine's settings and counters."""
+        return engine_info.server_info(self)
 
     def load(self) -> dict[str, Any]:
         """What a router balances on (SGLang's `/get_load`): requests running and waiting, KV pages in use."""
-        stats = self.scheduler.stats()
-        return {
-            "dp_rank": 0,
-            "num_reqs": stats["num_running"] + stats["num_prefilling"] + stats["num_retracted"],
-            "num_waiting_reqs": stats["num_waiting"],
-            "num_tokens": stats["num_used_pages"] * self.page_size,
-        }
+        return engine_info.load(self)
 
 
 def _weight_tensors(model: CausalLM) -> list[torch.Tensor]:
@@ -500,15 +439,6 @@ def _weight_memory(model: CausalLM) -> list[torch.Tensor]:
     """What the "weights" memory tag holds: the weights and the native linear's packed copies of them."""
     weights = _weight_tensors(model)
     return [*weights, *packed_weights(weights)]
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("miles-rollout")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 # Tokenizer classes that are transformers' plain fast tokenizer (TokenizersBackend in transformers 5): loaded with
