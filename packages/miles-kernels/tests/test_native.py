@@ -473,14 +473,15 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_two() -> None:
 
 @pytest.mark.parametrize(
     ("vendor", "isa", "fast_linear"),
-    [("AuthenticAMD", "avx512", "native"), ("GenuineIntel", "avx512", "torch"), ("AuthenticAMD", "avx2", "torch"),
-     ("", "avx512", "native")],
+    [("AuthenticAMD", "avx512", "native"), ("GenuineIntel", "avx512", "torch"), ("AuthenticAMD", "avx2", "native"),
+     ("GenuineIntel", "avx2", "torch"), ("AuthenticAMD", "generic", "torch"), ("", "avx512", "native")],
 )  # fmt: skip
 def test_fast_mode_takes_the_native_linear_only_where_mkl_runs_its_avx2_code(
     vendor: str, isa: str, fast_linear: str, monkeypatch
 ) -> None:
-    """Fast mode's `auto` linear: one MKL GEMM on Intel CPUs and wherever the native build is not AVX-512; the native
-    GEMM on other AVX-512 CPUs (MKL takes its AVX2 path there). Naming it where MKL is the faster says why."""
+    """Fast mode's `auto` linear: one MKL GEMM on Intel CPUs and wherever the native build has no vector code; the
+    native GEMM on other AVX-512 and AVX2 CPUs (MKL takes its AVX2 path there). Naming it where MKL is the faster says
+    why."""
     from miles_kernels import registry
 
     monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)

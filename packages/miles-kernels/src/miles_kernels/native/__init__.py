@@ -131,16 +131,17 @@ def cpu_vendor() -> str:
 
 
 def faster_than_mkl() -> bool | str:
-    """True where the native GEMM is the faster plain GEMM for fast mode's linear layers: an AVX-512 build on a CPU
-    that is not Intel's, where MKL runs its AVX2 code (on an AMD EPYC 0.45-0.48x one MKL GEMM's time from 8 rows up,
-    1.13x at one row, benchmarks/results/tiled_gemm_amd_epyc.json); else why not (the registry's `is_available`
-    answer for fast mode's `native` linear). Intel CPUs keep MKL's AVX-512 GEMM until the packed native form is
-    measured against it there."""
+    """True where the native GEMM is the faster plain GEMM for fast mode's linear layers: its AVX-512 or AVX2 build
+    on a CPU that is not Intel's, where MKL runs its AVX2 code (AVX-512 build, AMD EPYC: 0.45-0.48x one MKL GEMM's
+    time from 8 rows up, 1.13x at one row, benchmarks/results/tiled_gemm_amd_epyc.json; AVX2 build, an AMD EPYC
+    without AVX-512: fast mode on MKL's GEMM took 1.1-2.1x deterministic mode's time per model step,
+    kernels_amd_epyc_avx2_fast_mkl.json); else why not (the registry's `is_available` answer for fast mode's
+    `native` linear). Intel CPUs keep MKL's AVX-512 GEMM until the packed native form is measured against it there."""
     usable = status()
     if usable is not True:
         return usable
     vendor, build = cpu_vendor(), isa()
-    if vendor == "GenuineIntel" or build != "avx512":
+    if vendor == "GenuineIntel" or build == "generic":
         return f"MKL's GEMM is fast mode's faster linear on this CPU ({vendor or 'unknown vendor'}, the {build} build)"
     return True
 

@@ -212,8 +212,8 @@ register_backend("linear:deterministic", "triton", _triton_linear, is_available=
 # torch-tiled CUDA form through it); torch-tiled otherwise, or by name.
 register_backend("linear:deterministic", "native", _native_linear, is_available=native.status, priority=1)
 register_backend("linear:fast", "torch", _plain_linear)
-# Fast mode's `auto`: one MKL GEMM, except where the native GEMM is the faster plain GEMM (an AVX-512 CPU that
-# is not Intel's: MKL runs its AVX2 code there; native.faster_than_mkl). Its bits are the deterministic backend's.
+# Fast mode's `auto`: one MKL GEMM, except where the native GEMM is the faster plain GEMM (an AVX-512 or AVX2 CPU
+# that is not Intel's: MKL runs its AVX2 code there; native.faster_than_mkl). Its bits are the deterministic backend's.
 register_backend("linear:fast", "native", _native_fast_linear, is_available=native.faster_than_mkl, priority=1)
 
 
