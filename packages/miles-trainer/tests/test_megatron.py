@@ -347,8 +347,12 @@ def test_a_checkpoint_resumes_bit_exact_and_reshards(layers: int, world: int, la
     one, metrics_one = run_ranks(model_dir, tmp_path / "one", 1, "resume", extra_env={"MILES_TEST_MEGATRON": "{}"},
                                  worker=WORKER)  # fmt: skip
     assert metrics_one["loss"] == pytest.approx(metrics_straight["loss"], rel=1e-6)
+    # float32 rounding through one AdamW step: megatron-core's GEMMs (MKL) split the tied embedding's gradient over the
+    # TP ranks' vocabulary halves there and not here, and AdamW amplifies the difference where a gradient is near eps
+    # (largest measured: 1.2e-6, an embedding entry under TP=2 on an AMD EPYC without AVX-512; the other weights
+    # <= 1.2e-7). A misplaced shard would differ by the weights' own size (~1e-2).
     for name, tensor in straight.items():
-        torch.testing.assert_close(one[name], tensor, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(one[name], tensor, rtol=0, atol=5e-6, msg=name)
     if "pp" in layout:  # offload / onload once, on the layout with several model chunks per rank
         offloaded, metrics_offloaded = run_ranks(model_dir, tmp_path / "offload", world, "offload", extra_env=env,
                                                  worker=WORKER)  # fmt: skip
