@@ -11,6 +11,7 @@ import torch
 
 from miles_contracts import version_string
 from miles_kernels import describe_kernel
+from miles_rollout import __version__
 
 if TYPE_CHECKING:
     from miles_rollout.engine import Engine
@@ -42,7 +43,7 @@ def server_info(engine: Engine) -> dict[str, Any]:
     return {
         "model_path": engine.model_path,
         "served_model_name": engine.model_path,
-        "version": package_version(),
+        "version": __version__,
         "tp_size": 1,
         "dp_size": 1,
         "pp_size": 1,
@@ -88,13 +89,3 @@ def load(engine: Engine) -> dict[str, Any]:
         "num_waiting_reqs": stats["num_waiting"],
         "num_tokens": stats["num_used_pages"] * engine.page_size,
     }
-
-
-def package_version() -> str:
-    """miles-rollout's installed version (SGLang's `/server_info` `version`)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("miles-rollout")
-    except PackageNotFoundError:
-        return "unknown"

@@ -30,6 +30,7 @@ from pydantic import TypeAdapter
 from starlette.datastructures import Headers
 
 from miles_contracts import GenerateRequest, GenerateResponse, SamplingParams, version_string
+from miles_rollout import __version__
 from miles_rollout.admin_routes import ADMIN_PATHS, BUCKET_PATH, register_admin_routes
 from miles_rollout.config import ServeConfig
 from miles_rollout.disconnect import ClientGone, unless_disconnected
@@ -188,7 +189,7 @@ def create_app(
 
     @app.get("/v1/loads")
     async def loads() -> dict[str, Any]:
-        return {"timestamp": time.time(), "version": engine.server_info()["version"], "loads": [engine.load()]}
+        return {"timestamp": time.time(), "version": __version__, "loads": [engine.load()]}
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict[str, Any]:
