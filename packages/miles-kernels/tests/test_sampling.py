@@ -27,6 +27,29 @@ def test_vectorized_noise_equals_the_python_reference(seed: int, position: int) 
     assert got.tolist() == [uniform(seed, position, tok) for tok in range(300)]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_noise_is_the_bits_of_the_torch_ops(threads: int) -> None:
+    # The sampler's uniforms come from the native kernel on a CPU (native/noise.cpp) and from torch's int64 ops
+    # elsewhere: both are integer arithmetic and one exact conversion, so every bit agrees, at any thread count.
+    from miles_kernels import native
+    from miles_kernels.ops.sampling import _uniforms, row_keys, row_uniforms
+
+    assert native.status() is True
+    extremes = [(0, 0), (1, 2**40), (2**64 - 1, 9), (-(2**63), 2**63 + 5), (2**70 + 3, 1)]
+    rows = [RowSampling(seed=seed, position=position) for seed, position in extremes]
+    rows += [RowSampling(seed=seed * 7919, position=seed * 31) for seed in range(40)]
+    cpu = torch.device("cpu")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for vocab in (1, 257, 40_000):  # 40_000 x 45 rows runs threaded
+            got = row_uniforms(rows, vocab, cpu)
+            assert torch.equal(got, _uniforms(row_keys(rows, cpu), vocab)), vocab
+            assert got[2, vocab - 1].item() == uniform(2**64 - 1, 9, vocab - 1)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_greedy_takes_first_maximum() -> None:
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 1.0, 5.0, 5.0]])
     assert sample(logits, [RowSampling(temperature=0.0)] * 2).tolist() == [1, 0]

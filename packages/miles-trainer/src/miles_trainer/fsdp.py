@@ -54,6 +54,7 @@ from miles_trainer.step import (
     accumulate_sft_gradients,
     add_batch_stats,
     add_is_metrics,
+    all_reduce,
     batch_normalizers,
     batch_summary,
     count_trained,
@@ -253,7 +254,7 @@ class FSDP2Backend:
     def _num_passes(self, samples: Sequence[Sample]) -> int:
         """Sharded forward/backward passes are collectives: every rank runs as many as the busiest rank."""
         passes = torch.tensor([len(plan_samples(samples, self.max_tokens))])
-        dist.all_reduce(passes, op=dist.ReduceOp.MAX)
+        all_reduce(passes, op=dist.ReduceOp.MAX)
         return int(passes.item())
 
     @torch.no_grad()
@@ -327,9 +328,7 @@ class FSDP2Backend:
         loss = self.loss_config
         if self.has_reference and ref_logprobs is None:  # the KL term, or the kl metric alone
             ref_logprobs = self.compute_logprobs(samples, reference=True)
-        is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(
-            samples, old_logprobs, loss, _sum_over_ranks
-        )
+        is_weights, is_metrics, global_tokens, global_seqs = batch_normalizers(samples, old_logprobs, loss, all_reduce)
         aux_counts = self._aux_counts(samples)
         critic, is_warmup = self.critic_config, False
         if critic is not None:
@@ -346,7 +345,7 @@ class FSDP2Backend:
                 if self.critic_model is not None:
                     critic_tokens, critic_seqs = count_trained(samples)
                     counts = torch.tensor([critic_tokens, critic_seqs], dtype=torch.int64)
-                    dist.all_reduce(counts)
+                    all_reduce(counts)
                     critic_stats = accumulate_value_gradients(
                         self.critic_model, samples, returns, old_values, self.kernel, critic, self.max_tokens,
                         global_num_tokens=int(counts[0]), global_num_seqs=int(counts[1]),
@@ -389,7 +388,7 @@ class FSDP2Backend:
         counts = [aux.counts(self.model, samples) for aux in self.aux_losses]
         flat = torch.tensor([c for group in counts for c in group], dtype=torch.int64)
         if flat.numel():
-            dist.all_reduce(flat)
+            all_reduce(flat)
         values, out = flat.tolist(), []
         for group in counts:
             out.append([int(v) for v in values[: len(group)]])
@@ -431,7 +430,7 @@ class FSDP2Backend:
         self._check_onloaded()
         start = time.perf_counter()
         local = torch.tensor(count_trained(samples), dtype=torch.int64)
-        dist.all_reduce(local)
+        all_reduce(local)
         global_tokens, global_seqs = (int(v) for v in local.tolist())
         aux_counts = self._aux_counts(samples)
 
@@ -537,7 +536,3 @@ class FSDP2Backend:
     def _check_onloaded(self) -> None:
         if self.memory.manager.is_offloaded():
             raise RuntimeError("the trainer is offloaded: call onload() before training or exporting weights")
-
-
-def _sum_over_ranks(tensor: torch.Tensor) -> None:
-    dist.all_reduce(tensor)

@@ -195,6 +195,13 @@ def mismatch_weights(
     return [weights_NT[i, : len(s.response_tokens)].tolist() for i, s in enumerate(samples)], metrics
 
 
+def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> None:
+    """`dist.all_reduce` in place over `group`'s ranks (default all), skipped on one rank, where it is the identity (a
+    gloo collective of one rank still costs ~0.1 ms, several times a step)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
 def batch_normalizers(
     samples: Sequence[Sample],
     old_logprobs: PerToken | None,
@@ -220,7 +227,7 @@ def has_update_signal(advantages: PerSample, config: PolicyLossConfig) -> bool:
     has no policy-gradient signal; an AdamW step would still move the weights along stale momentum, so the update is
     skipped (unless a KL, entropy or distillation term trains)."""
     signal = torch.tensor([float(any(is_nonzero(a) for a in advantages))])
-    dist.all_reduce(signal, op=dist.ReduceOp.MAX)
+    all_reduce(signal, op=dist.ReduceOp.MAX)
     return bool(signal.item()) or config.kl_coef > 0 or config.entropy_coef > 0 or config.opd_topk_coef > 0
 
 

@@ -1,13 +1,14 @@
-"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, built by build.py when the package
-installs) called through ctypes, with no torch headers in it, so one build serves every torch version.
+"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, noise.cpp, built by build.py when the
+package installs) called through ctypes, with no torch headers in it, so one build serves every torch version.
 
 `native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation), each
 output element one fused multiply-add chain over the inner dimension in order; `native_linear(x, w)` is `x @ w.T` with
 the same chains (a server's weights packed once per version: `hold_packed_weights`); `native_attention` is causal
 GQA attention over a paged KV store, each (token, head) row on its own in one fixed order, with its backward
-(`native_attention_backward`); `native_rms_norm` is RMSNorm a row at a time, with its backward. All are
-batch-invariant by construction: the same bits at any batch composition and thread count, and on every instruction
-set the library dispatches to (AVX-512, AVX2, generic). `status()` says whether the library is usable here, or why
+(`native_attention_backward`); `native_rms_norm` is RMSNorm a row at a time, with its backward; `gumbel_uniforms` is
+the sampler's noise uniforms (integer arithmetic: the bits of its torch form). All are batch-invariant by
+construction: the same bits at any batch composition and thread count, and on every instruction set the library
+dispatches to (AVX-512, AVX2, generic). `status()` says whether the library is usable here, or why
 not; the op registry's `native` linear and attention backends are available exactly when it is (ops/linear.py,
 ops/attention.py).
 """
@@ -90,6 +91,9 @@ def _load() -> None:
             fn = getattr(lib, f"miles_{kernel}_{suffix}_{isa}")
             fn.argtypes, fn.restype = argtypes, None
             _STATE[f"{kernel}_{suffix}"] = fn
+    noise = lib.miles_gumbel_uniforms
+    noise.argtypes, noise.restype = [pointer, pointer, size, size, pointer, ctypes.c_int], None
+    _STATE["gumbel_uniforms"] = noise
     width = getattr(lib, f"miles_panel_width_{isa}")
     width.argtypes, width.restype = [], ctypes.c_int64
     _STATE["lib"], _STATE["isa"], _STATE["panel_width"] = lib, isa, width()
@@ -296,6 +300,21 @@ def native_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | N
          b_KN.data_ptr(), b_KN.stride(0), b_KN.stride(1), out.data_ptr(), n, m, n, k,
          torch.get_num_threads())  # fmt: skip
     return _rounded(out, out_dtype or dtype)
+
+
+def gumbel_uniforms(seeds_M: torch.Tensor, positions_M: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The sampler's float64 uniforms (M, vocab) of rows (seed, position) (int64 tensors holding their 64-bit
+    patterns): `miles_kernels.ops.sampling.uniform` for every token id, the same bits as its torch form (noise.cpp:
+    integer arithmetic and one exact conversion), threaded over the elements."""
+    state = _loaded()
+    seeds, positions = (t.to(torch.int64).contiguous() for t in (seeds_M, positions_M))
+    if seeds.dim() != 1 or seeds.shape != positions.shape or seeds.device.type != "cpu":
+        raise ValueError(f"gumbel_uniforms takes seeds and positions (M,) on the CPU; got {tuple(seeds.shape)} and "
+                         f"{tuple(positions.shape)} on {seeds.device}")  # fmt: skip
+    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float64)
+    _run("gumbel_uniforms", state["gumbel_uniforms"], seeds.data_ptr(), positions.data_ptr(), seeds.shape[0], vocab,
+         out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return out
 
 
 MAX_HEAD_DIM = 1024  # attention.cpp keeps a row's accumulator on the stack

@@ -1,11 +1,11 @@
-"""Build the native kernels (gemm.cpp, attention.cpp, norm.cpp, dispatch.cpp) into one shared library with a C++
-compiler; standard library only, so the package's build hook (hatch_build.py, run by `uv sync` / `pip install`) and
-`python -m miles_kernels.native build` share it without torch.
+"""Build the native kernels (gemm.cpp, attention.cpp, norm.cpp, noise.cpp, dispatch.cpp) into one shared library
+with a C++ compiler; standard library only, so the package's build hook (hatch_build.py, run by `uv sync` /
+`pip install`) and `python -m miles_kernels.native build` share it without torch.
 
-Those three are compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's
-baseline elsewhere) and the objects linked with dispatch.cpp, which tells the loader what the CPU runs; `-fopenmp`
-links libgomp, the OpenMP runtime torch's Linux wheels load too (one thread pool). No `-march=native`: the library
-built on one machine runs on any CPU of its architecture.
+The first three are compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's
+baseline elsewhere), noise.cpp (integer code) once, and the objects linked with dispatch.cpp, which tells the loader
+what the CPU runs; `-fopenmp` links libgomp, the OpenMP runtime torch's Linux wheels load too (one thread pool). No
+`-march=native`: the library built on one machine runs on any CPU of its architecture.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("simd.h", "gemm.cpp", "attention.cpp", "norm.cpp", "dispatch.cpp")
+SOURCES = ("simd.h", "gemm.cpp", "attention.cpp", "norm.cpp", "noise.cpp", "dispatch.cpp")
+ONCE = ("noise.cpp",)  # compiled once: no vector code to dispatch
 PER_ISA = ("gemm.cpp", "attention.cpp", "norm.cpp")  # compiled once per instruction set
 LIBRARY = "_miles_native.so"
 # (name, compiler flags) of each build of the PER_ISA sources; x86-64 only for the vector ones
@@ -68,6 +69,10 @@ def build(out_dir: Path = HERE) -> Path:
                 obj = Path(tmp) / f"{Path(source).stem}_{isa}.o"
                 _run([cxx, *FLAGS, *flags, f"-DMILES_ISA_NAME={isa}", "-c", str(HERE / source), "-o", str(obj)])
                 objects.append(str(obj))
+        for source in ONCE:
+            obj = Path(tmp) / f"{Path(source).stem}.o"
+            _run([cxx, *FLAGS, "-c", str(HERE / source), "-o", str(obj)])
+            objects.append(str(obj))
         dispatch = Path(tmp) / "dispatch.o"
         _run([cxx, *FLAGS, f'-DMILES_SOURCE_HASH="{source_hash()}"', "-c", str(HERE / "dispatch.cpp"),
               "-o", str(dispatch)])  # fmt: skip

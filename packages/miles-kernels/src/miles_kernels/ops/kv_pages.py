@@ -58,8 +58,14 @@ def scratch_pages(
 
 
 def read_tokens(pages: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-    """The gradient of `write_kv`: each token's entry (N, Hkv, D), plus its copy writes' entries."""
-    out = pages[batch.write_pages_N, :, batch.write_offsets_N]
+    """The gradient of `write_kv`: each token's entry (N, Hkv, D), plus its copy writes' entries (a contiguous store:
+    one gather at the batch's flat slots, `AttentionBatch.kv_write_slots`)."""
+    if pages.is_contiguous() and pages.dim() == 4 and pages.shape[2] == batch.page_size:
+        num_tokens, heads, dim = batch.num_tokens, pages.shape[1], pages.shape[-1]
+        slots = batch.kv_write_slots(heads)[: num_tokens * heads]
+        out = pages.view(-1, dim).index_select(0, slots).view(num_tokens, heads, dim)
+    else:
+        out = pages[batch.write_pages_N, :, batch.write_offsets_N]
     if batch.copy_tokens_C.numel():
         out.index_add_(0, batch.copy_tokens_C, pages[batch.copy_pages_C, :, batch.copy_offsets_C])
     return out

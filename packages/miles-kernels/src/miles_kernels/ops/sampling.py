@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_kernels import native
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -70,18 +72,34 @@ def _uniforms(keys_M: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def uniforms(seed: int, position: int, vocab: int, device: torch.device | None = None) -> torch.Tensor:
     """`uniform(seed, position, token)` for every token id in 0 .. vocab - 1, float64, shape (vocab,)."""
-    keys = torch.tensor([_signed(_row_key(seed, position))], dtype=torch.int64, device=device)
-    return _uniforms(keys, vocab)[0]
+    return row_uniforms([RowSampling(seed=seed, position=position)], vocab, device or torch.device("cpu"))[0]
+
+
+def _seeds_and_positions(rows: Sequence[RowSampling]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' seeds and positions as int64 tensors holding their 64-bit patterns, on the host."""
+    seeds = torch.tensor([_signed(r.seed & _MASK64) for r in rows], dtype=torch.int64)
+    positions = torch.tensor([_signed(r.position & _MASK64) for r in rows], dtype=torch.int64)
+    return seeds, positions
 
 
 def row_keys(rows: Sequence[RowSampling], device: torch.device) -> torch.Tensor:
     """Each row's noise key (from its seed and position) as the int64 holding its 64 bits, shape (rows,)."""
-    return torch.tensor([_signed(_row_key(r.seed, r.position)) for r in rows], dtype=torch.int64, device=device)
+    seeds, positions = _seeds_and_positions(rows)
+    return _splitmix64_tensor(_splitmix64_tensor(seeds) ^ positions).to(device)
+
+
+def row_uniforms(rows: Sequence[RowSampling], vocab: int, device: torch.device) -> torch.Tensor:
+    """float64 (rows, vocab): `uniform(row.seed, row.position, token)` for every token id. On a CPU where the native
+    kernels run, one threaded call (native/noise.cpp: the same bits as the torch ops here, which take ~20 int64 passes
+    over rows x vocab: 0.65 s for 64 rows of a 151,936-token vocabulary on a 2-core AMD EPYC)."""
+    if device.type == "cpu" and native.status() is True:
+        return native.gumbel_uniforms(*_seeds_and_positions(rows), vocab)
+    return _uniforms(row_keys(rows, device), vocab)
 
 
 def gumbel_noise(rows: Sequence[RowSampling], vocab: int, device: torch.device) -> torch.Tensor:
     """One standard Gumbel variable per (row's seed, row's position, token id), float64, shape (rows, vocab)."""
-    return -torch.log(-torch.log(_uniforms(row_keys(rows, device), vocab)))
+    return -torch.log(-torch.log(row_uniforms(rows, vocab, device)))
 
 
 @dataclass(frozen=True)
