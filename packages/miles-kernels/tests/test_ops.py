@@ -386,8 +386,10 @@ def test_cuda_forms_of_the_batch_invariant_products() -> None:
 def test_attention_batch_moves_to_a_device_once() -> None:
     batch = build_packed_batch([5, 3], page_size=4, query_tile=2)
     assert batch.to("cpu") is batch
+    tiles = batch.tile_tokens_NT_Tq  # built on first use; a move takes them along
     moved = batch.to("meta")
     assert moved.positions_N.device.type == "meta" and moved.page_size == 4
+    assert moved.tile_tokens_NT_Tq.device.type == "meta" and moved.tile_tokens_NT_Tq.shape == tiles.shape
     assert moved.tile_row_of_token_N.shape == batch.tile_row_of_token_N.shape
 
 

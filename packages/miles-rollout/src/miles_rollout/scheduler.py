@@ -32,7 +32,7 @@ import torch
 from miles_contracts import WeightVersion
 from miles_rollout.batch_results import BatchResults
 from miles_rollout.config import EngineConfig
-from miles_rollout.draft_tree import DraftTree
+from miles_rollout.draft_tree import Branch, DraftTree
 from miles_rollout.model_runner import ForwardPart, ModelRunner
 from miles_rollout.output import OutputStage
 from miles_rollout.page_allocator import OutOfPages, PageAllocator, ceil_div
@@ -342,6 +342,10 @@ class Scheduler(BatchResults):
         """A decoding sequence's rows: its draft tree's nodes, each branch a sequence of the attention batch (its
         scratch pages taken now; a tree they do not fit shrinks to its first branch)."""
         n = seq.num_computed
+        if not tree.num_drafts:  # a plain decode row: the last token on the sequence's own pages, nothing to copy
+            self._grow_pages(seq, seq.pages, n + 1)
+            tree.branches = [Branch(0, n, seq.pages)]
+            return tree, ForwardPart.chunk(tree.tokens, n, seq.pages, seq.group.lora_id)
         self._grow_pages(seq, seq.pages, n + 1 + tree.depth)
         try:
             tree.lay_out(n, seq.pages, self.page_size, self._take_scratch)

@@ -46,7 +46,7 @@ class BlockChunk:
 class AttentionBatch:
     """Where the query tokens of one forward call sit, and which KV pages each sequence owns.
 
-    Built once per forward and shared by every layer (the block plans are computed lazily, once).
+    Built once per forward and shared by every layer (the query tiles and block plans are computed lazily, once).
     """
 
     positions_N: torch.Tensor  # absolute position of each query token (int64)
@@ -56,12 +56,7 @@ class AttentionBatch:
     kv_lens_S: torch.Tensor  # keys per sequence after this call (prefix + new tokens)
     query_lens_S: torch.Tensor  # new query tokens per sequence (packed in sequence order)
     page_size: int
-    # Query tiles (deterministic attention): token index of each tile row, the row's position, and the
-    # tile's sequence; padding rows repeat the tile's last token.
-    tile_tokens_NT_Tq: torch.Tensor
-    tile_positions_NT_Tq: torch.Tensor
-    tile_seq_NT: torch.Tensor
-    tile_row_of_token_N: torch.Tensor  # where each token sits in the flattened tiles
+    query_tile: int  # rows of the blocked attention's query tiles (`tile_tokens_NT_Tq`, ...)
     # Extra K/V writes (trainer batches with shared prompts): token copy_tokens_C[c]'s K/V also goes to page
     # copy_pages_C[c] at copy_offsets_C[c] (a prompt's partial page, copied for each sequence that continues it).
     copy_tokens_C: torch.Tensor = field(default_factory=lambda: _NO_COPIES)
@@ -80,8 +75,9 @@ class AttentionBatch:
         """This batch with its tensors on `device` (itself when they are there already)."""
         if self.positions_N.device == torch.device(device):
             return self
-        tensors = [f.name for f in fields(self) if f.name not in ("page_size", "_plans", "_derived")]
-        return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, _plans={}, _derived={})
+        tensors = [f.name for f in fields(self) if f.name not in ("page_size", "query_tile", "_plans", "_derived")]
+        tiles = {name: t.to(device) for name, t in self._derived.items() if name.startswith("tile_")}  # if built
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, _plans={}, _derived=tiles)
 
     def compacted(self, num_pages: int) -> tuple[torch.Tensor, AttentionBatch]:
         """The pages this batch reads or writes, ascending from the null page (U,), and this batch with its page ids
@@ -135,6 +131,36 @@ class AttentionBatch:
             slots = (pages[:, None] * kv_heads + heads[None, :]) * self.page_size + offsets[:, None]
             self._derived[key] = slots.flatten()
         return self._derived[key]
+
+    # Query tiles (the blocked attention's; built on first use, once: the native attention never reads them, and a
+    # decode step of 64 sequences spent ~1 ms building them): token index of each tile row, the row's position, the
+    # tile's sequence (padding rows repeat the tile's last token), where each token sits in the flattened tiles.
+    @property
+    def tile_tokens_NT_Tq(self) -> torch.Tensor:
+        return self._tiles()[0]
+
+    @property
+    def tile_positions_NT_Tq(self) -> torch.Tensor:
+        return self._tiles()[1]
+
+    @property
+    def tile_seq_NT(self) -> torch.Tensor:
+        return self._tiles()[2]
+
+    @property
+    def tile_row_of_token_N(self) -> torch.Tensor:
+        return self._tiles()[3]
+
+    def _tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if "tile_tokens" not in self._derived:
+            tiles = _query_tiles(self.query_lens_S.tolist(), self.positions_N.tolist(), self.query_tile)
+            for name, values in zip(("tile_tokens", "tile_positions", "tile_seq", "tile_row_of_token"), tiles,
+                                    strict=True):  # fmt: skip
+                self._derived[name] = torch.tensor(values, dtype=torch.int64, device=self.positions_N.device)
+            for name in ("tile_tokens", "tile_positions"):
+                self._derived[name] = self._derived[name].reshape(-1, self.query_tile)
+        d = self._derived
+        return d["tile_tokens"], d["tile_positions"], d["tile_seq"], d["tile_row_of_token"]
 
     def token_tile_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tile, row in the tile) of each token: where its query and output sit in the tiles."""
@@ -196,20 +222,44 @@ def build_attention_batch(
         raise ValueError("query_lens, prefix_lens and block_tables need one entry per sequence")
     positions: list[int] = []
     pages_of_token: list[int] = []
-    tile_tokens: list[list[int]] = []
-    tile_positions: list[list[int]] = []
-    tile_seq: list[int] = []
-    row_of_token: list[int] = []
     num_blocks = max((len(t) for t in block_tables), default=0)
-    token = 0
     for s, (num_new, prefix, pages) in enumerate(zip(query_lens, prefix_lens, block_tables, strict=True)):
         if num_new < 1:
             raise ValueError(f"sequence {s} brings no query tokens; every sequence needs at least one")
         if len(pages) * page_size < prefix + num_new:
             raise ValueError(f"sequence {s}: {len(pages)} pages of {page_size} cannot hold {prefix + num_new} tokens")
-        seq_positions = list(range(prefix, prefix + num_new))
-        positions += seq_positions
-        pages_of_token += [pages[p // page_size] for p in seq_positions]
+        positions += range(prefix, prefix + num_new)
+        pages_of_token += [pages[p // page_size] for p in range(prefix, prefix + num_new)]
+    padded_tables = [list(t) + [NULL_PAGE] * (num_blocks - len(t)) for t in block_tables]
+
+    def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    positions_N = as_tensor(positions)
+    return AttentionBatch(
+        positions_N=positions_N,
+        write_pages_N=as_tensor(pages_of_token),
+        write_offsets_N=positions_N % page_size,
+        block_tables_SB=as_tensor(padded_tables).reshape(len(block_tables), num_blocks),
+        kv_lens_S=as_tensor([p + n for p, n in zip(prefix_lens, query_lens, strict=True)]),
+        query_lens_S=as_tensor(query_lens),
+        page_size=page_size,
+        query_tile=query_tile,
+    )
+
+
+def _query_tiles(
+    query_lens: list[int], positions: list[int], query_tile: int
+) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
+    """The query tiles of sequences bringing `query_lens[s]` tokens at `positions` (packed in sequence order):
+    `AttentionBatch.tile_tokens_NT_Tq`, `tile_positions_NT_Tq`, `tile_seq_NT` and `tile_row_of_token_N` as lists."""
+    tile_tokens: list[list[int]] = []
+    tile_positions: list[list[int]] = []
+    tile_seq: list[int] = []
+    row_of_token: list[int] = []
+    token = 0
+    for s, num_new in enumerate(query_lens):
+        seq_positions = positions[token : token + num_new]
         for start in range(0, num_new, query_tile):
             rows = list(range(token + start, token + min(start + query_tile, num_new)))
             row_of_token += [len(tile_tokens) * query_tile + r for r in range(len(rows))]
@@ -219,31 +269,12 @@ def build_attention_batch(
             tile_positions.append(row_positions + [row_positions[-1]] * pad)
             tile_seq.append(s)
         token += num_new
-    padded_tables = [list(t) + [NULL_PAGE] * (num_blocks - len(t)) for t in block_tables]
     # Longest-reaching tiles first, so the tiles that see key block j are always a prefix (views, not gathers).
     order = sorted(range(len(tile_tokens)), key=lambda i: -tile_positions[i][-1])
     new_index = {old: new for new, old in enumerate(order)}
     row_of_token = [new_index[r // query_tile] * query_tile + r % query_tile for r in row_of_token]
-    tile_tokens = [tile_tokens[i] for i in order]
-    tile_positions = [tile_positions[i] for i in order]
-    tile_seq = [tile_seq[i] for i in order]
-
-    def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    return AttentionBatch(
-        positions_N=as_tensor(positions),
-        write_pages_N=as_tensor(pages_of_token),
-        write_offsets_N=as_tensor(positions) % page_size,
-        block_tables_SB=as_tensor(padded_tables).reshape(len(block_tables), num_blocks),
-        kv_lens_S=as_tensor([p + n for p, n in zip(prefix_lens, query_lens, strict=True)]),
-        query_lens_S=as_tensor(query_lens),
-        page_size=page_size,
-        tile_tokens_NT_Tq=as_tensor(tile_tokens).reshape(len(tile_tokens), query_tile),
-        tile_positions_NT_Tq=as_tensor(tile_positions).reshape(len(tile_tokens), query_tile),
-        tile_seq_NT=as_tensor(tile_seq),
-        tile_row_of_token_N=as_tensor(row_of_token),
-    )
+    return ([tile_tokens[i] for i in order], [tile_positions[i] for i in order], [tile_seq[i] for i in order],
+            row_of_token)  # fmt: skip
 
 
 def build_packed_batch(
