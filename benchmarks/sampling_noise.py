@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from host import host_info
+from kernels import median_seconds
 
 from miles_kernels import native
 from miles_kernels.ops.sampling import RowSampling, _uniforms, row_keys, row_uniforms
@@ -32,13 +31,7 @@ ROWS = (1, 8, 64)
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats, warmup=1) * 1e3
 
 
 def main() -> None:
