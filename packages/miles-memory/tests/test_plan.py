@@ -14,7 +14,8 @@ from miles_memory import LoraSettings, fsdp2_bytes, load_hardware, load_model_pr
 from miles_memory.levers import candidates
 from miles_memory.model_shape import MODELS, ModelShape, model_profiles
 from miles_memory.plan_formulas import embedded_engine_bytes, kv_bytes_per_token, native_packed_bytes
-from miles_memory.planner import _plan, read_run
+from miles_memory.planner import _plan
+from miles_memory.run_inputs import read_run
 
 ROOT = Path(__file__).resolve().parents[3]
 GIB = 2**30

@@ -19,7 +19,8 @@ from .plan_formulas import (
     native_packed_bytes,
     weight_sync_bytes,
 )
-from .planner import RUN_KEYS, plan_memory, read_run
+from .planner import plan_memory
+from .run_inputs import RUN_KEYS, read_run
 from .stores import CHUNK_BYTES, FileStore, HostStore, OffloadStore, default_store
 
 __all__ = [

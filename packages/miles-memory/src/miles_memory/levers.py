@@ -12,7 +12,7 @@ from miles_memory.memory_plan import Lever, MemoryPlan
 from miles_memory.model_shape import resolve_model
 
 if TYPE_CHECKING:
-    from miles_memory.planner import RunInputs
+    from miles_memory.run_inputs import RunInputs
 
 __all__ = ["candidates", "find_levers"]
 

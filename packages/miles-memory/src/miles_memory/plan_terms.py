@@ -30,7 +30,7 @@ from miles_memory.plan_formulas import (
 )
 
 if TYPE_CHECKING:
-    from miles_memory.planner import RunInputs
+    from miles_memory.run_inputs import RunInputs
 
 __all__ = ["EngineTerms", "TrainerTerms", "engine_terms", "trainer_terms"]
 
