@@ -58,7 +58,7 @@ def _restore_torch_threads():
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
-    from miles_orchestrator.config.run import section_model
+    from miles_orchestrator.config.loading import section_model
 
     names = []
     for name, info in model.model_fields.items():

@@ -35,26 +35,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHITECTURES = {
-    "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-}  # fmt: skip
-# config.json model_types that load as another family: Kimi-K2 is DeepSeek-V3's architecture (its config says so)
-ALIASES = {"kimi_k2": "deepseek_v3"}
-MOE_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
-GLM_ROUTER_TYPES = ("glm4_moe", "deepseek_v3")  # sigmoid router, shared experts, dense first layers
-NO_QK_NORM_TYPES = ("qwen2", "llama")  # families without QK-norm (GLM-4.5's is its `use_qk_norm`)
-SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "qwen3_moe")  # families with (optional) sliding-window attention
-LAYER_TYPES = ("full_attention", "sliding_attention")
-# RoPE scalings each family may use; every other family: default
-ROPE_TYPES = {"llama": ("default", "llama3"), "deepseek_v3": ("default", "yarn")}
-_QWEN3_MOE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
-_GLM4_MOE_FIELDS = (
-    "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
-    "partial_rotary_factor", "use_qk_norm",
-)  # fmt: skip
-_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
-_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
+from miles_kernels.model_config_hf import (
+    ARCHITECTURES,
+    GLM4_MOE_FIELDS,
+    GLM_ROUTER_TYPES,
+    LAYER_TYPES,
+    MLA_FIELDS,
+    MOE_TYPES,
+    NO_QK_NORM_TYPES,
+    ROPE_TYPES,
+    SLIDING_WINDOW_TYPES,
+    config_to_hf,
+    values_from_hf,
+)
 
 
 @dataclass(frozen=True)
@@ -141,7 +134,7 @@ class ModelConfig:
         if self.model_type in GLM_ROUTER_TYPES:
             self._check_glm()
         else:
-            family = [name for name in _GLM4_MOE_FIELDS if name != "use_qk_norm"]
+            family = [name for name in GLM4_MOE_FIELDS if name != "use_qk_norm"]
             if any(getattr(self, name) != getattr(ModelConfig, name) for name in family):
                 raise ValueError(f"{', '.join(family)} are glm4_moe settings; {self.model_type} has none of them")
             has_qk_norm = self.model_type not in NO_QK_NORM_TYPES
@@ -151,8 +144,8 @@ class ModelConfig:
                 )
         if self.is_mla:
             self._check_mla()
-        elif any(getattr(self, name) != getattr(ModelConfig, name) for name in _MLA_FIELDS):
-            raise ValueError(f"{', '.join(_MLA_FIELDS)} are deepseek_v3 (MLA) settings; {self.model_type} has none")
+        elif any(getattr(self, name) != getattr(ModelConfig, name) for name in MLA_FIELDS):
+            raise ValueError(f"{', '.join(MLA_FIELDS)} are deepseek_v3 (MLA) settings; {self.model_type} has none")
         if self.model_type == "qwen2" and not self.attention_bias:
             raise ValueError("qwen2 (Qwen2.5) has biases on q / k / v: attention_bias=True")
         self._check_rope()
@@ -350,14 +343,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Parse a Hugging Face config.json dict; raise ValueError naming any unsupported setting."""
-        from miles_kernels.model_config_hf import values_from_hf  # it reads this module's tables
-
         return cls(**values_from_hf(hf))
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
         """A config.json dict that `transformers` loads as the same architecture."""
-        from miles_kernels.model_config_hf import config_to_hf  # it reads this module's tables
-
         return config_to_hf(self, dtype)
 
 

@@ -1,27 +1,37 @@
-"""`ModelConfig` to and from a Hugging Face config.json dict (`ModelConfig.from_hf` / `to_hf` call these): which keys
-each family reads and writes, transformers' defaults, and an error naming every setting Miles does not implement.
-The families and their settings are model_config.py's."""
+"""The model families Miles runs and their Hugging Face config.json form: the tables of families (architectures,
+routers, RoPE scalings, sliding windows, each family's own fields), and `ModelConfig` to and from a config.json dict
+(`ModelConfig.from_hf` / `to_hf` call these): which keys each family reads and writes, transformers' defaults, and an
+error naming every setting Miles does not implement. What the settings mean is model_config.py's."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from miles_kernels.model_config import (
-    _GLM4_MOE_FIELDS,
-    _MLA_FIELDS,
-    _MOE_FIELDS,
-    _QWEN3_MOE_FIELDS,
-    ALIASES,
-    ARCHITECTURES,
-    GLM_ROUTER_TYPES,
-    NO_QK_NORM_TYPES,
-    ROPE_TYPES,
-    SLIDING_WINDOW_TYPES,
-)
-
 if TYPE_CHECKING:
     from miles_kernels.model_config import ModelConfig
+
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}  # fmt: skip
+# config.json model_types that load as another family: Kimi-K2 is DeepSeek-V3's architecture (its config says so)
+ALIASES = {"kimi_k2": "deepseek_v3"}
+MOE_TYPES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
+GLM_ROUTER_TYPES = ("glm4_moe", "deepseek_v3")  # sigmoid router, shared experts, dense first layers
+NO_QK_NORM_TYPES = ("qwen2", "llama")  # families without QK-norm (GLM-4.5's is its `use_qk_norm`)
+SLIDING_WINDOW_TYPES = ("qwen2", "qwen3", "qwen3_moe")  # families with (optional) sliding-window attention
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# RoPE scalings each family may use; every other family: default
+ROPE_TYPES = {"llama": ("default", "llama3"), "deepseek_v3": ("default", "yarn")}
+# Each family's own ModelConfig fields (to_hf writes a family's only)
+QWEN3_MOE_FIELDS = ("decoder_sparse_step", "mlp_only_layers")
+GLM4_MOE_FIELDS = (
+    "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
+    "partial_rotary_factor", "use_qk_norm",
+)  # fmt: skip
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
 
 
 def values_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -152,12 +162,12 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "qwen3": (),
         "qwen2": (),
         "llama": (),
-        "qwen3_moe": _MOE_FIELDS + _QWEN3_MOE_FIELDS,
-        "glm4_moe": _MOE_FIELDS + _GLM4_MOE_FIELDS,
-        "deepseek_v3": _MOE_FIELDS + _GLM4_MOE_FIELDS[:5] + _MLA_FIELDS,
+        "qwen3_moe": MOE_FIELDS + QWEN3_MOE_FIELDS,
+        "glm4_moe": MOE_FIELDS + GLM4_MOE_FIELDS,
+        "deepseek_v3": MOE_FIELDS + GLM4_MOE_FIELDS[:5] + MLA_FIELDS,
     }[config.model_type]
     for key, value in values.items():
-        if key in _MOE_FIELDS + _QWEN3_MOE_FIELDS + _GLM4_MOE_FIELDS + _MLA_FIELDS and key not in own:
+        if key in MOE_FIELDS + QWEN3_MOE_FIELDS + GLM4_MOE_FIELDS + MLA_FIELDS and key not in own:
             continue
         if key.startswith("rope_") and key not in ("rope_theta", "rope_interleave"):
             continue  # in rope_parameters

@@ -10,8 +10,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from miles_orchestrator.config.loading import load_config, read_config_file, section_model
 from miles_orchestrator.config.resolve import value_at
-from miles_orchestrator.config.run import RunConfig, load_config, read_config_file, section_model
+from miles_orchestrator.config.run import RunConfig
 
 
 def _leaves(data: dict[str, Any], model: type[BaseModel], prefix: str = "") -> set[str]:
