@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from miles_trainer.importance import importance_weights
 from miles_trainer.losses import (
     AGGREGATION_MODES,
     aggregate_loss,
     entropy_bonus_loss,
     entropy_from_logits,
-    importance_weights,
     kl_estimate,
     policy_loss,
     sft_loss,

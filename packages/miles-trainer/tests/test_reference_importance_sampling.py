@@ -29,7 +29,7 @@ from reference_trl import trl_vllm_importance_sampling_ratio
 from reference_verl_losses import verl060_compute_rollout_importance_weights, verl_compute_rollout_correction_weights
 
 from miles_trainer.config import IS_LEVELS, IS_MODES
-from miles_trainer.losses import importance_weight_sums, importance_weights, normalize_importance_weights
+from miles_trainer.importance import importance_weight_sums, importance_weights, normalize_importance_weights
 
 
 def _is_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,8 @@ from reference_verl_losses import (
 )
 
 from miles_trainer.config import AGGREGATION_MODES, KL_KINDS
-from miles_trainer.losses import aggregate_loss, cispo_loss, importance_weights, kl_estimate, policy_loss
+from miles_trainer.importance import importance_weights
+from miles_trainer.losses import aggregate_loss, cispo_loss, kl_estimate, policy_loss
 
 # ======================================================================================== PPO policy loss vs verl
 

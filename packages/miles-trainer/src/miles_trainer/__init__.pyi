@@ -44,6 +44,7 @@ from .critic import (
     value_loss,
 )
 from .fsdp import FSDP2Backend, apply_activation_checkpointing
+from .importance import importance_weight_sums, importance_weights, normalize_importance_weights
 from .logprobs import micro_batch_forward, micro_batch_logprobs, response_logprobs
 from .lora import TrainedWeights, attach_adapters, check_lora
 from .losses import (
@@ -51,10 +52,7 @@ from .losses import (
     aggregate_loss,
     entropy_bonus_loss,
     entropy_from_logits,
-    importance_weight_sums,
-    importance_weights,
     kl_estimate,
-    normalize_importance_weights,
     policy_loss,
     sft_loss,
     train_rollout_logprob_abs_diff,

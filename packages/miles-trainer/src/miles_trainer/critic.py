@@ -26,7 +26,7 @@ from torch import nn
 from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.config import CriticConfig
-from miles_trainer.losses import Count, _check_same_shape, _masked_mean, aggregate_loss
+from miles_trainer.losses import Count, aggregate_loss, check_same_shape, masked_mean
 from miles_trainer.packing import MicroBatch, pack_samples, padded_lists, padded_passes, rows_to_padded
 
 __all__ = [
@@ -92,7 +92,7 @@ def value_loss(
     targets). clip=None: the plain squared error. Metrics: vf_clip_fraction (share of valid tokens where the
     clipped branch is the larger, verl's vf_clipfrac) and value_mean (mean of V).
     """
-    _check_same_shape(values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT, mask_BT=mask_BT)
+    check_same_shape(values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT, mask_BT=mask_BT)
     if clip is not None and clip <= 0:
         raise ValueError(f"clip (the value clip range) must be > 0 or None, got {clip}")
     is_valid = mask_BT.bool()
@@ -115,8 +115,8 @@ def value_loss(
     )
     with torch.no_grad():
         metrics = {
-            "vf_clip_fraction": _masked_mean((clipped_BT > unclipped_BT).float(), is_valid),
-            "value_mean": _masked_mean(values_BT.detach().float(), is_valid),
+            "vf_clip_fraction": masked_mean((clipped_BT > unclipped_BT).float(), is_valid),
+            "value_mean": masked_mean(values_BT.detach().float(), is_valid),
         }
     return loss, metrics
 

@@ -10,8 +10,7 @@ mask. Out: one scalar to backpropagate plus detached metrics.
   depend on how the batch is split. Data parallelism: FSDP2 / DDP average gradients over ranks, so multiply each
   rank's loss by the data-parallel size (verl's `dp_size`) or reduce with a sum.
 - `policy_loss`: PPO clip (clip-higher, dual-clip), token or sequence (GSPO) ratio, optional IS weights.
-- `importance_weights`: TIS / MIS weights for a non-zero train/rollout mismatch, fed to `policy_loss`.
-- `importance_weight_sums` / `normalize_importance_weights`: verl's batch normalization of those weights.
+- TIS / MIS importance weights for a non-zero train/rollout mismatch, fed to `policy_loss`: importance.py.
 - `kl_estimate`, `entropy_from_logits`, `entropy_bonus_loss`, `sft_loss`.
 - PPO's value loss lives with the critic (`critic.value_loss`).
 - `train_rollout_logprob_abs_diff`: the train/rollout mismatch metric (exactly 0 under true on-policy).
@@ -25,17 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from miles_trainer.config import AGGREGATION_MODES, IS_LEVELS, IS_MODES, KL_KINDS, RATIO_TYPES
+from miles_trainer.config import AGGREGATION_MODES, KL_KINDS, RATIO_TYPES
 
 __all__ = [
     "AGGREGATION_MODES",
     "aggregate_loss",
     "entropy_bonus_loss",
     "entropy_from_logits",
-    "importance_weight_sums",
-    "importance_weights",
     "kl_estimate",
-    "normalize_importance_weights",
     "policy_loss",
     "sft_loss",
     "train_rollout_logprob_abs_diff",
@@ -43,7 +39,7 @@ __all__ = [
 
 
 # Log-ratio clamps, as verl: exp() of a PPO log-ratio is kept within e^±20, a GSPO sequence log-ratio below 10.
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 _MAX_SEQ_LOG_RATIO = 10.0
 
 Count = int | float | torch.Tensor
@@ -52,7 +48,7 @@ Count = int | float | torch.Tensor
 _NORM_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
 
 
-def _check_same_shape(**tensors: torch.Tensor) -> torch.Size:
+def check_same_shape(**tensors: torch.Tensor) -> torch.Size:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     first = next(iter(tensors.values())).shape
     if len(first) != 2 or any(t.shape != first for t in tensors.values()):
@@ -65,7 +61,7 @@ def _check_count(name: str, value: Count | None) -> None:
         raise ValueError(f"{name} must be > 0 (a count over the whole global batch), got {value}")
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
@@ -75,7 +71,7 @@ def _check_policy_inputs(
     is_weights_BT: torch.Tensor | None, clip_low: float, clip_high: float,
 ) -> None:  # fmt: skip
     """A policy loss's tensors share one shape (IS weights too) and its clip bounds are in range; ValueError if not."""
-    shape = _check_same_shape(
+    shape = check_same_shape(
         logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT, mask_BT=mask_BT
     )
     if is_weights_BT is not None and is_weights_BT.shape != shape:
@@ -121,7 +117,7 @@ def aggregate_loss(
     """
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {list(AGGREGATION_MODES)}")
-    _check_same_shape(loss_BT=loss_BT, mask_BT=mask_BT)
+    check_same_shape(loss_BT=loss_BT, mask_BT=mask_BT)
     _check_count("global_num_tokens", global_num_tokens)
     _check_count("global_num_seqs", global_num_seqs)
     if max_response_len is not None and max_response_len <= 0:
@@ -203,7 +199,7 @@ def policy_loss(
     log_ratio_BT = torch.where(is_valid, logprobs_BT - old, torch.zeros_like(logprobs_BT))
     advantages = torch.where(is_valid, advantages_BT.detach(), torch.zeros_like(advantages_BT))
     if ratio_type == "token":
-        ratio_BT = torch.exp(log_ratio_BT.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        ratio_BT = torch.exp(log_ratio_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     else:
         num_valid_B = is_valid.sum(dim=-1).clamp(min=1)
         seq_log_ratio_B = log_ratio_BT.sum(dim=-1) / num_valid_B
@@ -234,12 +230,12 @@ def policy_loss(
         is_clipped = clipped_BT > unclipped_BT
         ratio = ratio_BT.detach()
         metrics = {
-            "clip_fraction": _masked_mean(is_clipped.float(), is_valid),
-            "clip_fraction_high": _masked_mean((is_clipped & (ratio > 1.0 + clip_high)).float(), is_valid),
-            "clip_fraction_low": _masked_mean((is_clipped & (ratio < 1.0 - clip_low)).float(), is_valid),
-            "dual_clip_fraction": _masked_mean(is_dual_clipped.float(), is_valid),
-            "ppo_kl": _masked_mean(-log_ratio_BT.detach().float(), is_valid),
-            "ratio_mean": _masked_mean(ratio.float(), is_valid),
+            "clip_fraction": masked_mean(is_clipped.float(), is_valid),
+            "clip_fraction_high": masked_mean((is_clipped & (ratio > 1.0 + clip_high)).float(), is_valid),
+            "clip_fraction_low": masked_mean((is_clipped & (ratio < 1.0 - clip_low)).float(), is_valid),
+            "dual_clip_fraction": masked_mean(is_dual_clipped.float(), is_valid),
+            "ppo_kl": masked_mean(-log_ratio_BT.detach().float(), is_valid),
+            "ratio_mean": masked_mean(ratio.float(), is_valid),
             "ratio_max": _ratio_max(ratio, is_valid),
         }
     return loss, metrics
@@ -280,7 +276,7 @@ def cispo_loss(
     logprobs = torch.where(is_valid, logprobs_BT, torch.zeros_like(logprobs_BT))
     log_ratio_BT = torch.where(is_valid, logprobs_BT - old_logprobs_BT.detach(), torch.zeros_like(logprobs_BT))
     advantages = torch.where(is_valid, advantages_BT.detach(), torch.zeros_like(advantages_BT))
-    ratio = torch.exp(log_ratio_BT.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(log_ratio_BT.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_BT = -clipped * advantages * logprobs
     if is_weights_BT is not None:
@@ -291,103 +287,14 @@ def cispo_loss(
     )  # fmt: skip
     with torch.no_grad():
         metrics = {
-            "clip_fraction": _masked_mean((clipped != ratio).float(), is_valid),
-            "clip_fraction_high": _masked_mean((ratio > 1.0 + clip_high).float(), is_valid),
-            "clip_fraction_low": _masked_mean((ratio < 1.0 - clip_low).float(), is_valid),
-            "ppo_kl": _masked_mean(-log_ratio_BT.float(), is_valid),
-            "ratio_mean": _masked_mean(ratio.float(), is_valid),
+            "clip_fraction": masked_mean((clipped != ratio).float(), is_valid),
+            "clip_fraction_high": masked_mean((ratio > 1.0 + clip_high).float(), is_valid),
+            "clip_fraction_low": masked_mean((ratio < 1.0 - clip_low).float(), is_valid),
+            "ppo_kl": masked_mean(-log_ratio_BT.float(), is_valid),
+            "ratio_mean": masked_mean(ratio.float(), is_valid),
             "ratio_max": _ratio_max(ratio, is_valid),
         }
     return loss, metrics
-
-
-def importance_weights(
-    old_logprobs_BT: torch.Tensor,
-    rollout_logprobs_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    level: str = "token",
-    mode: str = "truncate",
-    threshold: float = 2.0,
-    threshold_low: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Importance weights pi_train / pi_rollout that correct a non-zero train/rollout mismatch (detached).
-
-    old_logprobs are the trainer's log-probs under the weights that generated the samples; rollout_logprobs are
-    the engine's. Raw weights (log-ratios clamped to [-20, 20] before exp):
-
-        level "token":    w_t = exp(old_t - rollout_t)
-        level "sequence": w_t = exp(sum_{t valid} (old_t - rollout_t))     (the same value on every token)
-        mode "truncate" (TIS):  w = clamp(w, low, C)             C = threshold, low = threshold_low (default: none)
-        mode "mask" (MIS):      w = w if low <= w <= C else 0    low = threshold_low, default 1 / C
-
-    Masked tokens get weight 0. Under true on-policy old == rollout and every weight is exactly 1. Pass the
-    result as `policy_loss(..., is_weights_BT=w)`, which multiplies it into the per-token loss after clipping.
-    An MIS-rejected token still counts in the aggregation denominator (TRL); to drop it from the counts as well
-    (verl's rejection sampling), use `mask & (w > 0)` as the loss mask (and in the global counts).
-    The lower bounds follow the references: TRL 1.16 clamps TIS weights to [clip_min, clip_max] and MIS keeps
-    [clip_min, clip_max] (no lower bound by default); verl 0.6's MIS defaults its lower bound to 1 / C.
-
-    Metrics (over valid tokens; a sequence weight counts once per token): mean (of the returned weights),
-    raw_max, raw_min, fraction_high (raw w > C), fraction_low (raw w < low), fraction_modified (weights changed
-    by truncation or masking).
-    """
-    _check_same_shape(old_logprobs_BT=old_logprobs_BT, rollout_logprobs_BT=rollout_logprobs_BT, mask_BT=mask_BT)
-    if level not in IS_LEVELS:
-        raise ValueError(f"unknown importance-weight level {level!r}; choose one of {list(IS_LEVELS)}")
-    if mode not in IS_MODES:
-        raise ValueError(f"unknown importance-weight mode {mode!r}; choose one of {list(IS_MODES)}")
-    if threshold <= 0:
-        raise ValueError(f"threshold (the upper bound C on the weights) must be > 0, got {threshold}")
-    if threshold_low is not None and not 0 <= threshold_low <= threshold:
-        raise ValueError(f"need 0 <= threshold_low <= threshold, got {threshold_low} and {threshold}")
-    low = 1.0 / threshold if threshold_low is None else threshold_low
-
-    with torch.no_grad():
-        is_valid = mask_BT.bool()
-        diff_BT = (old_logprobs_BT.float() - rollout_logprobs_BT.float()).masked_fill(~is_valid, 0.0)
-        log_w_BT = diff_BT if level == "token" else diff_BT.sum(dim=-1, keepdim=True).expand_as(diff_BT)
-        raw_BT = torch.exp(log_w_BT.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).masked_fill(~is_valid, 0.0)
-        if mode == "truncate":
-            weights_BT = raw_BT.clamp(min=threshold_low, max=threshold)
-        else:
-            is_kept = (raw_BT >= low) & (raw_BT <= threshold)
-            weights_BT = torch.where(is_kept, raw_BT, torch.zeros_like(raw_BT))
-        weights_BT = weights_BT.masked_fill(~is_valid, 0.0)
-        has_valid = bool(is_valid.any())
-        metrics = {
-            "mean": _masked_mean(weights_BT, is_valid),
-            "raw_max": raw_BT.masked_fill(~is_valid, float("-inf")).amax() if has_valid else raw_BT.new_ones(()),
-            "raw_min": raw_BT.masked_fill(~is_valid, float("inf")).amin() if has_valid else raw_BT.new_ones(()),
-            "fraction_high": _masked_mean((raw_BT > threshold).float(), is_valid),
-            "fraction_low": _masked_mean((raw_BT < low).float(), is_valid),
-            "fraction_modified": _masked_mean((weights_BT != raw_BT).float(), is_valid),
-        }
-    return weights_BT, metrics
-
-
-def importance_weight_sums(
-    weights_BT: torch.Tensor, mask_BT: torch.Tensor, level: str = "token"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, count) of the weights whose ratio is their batch mean, for verl's batch normalization: over valid
-    tokens (level "token"), or one weight per sequence with a valid token (level "sequence"). Sum these over
-    micro-batches and ranks, then pass sum / count to `normalize_importance_weights`."""
-    _check_same_shape(weights_BT=weights_BT, mask_BT=mask_BT)
-    is_valid = mask_BT.bool()
-    weights = torch.where(is_valid, weights_BT.double(), torch.zeros_like(weights_BT, dtype=torch.float64))
-    if level == "token":
-        return weights.sum(), is_valid.sum().double()
-    has_valid_B = is_valid.any(dim=-1)
-    # a sequence weight is the same on every valid token: its mean over them
-    per_seq_B = weights.sum(dim=-1) / is_valid.sum(dim=-1).clamp(min=1)
-    return per_seq_B.sum(), has_valid_B.sum().double()
-
-
-def normalize_importance_weights(weights_BT: torch.Tensor, batch_mean: float | torch.Tensor) -> torch.Tensor:
-    """Weights divided by their batch mean so they average 1 (verl 0.9.1 `rollout_corr_helper.
-    compute_rollout_correction_weights`, rollout_is_batch_normalize); a mean <= 1e-8 leaves them as they are."""
-    mean = float(batch_mean)
-    return weights_BT / mean if mean > 1e-8 else weights_BT
 
 
 def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
@@ -465,7 +372,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     elif base == "abs":
         value = x.abs()
     else:
-        ref_minus_logp = (-x).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        ref_minus_logp = (-x).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         value = (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-10.0, 10.0)
     if not kind.endswith("+"):
         return value
@@ -503,7 +410,7 @@ def train_rollout_logprob_abs_diff(
     (exact for float32 inputs), so identical log-probs give exactly 0.0. An empty mask gives 0.0 for both.
     num_tokens lets a caller combine micro-batches or ranks: mean_all = sum(mean * num_tokens) / sum(num_tokens).
     """
-    _check_same_shape(train_logprobs_BT=train_logprobs_BT, rollout_logprobs_BT=rollout_logprobs_BT, mask_BT=mask_BT)
+    check_same_shape(train_logprobs_BT=train_logprobs_BT, rollout_logprobs_BT=rollout_logprobs_BT, mask_BT=mask_BT)
     with torch.no_grad():
         is_valid = mask_BT.bool()
         diff_BT = (train_logprobs_BT.double() - rollout_logprobs_BT.double()).abs()

@@ -25,15 +25,9 @@ from miles_contracts import Sample
 from miles_kernels import CausalLM, KernelConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import PolicyLossConfig
+from miles_trainer.importance import importance_weight_sums, importance_weights, normalize_importance_weights
 from miles_trainer.logprobs import micro_batch_forward
-from miles_trainer.losses import (
-    cispo_loss,
-    importance_weight_sums,
-    importance_weights,
-    normalize_importance_weights,
-    policy_loss,
-    sft_loss,
-)
+from miles_trainer.losses import cispo_loss, policy_loss, sft_loss
 from miles_trainer.packing import (
     MicroBatch,
     pack_samples,
@@ -168,7 +162,7 @@ def mismatch_weights(
     config: PolicyLossConfig,
     all_reduce: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """TIS / MIS importance weights (`losses.importance_weights`, as `config` sets them) of every response token of
+    """TIS / MIS importance weights (`importance.importance_weights`, as `config` sets them) of every response token of
     `samples`, and their metrics over the valid tokens. `old_logprobs` None: the rollout's (weights exactly 1).
     With `config.is_batch_normalize` the weights are divided by their mean over the batch; `all_reduce` (a sum
     over data-parallel ranks, e.g. `torch.distributed.all_reduce`) makes that the global batch's mean."""
