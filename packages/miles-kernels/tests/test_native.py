@@ -250,18 +250,6 @@ def test_model_runs_on_the_native_backend() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
-def test_the_native_attention_never_builds_the_query_tiles() -> None:
-    """The query tiles are the blocked attention's, built on first use: a forward on the native attention leaves them
-    unbuilt (a decode step's batch of 64 sequences spent ~1 ms building them), one on the torch backends builds
-    them."""
-    config = tiny_config()
-    ids = torch.arange(9) % config.vocab_size
-    for kernel, builds_tiles in ((NATIVE, False), (TORCH_BACKENDS, True)):
-        batch = build_packed_batch([5, 4], page_size=4, query_tile=kernel.attention_query_tile)
-        random_model(config, kernel, seed=0).forward_hidden(ids, batch)
-        assert ("tile_tokens" in batch._derived) is builds_tiles
-
-
 def test_a_missing_or_stale_library_is_a_reason_not_a_crash(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(native, "_STATE", {})
     monkeypatch.setattr(native, "library_path", lambda: tmp_path / native_build.LIBRARY)

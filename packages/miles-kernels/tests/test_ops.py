@@ -25,6 +25,7 @@ from miles_kernels import (
 )
 from miles_kernels.ops.attention_batch import num_pages_needed
 from miles_kernels.ops.linear import fixed_rows_matmul, grouped_bmm, invariant_bmm
+from miles_kernels.testing import random_model, tiny_config
 
 DET = KernelConfig(page_size=8, attention_query_tile=4, linear_tile=4, moe_tile=4)  # auto: the native kernels
 DET_TORCH = DET.model_copy(update={"linear_backend": "torch-tiled", "attention_backend": "torch-blocked",
@@ -381,6 +382,18 @@ def test_cuda_forms_of_the_batch_invariant_products() -> None:
         got = fixed_rows_matmul(x, weight.t(), rows)
         assert got.shape == (70, 5)
         torch.testing.assert_close(got, x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_native_attention_never_builds_the_query_tiles() -> None:
+    """The query tiles are the blocked attention's, built on first use: a forward on the native attention leaves them
+    unbuilt (a decode step's batch of 64 sequences spent ~1 ms building them), one on the torch backends builds
+    them."""
+    config = tiny_config()
+    ids = torch.arange(9) % config.vocab_size
+    for kernel, builds_tiles in ((DET, False), (DET_TORCH, True)):
+        batch = build_packed_batch([5, 4], kernel.page_size, kernel.attention_query_tile)
+        random_model(config, kernel, seed=0).forward_hidden(ids, batch)
+        assert ("tile_tokens" in batch._derived) is builds_tiles
 
 
 def test_attention_batch_moves_to_a_device_once() -> None:

@@ -154,11 +154,11 @@ class AttentionBatch:
     def _tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if "tile_tokens" not in self._derived:
             tiles = _query_tiles(self.query_lens_S.tolist(), self.positions_N.tolist(), self.query_tile)
-            for name, values in zip(("tile_tokens", "tile_positions", "tile_seq", "tile_row_of_token"), tiles,
-                                    strict=True):  # fmt: skip
-                self._derived[name] = torch.tensor(values, dtype=torch.int64, device=self.positions_N.device)
-            for name in ("tile_tokens", "tile_positions"):
-                self._derived[name] = self._derived[name].reshape(-1, self.query_tile)
+            tokens, positions, seqs, rows = (torch.tensor(t, dtype=torch.int64, device=self.positions_N.device)
+                                             for t in tiles)  # fmt: skip
+            tile = self.query_tile
+            self._derived.update(tile_tokens=tokens.reshape(-1, tile), tile_positions=positions.reshape(-1, tile),
+                                 tile_seq=seqs, tile_row_of_token=rows)  # fmt: skip
         d = self._derived
         return d["tile_tokens"], d["tile_positions"], d["tile_seq"], d["tile_row_of_token"]
 
