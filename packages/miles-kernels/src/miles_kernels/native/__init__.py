@@ -1,11 +1,13 @@
-"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, noise.cpp, built by build.py when the
-package installs) called through ctypes, with no torch headers in it, so one build serves every torch version.
+"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, rope.cpp, noise.cpp, built by build.py
+when the package installs) called through ctypes, with no torch headers in it, so one build serves every torch
+version.
 
 `native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation), each
 output element one fused multiply-add chain over the inner dimension in order; `native_linear(x, w)` is `x @ w.T` with
 the same chains (a server's weights packed once per version: `hold_packed_weights`); `native_attention` is causal
 GQA attention over a paged KV store, each (token, head) row on its own in one fixed order, with its backward
-(`native_attention_backward`); `native_rms_norm` is RMSNorm a row at a time, with its backward; `gumbel_uniforms` is
+(`native_attention_backward`); `native_rms_norm` is RMSNorm a row at a time, with its backward; `native_rope` is RoPE's
+rotation (float32), with its backward, the bits of its torch form; `gumbel_uniforms` is
 the sampler's noise uniforms (integer arithmetic: the bits of its torch form). All are batch-invariant by
 construction: the same bits at any batch composition and thread count, and on every instruction set the library
 dispatches to (AVX-512, AVX2, generic). `status()` says whether the library is usable here, or why
@@ -91,6 +93,11 @@ def _load() -> None:
             fn = getattr(lib, f"miles_{kernel}_{suffix}_{isa}")
             fn.argtypes, fn.restype = argtypes, None
             _STATE[f"{kernel}_{suffix}"] = fn
+    rope_args = [pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_int]
+    for direction in ("fwd", "bwd"):  # float32 only (rope.cpp)
+        fn = getattr(lib, f"miles_rope_{direction}_f32_{isa}")
+        fn.argtypes, fn.restype = rope_args, None
+        _STATE[f"rope_{direction}"] = fn
     noise = lib.miles_gumbel_uniforms
     noise.argtypes, noise.restype = [pointer, pointer, size, size, pointer, ctypes.c_int], None
     _STATE["gumbel_uniforms"] = noise
@@ -433,3 +440,40 @@ def native_rms_norm_backward(
          grad_rows.data_ptr(), dx.data_ptr(), 0 if dw is None else dw.data_ptr(), *rows.shape, eps,
          torch.get_num_threads())  # fmt: skip
     return dx, dw
+
+
+def _rope_operands(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int, int, int]:
+    """(N, H, D, R) of x (N, H, D) and cos / sin (N, R): contiguous float32 CPU tensors, R even and <= D."""
+    tensors = (x, cos, sin)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        raise ValueError(f"native RoPE takes contiguous float32 CPU tensors; got "
+                         f"{[(t.dtype, str(t.device), t.is_contiguous()) for t in tensors]}")  # fmt: skip
+    if x.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[0]:
+        raise ValueError(f"native RoPE takes x (N, H, D) and cos / sin (N, R); got {tuple(x.shape)}, "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
+    (n, heads, dim), rotary = x.shape, cos.shape[1]
+    if rotary % 2 or rotary > dim:
+        raise ValueError(f"native RoPE rotates an even number of dimensions <= the head's {dim}; got {rotary}")
+    return n, heads, dim, rotary
+
+
+def native_rope(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
+    """`miles_kernels.ops.rope.apply_rope`'s rotation (rotate-half; the dimensions past R pass through) in one call
+    (rope.cpp): the bits of its torch form. float32 (N, H, D) rows and (N, R) tables, contiguous, on the CPU."""
+    state = _STATE if "lib" in _STATE else _loaded()
+    shape = _rope_operands(x_NHD, cos_NR, sin_NR)
+    out = torch.empty_like(x_NHD)
+    _run("native_rope", state["rope_fwd"], x_NHD.data_ptr(), cos_NR.data_ptr(), sin_NR.data_ptr(), out.data_ptr(),
+         *shape, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def native_rope_backward(grad_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
+    """The gradient of `native_rope` with respect to x, given the output's (the bits of the torch form's backward,
+    `ops.rope._Rope`)."""
+    state = _STATE if "lib" in _STATE else _loaded()
+    shape = _rope_operands(grad_NHD, cos_NR, sin_NR)
+    out = torch.empty_like(grad_NHD)
+    _run("native_rope_backward", state["rope_bwd"], grad_NHD.data_ptr(), cos_NR.data_ptr(), sin_NR.data_ptr(),
+         out.data_ptr(), *shape, torch.get_num_threads())  # fmt: skip
+    return out

@@ -5,6 +5,8 @@ correction `yarn_mscale` is torch-free in model_config.py).
 
 Batch-invariant as written: angles are computed per position (`position * inv_freq`, elementwise, no
 reduction), so a token's rotation depends only on its absolute position, never on the batch or chunk it is in.
+On a CPU where the native library loads, float32 rotations run native/rope.cpp: the torch form's products and sums,
+each rounded once, in one call (the same bits, tested against the torch form).
 Shapes: x_NHD (tokens, heads, head_dim), positions_N.
 """
 
@@ -14,6 +16,8 @@ import math
 from typing import Any
 
 import torch
+
+from miles_kernels import native
 
 
 def inv_frequencies(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -90,17 +94,44 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
     """Rotate the first R (rotary) dimensions of each head of each token by its position's angles (R = D: all).
     Differentiable: under autograd it runs `_Rope` (the same forward ops, one node with a hand-written backward
-    instead of nine)."""
+    instead of nine). Contiguous float32 CPU rows run the native kernel (native/rope.cpp: one call instead of five
+    ops, the same bits) where the library loads."""
     if torch.is_grad_enabled() and x_NHD.requires_grad and not (cos_NR.requires_grad or sin_NR.requires_grad):
         out: torch.Tensor = _Rope.apply(x_NHD, cos_NR, sin_NR)
         return out
     return _rotate(x_NHD, cos_NR, sin_NR)
 
 
+def _runs_native(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> bool:
+    """Whether the native kernel takes these operands: float32 contiguous CPU tensors of the shapes it reads."""
+    return (
+        x_NHD.dtype == torch.float32
+        and x_NHD.is_cpu
+        and x_NHD.dim() == 3
+        and cos_NR.dtype == torch.float32
+        and sin_NR.dtype == torch.float32
+        and x_NHD.is_contiguous()
+        and cos_NR.is_contiguous()
+        and sin_NR.is_contiguous()
+        and cos_NR.dim() == 2
+        and cos_NR.shape == sin_NR.shape
+        and cos_NR.shape[0] == x_NHD.shape[0]
+        and cos_NR.shape[1] % 2 == 0
+        and cos_NR.shape[1] <= x_NHD.shape[2]
+        and native.status() is True
+    )
+
+
 def _rotate(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
+    if _runs_native(x_NHD, cos_NR, sin_NR):
+        return native.native_rope(x_NHD, cos_NR, sin_NR)
+    return _torch_rotate(x_NHD, cos_NR, sin_NR)
+
+
+def _torch_rotate(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
     rotary = cos_NR.shape[-1]
     if rotary < x_NHD.shape[-1]:
-        return torch.cat((_rotate(x_NHD[..., :rotary], cos_NR, sin_NR), x_NHD[..., rotary:]), dim=-1)
+        return torch.cat((_torch_rotate(x_NHD[..., :rotary], cos_NR, sin_NR), x_NHD[..., rotary:]), dim=-1)
     half = rotary // 2
     rotated = torch.cat((-x_NHD[..., half:], x_NHD[..., :half]), dim=-1)
     return x_NHD * cos_NR[:, None, :] + rotated * sin_NR[:, None, :]
@@ -119,6 +150,8 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_NHD: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         cos_NR, sin_NR = ctx.saved_tensors
+        if _runs_native(grad_NHD, cos_NR, sin_NR):
+            return native.native_rope_backward(grad_NHD, cos_NR, sin_NR), None, None
         rotary = cos_NR.shape[-1]
         half = rotary // 2
         grad_rot = grad_NHD[..., :rotary]
