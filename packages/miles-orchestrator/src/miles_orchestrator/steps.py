@@ -115,10 +115,9 @@ async def prepare_batch(
 
 def loss_masks(batch: list[Sample]) -> torch.Tensor:
     """The samples' loss masks (tool output and other untrained tokens are 0), right-padded: (N, T) float32."""
-    mask = torch.zeros(len(batch), max(len(s.response_tokens) for s in batch))
-    for i, s in enumerate(batch):
-        mask[i, : len(s.response_tokens)] = torch.tensor(s.effective_loss_mask(), dtype=torch.float32)
-    return mask
+    width = max(len(s.response_tokens) for s in batch)
+    rows = [mask + [0] * (width - len(mask)) for mask in (s.effective_loss_mask() for s in batch)]
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(batch), width)  # one tensor call, not one per sample
 
 
 def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
@@ -128,7 +127,7 @@ def group_advantages(cfg: RunConfig, batch: list[Sample]) -> list[list[float]]:
     groups = torch.tensor([s.group_index for s in batch])
     name = cfg.trainer.advantage_estimator
     adv = compute_advantages(name, rewards, groups, loss_masks(batch), **estimator_kwargs(name, cfg.trainer.advantage))
-    return [adv[i, : len(s.response_tokens)].tolist() for i, s in enumerate(batch)]
+    return [row[: len(s.response_tokens)] for row, s in zip(adv.tolist(), batch, strict=True)]
 
 
 def gae_targets(
