@@ -301,7 +301,7 @@ def fsdp2_bytes(
     - mtp: the MTP modules' own weights (fp32 shards), and their grads and AdamW state when spec.mode is online;
     - gathered: transient unsharded parameters in the compute dtype while a forward / backward runs (FSDP2 keeps the
       root's embedding / norm / head gathered and prefetches the next layer: root + 2 layers); none for one float32
-      rank, which stays a plain module (`_needs_fsdp`);
+      rank, which stays a plain module (`miles_trainer.fsdp_sharding.needs_fsdp`);
     - activations: `activation_bytes` for `tokens` (an estimate, not exact), with `attention_extra` elements per
       token and layer for deterministic kernels (`blocked_attention_elements`).
     With `lora` (trainer.lora, miles_trainer/lora.py `attach_adapters`) the trunk is a frozen base: weights hold it

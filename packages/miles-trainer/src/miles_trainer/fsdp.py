@@ -17,29 +17,22 @@ import contextlib
 import functools
 import os
 import time
-import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
-from torch.utils.checkpoint import checkpoint
 
 from miles_contracts import Sample
-from miles_kernels import CausalLM, KernelConfig, MTPLayer, disabled_adapters, load_eagle3, load_model
+from miles_kernels import CausalLM, KernelConfig, disabled_adapters, load_eagle3, load_model
 from miles_kernels.config import WeightQuantConfig
 from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
+from miles_trainer.fsdp_sharding import apply_activation_checkpointing as apply_activation_checkpointing
+from miles_trainer.fsdp_sharding import shard, use_deterministic_backward
 from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.lora import TrainedWeights, attach_adapters
 from miles_trainer.memory import TrainerMemory, device_held
@@ -62,67 +55,6 @@ from miles_trainer.step import (
     resolve_loss_fn,
 )
 from miles_trainer.weight_sender import WeightSender
-
-
-def apply_activation_checkpointing(model: CausalLM) -> None:
-    """Recompute each decoder layer's activations in backward instead of keeping them (applied before sharding;
-    the recompute runs the same deterministic ops, so gradients are unchanged)."""
-    for layer in model.model.layers:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)  # type: ignore[method-assign]
-
-
-# FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip a hook); the model's outputs
-# are never modified in place, so the warning is noise on every step.
-warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
-def use_deterministic_backward() -> None:
-    """torch's deterministic algorithms, for the whole process: with several threads some CPU backward kernels
-    (the embedding's gradient, which adds the rows of repeated token ids) otherwise accumulate in an order that
-    changes from run to run, so one step's gradients differed in their last bits between runs of one config
-    (benchmarks/README.md, "Bitwise reproducibility"). The forward ops are unaffected (the engine's and the trainer's
-    bits stay equal). Uninitialized memory is not filled: that costs time and no op here reads it."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
-
-
-def _needs_fsdp(kernel: KernelConfig, offload_params: bool) -> bool:
-    """One float32 rank has nothing to shard, reduce or cast: the model stays a plain module (FSDP2's hooks cost
-    ~15 ms per step of the 3.2M-parameter policy on 2 cores, about an eighth of the step), unless its weights are to
-    live in host memory (FSDP2's CPU offload uploads them layer by layer)."""
-    return dist.get_world_size() > 1 or kernel.torch_dtype != torch.float32 or offload_params
-
-
-def _shard(
-    model: CausalLM, kernel: KernelConfig, root: torch.nn.Module | None = None, offload_params: bool = False
-) -> None:
-    """Shard each decoder layer, then `root` (the module whose forward the caller runs: `model` itself, or the
-    critic's `ValueModel` around it). `offload_params`: the sharded float32 weights and their gradients in host
-    memory (`OptimizerConfig.offload=moments_and_master`): FSDP2's `CPUOffloadPolicy`, whose all-gather uploads
-    a layer's weights when its forward runs and whose reduce-scatter downloads the gradients."""
-    if not _needs_fsdp(kernel, offload_params):
-        return
-    policy = MixedPrecisionPolicy(param_dtype=kernel.torch_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
-    # an MTP module's embedding and LM head are the trunk's (tied): the root's group manages them, not the module's
-    tied = {cast(torch.nn.Parameter, model.model.embed_tokens.weight), model.lm_head.weight}
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy, offload_policy=offload,
-                    ignored_params=tied if isinstance(layer, MTPLayer) else None)  # fmt: skip
-    if model.eagle3 is not None:  # an attached EAGLE-3 draft: its own group, gathered in its (TTT) forward
-        fully_shard(model.eagle3, mp_policy=policy, offload_policy=offload)
-    top = fully_shard(model if root is None else root, mp_policy=policy, offload_policy=offload)
-    if model.config.is_moe and dist.get_world_size() > 1:
-        # Experts that no token of this rank chose still join the gradient reduction.
-        if not hasattr(top, "set_reduce_scatter_unused_params"):
-            raise RuntimeError(
-                f"sharding an MoE model over ranks needs FSDP2's set_reduce_scatter_unused_params, which torch "
-                f"{torch.__version__} lacks (2.14 has it, 2.11 does not): install the torch of uv.lock"
-            )
-        top.set_reduce_scatter_unused_params(True)
-    if root is None:
-        for method in ("forward_hidden", "logits", "mtp_hidden", "mtp_logits", "token_embeddings"):  # root's gathered
-            register_fsdp_forward_method(model, method)
 
 
 class FSDP2Backend:
@@ -195,14 +127,14 @@ class FSDP2Backend:
         quantizer = attach_quantization(self.model, weight_quant, qat, self.lora is not None)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        _shard(self.model, kernel, offload_params=self.optimizer_config.is_master_offloaded)
+        shard(self.model, kernel, offload_params=self.optimizer_config.is_master_offloaded)
         self.reference: CausalLM | None = None
         self.has_reference = keep_reference if keep_reference is not None else self.loss_config.kl_coef > 0
         if self.has_reference and self.lora is None:  # with LoRA the reference is the base: the policy, adapters off
             self.reference = load_model(model_dir, kernel, device, dtype=torch.float32).eval().requires_grad_(False)
             if qat:  # the initial policy as the engine ran it
                 attach_quantization(self.reference, weight_quant, qat, has_lora=False)
-            _shard(self.reference, kernel)
+            shard(self.reference, kernel)
         self.aux_losses = list(aux_losses)
         aux_ids = {id(p) for aux in self.aux_losses for p in aux.parameters(self.model)}
         # drafts no auxiliary loss trains stay as loaded (spec.mode off / frozen): outside every optimizer,
@@ -228,7 +160,7 @@ class FSDP2Backend:
                 if self.config.activation_checkpointing:
                     apply_activation_checkpointing(backbone)
                 self.critic_model = ValueModel(backbone)
-                _shard(backbone, kernel, root=self.critic_model, offload_params=critic.optimizer.is_master_offloaded)
+                shard(backbone, kernel, root=self.critic_model, offload_params=critic.optimizer.is_master_offloaded)
                 critic_params = list(self.critic_model.parameters())
             else:
                 self.value_head = ValueHead(self.model.config.hidden_size, device)
