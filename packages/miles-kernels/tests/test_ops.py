@@ -6,10 +6,6 @@ router/expert formulas written out here.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +19,6 @@ from miles_kernels import (
     experts_forward,
     inv_frequencies,
     linear,
-    native,
     resolved_backends,
     rope_cos_sin,
     select_experts,
@@ -234,67 +229,6 @@ def test_rms_norm_gradients_match_float64_autograd(dtype: torch.dtype) -> None:
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for got, want in ((x.grad, x64.grad), (weight.grad, w64.grad)):
         torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rotary", [16, 8])
-def test_rope_gradient_is_autograds_bit_for_bit(dtype: torch.dtype, rotary: int) -> None:
-    """`apply_rope` under autograd (`_Rope`, a hand-written backward; float32 runs the native kernel where it loads)
-    gives the forward and the gradient that autograd computes through the torch form's ops, bit for bit; partial
-    rotary (8 of 16) included."""
-    from miles_kernels.ops.rope import _torch_rotate
-
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(11, 3, 16, generator=generator).to(dtype)
-    cos, sin = rope_cos_sin(torch.arange(11) * 7, inv_frequencies(rotary, 10_000.0), dtype)
-    upstream = torch.randn(11, 3, 16, generator=generator).to(dtype)
-    fused, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = apply_rope(fused, cos, sin)
-    want = _torch_rotate(plain, cos, sin)
-    assert out.grad_fn is not None and "Rope" in type(out.grad_fn).__name__
-    assert torch.equal(out, want)
-    (out * upstream).sum().backward()
-    (want * upstream).sum().backward()
-    assert torch.equal(fused.grad, plain.grad)
-
-
-@pytest.mark.skipif(native.status() is not True, reason="the native library is not usable here")
-@pytest.mark.parametrize("isa", native.ISAS)
-def test_native_rope_is_the_bits_of_the_torch_form(isa: str) -> None:
-    """native/rope.cpp against the torch form (`x * cos + cat(-x2, x1) * sin` and its backward), bit for bit, on every
-    instruction-set build: head sizes with vector tails, partial rotary, one row and enough rows to run threaded, 1
-    and 2 threads, values of every magnitude and non-finite ones."""
-    script = """
-import torch
-from miles_kernels import native
-from miles_kernels.ops.rope import _torch_rotate, inv_frequencies, rope_cos_sin
-assert native.isa() == ISA, native.isa()
-def same(a, b):  # every bit, but a NaN's sign (the torch form negates before multiplying)
-    nan = torch.isnan(a)
-    return torch.equal(nan, torch.isnan(b)) and torch.equal(a.masked_fill(nan, 0).view(torch.int32),
-                                                             b.masked_fill(nan, 0).view(torch.int32))
-g = torch.Generator().manual_seed(0)
-for n, heads, dim, rotary in ((1, 1, 32, 32), (7, 3, 40, 40), (5, 2, 64, 24), (300, 8, 128, 128), (33, 4, 18, 6)):
-    x = torch.randn(n, heads, dim, generator=g) * torch.logspace(-30, 30, dim)
-    x[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
-    cos, sin = rope_cos_sin(torch.randint(0, 40_000, (n,), generator=g), inv_frequencies(rotary, 1e6), torch.float32)
-    grad = torch.randn(n, heads, dim, generator=g)
-    want = _torch_rotate(x, cos, sin)
-    half = rotary // 2
-    z = grad[..., :rotary] * sin[:, None, :]
-    want_grad = torch.cat((grad[..., :rotary] * cos[:, None, :] + torch.cat((z[..., half:], -z[..., :half]), -1),
-                           grad[..., rotary:]), -1)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        assert same(native.native_rope(x, cos, sin), want), (n, dim)
-        assert same(native.native_rope_backward(grad, cos, sin), want_grad), (n, dim)
-print("ok")
-""".replace("ISA", repr(isa))
-    env = os.environ | {"MILES_NATIVE_ISA": isa}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    if "runs none of the native builds" in done.stderr:
-        pytest.skip(f"this CPU lacks the {isa} instruction set")
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("width", [128, 100])
