@@ -43,7 +43,8 @@ from .critic import (
     explained_variance,
     value_loss,
 )
-from .fsdp import FSDP2Backend, apply_activation_checkpointing
+from .fsdp import FSDP2Backend
+from .fsdp_sharding import apply_activation_checkpointing
 from .importance import importance_weight_sums, importance_weights, normalize_importance_weights
 from .logprobs import micro_batch_forward, micro_batch_logprobs, response_logprobs
 from .lora import TrainedWeights, attach_adapters, check_lora

@@ -31,8 +31,7 @@ from miles_memory.config import MemoryConfig
 from miles_trainer.auxiliary import AuxLoss
 from miles_trainer.config import BackendConfig, CriticConfig, LoraTrainConfig, OptimizerConfig, PolicyLossConfig
 from miles_trainer.critic import JointValueLoss, ValueHead, ValueModel, accumulate_value_gradients, critic_values
-from miles_trainer.fsdp_sharding import apply_activation_checkpointing as apply_activation_checkpointing
-from miles_trainer.fsdp_sharding import shard, use_deterministic_backward
+from miles_trainer.fsdp_sharding import apply_activation_checkpointing, shard, use_deterministic_backward
 from miles_trainer.logprobs import batch_logprobs
 from miles_trainer.lora import TrainedWeights, attach_adapters
 from miles_trainer.memory import TrainerMemory, device_held

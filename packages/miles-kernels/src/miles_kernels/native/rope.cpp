@@ -30,29 +30,19 @@ inline void rotate_half(const float* a, const float* b, const float* c, const fl
   }
 }
 
-void forward(const float* x, const float* cos, const float* sin, float* y, int64_t N, int64_t H, int64_t D,
-             int64_t R, int threads) {
+// y = the rotation of x's rows (forward), or dx = its transpose applied to g's rows (backward): the same two
+// half-rotations, the backward taking each half's sine from the other half and the opposite signs
+void rotate_rows(const float* x, const float* cos, const float* sin, float* y, int64_t N, int64_t H, int64_t D,
+                 int64_t R, bool transpose, int threads) {
   const int64_t h = R / 2;
+  const int64_t low_sin = transpose ? h : 0, high_sin = transpose ? 0 : h;
+  const float low_sign = transpose ? 1.0f : -1.0f;
 #pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, N * H, N * H * D))
   for (int64_t row = 0; row < N * H; ++row) {
     const float *in = x + row * D, *c = cos + (row / H) * R, *s = sin + (row / H) * R;
     float* out = y + row * D;
-    rotate_half(in, in + h, c, s, -1.0f, out, h);
-    rotate_half(in + h, in, c + h, s + h, 1.0f, out + h, h);
-    for (int64_t d = R; d < D; ++d) out[d] = in[d];
-  }
-}
-
-void backward(const float* g, const float* cos, const float* sin, float* dx, int64_t N, int64_t H, int64_t D,
-              int64_t R, int threads) {
-  const int64_t h = R / 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(threads, N * H, N * H * D))
-  for (int64_t row = 0; row < N * H; ++row) {
-    const float *in = g + row * D, *c = cos + (row / H) * R, *s = sin + (row / H) * R;
-    float* out = dx + row * D;
-    // z[d + h] = g[d + h] * s[d + h] is added to the first half, z[d] = g[d] * s[d] taken from the second
-    rotate_half(in, in + h, c, s + h, 1.0f, out, h);
-    rotate_half(in + h, in, c + h, s, -1.0f, out + h, h);
+    rotate_half(in, in + h, c, s + low_sin, low_sign, out, h);
+    rotate_half(in + h, in, c + h, s + high_sin, -low_sign, out + h, h);
     for (int64_t d = R; d < D; ++d) out[d] = in[d];
   }
 }
@@ -61,10 +51,10 @@ void backward(const float* g, const float* cos, const float* sin, float* dx, int
 
 extern "C" void MILES_EXPORT(miles_rope_fwd_f32)(const float* x, const float* cos, const float* sin, float* y,
                                                  int64_t N, int64_t H, int64_t D, int64_t R, int threads) {
-  forward(x, cos, sin, y, N, H, D, R, threads);
+  rotate_rows(x, cos, sin, y, N, H, D, R, false, threads);
 }
 
 extern "C" void MILES_EXPORT(miles_rope_bwd_f32)(const float* g, const float* cos, const float* sin, float* dx,
                                                  int64_t N, int64_t H, int64_t D, int64_t R, int threads) {
-  backward(g, cos, sin, dx, N, H, D, R, threads);
+  rotate_rows(g, cos, sin, dx, N, H, D, R, true, threads);
 }
