@@ -164,11 +164,38 @@ inline __m512 pair_level(__m512 x, __m512 y, int level) {
     default: return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// `reduce` of 8 elements at once, the same adds of the same pairs: level 1 adds an element's two registers (lane l
+// and l + 8), level 2 its 128-bit halves (l and l + 4) two elements to a register, levels 3 and 4 shuffle four
+// elements' partial sums into one register (l + 2, then l + 1). At the end lane j of the low half holds element 2j,
+// lane j of the high half element 2j + 1.
+inline void reduce8(const Lanes* s, int n, float* out) {
+  __m256 l1[8], l2[4], l3[2];
+  for (int e = 0; e < 8; ++e) l1[e] = e < n ? _mm256_add_ps(s[e].v[0], s[e].v[1]) : _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j)
+    l2[j] = _mm256_add_ps(_mm256_permute2f128_ps(l1[2 * j], l1[2 * j + 1], 0x20),
+                          _mm256_permute2f128_ps(l1[2 * j], l1[2 * j + 1], 0x31));
+  for (int j = 0; j < 2; ++j)
+    l3[j] = _mm256_add_ps(_mm256_shuffle_ps(l2[2 * j], l2[2 * j + 1], 0x44),
+                          _mm256_shuffle_ps(l2[2 * j], l2[2 * j + 1], 0xEE));
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, _mm256_add_ps(_mm256_shuffle_ps(l3[0], l3[1], 0x88), _mm256_shuffle_ps(l3[0], l3[1], 0xDD)));
+  for (int j = 0; j < 4; ++j) {  // lane j: element 2j; lane 4 + j: element 2j + 1
+    if (2 * j < n) out[2 * j] = sums[j];
+    if (2 * j + 1 < n) out[2 * j + 1] = sums[4 + j];
+  }
+}
 #endif
 
-// out[e] = reduce(s[e]) for e < n (AVX-512: 16 at a time, padded with zero sums, which no real element's adds touch;
-// cheaper than `reduce` per element from two elements on).
+// out[e] = reduce(s[e]) for e < n (AVX-512: 16 at a time, AVX2: 8, padded with zero sums, which no real element's
+// adds touch; cheaper than `reduce` per element from two elements on).
 inline void reduce_many(const Lanes* s, int n, float* out) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if (n >= 2) {
+    for (int g = 0; g < n; g += 8) reduce8(s + g, n - g < 8 ? n - g : 8, out + g);
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if (n >= 2) {
     for (int g = 0; g < n; g += 16) {
