@@ -26,7 +26,9 @@ from miles_kernels import (
 )
 from miles_kernels.native import build as native_build
 from miles_kernels.native import native_linear, native_mm
-from miles_kernels.ops.attention_batch import build_packed_batch
+from miles_kernels.ops.attention import packed_attention
+from miles_kernels.ops.attention_batch import build_packed_batch, num_pages_needed
+from miles_kernels.ops.kv_pages import read_tokens, scratch_pages
 from miles_kernels.testing import packed_logits, random_model, tiny_config
 
 # shapes (M, K, N): decode rows, K not a multiple of the 8 x 8 transposes, N not a multiple of any block, empty, tiny
@@ -426,6 +428,35 @@ def test_model_gradients_through_the_native_attention(kind: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(grads(NATIVE_ALL), ours, strict=True))
     for a, b in zip(grads(TORCH_BACKENDS), ours, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("page", "window"), [(4, None), (16, None), (16, 3), (32, 9)])
+def test_packed_attention_reads_the_tokens_in_place_with_the_page_stores_bits(page: int, window: int | None) -> None:
+    """The trainer's native attention reads K / V as its tokens' rows (`AttentionBatch.slot_rows`) instead of building
+    a page store: the output, lse and gradients are, bit for bit, those of the page store the batch describes
+    (shared prompts' copy writes included: a copy's slot sums its reader's chain, added to the token's in order)."""
+    generator = torch.Generator().manual_seed(page + (window or 0))
+    lens = [23, 9, 30, 1, 17, 12, 5]
+    parents = [None, 0, 0, None, None, 4, 4]  # two prompts, each continued by two responses
+    batch = build_packed_batch(lens, page, 4, parents=parents)
+    n, pages = sum(lens), num_pages_needed(batch)
+    q, k, v = (torch.randn(n, h, 40, generator=generator, requires_grad=True) for h in (6, 2, 2))
+    grad = torch.randn(n, 6, 40, generator=generator)
+    out = packed_attention(q, k, v, batch, 0.15, NATIVE_ALL, window)
+    out.backward(grad)
+
+    k_pages, v_pages = scratch_pages(k.detach(), v.detach(), batch, pages)
+    args = (batch.positions_N, batch.token_seqs(), batch.block_tables_SB)
+    want, lse = native.native_attention(q.detach(), k_pages, v_pages, *args, 0.15, window)
+    starts = F.pad(batch.query_lens_S.cumsum(0), (1, 0))
+    dq, dk_pages, dv_pages = native.native_attention_backward(
+        q.detach(), k_pages, v_pages, *args, starts, 0.15, window, want, lse, grad
+    )
+    assert batch.copy_tokens_C.numel() > 0
+    assert torch.equal(out, want) and torch.equal(q.grad, dq)
+    assert torch.equal(k.grad, read_tokens(dk_pages, batch)) and torch.equal(v.grad, read_tokens(dv_pages, batch))
+    with torch.no_grad():  # the no-grad forward (a reference model's log-probs) reads the rows too
+        assert torch.equal(packed_attention(q, k, v, batch, 0.15, NATIVE_ALL, window), want)
 
 
 def test_attention_and_norm_backends_are_registered_and_fingerprinted() -> None:

@@ -80,9 +80,9 @@ def _load() -> None:
     pack_args = [pointer, size, size, size, size, pointer, ctypes.c_int]
     packed_args = [pointer, size, size, pointer, pointer, size, size, size, size, ctypes.c_int]
     index, real = size, ctypes.c_float
-    head = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer, size, real, index]
+    head = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer, size, real, index, pointer]
     forward_args = [*head, pointer, pointer, ctypes.c_int]
-    backward_args = [*head, size, pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int]
+    backward_args = [*head, size, pointer, size, pointer, *[pointer] * 6, ctypes.c_int]
     norm_forward_args = [pointer, pointer, pointer, pointer, size, size, real, ctypes.c_int]
     norm_backward_args = [pointer, pointer, pointer, pointer, pointer, size, size, real, ctypes.c_int]
     kernels = (("gemm", args), ("pack", pack_args), ("packed", packed_args), ("attention_fwd", forward_args),
@@ -325,19 +325,29 @@ def gumbel_uniforms(seeds_M: torch.Tensor, positions_M: torch.Tensor, vocab: int
 
 
 MAX_HEAD_DIM = 1024  # attention.cpp keeps a row's accumulator on the stack
+_KV_LAYOUTS = {4: "pages (pages, Hkv, P, D)", 3: "rows (R, Hkv, D) with the rows of the slots (pages, P)"}
 
 
 def _attention_operands(
-    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, tables_SB: torch.Tensor
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables_SB: torch.Tensor,
+    rows_PP: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked, contiguous operands: q as float32, the pages in a dtype the kernels read (float16 as float32)."""
-    tensors = (q_NHD, k_pages, v_pages, tables_SB)
+    """Checked, contiguous operands: q as float32, the pages (or K/V rows, `rows_PP` given) in a dtype the kernels
+    read (float16 as float32)."""
+    tensors = (q_NHD, k_pages, v_pages, tables_SB) + (() if rows_PP is None else (rows_PP,))
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError(f"native attention runs on CPU tensors; got {[str(t.device) for t in tensors]}")
-    (_, heads, head_dim), (_, kv_heads, _, page_dim) = q_NHD.shape, k_pages.shape
+    kv_dims = 4 if rows_PP is None else 3
+    if q_NHD.dim() != 3 or k_pages.dim() != kv_dims or (rows_PP is not None and rows_PP.dim() != 2):
+        raise ValueError(f"native attention takes q (N, H, D) and K / V {_KV_LAYOUTS[kv_dims]}; got q "
+                         f"{tuple(q_NHD.shape)}, K {tuple(k_pages.shape)}")  # fmt: skip
+    (_, heads, head_dim), kv_heads, page_dim = q_NHD.shape, k_pages.shape[1], k_pages.shape[-1]
     if k_pages.shape != v_pages.shape or page_dim != head_dim or heads % kv_heads or head_dim > MAX_HEAD_DIM:
         raise ValueError(
-            f"native attention takes q (N, H, D) and K / V pages (pages, Hkv, P, D) of one shape, H a multiple of Hkv"
+            f"native attention takes q (N, H, D) and K / V {_KV_LAYOUTS[kv_dims]} of one shape, H a multiple of Hkv"
             f" and D <= {MAX_HEAD_DIM}; got q {tuple(q_NHD.shape)}, K {tuple(k_pages.shape)}, V {tuple(v_pages.shape)}"
         )
     if k_pages.dtype != v_pages.dtype:
@@ -356,21 +366,30 @@ def native_attention(
     tables_SB: torch.Tensor,
     scale: float,
     window: int | None = None,
+    rows_PP: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each query token (position `positions_N[t]`, sequence `seqs_N[t]`) over its sequence's
     keys in the page store (`tables_SB[s, b]`: the page of key block b; pages (num_pages, Hkv, P, D)), a row at a time
     in one fixed order (attention.cpp): batch-invariant by construction. `window`: a row sees its last `window` keys.
-    Returns the float32 output (N, H, D) and log-sum-exp (N, H)."""
+    `rows_PP` (num_pages, P): K / V are rows (R, Hkv, D) instead, slot (page, offset) holding row rows_PP[page,
+    offset] (the trainer's tokens, no page store built; the same bits). Returns the float32 output (N, H, D) and
+    log-sum-exp (N, H)."""
     state = _loaded()
-    q, k, v = _attention_operands(q_NHD, k_pages, v_pages, tables_SB)
-    (n, heads, head_dim), (_, kv_heads, page, _) = q.shape, k.shape
+    q, k, v = _attention_operands(q_NHD, k_pages, v_pages, tables_SB, rows_PP)
+    (n, heads, head_dim), kv_heads = q.shape, k.shape[1]
+    page = k.shape[2] if rows_PP is None else rows_PP.shape[1]
     out = torch.empty(n, heads, head_dim)
     lse = torch.empty(n, heads)
     ints = [t.to(torch.int64).contiguous() for t in (positions_N, seqs_N, tables_SB)]
+    rows = 0 if rows_PP is None else rows_PP.to(torch.int64).contiguous()
     _run("native_attention", state[f"attention_fwd_{_DTYPES[k.dtype]}"], q.data_ptr(), k.data_ptr(), v.data_ptr(), n,
          heads, kv_heads, head_dim, page, *(t.data_ptr() for t in ints), ints[2].shape[1], scale, window or 0,
-         out.data_ptr(), lse.data_ptr(), torch.get_num_threads())  # fmt: skip
+         _pointer(rows), out.data_ptr(), lse.data_ptr(), torch.get_num_threads())  # fmt: skip
     return out, lse
+
+
+def _pointer(t: torch.Tensor | int) -> int:
+    return t if isinstance(t, int) else t.data_ptr()
 
 
 def native_attention_backward(
@@ -386,21 +405,35 @@ def native_attention_backward(
     out_NHD: torch.Tensor,
     lse_NH: torch.Tensor,
     grad_NHD: torch.Tensor,
+    rows_PP: torch.Tensor | None = None,
+    grad_rows_PP: torch.Tensor | None = None,
+    num_grad_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq (N, H, D), dK and dV pages, float32) of `native_attention` given its float32 output and
     log-sum-exp and the output's gradient; the tokens of sequence s are query_starts[s] .. query_starts[s + 1] - 1,
-    positions ascending. Deterministic: each sum runs in one fixed order (attention.cpp)."""
+    positions ascending. Deterministic: each sum runs in one fixed order (attention.cpp). K / V as rows (`rows_PP`,
+    as `native_attention`): dK and dV are (num_grad_rows, Hkv, D), slot (page, offset)'s gradient in row
+    grad_rows_PP[page, offset] (the sum a page store's slot would hold)."""
     state = _loaded()
-    q, k, v = _attention_operands(q_NHD, k_pages, v_pages, tables_SB)
-    (n, heads, head_dim), (num_pages, kv_heads, page, _) = q.shape, k.shape
+    q, k, v = _attention_operands(q_NHD, k_pages, v_pages, tables_SB, rows_PP)
+    (n, heads, head_dim), kv_heads = q.shape, k.shape[1]
     ints = [t.to(torch.int64).contiguous() for t in (positions_N, seqs_N, tables_SB, query_starts)]
     out, lse, grad = (t.float().contiguous() for t in (out_NHD, lse_NH, grad_NHD))
     dq = torch.empty(n, heads, head_dim)
-    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+    if rows_PP is None:
+        (num_pages, _, page, _), rows, grad_rows, grad_shape = k.shape, 0, 0, k.shape
+    else:
+        if grad_rows_PP is None or grad_rows_PP.shape != rows_PP.shape:
+            raise ValueError("native attention over K / V rows takes the gradient row of each slot, grad_rows_PP, of "
+                             f"the shape of rows_PP {tuple(rows_PP.shape)}")  # fmt: skip
+        (num_pages, page), grad_shape = rows_PP.shape, (num_grad_rows, kv_heads, head_dim)
+        rows, grad_rows = (t.to(torch.int64).contiguous() for t in (rows_PP, grad_rows_PP))
+    dk, dv = torch.zeros(grad_shape), torch.zeros(grad_shape)
     _run("native_attention_backward", state[f"attention_bwd_{_DTYPES[k.dtype]}"], q.data_ptr(), k.data_ptr(),
          v.data_ptr(), n, heads, kv_heads, head_dim, page, *(t.data_ptr() for t in ints[:3]), ints[2].shape[1], scale,
-         window or 0, ints[3].shape[0] - 1, ints[3].data_ptr(), num_pages, out.data_ptr(), lse.data_ptr(),
-         grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())  # fmt: skip
+         window or 0, _pointer(rows), ints[3].shape[0] - 1, ints[3].data_ptr(), num_pages, _pointer(grad_rows),
+         out.data_ptr(), lse.data_ptr(), grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+         torch.get_num_threads())  # fmt: skip
     return dq, dk, dv
 
 

@@ -21,6 +21,11 @@
 //
 // Shapes: q, out, dq (N, H, D) float32; K/V pages (num_pages, Hkv, P, D) float32 or bfloat16; tables (S, B) the
 // page of each key block of each sequence; positions, seqs (N); lse (N, H).
+//
+// Or K/V rows (the trainer's): K and V (R, Hkv, D), one row per token, and `rows` (num_pages x P) the row each
+// (page, offset) slot holds: the same keys in the same order as pages filled with those rows, so the same bits,
+// without building the pages. The backward then accumulates dK / dV of slot (page, offset) in row
+// `grad_rows[page * P + offset]` of dk, dv (G, Hkv, D): the chains a page store's slots would hold.
 #include <vector>
 
 #include "simd.h"
@@ -41,25 +46,32 @@ struct Attention {
   const int64_t* tables;
   int64_t B;
   float scale;
-  int64_t window;  // <= 0: none
+  int64_t window;       // <= 0: none
+  const int64_t* rows;  // null: K/V are pages; else K/V rows, slot (page, offset) in row rows[page * P + offset]
 
   int64_t group() const { return H / Hkv; }
   int chunk() const { return P < CHUNK ? static_cast<int>(P) : CHUNK; }
   int64_t first_key(int64_t pos) const { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
-  // key `key` of sequence `seq`, KV head `kvh`, in `pages` (the K or the V store)
-  const T* at(const T* pages, int64_t seq, int64_t kvh, int64_t key) const {
+  // key `key` of sequence `seq`, KV head `kvh`, in `kv` (the K or the V store)
+  const T* at(const T* kv, int64_t seq, int64_t kvh, int64_t key) const {
     const int64_t page = tables[seq * B + key / P];
-    return pages + ((page * Hkv + kvh) * P + key % P) * D;
+    if (rows) return kv + (rows[page * P + key % P] * Hkv + kvh) * D;
+    return kv + ((page * Hkv + kvh) * P + key % P) * D;
+  }
+  // keys key0 .. key0 + n - 1 (n <= CHUNK, in one page): D apart in a page, anywhere as rows
+  void keys(const T* kv, int64_t seq, int64_t kvh, int64_t key0, int n, const T** out) const {
+    const T* first = at(kv, seq, kvh, key0);
+    for (int j = 0; j < n; ++j) out[j] = rows ? at(kv, seq, kvh, key0 + j) : first + j * D;
   }
 };
 
-// s[j] = scale * (q . k_{key0 + j}) for j < n (n <= CHUNK keys, consecutive in one page).
+// s[j] = scale * (q . k[j]) for j < n (n <= CHUNK keys).
 template <class T>
-inline void chunk_scores(const Attention<T>& a, const float* q, const T* k0, int n, float* s) {
+inline void chunk_scores(const Attention<T>& a, const float* q, const T* const* k, int n, float* s) {
   Lanes acc[CHUNK];
   for (int j = 0; j < n; ++j) {
     lanes_zero(acc[j]);
-    lanes_dot(q, k0 + j * a.D, a.D, acc[j]);
+    lanes_dot(q, k[j], a.D, acc[j]);
   }
   reduce_many(acc, n, s);
   for (int j = 0; j < n; ++j) s[j] = s[j] * a.scale;
@@ -79,18 +91,18 @@ inline float exp1(float x) {
 
 // acc[d] = fma(w_j, rows_j[d], ... fma(w_0, rows_0[d], acc[d] * c)) for d < D (c = 1: no product, the same bits).
 template <class T>
-inline void accumulate(float* acc, float c, const float* w, const T* rows, int64_t stride, int n, int64_t D) {
+inline void accumulate(float* acc, float c, const float* w, const T* const* rows, int n, int64_t D) {
   int64_t d = 0;
   for (; d + W <= D; d += W) {
     V x = vload(acc + d);
     if (c != 1.0f) x = vmul(x, vbroadcast(c));
-    for (int j = 0; j < n; ++j) x = vfma(vbroadcast(w[j]), vload16(rows + j * stride + d), x);
+    for (int j = 0; j < n; ++j) x = vfma(vbroadcast(w[j]), vload16(rows[j] + d), x);
     vstore(acc + d, x);
   }
   for (; d < D; ++d) {
     float x = acc[d];
     if (c != 1.0f) x = x * c;
-    for (int j = 0; j < n; ++j) x = fmaf(w[j], to_float(rows[j * stride + d]), x);
+    for (int j = 0; j < n; ++j) x = fmaf(w[j], to_float(rows[j][d]), x);
     acc[d] = x;
   }
 }
@@ -115,7 +127,9 @@ void forward_row(const Attention<T>& a, int64_t t, int64_t h, float* out, float*
   for (int64_t key0 = first / chunk * chunk; key0 <= pos; key0 += chunk) {
     const Span span = visible(key0, chunk, first, pos);
     alignas(64) float s[CHUNK], p[CHUNK];
-    chunk_scores(a, q, a.at(a.k, seq, kvh, span.lo), span.n(), s);
+    const T* rows[CHUNK];
+    a.keys(a.k, seq, kvh, span.lo, span.n(), rows);
+    chunk_scores(a, q, rows, span.n(), s);
     float chunk_max = s[0];
     for (int j = 1; j < span.n(); ++j) chunk_max = s[j] > chunk_max ? s[j] : chunk_max;
     const float m_new = m > chunk_max ? m : chunk_max;
@@ -123,7 +137,8 @@ void forward_row(const Attention<T>& a, int64_t t, int64_t h, float* out, float*
     chunk_exp(s, m_new, p);
     l = l * c;
     for (int j = 0; j < span.n(); ++j) l = l + p[j];
-    accumulate(acc, c, p, a.at(a.v, seq, kvh, span.lo), a.D, span.n(), a.D);
+    a.keys(a.v, seq, kvh, span.lo, span.n(), rows);
+    accumulate(acc, c, p, rows, span.n(), a.D);
     m = m_new;
   }
   float* o = out + (t * a.H + h) * a.D;
@@ -158,21 +173,24 @@ template <class T>
 inline void chunk_grads(const Attention<T>& a, const float* q, const float* dout, float lse, float delta,
                         int64_t seq, int64_t kvh, const Span& span, float* p, float* ds) {
   alignas(64) float s[CHUNK], dp[CHUNK];
-  chunk_scores(a, q, a.at(a.k, seq, kvh, span.lo), span.n(), s);
+  const T* rows[CHUNK];
+  a.keys(a.k, seq, kvh, span.lo, span.n(), rows);
+  chunk_scores(a, q, rows, span.n(), s);
   chunk_exp(s, lse, p);
-  const T* v0 = a.at(a.v, seq, kvh, span.lo);
+  a.keys(a.v, seq, kvh, span.lo, span.n(), rows);
   Lanes acc[CHUNK];
   for (int j = 0; j < span.n(); ++j) {
     lanes_zero(acc[j]);
-    lanes_dot(dout, v0 + j * a.D, a.D, acc[j]);
+    lanes_dot(dout, rows[j], a.D, acc[j]);
   }
   reduce_many(acc, span.n(), dp);
   for (int j = 0; j < span.n(); ++j) ds[j] = p[j] * (dp[j] - delta) * a.scale;
 }
 
 template <class T>
-void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int64_t num_pages, const float* out,
-              const float* lse, const float* dout, float* dq, float* dk, float* dv, int threads) {
+void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int64_t num_pages,
+              const int64_t* grad_rows, const float* out, const float* lse, const float* dout, float* dq, float* dk,
+              float* dv, int threads) {
   const int64_t rows = a.N * a.H;
   const int chunk = a.chunk();
   std::vector<float> delta(rows);
@@ -188,7 +206,9 @@ void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int
       const Span span = visible(key0, chunk, first, pos);
       alignas(64) float p[CHUNK], ds[CHUNK];
       chunk_grads(a, q, g, lse[r], delta[r], seq, h / a.group(), span, p, ds);
-      accumulate(grad, 1.0f, ds, a.at(a.k, seq, h / a.group(), span.lo), a.D, span.n(), a.D);
+      const T* keys[CHUNK];
+      a.keys(a.k, seq, h / a.group(), span.lo, span.n(), keys);
+      accumulate(grad, 1.0f, ds, keys, span.n(), a.D);
     }
   }
   // the (sequence, block) pairs reading each page, sequences ascending
@@ -202,8 +222,10 @@ void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (worth_threads(threads, tasks, total))
   for (int64_t task = 0; task < tasks; ++task) {  // dk and dv, (page, KV head) by (page, KV head)
     const int64_t page = task / a.Hkv, kvh = task % a.Hkv;
-    float* gk = dk + (page * a.Hkv + kvh) * a.P * a.D;
-    float* gv = dv + (page * a.Hkv + kvh) * a.P * a.D;
+    auto slot = [&](float* grads, int64_t offset) {  // the gradient of slot (page, offset), KV head kvh
+      if (a.rows) return grads + (grad_rows[page * a.P + offset] * a.Hkv + kvh) * a.D;
+      return grads + ((page * a.Hkv + kvh) * a.P + offset) * a.D;
+    };
     for (const auto& [seq, block] : readers[page]) {
       for (int64_t t = query_starts[seq]; t < query_starts[seq + 1]; ++t) {
         const int64_t pos = a.positions[t], first = a.first_key(pos);
@@ -218,8 +240,8 @@ void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int
             chunk_grads(a, q, g, lse[r], delta[r], seq, kvh, span, p, ds);
             const int64_t j0 = span.lo % a.P;
             for (int j = 0; j < span.n(); ++j) {
-              accumulate(gv + (j0 + j) * a.D, 1.0f, p + j, g, 0, 1, a.D);
-              accumulate(gk + (j0 + j) * a.D, 1.0f, ds + j, q, 0, 1, a.D);
+              accumulate(slot(dv, j0 + j), 1.0f, p + j, &g, 1, a.D);
+              accumulate(slot(dk, j0 + j), 1.0f, ds + j, &q, 1, a.D);
             }
           }
         }
@@ -231,8 +253,8 @@ void backward(const Attention<T>& a, int64_t S, const int64_t* query_starts, int
 template <class T>
 Attention<T> make(const float* q, const T* k, const T* v, int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t P,
                   const int64_t* positions, const int64_t* seqs, const int64_t* tables, int64_t B, float scale,
-                  int64_t window) {
-  return {q, k, v, N, H, Hkv, D, P, positions, seqs, tables, B, scale, window};
+                  int64_t window, const int64_t* rows) {
+  return {q, k, v, N, H, Hkv, D, P, positions, seqs, tables, B, scale, window, rows};
 }
 
 }  // namespace
@@ -241,16 +263,16 @@ Attention<T> make(const float* q, const T* k, const T* v, int64_t N, int64_t H, 
   extern "C" void MILES_EXPORT(miles_attention_fwd_##suffix)(                                                     \
       const float* q, const T* k, const T* v, int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t P,              \
       const int64_t* positions, const int64_t* seqs, const int64_t* tables, int64_t B, float scale, int64_t window, \
-      float* out, float* lse, int threads) {                                                                        \
-    forward(make(q, k, v, N, H, Hkv, D, P, positions, seqs, tables, B, scale, window), out, lse, threads);          \
+      const int64_t* rows, float* out, float* lse, int threads) {                                                   \
+    forward(make(q, k, v, N, H, Hkv, D, P, positions, seqs, tables, B, scale, window, rows), out, lse, threads);    \
   }                                                                                                                 \
   extern "C" void MILES_EXPORT(miles_attention_bwd_##suffix)(                                                     \
       const float* q, const T* k, const T* v, int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t P,              \
       const int64_t* positions, const int64_t* seqs, const int64_t* tables, int64_t B, float scale, int64_t window, \
-      int64_t S, const int64_t* query_starts, int64_t num_pages, const float* out, const float* lse,                \
-      const float* dout, float* dq, float* dk, float* dv, int threads) {                                            \
-    backward(make(q, k, v, N, H, Hkv, D, P, positions, seqs, tables, B, scale, window), S, query_starts,          \
-             num_pages, out, lse, dout, dq, dk, dv, threads);                                                       \
+      const int64_t* rows, int64_t S, const int64_t* query_starts, int64_t num_pages, const int64_t* grad_rows,     \
+      const float* out, const float* lse, const float* dout, float* dq, float* dk, float* dv, int threads) {        \
+    backward(make(q, k, v, N, H, Hkv, D, P, positions, seqs, tables, B, scale, window, rows), S, query_starts,    \
+             num_pages, grad_rows, out, lse, dout, dq, dk, dv, threads);                                            \
   }
 
 MILES_ATTENTION(f32, float)

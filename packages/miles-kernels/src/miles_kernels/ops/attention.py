@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from miles_kernels import native
 from miles_kernels.ops.attention_batch import AttentionBatch, num_pages_needed
 from miles_kernels.ops.blocked_attention import BlockedAttention, blocked_attention
-from miles_kernels.ops.kv_pages import kv_writes, read_tokens, scratch_pages
+from miles_kernels.ops.kv_pages import kv_writes, scratch_pages
 from miles_kernels.registry import get_backend, register_backend
 from miles_kernels.triton_ops import triton_available
 
@@ -81,7 +81,11 @@ def packed_attention(
         if grad:
             native_out: torch.Tensor = _NativeAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
             return native_out
-        return _native_attention(q_NHD, *scratch_pages(k_NKD, v_NKD, batch, num_pages), batch, scale, window)
+        rows, _ = batch.slot_rows(num_pages)  # K/V read as rows in place: no page store built
+        native_out, _ = native.native_attention(
+            q_NHD, k_NKD, v_NKD, batch.positions_N, batch.token_seqs(), batch.block_tables_SB, scale, window, rows
+        )
+        return native_out.to(q_NHD.dtype)
     if backend is blocked_attention or (backend is _hybrid_attention and not _uses_sdpa(batch)):
         if grad:
             out: torch.Tensor = BlockedAttention.apply(q_NHD, k_NKD, v_NKD, batch, scale, num_pages, window)
@@ -116,7 +120,9 @@ def _native_attention(
 
 class _NativeAttention(torch.autograd.Function):
     """The native attention with its C++ backward (native.native_attention_backward). Inputs are K/V pages, or K/V
-    per token (`num_pages` given), as for `BlockedAttention`."""
+    per token (`num_pages` given), as for `BlockedAttention`: those are read in place as the rows of the slots of a
+    `num_pages` store (`AttentionBatch.slot_rows`), with the bits that store would give, and their gradients are the
+    slots' sums as `read_tokens` gathers them (a token's own slot, plus its copies' in order)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -129,29 +135,33 @@ class _NativeAttention(torch.autograd.Function):
         num_pages: int | None,
         window: int | None,
     ) -> torch.Tensor:
-        k_pages, v_pages = (k_in, v_in) if num_pages is None else scratch_pages(k_in, v_in, batch, num_pages)
+        rows = None if num_pages is None else batch.slot_rows(num_pages)[0]
         seqs_N = batch.token_seqs()
         out, lse = native.native_attention(
-            q_NHD, k_pages, v_pages, batch.positions_N, seqs_N, batch.block_tables_SB, scale, window
+            q_NHD, k_in, v_in, batch.positions_N, seqs_N, batch.block_tables_SB, scale, window, rows
         )
-        ctx.save_for_backward(q_NHD, k_pages, v_pages, seqs_N, out, lse)
-        ctx.batch, ctx.scale, ctx.window, ctx.per_token = batch, scale, window, num_pages is not None
+        ctx.save_for_backward(q_NHD, k_in, v_in, seqs_N, out, lse)
+        ctx.batch, ctx.scale, ctx.window, ctx.num_pages = batch, scale, window, num_pages
         ctx.dtypes = (q_NHD.dtype, k_in.dtype, v_in.dtype)
         return out.to(q_NHD.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_NHD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q_NHD, k_pages, v_pages, seqs_N, out, lse = ctx.saved_tensors
+        q_NHD, k_in, v_in, seqs_N, out, lse = ctx.saved_tensors
         batch: AttentionBatch = ctx.batch
         query_starts = F.pad(batch.query_lens_S.cumsum(0), (1, 0))
-        dq, dk_pages, dv_pages = native.native_attention_backward(
-            q_NHD, k_pages, v_pages, batch.positions_N, seqs_N, batch.block_tables_SB, query_starts, ctx.scale,
-            ctx.window, out, lse, grad_NHD,
+        rows, grad_rows = (None, None) if ctx.num_pages is None else batch.slot_rows(ctx.num_pages)
+        num_tokens, num_copies = batch.num_tokens, batch.copy_tokens_C.numel()
+        dq, dk, dv = native.native_attention_backward(
+            q_NHD, k_in, v_in, batch.positions_N, seqs_N, batch.block_tables_SB, query_starts, ctx.scale, ctx.window,
+            out, lse, grad_NHD, rows, grad_rows, num_tokens + num_copies,
         )  # fmt: skip
+        if rows is not None and num_copies:  # each copy's slot sum added to its token's, in order (`read_tokens`)
+            copies = batch.copy_tokens_C.to(dk.device)
+            dk, dv = (grads[:num_tokens].index_add_(0, copies, grads[num_tokens:]) for grads in (dk, dv))
+        elif rows is not None:
+            dk, dv = dk[:num_tokens], dv[:num_tokens]
         q_dtype, k_dtype, v_dtype = ctx.dtypes
-        if not ctx.per_token:
-            return dq.to(q_dtype), dk_pages.to(k_dtype), dv_pages.to(v_dtype), None, None, None, None
-        dk, dv = (read_tokens(pages, batch) for pages in (dk_pages, dv_pages))
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
 
 

@@ -132,6 +132,25 @@ class AttentionBatch:
             self._derived[key] = slots.flatten()
         return self._derived[key]
 
+    def slot_rows(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V kept as the batch's own rows (N, Hkv, D) instead of a temporary page store (the trainer's native
+        attention): the row each slot (page, offset) of a `num_pages` store would hold — token t's write slot row t,
+        copy c's slot row copy_tokens_C[c] — and the row its gradient goes to (t; N + c for copy c), (num_pages, P)
+        each, 0 where nothing is written (never read). Computed once per batch, shared by the layers."""
+        key = f"slot_rows_{num_pages}"
+        if key not in self._derived:
+            device, tokens = self.write_pages_N.device, self.num_tokens
+            where = self.write_pages_N * self.page_size + self.write_offsets_N
+            copies = self.copy_pages_C.to(device) * self.page_size + self.copy_offsets_C.to(device)
+            rows, grad_rows = (torch.zeros(num_pages * self.page_size, dtype=torch.int64, device=device)
+                               for _ in range(2))  # fmt: skip
+            rows[where] = grad_rows[where] = torch.arange(tokens, device=device)
+            rows[copies] = self.copy_tokens_C.to(device)
+            grad_rows[copies] = torch.arange(tokens, tokens + len(copies), device=device)
+            self._derived[key] = rows.view(num_pages, -1)
+            self._derived[key + "_grad"] = grad_rows.view(num_pages, -1)
+        return self._derived[key], self._derived[key + "_grad"]
+
     # Query tiles (the blocked attention's; built on first use, once: the native attention never reads them, and a
     # decode step of 64 sequences spent ~1 ms building them): token index of each tile row, the row's position, the
     # tile's sequence (padding rows repeat the tile's last token), where each token sits in the flattened tiles.
