@@ -93,7 +93,7 @@ def validate_trainer(model_dir: str, shape: ModelShape, world: int, tokens: int)
         KernelConfig()
     )  # deterministic: what its attention keeps beyond a fused kernel's (16-token sequences here)
     if resolved_backends(kernel)["attention"] == "native":
-        extra = native_attention_elements(shape, SEQUENCE_LENGTH, kernel.page_size)
+        extra = native_attention_elements(shape, SEQUENCE_LENGTH)
     else:
         extra = blocked_attention_elements(shape, SEQUENCE_LENGTH, kernel.attention_query_tile, kernel.page_size)
     planned = fsdp2_bytes(shape, world, "float32", tokens, attention_extra=extra)

@@ -174,7 +174,7 @@ def test_the_planner_predicts_what_the_trainer_holds_by_tag(tmp_path, family: st
     shape = ModelShape.from_hf(json.loads((tmp_path / "model" / "config.json").read_text()))
     kernel = KernelConfig()
     if resolved_backends(kernel)["attention"] == "native":  # the default on a CPU where the library built
-        extra = native_attention_elements(shape, 16, kernel.page_size)
+        extra = native_attention_elements(shape, 16)
     else:
         extra = blocked_attention_elements(shape, 16, kernel.attention_query_tile, kernel.page_size)
     planned = fsdp2_bytes(shape, 1, "float32", 512, attention_extra=extra)

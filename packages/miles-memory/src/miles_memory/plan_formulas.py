@@ -125,27 +125,25 @@ def blocked_attention_elements(
     return elements / sequence_length
 
 
-def native_attention_elements(shape: ModelShape, sequence_length: int, page_size: int, act_bytes: int = 4) -> float:
+def native_attention_elements(shape: ModelShape, sequence_length: int, act_bytes: int = 4) -> float:
     """Elements per token and layer that the native CPU attention (miles_kernels/native, `_NativeAttention`: the
     default on a CPU where the library built) keeps beyond a fused kernel's Q, K, V, output and softmax statistics:
-    the K/V pages in place of K and V (padded to whole pages, in the activation dtype), its float32 output where the
-    activations are not float32 (in float32 the output the next layer keeps is that tensor), and each token's
-    sequence id (int64). MLA's absorbed form keeps the latent pages once (keys are values), the absorbed queries
-    (heads x W) and the output (heads x W) in the activation dtype, and none of the expanded form's K, kv_b_proj
-    output and V (subtracted). In float32 elements."""
-    heads, kv_heads, d = shape.num_attention_heads, shape.kv_heads, shape.dim
-    paged = -(-sequence_length // page_size) * page_size
+    its float32 output where the activations are not float32 (in float32 the output the next layer keeps is that
+    tensor) and each token's sequence id (int64); it reads K and V in place (no page store, so no padding to whole
+    pages). MLA's absorbed form keeps the latent once (keys are values), the absorbed queries (heads x W) and the
+    output (heads x W) in the activation dtype, and none of the expanded form's K, kv_b_proj output and V
+    (subtracted). In float32 elements."""
+    heads, d = shape.num_attention_heads, shape.dim
     float32_out = 0.0 if act_bytes == 4 else 1.0
     seq_ids = 2.0  # one int64 per token
     if shape.is_mla:
         assert shape.kv_lora_rank is not None
         width = shape.kv_lora_rank + shape.qk_rope_head_dim
         qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
-        in_act = paged * width / sequence_length + 2 * heads * width
+        in_act = width + 2 * heads * width
         in_act -= heads * qk + heads * (shape.qk_nope_head_dim + shape.v_head_dim) + heads * shape.v_head_dim
         return in_act * act_bytes / 4 + float32_out * heads * width + seq_ids
-    pages = 2 * (paged - sequence_length) * kv_heads * d / sequence_length
-    return pages * act_bytes / 4 + float32_out * heads * d + seq_ids
+    return float32_out * heads * d + seq_ids
 
 
 def activation_bytes(

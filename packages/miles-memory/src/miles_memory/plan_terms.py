@@ -75,7 +75,7 @@ def deterministic_attention_extra(shape: ModelShape, run: RunInputs, hw: Hardwar
         return 0.0
     length = min(run.sequence_length or PROMPT_TOKENS_GUESS + run.max_new_tokens, run.tokens)
     if hw.is_cpu:
-        return native_attention_elements(shape, length, run.page_size, DTYPE_BYTES[run.dtype])
+        return native_attention_elements(shape, length, DTYPE_BYTES[run.dtype])
     return blocked_attention_elements(shape, length, run.query_tile, run.page_size, DTYPE_BYTES[run.dtype])
 
 
