@@ -72,3 +72,22 @@ print("ok")
     if "runs none of the native builds" in done.stderr:
         pytest.skip(f"this CPU lacks the {isa} instruction set")
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["dense", "llama", "deepseek", "glm"])
+def test_the_cpu_rope_tables_give_the_bits_of_computing_each_batch(kind: str) -> None:
+    """`rotary_cos_sin` gathers the CPU's rows from tables computed once per config and dtype (growing with the
+    largest position): each batch's rows are, bit for bit, those computed for that batch alone (default, Llama 3,
+    YaRN and partial rotary RoPE; float32 and bfloat16); positions past the table's cap are computed per call."""
+    from miles_kernels.model import ROPE_TABLE_MAX_POSITIONS, _rotary_cos_sin, rotary_cos_sin
+    from miles_kernels.testing import tiny_config
+
+    config, generator = tiny_config(kind), torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        like = torch.empty((), dtype=dtype)
+        batches = [torch.tensor([0]), torch.arange(40), torch.randint(0, 5000, (300,), generator=generator),
+                   torch.tensor([ROPE_TABLE_MAX_POSITIONS + 3, 7])]  # fmt: skip
+        for positions in batches:
+            got, want = rotary_cos_sin(config, positions, like), _rotary_cos_sin(config, positions, like)
+            assert got[0].dtype == dtype and got[0].shape == (len(positions), config.rotary_dim)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (dtype, positions[:4])

@@ -58,12 +58,36 @@ def _embedding(config: ModelConfig) -> nn.Embedding:
     return nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
 
 
+# RoPE's cos / sin of positions 0 .. L - 1 per (config, dtype), on the CPU (`rotary_cos_sin`)
+_ROPE_TABLES: dict[tuple[ModelConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+ROPE_TABLE_MAX_POSITIONS = 1 << 16  # positions past this are computed per call
+
+
 def rotary_cos_sin(
     config: ModelConfig, positions_N: torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE cos / sin (N, rotary_dim) of `positions_N` for `config`, in `like`'s dtype on its device; the frequencies
-    are recomputed per call (rotary_dim / 2 values) so they are always float32, whatever the model dtype. Every
-    model running the engine's arithmetic takes its tables here (the trainer's Megatron layers too)."""
+    are float32, whatever the model dtype. Every model running the engine's arithmetic takes its tables here (the
+    trainer's Megatron layers too). On the CPU the rows are gathered from tables of positions 0 .. L - 1 computed
+    once per config and dtype (L a power of two past the largest position asked for, up to
+    `ROPE_TABLE_MAX_POSITIONS`): a position's angles are elementwise, so its row has the bits of computing it in any
+    batch (tested), and a forward skips cos and sin, which MKL's vector math spreads over the threads at every call
+    (0.1-0.3 ms a forward on a 2-core VM, most of it waking the other thread)."""
+    top = int(positions_N.max()) + 1 if like.is_cpu and positions_N.numel() else ROPE_TABLE_MAX_POSITIONS + 1
+    if top > ROPE_TABLE_MAX_POSITIONS:
+        return _rotary_cos_sin(config, positions_N, like)
+    key = (config, like.dtype)
+    table = _ROPE_TABLES.get(key)
+    if table is None or table[0].shape[0] < top:
+        positions = torch.arange(max(64, 1 << (top - 1).bit_length()))
+        table = _ROPE_TABLES[key] = _rotary_cos_sin(config, positions, like)
+    return table[0].index_select(0, positions_N), table[1].index_select(0, positions_N)
+
+
+def _rotary_cos_sin(
+    config: ModelConfig, positions_N: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_cos_sin` computed for these positions (the frequencies recomputed: rotary_dim / 2 values)."""
     if config.rope_type == "yarn":
         inv_freq = yarn_inv_frequencies(
             config.rotary_dim, config.rope_theta, config.rope_factor, config.rope_original_max_position_embeddings,
