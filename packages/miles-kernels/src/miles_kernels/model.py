@@ -18,6 +18,7 @@ Shapes: N tokens, H hidden, V vocab, Hq/Hkv heads, D head dim.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -58,8 +59,10 @@ def _embedding(config: ModelConfig) -> nn.Embedding:
     return nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
 
 
-# RoPE's cos / sin of positions 0 .. L - 1 per (config, dtype), on the CPU (`rotary_cos_sin`)
-_ROPE_TABLES: dict[tuple[ModelConfig, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+# RoPE's cos / sin of positions 0 .. L - 1 per (config, dtype), on the CPU (`rotary_cos_sin`), by the config's id:
+# an entry holds its config (so the id is not reused while it is here); the most recently built few are kept
+_ROPE_TABLES: OrderedDict[tuple[int, torch.dtype], tuple[ModelConfig, torch.Tensor, torch.Tensor]] = OrderedDict()
+_ROPE_TABLES_KEPT = 8
 ROPE_TABLE_MAX_POSITIONS = 1 << 16  # positions past this are computed per call
 
 
@@ -76,12 +79,14 @@ def rotary_cos_sin(
     top = int(positions_N.max()) + 1 if like.is_cpu and positions_N.numel() else ROPE_TABLE_MAX_POSITIONS + 1
     if top > ROPE_TABLE_MAX_POSITIONS:
         return _rotary_cos_sin(config, positions_N, like)
-    key = (config, like.dtype)
-    table = _ROPE_TABLES.get(key)
-    if table is None or table[0].shape[0] < top:
+    key = (id(config), like.dtype)
+    entry = _ROPE_TABLES.get(key)
+    if entry is None or entry[0] is not config or entry[1].shape[0] < top:
         positions = torch.arange(max(64, 1 << (top - 1).bit_length()))
-        table = _ROPE_TABLES[key] = _rotary_cos_sin(config, positions, like)
-    return table[0].index_select(0, positions_N), table[1].index_select(0, positions_N)
+        entry = _ROPE_TABLES[key] = (config, *_rotary_cos_sin(config, positions, like))
+        while len(_ROPE_TABLES) > _ROPE_TABLES_KEPT:
+            _ROPE_TABLES.popitem(last=False)
+    return entry[1].index_select(0, positions_N), entry[2].index_select(0, positions_N)
 
 
 def _rotary_cos_sin(
