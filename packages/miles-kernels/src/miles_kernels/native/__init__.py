@@ -80,7 +80,8 @@ def _load() -> None:
     pack_args = [pointer, size, size, size, size, pointer, ctypes.c_int]
     packed_args = [pointer, size, size, pointer, pointer, size, size, size, size, ctypes.c_int]
     index, real = size, ctypes.c_float
-    head = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer, size, real, index, pointer]
+    head = [pointer, pointer, pointer, size, size, size, size, size, pointer, pointer, pointer, size, real, index]
+    head += [pointer]  # the K/V rows of the slots (0: pages)
     forward_args = [*head, pointer, pointer, ctypes.c_int]
     backward_args = [*head, size, pointer, size, pointer, *[pointer] * 6, ctypes.c_int]
     norm_forward_args = [pointer, pointer, pointer, pointer, size, size, real, ctypes.c_int]
@@ -420,8 +421,11 @@ def native_attention_backward(
     ints = [t.to(torch.int64).contiguous() for t in (positions_N, seqs_N, tables_SB, query_starts)]
     out, lse, grad = (t.float().contiguous() for t in (out_NHD, lse_NH, grad_NHD))
     dq = torch.empty(n, heads, head_dim)
+    rows: torch.Tensor | int = 0  # 0: K / V are pages
+    grad_rows: torch.Tensor | int = 0
+    grad_shape: tuple[int, ...] = tuple(k.shape)
     if rows_PP is None:
-        (num_pages, _, page, _), rows, grad_rows, grad_shape = k.shape, 0, 0, k.shape
+        num_pages, _, page, _ = k.shape
     else:
         if grad_rows_PP is None or grad_rows_PP.shape != rows_PP.shape:
             raise ValueError("native attention over K / V rows takes the gradient row of each slot, grad_rows_PP, of "
