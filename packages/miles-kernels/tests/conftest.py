@@ -1,15 +1,19 @@
 """Shared fixtures for miles-kernels tests: every test starts with torch at 2 threads. Without a CUDA device the
 Triton kernels run in Triton's interpreter (test_triton_ops.py): TRITON_INTERPRET must be set before anything
-imports Triton (its `@triton.jit` decides at decoration time, for `triton.language`'s own helpers too)."""
+imports Triton (its `@triton.jit` decides at decoration time, for `triton.language`'s own helpers too). This folder
+is on `sys.path` (pytest's importlib mode puts none there): test_native.py takes test_native_attention.py's cases."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
