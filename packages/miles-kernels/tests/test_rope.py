@@ -80,7 +80,7 @@ def test_the_cpu_rope_tables_give_the_bits_of_computing_each_batch(kind: str) ->
     """`rotary_cos_sin` gathers the CPU's rows from tables computed once per config and dtype (growing with the
     largest position): each batch's rows are, bit for bit, those computed for that batch alone (default, Llama 3,
     YaRN and partial rotary RoPE; float32 and bfloat16); positions past the table's cap are computed per call."""
-    from miles_kernels.model import ROPE_TABLE_MAX_POSITIONS, _rotary_cos_sin, rotary_cos_sin
+    from miles_kernels.model import _ROPE_TABLES, ROPE_TABLE_MAX_POSITIONS, _rotary_cos_sin, rotary_cos_sin
     from miles_kernels.testing import tiny_config
 
     # a config holding a list (eos_token_id) is not hashable: the tables go by the config's identity
@@ -93,3 +93,4 @@ def test_the_cpu_rope_tables_give_the_bits_of_computing_each_batch(kind: str) ->
             got, want = rotary_cos_sin(config, positions, like), _rotary_cos_sin(config, positions, like)
             assert got[0].dtype == dtype and got[0].shape == (len(positions), config.rotary_dim)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (dtype, positions[:4])
+        assert _ROPE_TABLES[id(config), dtype][1].shape[0] == 8192  # the rows came from a table (up to 4999)

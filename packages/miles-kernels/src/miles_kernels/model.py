@@ -76,12 +76,14 @@ def rotary_cos_sin(
     `ROPE_TABLE_MAX_POSITIONS`): a position's angles are elementwise, so its row has the bits of computing it in any
     batch (tested), and a forward skips cos and sin, which MKL's vector math spreads over the threads at every call
     (0.1-0.3 ms a forward on a 2-core VM, most of it waking the other thread)."""
-    top = int(positions_N.max()) + 1 if like.is_cpu and positions_N.numel() else ROPE_TABLE_MAX_POSITIONS + 1
+    if not like.is_cpu or not positions_N.numel():
+        return _rotary_cos_sin(config, positions_N, like)
+    top = int(positions_N.max()) + 1
     if top > ROPE_TABLE_MAX_POSITIONS:
         return _rotary_cos_sin(config, positions_N, like)
     key = (id(config), like.dtype)
     entry = _ROPE_TABLES.get(key)
-    if entry is None or entry[0] is not config or entry[1].shape[0] < top:
+    if entry is None or entry[1].shape[0] < top:
         positions = torch.arange(max(64, 1 << (top - 1).bit_length()))
         entry = _ROPE_TABLES[key] = (config, *_rotary_cos_sin(config, positions, like))
         while len(_ROPE_TABLES) > _ROPE_TABLES_KEPT:

@@ -497,20 +497,19 @@ def _rope_operands(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tup
 def native_rope(x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
     """`miles_kernels.ops.rope.apply_rope`'s rotation (rotate-half; the dimensions past R pass through) in one call
     (rope.cpp): the bits of its torch form. float32 (N, H, D) rows and (N, R) tables, contiguous, on the CPU."""
-    state = _STATE if "lib" in _STATE else _loaded()
-    shape = _rope_operands(x_NHD, cos_NR, sin_NR)
-    out = torch.empty_like(x_NHD)
-    _run("native_rope", state["rope_fwd"], x_NHD.data_ptr(), cos_NR.data_ptr(), sin_NR.data_ptr(), out.data_ptr(),
-         *shape, torch.get_num_threads())  # fmt: skip
-    return out
+    return _rope("native_rope", "rope_fwd", x_NHD, cos_NR, sin_NR)
 
 
 def native_rope_backward(grad_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
     """The gradient of `native_rope` with respect to x, given the output's (the bits of the torch form's backward,
     `ops.rope._Rope`)."""
+    return _rope("native_rope_backward", "rope_bwd", grad_NHD, cos_NR, sin_NR)
+
+
+def _rope(name: str, kernel: str, x_NHD: torch.Tensor, cos_NR: torch.Tensor, sin_NR: torch.Tensor) -> torch.Tensor:
     state = _STATE if "lib" in _STATE else _loaded()
-    shape = _rope_operands(grad_NHD, cos_NR, sin_NR)
-    out = torch.empty_like(grad_NHD)
-    _run("native_rope_backward", state["rope_bwd"], grad_NHD.data_ptr(), cos_NR.data_ptr(), sin_NR.data_ptr(),
-         out.data_ptr(), *shape, torch.get_num_threads())  # fmt: skip
+    shape = _rope_operands(x_NHD, cos_NR, sin_NR)
+    out = torch.empty_like(x_NHD)
+    _run(name, state[kernel], x_NHD.data_ptr(), cos_NR.data_ptr(), sin_NR.data_ptr(), out.data_ptr(), *shape,
+         torch.get_num_threads())  # fmt: skip
     return out
