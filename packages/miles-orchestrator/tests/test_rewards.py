@@ -1,5 +1,8 @@
 """Multi-process tier (no torch): built-in rewards, plug-in resolution, and the `RewardPool`'s spawned workers.
 
+`exact_match`, `task` and `env` are scored in the driver (no worker): with the same rewards, failures and messages
+as the same function run in workers (through its `module:function` path), hostile responses included.
+
 The pool tests load `orchestrator_plugins` (next to this file) by path in spawned workers, so they also check that
 a user's reward module is importable across spawn. A reward that raises, returns garbage, kills its worker or
 sleeps past the timeout must mark its sample failed, be counted, and leave the pool working for the next call.
@@ -7,6 +10,7 @@ sleeps past the timeout must mark its sample failed, be counted, and leave the p
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 import time
@@ -16,7 +20,14 @@ import pytest
 from pydantic import JsonValue
 
 from miles_contracts import Sample, SampleStatus
-from miles_orchestrator.reward.pool import RewardPool, exact_match, math_reward, resolve_reward, task_reward
+from miles_orchestrator.reward.pool import (
+    DRIVER_SCORED_REWARDS,
+    RewardPool,
+    exact_match,
+    math_reward,
+    resolve_reward,
+    task_reward,
+)
 
 
 def make(response: str, label: JsonValue = None, *, index: int = 0, group: int = 0, mode: str = "ok") -> Sample:
@@ -74,6 +85,48 @@ async def test_builtin_task_reward_in_pool() -> None:
         stats = await pool.score(samples)
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0, 0.0]
     assert stats.num_failed == 0 and stats.mean_reward == pytest.approx(0.4)
+
+
+def hostile_samples(name: str) -> list[Sample]:
+    """Samples the built-in `name` scores: right, wrong, and ones it must fail (a 5000-digit answer, which int()
+    refuses; a label it cannot read; no label; no episode reward)."""
+    if name == "task":
+        cases = [("85", "85"), ("so 12 + 73 = 85.", 85), ("84", "85"), ("", "85"), ("9" * 5000, "85"),
+                 ("85", "eighty-five"), ("85", True), ("1,234", "1234")]  # fmt: skip
+    elif name == "exact_match":
+        cases = [(" Paris. ", "paris"), ("Lyon", ["Paris", "Lyon"]), ("x" * 100_000, "x"), ("a", None)]
+    else:
+        cases = [("a", None), ("b", None)]
+    samples = [make(response, label, index=i) for i, (response, label) in enumerate(cases)]
+    if name == "env":
+        samples[0].metadata["agent"] = {"reward": 0.5}
+    return samples
+
+
+@pytest.mark.parametrize("name", DRIVER_SCORED_REWARDS)
+async def test_driver_scored_builtins_match_their_workers(name: str) -> None:
+    """The driver scores `name` as a worker scores the same function (its `module:function` path), failures and
+    their messages included, and starts no process."""
+    before = len(multiprocessing.active_children())
+    with RewardPool(name, num_workers=2) as pool:
+        assert len(multiprocessing.active_children()) == before
+        in_driver = hostile_samples(name)
+        stats = await pool.score(in_driver)
+    in_workers = hostile_samples(name)
+    with RewardPool(f"miles_orchestrator.reward.pool:{resolve_reward(name).__name__}", num_workers=2) as pool:
+        assert len(multiprocessing.active_children()) == before + 2
+        await pool.score(in_workers)
+    assert [s.reward for s in in_driver] == [s.reward for s in in_workers]
+    assert [s.status for s in in_driver] == [s.status for s in in_workers]
+    path = f"'miles_orchestrator.reward.pool:{resolve_reward(name).__name__}'"
+    assert [s.error for s in in_driver] == [s.error and s.error.replace(path, repr(name)) for s in in_workers]
+    assert stats.num_failed == sum(s.status is SampleStatus.FAILED for s in in_driver) >= 1
+    assert stats.num_failed < len(in_driver)  # the failures fail alone
+
+
+def test_driver_scores_only_plain_builtins() -> None:
+    with pytest.raises(ValueError, match="scores one sample"):
+        RewardPool("task", is_group=True)
 
 
 async def test_plugin_scores_json_copy_of_sample(behaves_pool: RewardPool) -> None:

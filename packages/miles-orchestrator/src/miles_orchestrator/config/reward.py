@@ -47,7 +47,11 @@ class RewardSection(Section):
         default=1.0, ge=0, description="The overlong punishment at rollout.max_new_tokens (verl's penalty_factor)."
     )
     num_workers: int = Field(
-        default=2, ge=1, le=256, description="Reward worker processes (unused by reward.name=http)."
+        default=2,
+        ge=1,
+        le=256,
+        description="Reward worker processes (math and module:function rewards; exact_match, task and env are "
+        "scored in the driver, http, judge and reward_model by their servers or model).",
     )
     url: str | None = Field(
         default=None,

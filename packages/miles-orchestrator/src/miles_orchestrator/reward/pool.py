@@ -5,11 +5,13 @@
   is a `module:function` `RewardFn` (or `GroupRewardFn` with `is_group`), checked at start-up with
   `miles_contracts.load_plugin`. `http` asks a reward server instead (http.py: no worker processes, the
   same failure semantics).
-- `RewardPool` runs the reward in spawned worker processes (rollout/sandbox.py), one call per sample (or per prompt
-  group), each with a timeout; a step's calls reach each worker as one chunk and the replies stream back one by one.
-  Samples cross to a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as pickles. A
-  call that raises, returns a non-finite or non-numeric value, kills its worker, or runs past the timeout marks its
-  sample(s) `failed` (`status=FAILED`, `error` says why) with `reward = 0.0`, so a group's advantages stay
+- `RewardPool` scores `exact_match`, `task` and `env` in the driver (`DriverScorer`: Miles' own functions, whose time
+  is bounded by the response's length; no process, no JSON round trip) and runs every other reward (`math`, whose
+  sympy can run long, and user code) in spawned worker processes (rollout/sandbox.py), one call per sample (or per
+  prompt group), each with a timeout; a step's calls reach each worker as one chunk and the replies stream back one
+  by one. Samples cross to a worker as JSON (`Sample.model_dump(mode="json")` over a pipe's raw bytes), never as
+  pickles. A call that raises, returns a non-finite or non-numeric value, kills its worker, or runs past the timeout
+  marks its sample(s) `failed` (`status=FAILED`, `error` says why) with `reward = 0.0`, so a group's advantages stay
   computable and a failure counts as a wrong answer; the loop may drop such groups by status. A hung or dead worker
   is killed and replaced; the pool keeps working and the run never crashes on user code.
 """
@@ -41,6 +43,8 @@ from miles_orchestrator.rollout.sandbox import Worker, exit_code, spawn_worker, 
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "DRIVER_SCORED_REWARDS",
+    "DriverScorer",
     "RewardPool",
     "RewardStats",
     "check_reward",
@@ -110,6 +114,12 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+# The built-ins scored in the driver: string and integer comparisons of Miles' own, linear in the response's length
+# (Python's int() refuses a string of more than 4300 digits), that never block; `math` is not one (sympy can run for
+# seconds on a hostile answer), nor is any user code: those run in worker processes with a timeout.
+DRIVER_SCORED_REWARDS = ("exact_match", "task", "env")
+
+
 def resolve_reward(name: str, *, is_group: bool = False) -> RewardFn | GroupRewardFn:
     """The reward function `name` names: a built-in or a `module:function` path checked against its Protocol."""
     if name in BUILTIN_REWARDS:
@@ -161,7 +171,8 @@ class RewardStats:
 
 
 class RemoteScorer(Protocol):
-    """What scores a pool's calls instead of its worker processes: the http reward, the judge, the reward model."""
+    """What scores a pool's calls instead of its worker processes: the http reward, the judge, the reward model, the
+    built-ins scored in the driver."""
 
     def check_reachable(self) -> None: ...
 
@@ -170,9 +181,38 @@ class RemoteScorer(Protocol):
     def close(self) -> None: ...
 
 
+class DriverScorer:
+    """Scores a built-in of `DRIVER_SCORED_REWARDS` in the driver, on one thread beside the event loop, with a worker's
+    failure rules: a call that raises or returns a non-finite value fails alone, with the same message."""
+
+    def __init__(self, name: str) -> None:
+        if name not in DRIVER_SCORED_REWARDS:
+            raise ValueError(f"reward {name!r} runs in worker processes; the driver scores {DRIVER_SCORED_REWARDS}")
+        self.name, self.fn = name, BUILTIN_REWARDS[name]
+
+    def check_reachable(self) -> None:
+        """Nothing to reach: the function is here."""
+
+    async def score_calls(self, calls: Sequence[list[Sample]]) -> list[CallResult]:
+        return await asyncio.to_thread(self._score, calls)
+
+    def _score(self, calls: Sequence[list[Sample]]) -> list[CallResult]:
+        results: list[CallResult] = []
+        for call in calls:
+            try:
+                results.append((_call_reward(self.fn, call, False, None), None, False))
+            except Exception as error:
+                results.append((None, _raised(self.name, error), False))
+        return results
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
 class RewardPool:
     """Runs a reward function in `num_workers` worker processes, each call under `timeout_s`; or, given `remote`
-    (the http reward), sends each call to its server instead.
+    (the http reward), sends each call to its server instead; a built-in of `DRIVER_SCORED_REWARDS` it scores in the
+    driver (`DriverScorer`).
 
     Use as `async with RewardPool("task") as pool: stats = await pool.score(samples)` (or `with`, or `close()`);
     `RewardPool.from_config(cfg.reward)` builds the pool a run config's `reward` section names.
@@ -192,6 +232,8 @@ class RewardPool:
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"timeout_s={timeout_s}, num_workers={num_workers}: both must be positive")
         self.name, self.is_group, self.timeout_s, self.num_workers = name, is_group, timeout_s, num_workers
+        if remote is None and name in DRIVER_SCORED_REWARDS and not is_group:
+            remote = DriverScorer(name)
         self.remote = remote
         if remote is not None:
             remote.check_reachable()
@@ -367,15 +409,23 @@ def _worker_main(conn: Connection, name: str, is_group: bool) -> None:
                 samples = [Sample.model_validate(s) for s in call]
                 reply: dict[str, Any] = {"rewards": _call_reward(fn, samples, is_group, loop)}
             except Exception as error:
-                where = traceback.extract_tb(error.__traceback__)[-1]
-                message = f"{type(error).__name__}: {error} ({where.filename}:{where.lineno})"
-                reply = {"error": f"reward {name!r} raised {message}"}
+                reply = {"error": _raised(name, error)}
             conn.send_bytes(json.dumps(reply).encode())
 
 
-def _call_reward(fn: Any, samples: list[Sample], is_group: bool, loop: asyncio.AbstractEventLoop) -> list[float]:
+def _raised(name: str, error: Exception) -> str:
+    """A failed call's error: the exception and where it was raised."""
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    return f"reward {name!r} raised {type(error).__name__}: {error} ({where.filename}:{where.lineno})"
+
+
+def _call_reward(
+    fn: Any, samples: list[Sample], is_group: bool, loop: asyncio.AbstractEventLoop | None
+) -> list[float]:
     result = fn(samples) if is_group else fn(samples[0])
     if inspect.isawaitable(result):
+        if loop is None:
+            raise TypeError(f"{fn.__name__} returned an awaitable; the driver scores only plain functions")
         result = loop.run_until_complete(result)
     values = result if is_group else [result]
     if is_group and (not isinstance(values, list) or len(values) != len(samples)):
