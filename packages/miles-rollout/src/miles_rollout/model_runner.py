@@ -189,7 +189,7 @@ class ModelRunner:
         (aborted while it waited to be admitted again or recomputed its KV, as SGLang returns none for a request
         aborted in its waiting queue)."""
         assert self.routed_experts is not None
-        end = len(seq.tokens) - 1
+        end = seq.num_tokens - 1
         if seq.num_computed < end:
             return None
         assert len(seq.pages) * self.page_size >= end

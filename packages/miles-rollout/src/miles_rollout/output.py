@@ -67,7 +67,7 @@ class OutputStage:
             reason = finish_reason("stop", matched=token)
         elif len(seq.output_ids) >= params.max_new_tokens:
             reason = finish_reason("length", length=len(seq.output_ids))
-        elif len(seq.tokens) >= self.context_length:
+        elif seq.num_tokens >= self.context_length:
             reason = finish_reason("length", length=len(seq.output_ids), message="context length reached")
         if reason is None and seq.group.on_progress is not None:
             self._stream_progress(seq)

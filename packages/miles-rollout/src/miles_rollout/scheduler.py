@@ -320,7 +320,7 @@ class Scheduler(BatchResults):
         sequence drafts at most k tokens deep, and fewer near its end: a step emits at most depth + 1 tokens, within
         max_new_tokens and the context length, so its verify rows stay inside the pages reserved at admission."""
         if self.drafter is None:
-            return [DraftTree.chain(seq.tokens[-1], []) for seq in self._running]
+            return [DraftTree.chain(seq.last_token, []) for seq in self._running]
         budgets = [self.drafter.budget(seq, self.context_length) for seq in self._running]
         for seq, budget in zip(self._running, budgets, strict=True):
             self._grow_pages(seq, seq.pages, seq.num_computed + 1 + budget)
@@ -329,7 +329,7 @@ class Scheduler(BatchResults):
             return self.drafter.propose_trees(store, self._running, budgets, topk, self.config.num_draft_tokens,
                                               self._take_scratch, self.allocator.release)  # fmt: skip
         drafts = self.drafter.propose(store, self._running, budgets)
-        return [DraftTree.chain(seq.tokens[-1], d) for seq, d in zip(self._running, drafts, strict=True)]
+        return [DraftTree.chain(seq.last_token, d) for seq, d in zip(self._running, drafts, strict=True)]
 
     def _take_scratch(self, count: int) -> list[int]:
         """Pages a draft tree uses for one step (its beams' and branches' keys): free pages beyond every

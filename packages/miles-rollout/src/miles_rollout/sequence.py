@@ -103,7 +103,19 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
+        """The prompt and the output so far, as a new list (the per-step paths read `num_tokens` / `last_token`
+        instead: building it costs the context's length at every row of every step)."""
         return self.group.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """`len(self.tokens)`, without building the list."""
+        return len(self.group.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        """`self.tokens[-1]`, without building the list."""
+        return self.output_ids[-1] if self.output_ids else self.group.prompt_ids[-1]
 
     @property
     def rid(self) -> str:
@@ -118,7 +130,7 @@ class Sequence:
             top_p=params.top_p,
             min_p=params.min_p,
             seed=self.seed,
-            position=len(self.tokens) + offset,
+            position=self.num_tokens + offset,
         )
 
 

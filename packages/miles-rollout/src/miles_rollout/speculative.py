@@ -91,7 +91,7 @@ class Drafter:
         without a pending draft row."""
         if seq.draft.num_pending == 0:
             return 0
-        left = min(seq.group.params.max_new_tokens - len(seq.output_ids), context_length - len(seq.tokens))
+        left = min(seq.group.params.max_new_tokens - len(seq.output_ids), context_length - seq.num_tokens)
         return max(min(self.num_steps, left - 1), 0)
 
     def add_rows(self, draft: DraftState, rows: torch.Tensor) -> None:
@@ -211,7 +211,7 @@ class Drafter:
         `num_nodes` - 1 best candidates, a parent always before its children. A beam's provisional draft K/V goes to
         scratch pages (`take`, a copy of its parent beam's), handed back with `release` before returning; when none
         are free the tree stops growing there."""
-        trees = [DraftTree.chain(seq.tokens[-1], []) for seq in seqs]
+        trees = [DraftTree.chain(seq.last_token, []) for seq in seqs]
         active = [i for i, seq in enumerate(seqs) if budgets[i] > 0 and seq.draft.num_pending > 0]
         if not active:
             return trees
@@ -245,7 +245,7 @@ class Drafter:
         finally:
             release(scratch)
         for i in active:
-            trees[i] = _select_tree(seqs[i].tokens[-1], candidates[i], num_nodes - 1)
+            trees[i] = _select_tree(seqs[i].last_token, candidates[i], num_nodes - 1)
         return trees
 
     def _expand(
