@@ -67,3 +67,74 @@ def test_evictable_count_respects_descendants_in_use() -> None:
     assert cache.num_evictable() == 3
     cache.reset()
     assert allocator.num_free == 7
+
+
+def _reference_evictable(cache: RadixCache, allocator: PageAllocator) -> tuple[int, list[tuple[int, int]]]:
+    """By brute force: the nodes whose whole subtree only the cache holds, and the evictable leaves as (last use,
+    page)."""
+    count, leaves = 0, []
+
+    def visit(node: object) -> bool:  # whether the subtree is free
+        nonlocal count
+        children = list(node.children.values())  # type: ignore[attr-defined]
+        free = all([visit(child) for child in children])
+        free = free and allocator.refs(node.page) == 1  # type: ignore[attr-defined]
+        count += free
+        if free and not children:
+            leaves.append((node.last_used, node.page))  # type: ignore[attr-defined]
+        return free
+
+    for root in cache._roots.values():
+        for child in root.children.values():
+            visit(child)
+    return count, leaves
+
+
+def test_eviction_matches_a_brute_force_lru_under_random_traffic() -> None:
+    """Random inserts, matches, holds and releases over two adapters' trees: every count is the brute force's, a
+    count with `at_least` is a lower bound that answers the same question, and each eviction frees exactly the least
+    recently used evictable leaf (a parent a candidate once its last child is gone), never a page in use."""
+    import random
+
+    rng = random.Random(0)
+    allocator = PageAllocator(257)
+    cache = RadixCache(allocator, page_size=2)
+    held: list[list[int]] = []
+    evicted = skipped_held = 0
+    for step in range(3000):
+        adapter = rng.choice([None, None, "a"])
+        tokens = [rng.randrange(3) for _ in range(2 * rng.randrange(1, 6))]
+        action = rng.random()
+        if action < 0.35 and allocator.num_free >= len(tokens) // 2:  # a finished sequence caches its pages
+            matched = cache.match(tokens, adapter)
+            pages = matched + allocator.allocate(len(tokens) // 2 - len(matched))
+            cache.insert(tokens, pages, adapter)
+            (held.append(pages) if rng.random() < 0.3 else allocator.release(pages))
+        elif action < 0.55:  # a running sequence holds a cached prefix
+            held.append(cache.match(tokens, adapter))
+        elif action < 0.75 and held:
+            allocator.release(held.pop(rng.randrange(len(held))))
+        else:
+            count, leaves = _reference_evictable(cache, allocator)
+            assert cache.num_evictable() == count
+            target = rng.randrange(1, 8)
+            bounded = cache.num_evictable(at_least=target)
+            assert bounded <= count and (bounded >= target) == (count >= target)
+            for _ in range(rng.randrange(1, 4)):
+                _, leaves = _reference_evictable(cache, allocator)
+                free_before = allocator.num_free
+                freed = cache.evict(1)
+                assert freed == (1 if leaves else 0)
+                if leaves:
+                    page = min(leaves)[1]
+                    assert allocator.refs(page) == 0 and allocator.num_free == free_before + 1
+                    evicted += 1
+                    skipped_held += any(allocator.refs(p) > 1 for pages in held for p in pages)
+        if step % 500 == 499:
+            cache.forget_adapter("a")
+    assert evicted > 200 and skipped_held > 0  # the traffic filled the cache and evicted under it
+    for pages in held:
+        allocator.release(pages)
+    cached = cache.num_cached_pages
+    assert cache.evict(10_000) == cached and cache.num_cached_pages == 0
+    assert allocator.num_free == allocator.num_pages - 1  # every page back: nothing leaked, nothing freed twice

@@ -8,10 +8,17 @@ drops least-recently-used leaves whose page nobody else holds, so pages in use a
 K/V computed under a LoRA adapter belongs to that adapter: every adapter (by its id, served_loras.py) has a tree of
 its own, the base model's the `None` one, so requests of different adapters never share a page (SGLang keys its
 radix tree by `lora_id` for the same reason).
+
+Eviction does not walk the tree: leaves wait in a heap by last use (SGLang's `evict` over a heap of leaves), with
+stale entries skipped when they come up (a leaf touched since, grown children, or gone) and a parent pushed when its
+last child goes. The admission's question, whether enough pages could be evicted, walks only until the answer is
+known (`num_evictable(at_least=...)`): a full walk costs time in proportion to the cache, and a full cache would
+pay it at every page it hands out and every admission.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -37,6 +44,10 @@ class RadixCache:
         self._roots: dict[str | None, _Node] = {None: self.root}  # a tree per LoRA adapter id, None: the base model
         self._clock = itertools.count(1)
         self.num_cached_pages = 0
+        # eviction candidates: (last use, push order, node); an entry whose node was touched since, has children or
+        # left the tree is stale and skipped when popped
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._pushes = itertools.count()
 
     def _chunks(self, tokens: list[int]) -> list[tuple[int, ...]]:
         size = self.page_size
@@ -55,6 +66,7 @@ class RadixCache:
             pages.append(child.page)
             node = child
         self.allocator.retain(pages)
+        self._push_leaf(node)
         return pages
 
     def insert(self, tokens: list[int], pages: list[int], adapter: str | None = None) -> None:
@@ -71,35 +83,52 @@ class RadixCache:
                 self.num_cached_pages += 1
             child.last_used = now
             node = child
+        self._push_leaf(node)
 
     def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` pages held only by the cache, least recently used leaves first."""
-        freed = 0
-        while freed < num_pages:
-            leaves = [n for n in self._nodes() if not n.children and self.allocator.refs(n.page) == 1]
-            if not leaves:
-                break
-            for leaf in sorted(leaves, key=lambda n: n.last_used):
-                if freed >= num_pages:
-                    break
-                self._remove(leaf)
-                freed += 1
+        """Free up to `num_pages` pages held only by the cache, least recently used leaves first (a parent whose last
+        child goes is a leaf, and a candidate, from then on)."""
+        freed, held = 0, []
+        while freed < num_pages and self._heap:
+            entry = heapq.heappop(self._heap)
+            used, _, node = entry
+            if used != node.last_used or node.children or not self._is_cached(node):
+                continue  # stale: touched since (a newer entry exists), grown children, or gone
+            if self.allocator.refs(node.page) != 1:
+                held.append(entry)  # a sequence holds it: a candidate again once it lets go
+                continue
+            self._remove(node)
+            freed += 1
+        for entry in held:
+            heapq.heappush(self._heap, entry)
         return freed
 
-    def num_evictable(self) -> int:
-        """Pages `evict` can free now: nodes whose whole subtree is held by the cache alone."""
-
-        def count(node: _Node) -> tuple[int, bool]:
-            total, is_free = 0, True
-            for child in node.children.values():
-                child_total, child_free = count(child)
-                total += child_total
-                is_free &= child_free
-            is_root = node.parent is None
-            is_free &= is_root or self.allocator.refs(node.page) == 1
-            return total + (1 if is_free and not is_root else 0), is_free
-
-        return sum(count(root)[0] for root in self._roots.values())
+    def num_evictable(self, at_least: int | None = None) -> int:
+        """Pages `evict` can free now: nodes whose whole subtree is held by the cache alone. With `at_least`, the
+        count stops once it gets there (a lower bound then): what an admission needs to know, without walking a
+        full cache."""
+        total = 0
+        for root in self._roots.values():
+            # post-order, iteratively: the path from the root, each node's children left to visit, and whether its
+            # subtree is free so far
+            path, pending, free = [root], [iter(root.children.values())], [True]
+            while path:
+                child = next(pending[-1], None)
+                if child is not None:
+                    path.append(child)
+                    pending.append(iter(child.children.values()))
+                    free.append(True)
+                    continue
+                node, is_free = path.pop(), free.pop()
+                pending.pop()
+                if not path:
+                    break  # the root: it holds no page
+                is_free = is_free and self.allocator.refs(node.page) == 1
+                total += is_free
+                if at_least is not None and total >= at_least:
+                    return total
+                free[-1] = free[-1] and is_free
+        return total
 
     def reset(self) -> None:
         """Drop every cached page (after a weight update, cached K/V are stale)."""
@@ -108,6 +137,7 @@ class RadixCache:
         self.root.children.clear()
         self._roots = {None: self.root}
         self.num_cached_pages = 0
+        self._heap = []
 
     def forget_adapter(self, adapter: str) -> None:
         """Drop the pages cached under `adapter` (it is no longer served)."""
@@ -115,12 +145,32 @@ class RadixCache:
         for node in self._nodes([root]) if root is not None else []:
             self.allocator.release([node.page])
             self.num_cached_pages -= 1
+        self._rebuild_heap()  # its nodes' entries would look cached to `_is_cached` (their parents still hold them)
 
     def _remove(self, node: _Node) -> None:
-        assert node.parent is not None
-        del node.parent.children[node.key]
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
         self.allocator.release([node.page])
         self.num_cached_pages -= 1
+        self._push_leaf(parent)
+
+    def _push_leaf(self, node: _Node) -> None:
+        """`node` is an eviction candidate under its current last use, if it is a leaf (not a root)."""
+        if node.children or node.parent is None:
+            return
+        if len(self._heap) > 2 * self.num_cached_pages + 1024:  # mostly stale entries: start over from the leaves
+            self._rebuild_heap()
+        heapq.heappush(self._heap, (node.last_used, next(self._pushes), node))
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [(n.last_used, next(self._pushes), n) for n in self._nodes() if not n.children]
+        heapq.heapify(self._heap)
+
+    def _is_cached(self, node: _Node) -> bool:
+        """`node` is still in a served tree (its parent's child, up to a root of `_roots`; reset and forget_adapter
+        rebuild the heap, so an entry's node can only have left through `_remove`, which unlinks it)."""
+        return node.parent is not None and node.parent.children.get(node.key) is node
 
     def _nodes(self, roots: list[_Node] | None = None) -> list[_Node]:
         """Every node under `roots` (default: every tree's), roots excluded."""

@@ -269,9 +269,8 @@ class Scheduler(BatchResults):
         if group.needs_input_logprobs:
             limit = min(limit, max(group.logprob_start_len - 1, 0))
         matched = self.radix.match(group.prompt_ids[:limit], group.lora_id)
-        available = self.allocator.num_free + self.radix.num_evictable() - self._reserved
         needed = group.reserved_pages - len(matched)
-        if needed > available:
+        if not self._pages_fit(needed):
             self.allocator.release(matched)
             return False  # admission waits for pages
         self._waiting.popleft()
@@ -296,7 +295,7 @@ class Scheduler(BatchResults):
             matched = self.radix.match(seq.tokens[: seq.resume_at], seq.group.lora_id)
             max_tokens = min(len(seq.group.prompt_ids) + seq.group.params.max_new_tokens, self.context_length)
             needed = ceil_div(max_tokens, self.page_size) - len(matched)
-            if needed > self.allocator.num_free + self.radix.num_evictable() - self._reserved:
+            if not self._pages_fit(needed):
                 self.allocator.release(matched)
                 return
             self._retracted.popleft()
@@ -307,6 +306,12 @@ class Scheduler(BatchResults):
             seq.reserved_pages = needed
             self._reserved += needed
             (self._running if seq.num_computed == seq.resume_at else self._refilling).append(seq)
+
+    def _pages_fit(self, needed: int) -> bool:
+        """`needed` more pages can be reserved: free ones beyond the reservations, or ones the radix cache can evict
+        (counted only as far as the shortfall)."""
+        shortfall = needed - (self.allocator.num_free - self._reserved)
+        return shortfall <= 0 or self.radix.num_evictable(at_least=shortfall) >= shortfall
 
     def _grow_pages(self, owner: Any, pages: list[int], num_tokens: int) -> None:
         """Grow `owner`'s page list in place (from its reservation) to hold `num_tokens` tokens."""
