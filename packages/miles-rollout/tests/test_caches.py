@@ -138,3 +138,19 @@ def test_eviction_matches_a_brute_force_lru_under_random_traffic() -> None:
     cached = cache.num_cached_pages
     assert cache.evict(10_000) == cached and cache.num_cached_pages == 0
     assert allocator.num_free == allocator.num_pages - 1  # every page back: nothing leaked, nothing freed twice
+
+
+def test_eviction_stays_lru_after_many_stale_heap_entries() -> None:
+    """Touching one prefix thousands of times leaves stale heap entries behind; the heap is rebuilt from the leaves
+    (it stays bounded) and eviction still takes the least recently used leaf first."""
+    allocator = PageAllocator(8)
+    cache = RadixCache(allocator, page_size=1)
+    old, hot = allocator.allocate(1), allocator.allocate(1)
+    cache.insert([1], old)
+    cache.insert([2], hot)
+    allocator.release(old + hot)
+    for _ in range(3000):
+        allocator.release(cache.match([2, 9]))  # a hit on the hot page
+    assert len(cache._heap) <= 2 * cache.num_cached_pages + 1024
+    assert cache.evict(1) == 1 and allocator.refs(old[0]) == 0 and allocator.refs(hot[0]) == 1
+    assert cache.evict(1) == 1 and cache.num_cached_pages == 0

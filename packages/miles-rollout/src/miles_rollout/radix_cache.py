@@ -160,7 +160,8 @@ class RadixCache:
         if node.children or node.parent is None:
             return
         if len(self._heap) > 2 * self.num_cached_pages + 1024:  # mostly stale entries: start over from the leaves
-            self._rebuild_heap()
+            self._rebuild_heap()  # `node` among them (it is in its tree)
+            return
         heapq.heappush(self._heap, (node.last_used, next(self._pushes), node))
 
     def _rebuild_heap(self) -> None:
