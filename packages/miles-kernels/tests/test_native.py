@@ -130,9 +130,9 @@ def test_held_weights_are_packed_once_per_version_and_go_with_the_tensor() -> No
     assert len(native.packed_weights([experts])) == 4
     experts[1].add_(1)  # views share the version counter: every expert is checked, the changed one right
     assert torch.equal(native_linear(x, experts[1]), native_mm(x, experts[1].t()))
-    held_before = len(native._PACKED)
+    held_before = len(native.matmul._PACKED)
     del experts
-    assert len(native._PACKED) == held_before - 1  # released with the tensor
+    assert len(native.matmul._PACKED) == held_before - 1  # released with the tensor
 
 
 def test_mm_matches_float64_and_rows_are_invariant() -> None:
@@ -250,15 +250,15 @@ def test_model_runs_on_the_native_backend() -> None:
 
 
 def test_a_missing_or_stale_library_is_a_reason_not_a_crash(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(native, "library_path", lambda: tmp_path / native_build.LIBRARY)
+    monkeypatch.setattr(native.library, "_STATE", {})
+    monkeypatch.setattr(native.library, "library_path", lambda: tmp_path / native_build.LIBRARY)
     assert "python -m miles_kernels.native build" in str(native.status())
     with pytest.raises(RuntimeError, match="was not built"):
         native_linear(*operands(1, 4, 4))
-    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native.library, "_STATE", {})
     built = native_build.build(tmp_path)  # a fresh build loads ...
     assert native.status() is True
-    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native.library, "_STATE", {})
     monkeypatch.setattr(native_build, "source_hash", lambda: "0" * 16)  # ... and one from other sources does not
     assert "built from other sources" in str(native.status())
     assert built.exists()
@@ -359,8 +359,8 @@ def test_fast_mode_takes_the_native_linear_only_where_mkl_runs_its_avx2_code(
     why."""
     from miles_kernels import registry
 
-    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(native, "isa", lambda: isa)
+    monkeypatch.setattr(native.library, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(native.library, "isa", lambda: isa)
     monkeypatch.setattr(registry, "_AVAILABILITY", {})
     assert resolved_backends(KernelConfig(mode="fast"))["linear"] == fast_linear
     if fast_linear == "torch":
