@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_kernels.config import KernelConfig
+from miles_kernels.fused_layer import attention_half
 from miles_kernels.kv_cache import KVStore
 from miles_kernels.latent_attention import LatentAttention
 from miles_kernels.layers import MLP, Linear, RMSNorm
 from miles_kernels.model_config import ModelConfig
+from miles_kernels.ops.activation import swiglu
 from miles_kernels.ops.attention import attention, packed_attention
 from miles_kernels.ops.attention_batch import AttentionBatch
 from miles_kernels.ops.kv_pages import write_kv
@@ -173,6 +175,18 @@ class DecoderLayer(nn.Module):
         v_pages: torch.Tensor | None,
         replay_NK: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if (
+            k_pages is not None
+            and v_pages is not None
+            and isinstance(self.self_attn, Attention)
+            and type(self.mlp) is MLP
+        ):
+            norms = (self.input_layernorm, self.post_attention_layernorm)
+            fused = attention_half(self.self_attn, self.mlp, norms, x_NH, cos, sin, batch, k_pages, v_pages)
+            if fused is not None:  # the engine's dense layer, its attention half in one native call (fused_layer.py)
+                x_NH, gate, up = fused
+                fused_out: torch.Tensor = x_NH + self.mlp.down_proj(swiglu(gate, up))
+                return fused_out
         x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos, sin, batch, k_pages, v_pages)
         normed = self.post_attention_layernorm(x_NH)
         mlp_out = self.mlp(normed, replay_NK) if isinstance(self.mlp, SparseMoE) else self.mlp(normed)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from miles_kernels.native.layer import decoder_attention
 from miles_kernels.native.library import (
     DTYPES,
     ISAS,
@@ -34,14 +35,23 @@ from miles_kernels.native.library import (
     run,
     status,
 )
-from miles_kernels.native.matmul import hold_packed_weights, native_linear, native_mm, pack_weight, packed_weights
+from miles_kernels.native.matmul import (
+    held_panels,
+    hold_packed_weights,
+    native_linear,
+    native_mm,
+    pack_weight,
+    packed_weights,
+)
 
 __all__ = [
     "ISAS",
     "MAX_HEAD_DIM",
     "cpu_vendor",
+    "decoder_attention",
     "faster_than_mkl",
     "gumbel_uniforms",
+    "held_panels",
     "hold_packed_weights",
     "isa",
     "library_path",

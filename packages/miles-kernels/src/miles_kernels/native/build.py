@@ -1,8 +1,8 @@
-"""Build the native kernels (gemm.cpp, attention.cpp, norm.cpp, rope.cpp, noise.cpp, dispatch.cpp) into one shared
-library with a C++ compiler; standard library only, so the package's build hook (hatch_build.py, run by `uv sync` /
-`pip install`) and `python -m miles_kernels.native build` share it without torch.
+"""Build the native kernels (gemm.cpp, attention.cpp, norm.cpp, rope.cpp, fused.cpp, noise.cpp, dispatch.cpp) into
+one shared library with a C++ compiler; standard library only, so the package's build hook (hatch_build.py, run by
+`uv sync` / `pip install`) and `python -m miles_kernels.native build` share it without torch.
 
-The first four are compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's
+The first five are compiled once per instruction set (AVX-512, AVX2 + FMA, generic x86-64 / the host's
 baseline elsewhere), noise.cpp (integer code) once, and the objects linked with dispatch.cpp, which tells the loader
 what the CPU runs; `-fopenmp` links libgomp, the OpenMP runtime torch's Linux wheels load too (one thread pool). No
 `-march=native`: the library built on one machine runs on any CPU of its architecture.
@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("simd.h", "gemm.cpp", "attention.cpp", "norm.cpp", "rope.cpp", "noise.cpp", "dispatch.cpp")
+SOURCES = ("simd.h", "gemm.cpp", "attention.cpp", "norm.cpp", "rope.cpp", "fused.cpp", "noise.cpp", "dispatch.cpp")
 ONCE = ("noise.cpp",)  # compiled once: no vector code to dispatch
-PER_ISA = ("gemm.cpp", "attention.cpp", "norm.cpp", "rope.cpp")  # compiled once per instruction set
+PER_ISA = ("gemm.cpp", "attention.cpp", "norm.cpp", "rope.cpp", "fused.cpp")  # compiled once per instruction set
 LIBRARY = "_miles_native.so"
 # (name, compiler flags) of each build of the PER_ISA sources; x86-64 only for the vector ones
 ISAS_X86: tuple[tuple[str, list[str]], ...] = (

@@ -86,6 +86,13 @@ def _load() -> None:
         fn = getattr(lib, f"miles_rope_{direction}_f32_{isa}")
         fn.argtypes, fn.restype = rope_args, None
         _STATE[f"rope_{direction}"] = fn
+    ptrs = ctypes.POINTER(pointer)  # fused.cpp's decoder layer: its six weights' panels, four biases
+    layer_args = [pointer, *[size] * 6, pointer, pointer, real, pointer, pointer, real, ptrs, ptrs, pointer, pointer,
+                  size, pointer, pointer, size, pointer, size, pointer, pointer, pointer, pointer, size, real, size,
+                  pointer, pointer, pointer, ctypes.c_int]  # fmt: skip
+    layer = getattr(lib, f"miles_decoder_attention_f32_{isa}")
+    layer.argtypes, layer.restype = layer_args, None
+    _STATE["decoder_attention"] = layer
     noise = lib.miles_gumbel_uniforms
     noise.argtypes, noise.restype = [pointer, pointer, size, size, pointer, ctypes.c_int], None
     _STATE["gumbel_uniforms"] = noise

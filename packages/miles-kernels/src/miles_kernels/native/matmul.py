@@ -77,7 +77,7 @@ def packed_weights(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [panels for t in tensors for _, panels in _PACKED.get(id(t), {}).values()]
 
 
-def _held_panels(weight_NK: torch.Tensor) -> torch.Tensor | None:
+def held_panels(weight_NK: torch.Tensor) -> torch.Tensor | None:
     """The current packed copy of a held weight (packed now if it is new or changed); None for any other weight."""
     base = weight_NK._base
     views = _PACKED.get(id(weight_NK if base is None else base))
@@ -113,7 +113,7 @@ def native_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     if kernel is None:  # operands to convert (float16) or refuse, by this function's name
         _operands("native_linear", x_MK, weight_NK)
         return native_mm(x_MK, weight_NK.t())
-    panels = _held_panels(weight_NK)
+    panels = held_panels(weight_NK)
     if panels is None:  # not a held weight: packed block by block in the call
         return native_mm(x_MK, weight_NK.t())
     (m, k), n = x_MK.shape, weight_NK.shape[0]
