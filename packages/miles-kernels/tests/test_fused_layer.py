@@ -13,7 +13,8 @@ from miles_kernels.testing import PagedRunner, random_model, tiny_config
 CONFIGS = {
     "qwen3 (QK-norm)": ("dense", {}),
     "qwen2.5 (q/k/v biases, a sliding window)": (
-        "qwen2", {"sliding_window": 4, "layer_types": ("full_attention", "sliding_attention")}
+        "qwen2",
+        {"sliding_window": 4, "layer_types": ("full_attention", "sliding_attention")},
     ),
     "llama (RoPE scaling)": ("llama", {}),
     "glm (partial rotary, biases, QK-norm; MoE layers unfused)": ("glm", {}),

@@ -97,7 +97,7 @@ def attention_half(
         cos,
         sin,
         (k_pages, v_pages),
-        batch.kv_write_slots(kv_heads),
+        batch.kv_write_slots(kv_heads).to(torch.int64).contiguous(),
         batch.copy_tokens_C.to(torch.int64).contiguous(),
         (
             batch.positions_N.to(torch.int64).contiguous(),
