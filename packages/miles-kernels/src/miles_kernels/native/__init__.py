@@ -1,6 +1,6 @@
-"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, rope.cpp, noise.cpp, built by build.py
-when the package installs) called through ctypes, with no torch headers in it, so one build serves every torch
-version.
+"""The native CPU kernels: a C++ library (gemm.cpp, attention.cpp, norm.cpp, rope.cpp, fused.cpp, noise.cpp, built by
+build.py when the package installs) called through ctypes, with no torch headers in it, so one build serves every
+torch version.
 
 `native_mm(a, b)` is `a @ b` for 2-D CPU tensors of any strides (float32, or bfloat16 with float32 accumulation), each
 output element one fused multiply-add chain over the inner dimension in order; `native_linear(x, w)` is `x @ w.T` with
@@ -8,14 +8,16 @@ the same chains (a server's weights packed once per version: `hold_packed_weight
 GQA attention over a paged KV store, each (token, head) row on its own in one fixed order, with its backward
 (`native_attention_backward`); `native_rms_norm` is RMSNorm a row at a time, with its backward; `native_rope` is RoPE's
 rotation (float32), with its backward, the bits of its torch form; `gumbel_uniforms` is
-the sampler's noise uniforms (integer arithmetic: the bits of its torch form). All are batch-invariant by
+the sampler's noise uniforms (integer arithmetic: the bits of its torch form); `decoder_attention` is the attention
+half of a dense decoder layer's engine forward in one call (fused.cpp: these kernels in the modules' order, so their
+bits; miles_kernels/fused_layer.py decides when it applies). All are batch-invariant by
 construction: the same bits at any batch composition and thread count, and on every instruction set the library
 dispatches to (AVX-512, AVX2, generic). `status()` says whether the library is usable here, or why
 not; the op registry's `native` linear and attention backends are available exactly when it is (ops/linear.py,
 ops/attention.py).
 
-Here: the attention, RMSNorm, RoPE and noise calls; the GEMM's and the packed weights' in matmul.py; loading the
-library (its instruction-set build, its kernels by name) in library.py.
+Here: the attention, RMSNorm, RoPE and noise calls; the GEMM's and the packed weights' in matmul.py; the fused
+layer's in layer.py; loading the library (its instruction-set build, its kernels by name) in library.py.
 """
 
 from __future__ import annotations
