@@ -4,10 +4,14 @@ and the module path wherever the fused call does not apply."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from miles_kernels import KernelConfig, fused_layer, native
+from miles_kernels.kv_cache import KVStore
+from miles_kernels.ops.attention_batch import build_attention_batch
 from miles_kernels.testing import PagedRunner, random_model, tiny_config
 
 CONFIGS = {
@@ -58,6 +62,32 @@ def test_the_fused_attention_half_has_the_module_paths_bits(name: str, fused_cal
     assert len(fused_calls) == count
     for a, b in zip(fused, reference, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_fused_call_stores_k_v_and_a_draft_trees_copy_writes_as_the_modules_do(fused_calls: list[int]) -> None:
+    """A forward with copy writes (a draft tree's: tokens 0 and 2 also stored at page 7): the hidden states and every
+    page of the K / V store equal the module path's (`write_kv`), the copies included."""
+    config = tiny_config("dense")
+    kernel = KernelConfig()
+    batch = build_attention_batch([3, 1, 5], [0, 0, 0], [[1, 2], [3, 4], [5, 6]], kernel.page_size,
+                                  kernel.attention_query_tile, "cpu")  # fmt: skip
+    batch = replace(batch, copy_tokens_C=torch.tensor([0, 2]), copy_pages_C=torch.tensor([7, 7]),
+                    copy_offsets_C=torch.tensor([1, 2]))  # fmt: skip
+    ids = torch.arange(9) * 7 % config.vocab_size
+    outs, stores, calls = [], [], []
+    for held in (True, False):
+        model = random_model(config, kernel, seed=0)
+        if held:
+            native.hold_packed_weights(model.parameters())
+        store = KVStore.allocate(config, 16, kernel.page_size, torch.float32, "cpu")
+        with torch.no_grad():
+            outs.append(model.forward_hidden(ids, batch, store))
+        stores.append(store.tensors())
+        calls.append(len(fused_calls))
+    assert calls == [config.num_hidden_layers] * 2  # every layer fused in the held model, none in the other
+    assert torch.equal(outs[0], outs[1])
+    for fused, modules in zip(*stores, strict=True):
+        assert torch.equal(fused, modules) and fused[7].any()
 
 
 def test_the_modules_run_where_the_fused_call_does_not_apply(fused_calls: list[int]) -> None:
