@@ -81,8 +81,8 @@ def attention_half(
     norm_weights = [n.weight for n in (*norms, *head_norms)]
     if not all(w.dtype is _FLOAT and w.is_cpu for w in weights) or not all(map(_float_rows, [*biases, *norm_weights])):
         return None
-    panels = [native.held_panels(w) for w in weights]
-    if any(p is None for p in panels):
+    panels = [p for w in weights if (p := native.held_panels(w)) is not None]
+    if len(panels) < len(weights):  # a weight the engine does not hold (an adapter merged per call)
         return None
     q_norm, k_norm = head_norms or (None, None)
     if norms[0].eps != norms[1].eps or (q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps):
@@ -91,7 +91,7 @@ def attention_half(
         x_NH,
         (norms[0].weight, norms[1].weight, norms[0].eps),
         None if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps),
-        panels,  # type: ignore[arg-type]
+        panels,
         biases,
         (heads, kv_heads, dim, mlp.gate_proj.out_features),
         cos,
